@@ -1,0 +1,150 @@
+"""Loading YAML/dicts into frozen, validated config dataclasses.
+
+Every component config is a frozen dataclass whose fields are documented once, in a
+`#:` comment or the class docstring, and checked in `__post_init__`. This module turns a
+nested mapping into such a dataclass and refuses unknown keys with a message that names
+the key, where it was and what the valid keys are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+import yaml
+
+from graft_fed.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    tp, optional = _strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where}: null is not allowed here; give a value or remove the key to use the default")
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {type(value).__name__}")
+        return from_mapping(tp, value, where)
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        args = typing.get_args(tp)
+        item_tp = args[0] if args else Any
+        if origin is tuple and len(args) >= 2 and args[1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{where}: expected {len(args)} items, got {len(value)}")
+            return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        items = [_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping, typing.Mapping) or tp in (dict,):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML reads 1e-6 (no dot) as a string; accept it when it parses.
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+    """Build dataclass `cls` from `data`, recursing into nested dataclass fields."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(
+                f"unknown key {path!r}{hint}; valid keys here are: {', '.join(sorted(fields))}")
+        kwargs[key] = _convert(value, hints[key], path)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}" if where else str(exc)) from None
+    except TypeError as exc:
+        raise ConfigError(f"{where or cls.__name__}: {exc}") from None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain, YAML-serialisable dict of a config dataclass (tuples become lists)."""
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, Mapping):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return plain(cfg)
+
+
+def require(cond: bool, message: str) -> None:
+    """Raise ConfigError(message) unless cond; message says how to fix it."""
+    if not cond:
+        raise ConfigError(message)
