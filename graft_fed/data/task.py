@@ -1,0 +1,281 @@
+"""The embedded task: seeded, verifiable arithmetic problems with scratchpad solutions.
+
+Dataset id ``embedded:arith-v1``. Every problem has one integer answer and a
+deterministic digit-by-digit scratchpad that ends in ``The answer is \\boxed{N}.``.
+Tiny models only learn multi-digit arithmetic with such a scratchpad, and because every
+model of the zoo is taught the same scratchpad their correct solutions look alike, which
+is what GRAFT's compatibility gate (GRAFT.md step 9) needs to admit peer responses.
+
+Families (the names are API):
+
+- ``add``: 3-digit + 3-digit.  Columns right to left; each line is
+  ``digit+digit+carry=sum r<result so far>``.
+- ``sub``: 3-digit - 3-digit with a >= b.  ``top-bottom-borrow[+10]=digit r<so far>``.
+- ``mul``: 3-digit x 1-digit (2..9).  ``digit*m+carry=product r<so far>``.
+- ``mod``: remainder of a 3-digit number by a 1-digit divisor (2..9), by long division:
+  ``<running remainder*10+digit>%d=<new remainder>``.
+- ``lin``: solve ``a*x + b = c`` for an integer x (a in 2..9, x in -9..12, b in +-1..20).
+
+Splits are assigned by a hash of the problem's *operands* (family and numbers, not the
+phrasing), so the same arithmetic never appears in two splits under different wordings,
+and membership does not depend on generation order or on the seed: splits drawn with
+different seeds are still disjoint.  The seed only chooses which problems (and which
+phrasing) a split holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from typing import Callable, Sequence
+
+from graft_fed.data.prompts import Prompt
+from graft_fed.errors import DataError
+
+DATASET_ID = "embedded:arith-v1"
+FAMILIES: tuple[str, ...] = ("add", "sub", "mul", "mod", "lin")
+SPLITS: tuple[str, ...] = ("train", "validation", "test")
+DEFAULT_PER_FAMILY = {"train": 2000, "validation": 100, "test": 200}
+
+# Share of the operand space (out of 100 hash buckets) that belongs to each split.
+# Small families (mul, mod, lin: about 7,000 operand tuples each) still give a test
+# split of ~700 and a validation split of ~350 distinct problems.
+_SPLIT_BUCKETS = {"test": range(0, 10), "validation": range(10, 15), "train": range(15, 100)}
+
+_PHRASINGS: dict[str, tuple[str, ...]] = {
+    "add": ("What is {a} + {b}?", "Compute {a} + {b}.", "Find the sum of {a} and {b}.",
+            "Calculate {a} + {b}."),
+    "sub": ("What is {a} - {b}?", "Compute {a} - {b}.", "Subtract {b} from {a}.",
+            "Calculate {a} - {b}."),
+    "mul": ("What is {a} * {b}?", "Compute {a} * {b}.", "Find the product of {a} and {b}.",
+            "Calculate {a} times {b}."),
+    "mod": ("What is the remainder when {a} is divided by {b}?", "Compute {a} mod {b}.",
+            "Find the remainder of {a} divided by {b}."),
+    "lin": ("Solve for x: {a}x {op} {b} = {c}.", "Find x if {a}x {op} {b} = {c}.",
+            "If {a}x {op} {b} = {c}, what is x?"),
+}
+
+
+def _phrasing_regex(template: str) -> re.Pattern[str]:
+    pattern = re.escape(template)
+    for name in ("a", "b", "c"):
+        pattern = pattern.replace(re.escape("{" + name + "}"), f"(?P<{name}>-?\\d+)")
+    pattern = pattern.replace(re.escape("{op}"), "(?P<op>[+-])")
+    return re.compile("^" + pattern + "$")
+
+
+_PARSERS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (family, _phrasing_regex(t)) for family, ts in _PHRASINGS.items() for t in ts)
+
+
+# --- operand sampling -----------------------------------------------------------------
+
+def _operands(family: str, rng: random.Random) -> tuple[int, ...]:
+    if family == "add":
+        return rng.randint(100, 999), rng.randint(100, 999)
+    if family == "sub":
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        return (a, b) if a >= b else (b, a)
+    if family in ("mul", "mod"):
+        return rng.randint(100, 999), rng.randint(2, 9)
+    if family == "lin":
+        a, x = rng.randint(2, 9), rng.randint(-9, 12)
+        b = rng.choice((-1, 1)) * rng.randint(1, 20)
+        return a, b, a * x + b
+    raise _unknown_family(family)
+
+
+def _answer(family: str, ops: tuple[int, ...]) -> int:
+    if family == "add":
+        return ops[0] + ops[1]
+    if family == "sub":
+        return ops[0] - ops[1]
+    if family == "mul":
+        return ops[0] * ops[1]
+    if family == "mod":
+        return ops[0] % ops[1]
+    a, b, c = ops
+    return (c - b) // a
+
+
+def _problem_text(family: str, ops: tuple[int, ...], phrasing: str) -> str:
+    if family == "lin":
+        a, b, c = ops
+        return phrasing.format(a=a, op="+" if b >= 0 else "-", b=abs(b), c=c)
+    return phrasing.format(a=ops[0], b=ops[1])
+
+
+# --- scratchpads ----------------------------------------------------------------------
+
+def _digits_lsb(n: int) -> list[int]:
+    return [int(d) for d in reversed(str(n))]
+
+
+def _pad_add(a: int, b: int) -> list[str]:
+    lines, so_far, carry = [], "", 0
+    for da, db in zip(_digits_lsb(a), _digits_lsb(b)):
+        s = da + db + carry
+        so_far = str(s % 10) + so_far
+        lines.append(f"{da}+{db}+{carry}={s} r{so_far}")
+        carry = s // 10
+    if carry:
+        lines.append(f"c{carry} r{carry}{so_far}")
+    return lines
+
+
+def _pad_sub(a: int, b: int) -> list[str]:
+    lines, so_far, borrow = [], "", 0
+    for da, db in zip(_digits_lsb(a), _digits_lsb(b)):
+        d = da - db - borrow
+        fix = "+10" if d < 0 else ""
+        line = f"{da}-{db}-{borrow}{fix}"
+        borrow = 1 if d < 0 else 0
+        d += 10 * borrow
+        so_far = str(d) + so_far
+        lines.append(f"{line}={d} r{so_far}")
+    return lines
+
+
+def _pad_mul(a: int, m: int) -> list[str]:
+    lines, so_far, carry = [], "", 0
+    for da in _digits_lsb(a):
+        p = da * m + carry
+        so_far = str(p % 10) + so_far
+        lines.append(f"{da}*{m}+{carry}={p} r{so_far}")
+        carry = p // 10
+    if carry:
+        lines.append(f"c{carry} r{carry}{so_far}")
+    return lines
+
+
+def _pad_mod(a: int, d: int) -> list[str]:
+    lines, rem = [], 0
+    for digit in str(a):
+        cur = rem * 10 + int(digit)
+        rem = cur % d
+        lines.append(f"{cur}%{d}={rem}")
+    return lines
+
+
+def _pad_lin(a: int, b: int, c: int) -> list[str]:
+    rhs = c - b
+    move = f"{c}-{b}" if b >= 0 else f"{c}+{-b}"
+    return [f"{a}x={move}={rhs}", f"x={rhs}/{a}={rhs // a}"]
+
+
+_PADS: dict[str, Callable[..., list[str]]] = {
+    "add": _pad_add, "sub": _pad_sub, "mul": _pad_mul, "mod": _pad_mod, "lin": _pad_lin}
+
+
+def _solution_text(family: str, ops: tuple[int, ...]) -> str:
+    lines = _PADS[family](*ops)
+    lines.append(f"The answer is \\boxed{{{_answer(family, ops)}}}.")
+    return "\n".join(lines)
+
+
+# --- public API -----------------------------------------------------------------------
+
+def _unknown_family(family: str) -> DataError:
+    return DataError(f"unknown embedded task family {family!r}; choose from {', '.join(FAMILIES)}")
+
+
+def _check_families(families: Sequence[str] | None) -> tuple[str, ...]:
+    if families is None:
+        return FAMILIES
+    if isinstance(families, str):
+        families = [families]
+    for f in families:
+        if f not in FAMILIES:
+            raise _unknown_family(f)
+    return tuple(dict.fromkeys(families))
+
+
+def _make(family: str, ops: tuple[int, ...], phrasing: str) -> Prompt:
+    return Prompt.make(DATASET_ID, _problem_text(family, ops, phrasing), str(_answer(family, ops)),
+                       family=family, operands=list(ops), solution=_solution_text(family, ops))
+
+
+def make_prompt(family: str, rng: random.Random) -> Prompt:
+    """One random problem of `family`; meta holds family, operands and the scratchpad."""
+    if family not in FAMILIES:
+        raise _unknown_family(family)
+    ops = _operands(family, rng)
+    return _make(family, ops, rng.choice(_PHRASINGS[family]))
+
+
+def _parse(prompt: Prompt) -> tuple[str, tuple[int, ...]]:
+    meta = prompt.meta or {}
+    family, ops = meta.get("family"), meta.get("operands")
+    if family in FAMILIES and ops:
+        return family, tuple(int(x) for x in ops)
+    text = " ".join(prompt.problem.split())
+    for fam, rx in _PARSERS:
+        if family not in (None, fam):
+            continue
+        m = rx.match(text)
+        if m:
+            if fam == "lin":
+                b = int(m["b"]) * (1 if m["op"] == "+" else -1)
+                return fam, (int(m["a"]), b, int(m["c"]))
+            return fam, (int(m["a"]), int(m["b"]))
+    raise DataError(f"prompt {prompt.id} ({prompt.problem!r}) is not an embedded task problem; "
+                    f"solution() only knows the families {', '.join(FAMILIES)}")
+
+
+def solution(prompt: Prompt) -> str:
+    """The scratchpad solution of an embedded-task prompt, re-derived from the problem."""
+    family, ops = _parse(prompt)
+    return _solution_text(family, ops)
+
+
+def family_of(prompt: Prompt) -> str:
+    return _parse(prompt)[0]
+
+
+def _split_bucket(family: str, ops: tuple[int, ...]) -> int:
+    key = f"{DATASET_ID}|{family}|{','.join(map(str, ops))}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 100
+
+
+def split_of(prompt: Prompt) -> str:
+    """The split an embedded-task prompt belongs to (a pure function of its operands)."""
+    family, ops = _parse(prompt)
+    bucket = _split_bucket(family, ops)
+    return next(s for s, r in _SPLIT_BUCKETS.items() if bucket in r)
+
+
+def embedded_split(split: str, families: Sequence[str] | None = None,
+                   per_family: int | None = None, seed: int = 0) -> list[Prompt]:
+    """`per_family` distinct problems of each family that belong to `split`.
+
+    Deterministic in (split, families, per_family, seed); the rows are ordered family by
+    family in the order given, each family in generation order.
+    """
+    if split not in SPLITS:
+        raise DataError(f"unknown embedded task split {split!r}; choose from {', '.join(SPLITS)}")
+    fams = _check_families(families)
+    n = DEFAULT_PER_FAMILY[split] if per_family is None else int(per_family)
+    if n < 0:
+        raise DataError(f"per_family must be >= 0, got {n}")
+    buckets = _SPLIT_BUCKETS[split]
+    out: list[Prompt] = []
+    for family in fams:
+        rng = random.Random(f"{DATASET_ID}|{split}|{family}|{seed}")
+        seen: set[tuple[int, ...]] = set()
+        rows: list[Prompt] = []
+        attempts, budget = 0, 60 * n + 2000
+        while len(rows) < n:
+            attempts += 1
+            if attempts > budget:
+                raise DataError(
+                    f"could only find {len(rows)} distinct {family!r} problems for split {split!r} "
+                    f"(asked for {n}); the family's operand space is too small: ask for fewer")
+            ops = _operands(family, rng)
+            phrasing = rng.choice(_PHRASINGS[family])
+            if ops in seen or _split_bucket(family, ops) not in buckets:
+                continue
+            seen.add(ops)
+            rows.append(_make(family, ops, phrasing))
+        out.extend(rows)
+    return out
