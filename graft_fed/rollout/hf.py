@@ -1,0 +1,145 @@
+"""Transformers rollout backend: batched, left-padded, KV-cached sampling on CPU or GPU.
+
+It samples with its own loop rather than `model.generate` so that the log-prob it
+records for each token is exactly the one of the distribution it sampled from
+(temperature, then top-k, then top-p), computed in float32, and so that positions
+follow the project's packing convention (graft_fed.modeling).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Sequence
+
+import torch
+
+from graft_fed.modeling import eos_token_ids, position_ids_from_mask
+from graft_fed.rollout.base import Completion, SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside the top-k / nucleus. logits: (B, V) float32."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the most
+        # likely token is always kept.
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers >= 5.2x names the KV cache `cache`; earlier releases `past_key_values`."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class HFRollout:
+    """Rollout engine over a transformers causal LM that it shares with the trainer."""
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 64,
+                 seed: int = 0, add_special_tokens: bool = False) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.add_special_tokens = add_special_tokens
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+        self.eos_ids = eos_token_ids(tokenizer, model)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    # The trainer updates the very module this engine samples from.
+    def sync_weights(self, model: Any) -> None:
+        self.model = model
+
+    def rng_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=self.add_special_tokens)["input_ids"])
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[list[Completion]]:
+        encoded = [self.encode(p) for p in prompts]
+        flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(sampling.n)]
+        out: list[list[Completion]] = [[] for _ in prompts]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(flat), self.batch_size):
+                chunk = flat[start:start + self.batch_size]
+                for (i, _), comp in zip(chunk, self._sample_batch([ids for _, ids in chunk], sampling)):
+                    out[i].append(comp)
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _sample_batch(self, prompt_ids: list[list[int]], sp: SamplingParams) -> list[Completion]:
+        batch = len(prompt_ids)
+        p_len = max(len(p) for p in prompt_ids)
+        ids = torch.full((batch, p_len), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((batch, p_len), dtype=torch.long)
+        for i, p in enumerate(prompt_ids):
+            ids[i, p_len - len(p):] = torch.as_tensor(p, dtype=torch.long)
+            mask[i, p_len - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        eos = torch.as_tensor(self.eos_ids, dtype=torch.long, device=self.device)
+
+        tokens = torch.full((batch, sp.max_new_tokens), self.pad_id, dtype=torch.long)
+        logps = torch.zeros((batch, sp.max_new_tokens), dtype=torch.float32)
+        lengths = torch.zeros(batch, dtype=torch.long)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        stopped = torch.zeros(batch, dtype=torch.bool)
+
+        cache_kw = _cache_kwarg(self.model)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                         use_cache=True)
+        past = getattr(out, cache_kw)
+        next_pos = mask.sum(-1, keepdim=True)  # (B, 1): position of the next token
+        logits = out.logits[:, -1, :]
+        for step in range(sp.max_new_tokens):
+            scaled = logits.float() / sp.temperature  # (B, V)
+            scaled = filter_logits(scaled, sp.top_k, sp.top_p)
+            logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
+            sampled = torch.multinomial(logp.exp().cpu(), 1, generator=self.generator).squeeze(-1)  # (B,)
+            sampled_dev = sampled.to(self.device)
+            tok_logp = logp.gather(-1, sampled_dev.unsqueeze(-1)).squeeze(-1).cpu()
+            live = ~done.cpu()
+            tokens[live, step] = sampled[live]
+            logps[live, step] = tok_logp[live]
+            lengths[live] += 1
+            hit_eos = torch.isin(sampled_dev, eos) & ~done
+            stopped |= hit_eos.cpu()
+            done |= hit_eos
+            if bool(done.all()):
+                break
+            feed = torch.where(done, torch.full_like(sampled_dev, self.pad_id), sampled_dev)
+            mask = torch.cat([mask, (~done).long().unsqueeze(-1)], dim=-1)
+            out = self.model(input_ids=feed.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
+                             use_cache=True, **{cache_kw: past})
+            past = getattr(out, cache_kw)
+            next_pos = next_pos + 1
+            logits = out.logits[:, -1, :]
+
+        results = []
+        for i in range(batch):
+            n_tok = int(lengths[i])
+            tok_list = tokens[i, :n_tok].tolist()
+            results.append(Completion(
+                text=self.tokenizer.decode(tok_list, skip_special_tokens=True),
+                token_ids=tok_list,
+                logprobs=logps[i, :n_tok].tolist(),
+                finish_reason="stop" if bool(stopped[i]) else "length",
+                prompt_token_ids=list(prompt_ids[i]),
+            ))
+        return results

@@ -1,0 +1,57 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from graft_fed.modeling import pack, response_forward
+from graft_fed.rollout.base import SamplingParams
+from graft_fed.rollout.hf import HFRollout, filter_logits
+
+
+def _load(path):
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, tok
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+def test_logprobs_match_teacher_forced_forward(arch, request):
+    model, tok = _load(request.getfixturevalue(arch))
+    engine = HFRollout(model, tok, batch_size=5, seed=3)
+    prompts = ["Q: 1+2=?\nA: ", "Q: what is 12 + 345?\nA: ", "Q: x\nA: "]  # different lengths -> left padding
+    sp = SamplingParams(n=3, temperature=0.7, max_new_tokens=12)
+    groups = engine.generate(prompts, sp)
+    assert [len(g) for g in groups] == [3, 3, 3]
+    flat = [c for g in groups for c in g]
+    batch = pack([c.prompt_token_ids for c in flat], [c.token_ids for c in flat], tok.pad_token_id)
+    with torch.no_grad():
+        fwd = response_forward(model, batch, temperature=0.7)
+    for i, c in enumerate(flat):
+        assert len(c.logprobs) == len(c.token_ids) >= 1
+        got = fwd.logprobs[i, :len(c.token_ids)]
+        torch.testing.assert_close(got, torch.tensor(c.logprobs), atol=2e-4, rtol=0)
+        assert c.finish_reason in ("stop", "length")
+        if c.finish_reason == "length":
+            assert len(c.token_ids) == sp.max_new_tokens
+        else:
+            assert c.token_ids[-1] == tok.eos_token_id
+
+
+def test_same_seed_same_samples_and_rng_state_roundtrip(tiny_llama):
+    model, tok = _load(tiny_llama)
+    sp = SamplingParams(n=4, max_new_tokens=8)
+    a = HFRollout(model, tok, seed=11)
+    state = a.rng_state()
+    first = [c.token_ids for c in a.generate(["Q: 7\nA: "], sp)[0]]
+    a.set_rng_state(state)
+    again = [c.token_ids for c in a.generate(["Q: 7\nA: "], sp)[0]]
+    b = HFRollout(model, tok, seed=11)
+    assert first == again == [c.token_ids for c in b.generate(["Q: 7\nA: "], sp)[0]]
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [[False, False, True, True]]
+    # 0.5 + 0.3 reaches 0.8: the nucleus of 0.8 keeps exactly the first two tokens.
+    assert torch.isinf(filter_logits(logits, top_k=0, top_p=0.8)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_logits(logits, top_k=0, top_p=0.81)).tolist() == [[False, False, False, True]]
+    assert not torch.isinf(filter_logits(logits, top_k=0, top_p=0.1)[0, 0])
