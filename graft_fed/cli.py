@@ -1,0 +1,152 @@
+"""`graft-fed <command>`: the one entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, Sequence
+
+import yaml
+
+from graft_fed.errors import GraftFedError
+
+
+def _parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise GraftFedError(f"--set {item!r}: expected section.key=value, e.g. --set run.steps=20")
+        key, value = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from graft_fed.trainer.config import load_train_config
+    from graft_fed.trainer.grpo import GRPOTrainer
+
+    cfg = load_train_config(args.config, _parse_overrides(args.set))
+    with GRPOTrainer(cfg, resume=args.resume, quiet=args.quiet) as trainer:
+        summary = trainer.train(evaluate_before_after=not args.no_eval)
+    before = summary.get("eval_before", {}).get("pass@1")
+    after = summary.get("eval_after", {}).get("pass@1")
+    print(f"run {cfg.run.name}: {trainer.step} steps, checkpoint {summary['final_checkpoint']}")
+    if after is not None:
+        b = f"{before:.3f}" if before is not None else "n/a (resumed)"
+        print(f"held-out pass@1 ({cfg.eval.data.source}:{cfg.eval.data.split}): before {b} -> after {after:.3f} "
+              f"(+- {summary['eval_after']['stderr']:.3f})")
+        for fam, v in summary["eval_after"].get("by_group", {}).items():
+            bv = summary.get("eval_before", {}).get("by_group", {}).get(fam)
+            print(f"  {fam:>6}: " + (f"{bv:.3f} -> " if bv is not None else "") + f"{v:.3f}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from graft_fed.data.config import DataConfig, load_prompts
+    from graft_fed.data.loaders import BENCHMARKS
+    from graft_fed.evaluation import evaluate, write_eval
+    from graft_fed.modeling import load_model_and_tokenizer, resolve_device
+    from graft_fed.rewards import VerifierConfig, build_verifier
+
+    bench = args.benchmark
+    if bench.startswith("embedded:") or bench in BENCHMARKS or bench.startswith("hf:"):
+        data = DataConfig(source=bench, split=args.split, max_prompts=args.limit)
+    else:
+        data = DataConfig(source=bench, max_prompts=args.limit)
+    prompts = load_prompts(data, benchmarks_root=args.benchmarks_dir)
+    device = resolve_device(args.device)
+    model, tok = load_model_and_tokenizer(args.model, device)
+    model.eval()
+    template = args.template or ("chat" if getattr(tok, "chat_template", None) else "paper")
+    with build_verifier(VerifierConfig(workers=args.workers)) as verifier:
+        result = evaluate(model, tok, prompts, verifier, template=template,
+                          add_special_tokens=template != "chat", k=args.k, temperature=args.temperature,
+                          top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                          batch_size=args.batch_size)
+    name = Path(bench).stem if Path(bench).suffix else bench.replace(":", "_")
+    path = write_eval(result, args.out, name)
+    print(json.dumps(result.summary(), indent=2))
+    print(f"per-prompt results: {path.with_suffix('').with_suffix('.jsonl')}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from graft_fed.plotting import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from graft_fed import __version__
+    from graft_fed.rewards.cli import add_score_subparser
+    from graft_fed.zoo.cli import add_zoo_subparser
+
+    p = argparse.ArgumentParser(prog="graft-fed", description=__doc__)
+    p.add_argument("--version", action="version", version=f"graft-fed {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train one model with GRPO on its own rollouts",
+                       description="Train one model (GRPO). The YAML config is documented in docs/configuration.md.")
+    t.add_argument("--config", help="run config YAML (default: built-in defaults)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set run.steps=20 (repeatable)")
+    t.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
+                   help="resume from a checkpoint directory, or from the latest one in run.output_dir")
+    t.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation before and after")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="pass@1 of a model on a benchmark or prompt file")
+    e.add_argument("--model", required=True, help="model directory or zoo:<name>")
+    e.add_argument("--benchmark", required=True,
+                   help="benchmark name (math500, aime24, aime25, amc23, minerva, olympiadbench, gsm8k), "
+                        "a JSONL/Parquet file, embedded:arith-v1, or hf:<hub id>")
+    e.add_argument("--benchmarks-dir", help="folder of the benchmark JSONL files (or $GRAFT_FED_BENCHMARKS_DIR)")
+    e.add_argument("--split", default="test", help="split for embedded/hub datasets (default: test)")
+    e.add_argument("--limit", type=int, help="evaluate only the first N prompts")
+    e.add_argument("--template", help="prompt template (default: chat when the tokenizer has one, else paper)")
+    e.add_argument("-k", type=int, default=8, help="samples per prompt (default: 8)")
+    e.add_argument("--temperature", type=float, default=0.6)
+    e.add_argument("--top-p", type=float, default=0.95)
+    e.add_argument("--max-new-tokens", type=int, default=4096 // 16)
+    e.add_argument("--batch-size", type=int, default=64)
+    e.add_argument("--seed", type=int, default=1234)
+    e.add_argument("--workers", type=int, default=2, help="verifier processes")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--out", default="runs/eval", help="output folder (default: runs/eval)")
+    e.set_defaults(func=cmd_eval)
+
+    pl = sub.add_parser("plot", help="draw a run's learning curves to PNG")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", help="output folder (default: RUN_DIR/plots)")
+    pl.set_defaults(func=cmd_plot)
+
+    add_score_subparser(sub)
+    add_zoo_subparser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except GraftFedError as exc:
+        print(f"graft-fed {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"graft-fed {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

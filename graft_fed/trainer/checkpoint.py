@@ -1,0 +1,111 @@
+"""Checkpoints that resume exactly, and fail loudly when corrupt or foreign.
+
+Layout of one checkpoint (a directory, written under a temporary name and renamed into
+place, so a crash mid-save never leaves a half checkpoint that looks whole):
+
+    checkpoints/step_000050/
+        model/               save_pretrained() output: weights, config, tokenizer
+        trainer_state.pt     optimiser, scheduler, RNG states, step, data cursor
+        manifest.json        sha256 of every file, step, config fingerprint, versions
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graft_fed import __version__
+from graft_fed.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_dirs(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(root: str | Path, step: int, model: Any, tokenizer: Any, state: dict[str, Any],
+                    fingerprint: str, keep: int) -> Path:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / "model").mkdir(parents=True)
+    model.save_pretrained(tmp / "model", safe_serialization=True)
+    tokenizer.save_pretrained(tmp / "model")
+    torch.save(state, tmp / "trainer_state.pt")
+    files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = {"step": step, "fingerprint": fingerprint, "graft_fed_version": __version__,
+                "torch_version": torch.__version__, "files": files}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in checkpoint_dirs(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def verify_checkpoint(path: str | Path, fingerprint: str | None = None) -> dict[str, Any]:
+    """Check a checkpoint's files against its manifest; return the manifest."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}); it was probably "
+                              "interrupted while saving: resume from an earlier one or start afresh")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        step = int(manifest["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{mpath} is unreadable ({exc}); the checkpoint is corrupt") from None
+    for rel, digest in files.items():
+        fpath = path / rel
+        if not fpath.is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {rel}; it is incomplete: delete it and "
+                                  "resume from an earlier one")
+        if _sha256(fpath) != digest:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {rel} does not match its recorded "
+                                  "sha256; delete it and resume from an earlier one")
+    if fingerprint is not None and manifest.get("fingerprint") != fingerprint:
+        raise CheckpointError(
+            f"checkpoint {path} was written by a run with a different configuration (fingerprint "
+            f"{manifest.get('fingerprint')} != {fingerprint}); resume with the config it was trained with, "
+            "or start a new run in another output_dir")
+    manifest["step"] = step
+    return manifest
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    try:
+        return torch.load(Path(path) / "trainer_state.pt", map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to unpickle means the same thing here
+        raise CheckpointError(f"cannot read {path}/trainer_state.pt: {exc}") from None
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    dirs = checkpoint_dirs(root)
+    return dirs[-1] if dirs else None

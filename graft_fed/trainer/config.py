@@ -1,0 +1,296 @@
+"""The run configuration: one frozen dataclass per concern, loaded from one YAML file.
+
+Every field is documented once, here, in its `#:` comment; docs/configuration.md is
+generated from these comments (`python -m graft_fed.trainer.config --markdown`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from graft_fed.configbase import from_mapping, load_yaml, require, to_dict
+from graft_fed.core.losses import AGGREGATIONS, RATIOS
+from graft_fed.data.config import DataConfig
+from graft_fed.data.templates import validate_template
+from graft_fed.errors import ConfigError
+from graft_fed.rewards.config import VerifierConfig
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """Where a run writes, how long it lasts, and how it is seeded."""
+
+    #: Name of the run (used in logs and the default output directory).
+    name: str = "grpo"
+    #: Directory for metrics.jsonl, checkpoints/, eval/ and the resolved config.
+    output_dir: str = "runs/grpo"
+    #: Seed of everything random in the run: prompt order, sampling, initialisation.
+    seed: int = 0
+    #: Number of training steps (one step = one prompt batch, rollout, update).
+    steps: int = 100
+    #: "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:1", ...
+    device: str = "auto"
+    #: Mixed precision of the forward/backward passes: "auto" (bf16 autocast on CUDA
+    #: with bf16 support, fp32 elsewhere), "fp32" or "bf16". Weights and optimiser state
+    #: stay fp32.
+    precision: str = "auto"
+    #: Save a checkpoint every this many steps (0 = only at the end).
+    checkpoint_every: int = 25
+    #: Keep this many most recent checkpoints (older ones are deleted).
+    keep_checkpoints: int = 2
+    #: Evaluate on `eval` prompts every this many steps (0 = only before and after).
+    eval_every: int = 0
+    #: Also write TensorBoard event files (needs the `tensorboard` extra).
+    tensorboard: bool = False
+    #: Torch intra-op threads (0 = torch's default).
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, f"run.steps must be >= 1, got {self.steps}")
+        require(self.checkpoint_every >= 0, "run.checkpoint_every must be >= 0 (0 = only at the end)")
+        require(self.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1")
+        require(self.eval_every >= 0, "run.eval_every must be >= 0 (0 = only before and after training)")
+        require(self.precision in ("auto", "fp32", "bf16"),
+                f"run.precision must be auto, fp32 or bf16, got {self.precision!r}")
+        require(self.threads >= 0, "run.threads must be >= 0")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The policy being trained."""
+
+    #: A local Hugging Face model directory, `zoo:<name>` for a shipped tiny model, or a
+    #: hub id (downloaded by transformers on first use; never in tests).
+    path: str = "zoo:tiny-llama-char"
+    #: Prompt template: chat, paper, raw or a format string with {problem}
+    #: (see graft_fed/data/templates.py).
+    template: str = "chat"
+    #: Let the tokenizer add its special tokens (e.g. BOS) when encoding a prompt. Default:
+    #: false for the chat template (which writes them itself), true otherwise.
+    add_special_tokens: bool | None = None
+
+    def __post_init__(self) -> None:
+        require(bool(self.path), "model.path is empty: give a model directory or zoo:<name>")
+        validate_template(self.template)
+
+    @property
+    def encode_special_tokens(self) -> bool:
+        return self.template != "chat" if self.add_special_tokens is None else self.add_special_tokens
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """How responses are sampled (the behaviour policy)."""
+
+    #: "hf" (transformers, CPU or GPU); "vllm" arrives with the GPU issue.
+    backend: str = "hf"
+    #: Responses per prompt: the GRPO group size n.
+    n: int = 8
+    #: Sampling temperature (the paper: 1.0).
+    temperature: float = 1.0
+    #: Nucleus mass. Keep 1.0 so recorded log-probs are full-vocabulary log-probs (GRAFT.md step 2).
+    top_p: float = 1.0
+    #: Top-k truncation (0 = off); same caveat as top_p.
+    top_k: int = 0
+    #: Response length cap in tokens.
+    max_new_tokens: int = 160
+    #: Sequences sampled together in one batch.
+    batch_size: int = 128
+
+    def __post_init__(self) -> None:
+        require(self.backend in ("hf",), f"rollout.backend {self.backend!r} is not available; use 'hf'")
+        require(self.n >= 2, f"rollout.n must be >= 2 for group-relative advantages, got {self.n}")
+        require(self.temperature > 0, "rollout.temperature must be > 0")
+        require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        require(self.top_k >= 0, "rollout.top_k must be >= 0")
+        require(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+        require(self.batch_size >= 1, "rollout.batch_size must be >= 1")
+        if self.top_p < 1 or self.top_k:
+            warnings.warn("rollout.top_p < 1 or top_k > 0: the recorded behaviour log-probs are those of the "
+                          "truncated distribution, so ratios and GRAFT compatibility scores are biased; "
+                          "the paper trains with top_p = 1", stacklevel=2)
+
+
+@dataclass(frozen=True)
+class DynamicSamplingSection:
+    """DAPO dynamic sampling: keep only groups with reward variance, refill from new prompts."""
+
+    #: Turn dynamic sampling on (an optional baseline; GRAFT's point is to use all-fail
+    #: groups instead of discarding them).
+    enabled: bool = False
+    #: At most this many extra prompt batches are sampled per step to fill the batch.
+    max_extra_batches: int = 3
+
+    def __post_init__(self) -> None:
+        require(self.max_extra_batches >= 0, "algorithm.dynamic_sampling.max_extra_batches must be >= 0")
+
+
+@dataclass(frozen=True)
+class AlgorithmSection:
+    """The GRPO update (GRAFT.md section 1, steps 4 and 11-13)."""
+
+    #: Prompts per training step (the paper: 128).
+    prompts_per_step: int = 16
+    #: Minibatches per step, each one optimiser step (the paper: 4 of 32 prompts).
+    num_minibatches: int = 4
+    #: Responses per forward/backward micro-batch inside a minibatch (memory knob only:
+    #: gradients are accumulated with the minibatch's normaliser, so results do not change).
+    micro_batch_size: int = 64
+    #: Optimisation epochs over the step's buffer (the paper: 1).
+    epochs: int = 1
+    #: Lower clip epsilon (the paper: 0.2).
+    eps_low: float = 0.2
+    #: Upper clip epsilon, clip-higher (the paper: 0.28).
+    eps_high: float = 0.28
+    #: Importance ratio: "token" (Eq. 9) or "sequence" (length-normalised, GSPO-style ablation).
+    ratio: str = "token"
+    #: Loss aggregation: token-mean (Eq. 10), seq-mean-token-mean, dr-grpo.
+    aggregation: str = "token-mean"
+    #: Divide advantages by the group std ("group") or not ("none", Dr. GRPO).
+    scale_rewards: str = "group"
+    #: Std of the advantage: "sample" (n-1, verl/torch default, as the paper) or
+    #: "population" (n; a documented deviation).
+    std: str = "sample"
+    #: Exclude responses cut at max_new_tokens from the loss.
+    mask_truncated: bool = False
+    #: Coefficient of a k3 KL penalty to the initial policy (the paper: 0, off).
+    kl_coef: float = 0.0
+    #: Coefficient of an entropy bonus (the paper: 0, off).
+    entropy_coef: float = 0.0
+    dynamic_sampling: DynamicSamplingSection = field(default_factory=DynamicSamplingSection)
+
+    def __post_init__(self) -> None:
+        require(self.prompts_per_step >= 1, "algorithm.prompts_per_step must be >= 1")
+        require(self.num_minibatches >= 1, "algorithm.num_minibatches must be >= 1")
+        require(self.prompts_per_step % self.num_minibatches == 0,
+                f"algorithm.prompts_per_step ({self.prompts_per_step}) must be divisible by "
+                f"algorithm.num_minibatches ({self.num_minibatches}) so every minibatch holds whole groups")
+        require(self.micro_batch_size >= 1, "algorithm.micro_batch_size must be >= 1")
+        require(self.epochs >= 1, "algorithm.epochs must be >= 1")
+        require(0 <= self.eps_low < 1, f"algorithm.eps_low must be in [0, 1), got {self.eps_low}")
+        require(self.eps_high >= 0, f"algorithm.eps_high must be >= 0, got {self.eps_high}")
+        require(self.ratio in RATIOS, f"algorithm.ratio must be one of {sorted(RATIOS)}, got {self.ratio!r}")
+        require(self.aggregation in AGGREGATIONS,
+                f"algorithm.aggregation must be one of {sorted(AGGREGATIONS)}, got {self.aggregation!r}")
+        require(self.scale_rewards in ("group", "none"), "algorithm.scale_rewards must be 'group' or 'none'")
+        require(self.std in ("sample", "population"), "algorithm.std must be 'sample' or 'population'")
+        require(self.kl_coef >= 0, "algorithm.kl_coef must be >= 0")
+        require(self.entropy_coef >= 0, "algorithm.entropy_coef must be >= 0")
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    """AdamW and its schedule (the paper: lr 1e-6 constant, betas 0.9/0.999, wd 0.01, clip 1.0)."""
+
+    #: Peak learning rate.
+    lr: float = 1e-6
+    #: AdamW betas.
+    betas: tuple[float, float] = (0.9, 0.999)
+    #: AdamW epsilon.
+    eps: float = 1e-8
+    #: Decoupled weight decay.
+    weight_decay: float = 0.01
+    #: Global gradient-norm clip (0 = off).
+    grad_clip: float = 1.0
+    #: "constant", "linear" (decay to min_lr_ratio) or "cosine".
+    schedule: str = "constant"
+    #: Linear warm-up, in training steps.
+    warmup_steps: int = 0
+    #: Final lr as a fraction of lr, for linear and cosine.
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        require(all(0 <= b < 1 for b in self.betas), f"optim.betas must be in [0, 1), got {self.betas}")
+        require(self.weight_decay >= 0, "optim.weight_decay must be >= 0")
+        require(self.grad_clip >= 0, "optim.grad_clip must be >= 0 (0 = off)")
+        require(self.schedule in ("constant", "linear", "cosine"),
+                f"optim.schedule must be constant, linear or cosine, got {self.schedule!r}")
+        require(self.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+        require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """Held-out evaluation: pass@1 as the mean over k samples (the paper: T 0.6, top_p 0.95, k 8)."""
+
+    data: DataConfig = field(default_factory=lambda: DataConfig(split="validation"))
+    #: Samples per prompt.
+    k: int = 8
+    temperature: float = 0.6
+    top_p: float = 0.95
+    #: Response length cap; null = rollout.max_new_tokens.
+    max_new_tokens: int | None = None
+    #: Seed of the evaluation sampler (kept apart from training randomness).
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        require(self.k >= 1, "eval.k must be >= 1")
+        require(self.temperature > 0, "eval.temperature must be > 0")
+        require(0 < self.top_p <= 1, "eval.top_p must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run of one model."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+
+    def __post_init__(self) -> None:
+        if self.algorithm.num_minibatches * self.algorithm.epochs == 1:
+            warnings.warn("one minibatch and one epoch per step: every ratio is exactly 1, so clipping is "
+                          "inert (and GRAFT's peer-last ordering has no effect)", stacklevel=2)
+
+    # Fields that may change between a run and its resumption without changing its results.
+    _RESUME_FREE = {("run", "steps"), ("run", "output_dir"), ("run", "checkpoint_every"),
+                    ("run", "keep_checkpoints"), ("run", "eval_every"), ("run", "tensorboard"),
+                    ("run", "threads"), ("run", "name"), ("run", "device"), ("eval",),
+                    ("verifier", "workers"), ("verifier", "timeout_s"), ("rollout", "batch_size"),
+                    ("algorithm", "micro_batch_size")}
+
+    def fingerprint_dict(self) -> dict[str, Any]:
+        d = to_dict(self)
+        for key in self._RESUME_FREE:
+            node = d
+            for part in key[:-1]:
+                node = node[part]
+            node.pop(key[-1], None)
+        return d
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.fingerprint_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def replace(self, **sections: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **sections)
+
+
+def load_train_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+    """Read a YAML run config (or the defaults), apply dotted `overrides`, validate."""
+    data: dict[str, Any] = load_yaml(path) if path is not None else {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+        node[parts[-1]] = value
+    try:
+        return from_mapping(TrainConfig, data)
+    except ConfigError as exc:
+        where = f" in {path}" if path is not None else ""
+        raise ConfigError(f"invalid config{where}: {exc}") from None

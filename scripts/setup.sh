@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment in .venv and install graft-fed.
+#   scripts/setup.sh          runtime install
+#   scripts/setup.sh --dev    plus the test tools
+# PyTorch first: a CPU build on machines without an NVIDIA GPU (never the multi-GB CUDA
+# wheel), the default CUDA build where `nvidia-smi` sees a GPU. Then the project, whose
+# torch range the installed build already satisfies, so nothing is re-downloaded.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${GRAFT_FED_VENV:-.venv}
+extras=""
+[ "${1:-}" = "--dev" ] && extras="[dev]"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+pip_() { "$VENV/bin/python" -m pip "$@"; }
+pip_ install -q --upgrade pip
+
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: NVIDIA GPU found: installing the default (CUDA) PyTorch build"
+    pip_ install -q "torch>=2.4,<3"
+  else
+    echo "setup: no NVIDIA GPU: installing the CPU build of PyTorch 2.13.0"
+    pip_ install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+pip_ install -q -e ".${extras}"
+echo "setup: ready ($("$VENV/bin/python" -c 'import torch, graft_fed; print("graft-fed", graft_fed.__version__, "torch", torch.__version__)'))"
