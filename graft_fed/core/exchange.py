@@ -1,0 +1,182 @@
+"""GRAFT's exchange as pure functions (GRAFT.md section 1, steps 5-10 and 13).
+
+Nothing here touches a model or a tokenizer: the caller computes mean log-likelihoods
+and hands in plain numbers; these functions decide which groups move, which responses
+are admitted and with what weight, and in which order minibatches are trained.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Hashable, Literal, Mapping, Sequence, TypeVar
+
+import torch
+
+K = TypeVar("K", bound=Hashable)
+
+GroupKind = Literal["all_fail", "informative", "all_pass"]
+
+
+def classify(k: int, n: int) -> GroupKind:
+    """Eq. 4's test, on the binary outcome k (successes) out of n -- never on a shaped score's std."""
+    if not 0 <= k <= n:
+        raise ValueError(f"successes k={k} must be in [0, n={n}]")
+    if k == 0:
+        return "all_fail"
+    return "all_pass" if k == n else "informative"
+
+
+def candidates(receiver: Mapping[K, tuple[int, int]], source: Mapping[K, tuple[int, int]]) -> list[tuple[K, int]]:
+    """C_{S->R} (Eq. 4): prompts the receiver failed entirely and the source group is informative.
+
+    receiver, source: prompt id -> (k, n). Returns [(prompt id, k_S)] in the receiver's order.
+    """
+    out = []
+    for pid, (k_r, n_r) in receiver.items():
+        if classify(k_r, n_r) != "all_fail" or pid not in source:
+            continue
+        k_s, n_s = source[pid]
+        if classify(k_s, n_s) == "informative":
+            out.append((pid, k_s))
+    return out
+
+
+def select_with_ties(cands: Sequence[tuple[K, int]], m: int) -> list[K]:
+    """SelectWithTies: rank by k_S descending, keep the first m plus every candidate tied
+    with the m-th. m = 0 keeps nothing. Stable: equal k keep their input order."""
+    if m <= 0 or not cands:
+        return []
+    ranked = sorted(cands, key=lambda c: -c[1])
+    if m >= len(ranked):
+        return [pid for pid, _ in ranked]
+    threshold = ranked[m - 1][1]
+    return [pid for i, (pid, k) in enumerate(ranked) if i < m or k == threshold]
+
+
+def balanced_pair(c_ab: Sequence[tuple[K, int]], c_ba: Sequence[tuple[K, int]],
+                  balance: bool = True) -> tuple[list[K], list[K]]:
+    """The paper's two-model selection (step 6): m = min(|C_AB|, |C_BA|) in each direction,
+    with ties; m = 0 means no exchange in either direction. balance=False keeps every
+    candidate (the "no balancing" ablation, and the stored mode's one direction)."""
+    if not balance:
+        return [p for p, _ in c_ab], [p for p, _ in c_ba]
+    m = min(len(c_ab), len(c_ba))
+    return select_with_ties(c_ab, m), select_with_ties(c_ba, m)
+
+
+# ----- compatibility (Eq. 6-8) -------------------------------------------------------------
+
+def mean_token_logprob(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """lbar(pi, o) = mean over the response's tokens of log pi(token | prefix) (Eq. 6). (B, T) -> (B,)"""
+    return (logprobs * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+
+
+def compatibility(receiver_lbar: torch.Tensor, source_lbar: torch.Tensor) -> torch.Tensor:
+    """s(o) = exp(lbar(pi_old^R, o^R) - lbar(pi_old^S, o^S)) (Eq. 7). (B,) -> (B,)"""
+    return torch.exp(receiver_lbar - source_lbar)
+
+
+def gate_weights(s: torch.Tensor, delta: float = 0.8, gate: bool = True) -> torch.Tensor:
+    """w(o) = 1[s > delta] * min(s, 1) (Eq. 8). gate=False is the "no gate" ablation (w = 1).
+    A weight of exactly 0 drops the response from numerator and denominator."""
+    if not gate:
+        return torch.ones_like(s)
+    return torch.where(s > delta, torch.clamp(s, max=1.0), torch.zeros_like(s))
+
+
+# ----- minibatch order (step 13) ------------------------------------------------------------
+
+Order = Literal["peer_last", "peer_first", "shuffled"]
+
+
+def order_groups(is_peer: Sequence[bool], order: Order, seed: int = 0) -> list[int]:
+    """Indices of the step's groups in training order.
+
+    peer_last (the paper): own groups first, peer groups after them (stable), so after the
+    split into minibatches every minibatch holding a peer group comes after all purely-own
+    ones. peer_first: the reverse (ablation). shuffled: a seeded random order (ablation).
+    """
+    idx = list(range(len(is_peer)))
+    if order == "peer_last":
+        return sorted(idx, key=lambda i: is_peer[i])
+    if order == "peer_first":
+        return sorted(idx, key=lambda i: not is_peer[i])
+    if order == "shuffled":
+        random.Random(seed).shuffle(idx)
+        return idx
+    raise ValueError(f"unknown order {order!r}; use peer_last, peer_first or shuffled")
+
+
+def split_minibatches(n_groups: int, num_minibatches: int) -> list[range]:
+    """Consecutive, near-equal minibatches of whole groups (sizes differ by at most one)."""
+    base, extra = divmod(n_groups, num_minibatches)
+    out, start = [], 0
+    for i in range(num_minibatches):
+        size = base + (1 if i < extra else 0)
+        if size:
+            out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def peer_last_is_inert(num_minibatches: int, epochs: int) -> bool:
+    """With one minibatch and one epoch every ratio is 1 when peer data is used."""
+    return num_minibatches * epochs < 2
+
+
+@dataclass(frozen=True)
+class Quantiles:
+    p10: float
+    p50: float
+    p90: float
+
+    @staticmethod
+    def of(values: Sequence[float]) -> "Quantiles":
+        if not values:
+            return Quantiles(math.nan, math.nan, math.nan)
+        t = torch.tensor(list(values), dtype=torch.float64)
+        q = torch.quantile(t, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
+        return Quantiles(*q)
+
+
+# ----- what moves (step 7 and its ablations) -------------------------------------------------
+
+Transfer = Literal["group", "success_only", "pooled"]
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Which responses the receiver trains on for one replaced prompt, and their advantages.
+
+    `peer_index[i]` indexes the source group for a peer response, or is None for one of
+    the receiver's own responses (pooled mode only); `advantages[i]` is its advantage.
+    """
+
+    peer_index: tuple[int | None, ...]
+    advantages: tuple[float, ...]
+
+
+def plan_transfer(source_rewards: Sequence[float], source_advantages: Sequence[float], mode: Transfer = "group",
+                  own_rewards: Sequence[float] = (), scale: str = "group", std: str = "sample") -> TransferPlan:
+    """group (the paper): the source's whole group with the SOURCE's advantages, computed on
+    its full group before any response is dropped. success_only (ablation): only the
+    source's successful responses, with their source advantages. pooled (ablation): the
+    receiver's own failed responses and the source's responses as one group of n_R + n_S,
+    advantages recomputed on the pooled rewards."""
+    from graft_fed.core.advantages import group_advantages
+
+    if len(source_rewards) != len(source_advantages):
+        raise ValueError("source rewards and advantages differ in length")
+    if mode == "group":
+        return TransferPlan(tuple(range(len(source_rewards))), tuple(float(a) for a in source_advantages))
+    if mode == "success_only":
+        keep = [i for i, r in enumerate(source_rewards) if r > 0.5]
+        return TransferPlan(tuple(keep), tuple(float(source_advantages[i]) for i in keep))
+    if mode == "pooled":
+        pooled = torch.tensor([list(own_rewards) + list(source_rewards)], dtype=torch.float32)
+        adv = group_advantages(pooled, scale=scale, std=std)[0].tolist()  # type: ignore[arg-type]
+        index = [None] * len(own_rewards) + list(range(len(source_rewards)))
+        return TransferPlan(tuple(index), tuple(adv))
+    raise ValueError(f"unknown transfer mode {mode!r}; use group, success_only or pooled")

@@ -1,0 +1,109 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graft_fed.core.advantages import group_advantages
+from graft_fed.core.exchange import (balanced_pair, candidates, classify, compatibility, gate_weights,
+                                     mean_token_logprob, order_groups, plan_transfer, select_with_ties,
+                                     split_minibatches)
+
+
+def test_classify_on_binary_outcome():
+    assert classify(0, 8) == "all_fail" and classify(3, 8) == "informative" and classify(8, 8) == "all_pass"
+    with pytest.raises(ValueError):
+        classify(9, 8)
+
+
+def test_candidates_follow_eq4():
+    recv = {"a": (0, 8), "b": (0, 8), "c": (2, 8), "d": (0, 8)}
+    src = {"a": (3, 8), "b": (8, 8), "c": (1, 8), "d": (0, 8)}
+    assert candidates(recv, src) == [("a", 3)]
+
+
+def test_select_with_ties_keeps_ties_with_the_mth():
+    cands = [("p1", 2), ("p2", 5), ("p3", 2), ("p4", 7), ("p5", 1)]
+    assert select_with_ties(cands, 2) == ["p4", "p2"]
+    assert select_with_ties(cands, 3) == ["p4", "p2", "p1", "p3"]  # p3 ties with the 3rd
+    assert select_with_ties(cands, 0) == []
+    assert select_with_ties(cands, 10) == ["p4", "p2", "p1", "p3", "p5"]
+
+
+def test_balanced_pair_m_zero_means_no_exchange():
+    assert balanced_pair([("a", 3)], []) == ([], [])
+    assert balanced_pair([("a", 3), ("b", 1)], [("c", 4)]) == (["a"], ["c"])
+    assert balanced_pair([("a", 3), ("b", 1)], [("c", 4)], balance=False) == (["a", "b"], ["c"])
+
+
+group_st = st.dictionaries(st.integers(0, 30), st.integers(0, 8), min_size=0, max_size=20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(group_st, group_st)
+def test_selection_properties(ka, kb):
+    n = 8
+    a = {p: (k, n) for p, k in ka.items()}
+    b = {p: (k, n) for p, k in kb.items()}
+    c_ab, c_ba = candidates(b, a), candidates(a, b)  # A -> B: receiver B
+    s_ab, s_ba = balanced_pair(c_ab, c_ba)
+    m = min(len(c_ab), len(c_ba))
+    # a receiver never gets a group for a prompt it did not fail entirely, from an informative source
+    assert all(b[p][0] == 0 and 1 <= a[p][0] < n for p in s_ab)
+    assert all(a[p][0] == 0 and 1 <= b[p][0] < n for p in s_ba)
+    if m == 0:
+        assert s_ab == [] and s_ba == []
+    for sel, cands in ((s_ab, c_ab), (s_ba, c_ba)):
+        if m:
+            assert len(sel) >= m
+            kth = sorted((k for _, k in cands), reverse=True)[m - 1]
+            # everything strictly better than the m-th is in, everything worse is out, ties are in
+            assert {p for p, k in cands if k >= kth} == set(sel)
+
+
+def test_compatibility_and_gate():
+    s = compatibility(torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.0, -1.0, -1.0]))
+    torch.testing.assert_close(s, torch.tensor([1.0, math.exp(-1.0), math.exp(0.5)]))
+    w = gate_weights(torch.tensor([0.8, 0.81, 1.0, 1.7, 0.2]), delta=0.8)
+    torch.testing.assert_close(w, torch.tensor([0.0, 0.81, 1.0, 1.0, 0.0]))  # s <= delta dropped, min(s, 1)
+    assert torch.equal(gate_weights(torch.tensor([0.1, 3.0]), gate=False), torch.ones(2))
+    assert torch.equal(gate_weights(torch.tensor([0.01, 0.5]), delta=0.0), torch.tensor([0.01, 0.5]))
+
+
+def test_mean_not_sum():
+    lp = torch.tensor([[-1.0, -3.0, 0.0], [-2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    torch.testing.assert_close(mean_token_logprob(lp, mask), torch.tensor([-2.0, -2.0]))
+
+
+def test_orders_and_minibatches():
+    peer = [False, True, False, True, False]
+    assert order_groups(peer, "peer_last") == [0, 2, 4, 1, 3]
+    assert order_groups(peer, "peer_first") == [1, 3, 0, 2, 4]
+    assert sorted(order_groups(peer, "shuffled", seed=3)) == list(range(5))
+    assert [list(r) for r in split_minibatches(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert [list(r) for r in split_minibatches(2, 4)] == [[0], [1]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=40), st.integers(1, 8))
+def test_peer_last_puts_every_peer_minibatch_after_all_own_ones(peer, nmb):
+    order = order_groups(peer, "peer_last")
+    mbs = [[order[i] for i in r] for r in split_minibatches(len(peer), nmb)]
+    has_peer = [any(peer[g] for g in mb) for mb in mbs]
+    first_peer = has_peer.index(True) if True in has_peer else len(mbs)
+    assert not any(has_peer[:first_peer]) and all(has_peer[first_peer:])
+
+
+def test_transfer_plans():
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    adv = group_advantages(torch.tensor([rewards]))[0].tolist()
+    whole = plan_transfer(rewards, adv, "group")
+    assert whole.peer_index == (0, 1, 2, 3) and whole.advantages == tuple(adv)
+    succ = plan_transfer(rewards, adv, "success_only")
+    assert succ.peer_index == (0, 3) and succ.advantages == (adv[0], adv[3])
+    pooled = plan_transfer(rewards, adv, "pooled", own_rewards=[0.0] * 4)
+    assert pooled.peer_index == (None,) * 4 + (0, 1, 2, 3)
+    expected = group_advantages(torch.tensor([[0.0] * 4 + rewards]))[0].tolist()
+    assert list(pooled.advantages) == pytest.approx(expected)
