@@ -50,6 +50,10 @@ class RunSection:
     tensorboard: bool = False
     #: Torch intra-op threads (0 = torch's default).
     threads: int = 0
+    #: Record every sampled group (texts, generation log-probs, rewards, advantages) to
+    #: OUTPUT_DIR/trajectories.sqlite, so other models can later train against this run
+    #: (GRAFT's stored mode).
+    record_groups: bool = True
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, f"run.steps must be >= 1, got {self.steps}")
@@ -237,6 +241,44 @@ class EvalSection:
 
 
 @dataclass(frozen=True)
+class GraftSection:
+    """GRAFT's exchange (GRAFT.md sections 1-2). Every ablation of the paper is one switch here
+    (plus algorithm.ratio for the sequence-level ratio and rollout.n for larger-n GRPO)."""
+
+    #: Compatibility floor delta of Eq. 8: peer responses with s <= delta are dropped (paper: 0.8).
+    delta: float = 0.8
+    #: Apply the gate of Eq. 8; false = every peer response gets w = 1 ("no gate" ablation).
+    gate: bool = True
+    #: "pairwise": the paper's balancing, m = min(|C_AB|, |C_BA|) with ties; "none": every
+    #: candidate in each direction ("no balancing" ablation; always so in stored mode).
+    balance: str = "pairwise"
+    #: Minibatch order: "peer_last" (paper), "peer_first" or "shuffled" (ablations).
+    order: str = "peer_last"
+    #: What moves: "group" (the source's whole group, paper), "success_only" or "pooled" (ablations).
+    transfer: str = "group"
+    #: Re-verify every peer response with this model's verifier; a group whose claimed rewards
+    #: disagree is rejected (never trained on) and counted. Off only for debugging.
+    reverify: bool = True
+    #: Stored mode: the trajectories.sqlite of a peer run to learn from (null = off).
+    peer_store: str | None = None
+    #: Which run in the store to use when it holds several (null = the only one).
+    peer_run: str | None = None
+    #: Which stored group serves a prompt: "same_step" (the paper's same prompt schedule),
+    #: "latest_before" (freshest at a step <= this one) or "latest".
+    store_match: str = "same_step"
+
+    def __post_init__(self) -> None:
+        require(0 <= self.delta < 1, f"graft.delta must be in [0, 1), got {self.delta}")
+        require(self.balance in ("pairwise", "none"), "graft.balance must be 'pairwise' or 'none'")
+        require(self.order in ("peer_last", "peer_first", "shuffled"),
+                "graft.order must be peer_last, peer_first or shuffled")
+        require(self.transfer in ("group", "success_only", "pooled"),
+                "graft.transfer must be group, success_only or pooled")
+        require(self.store_match in ("same_step", "latest_before", "latest"),
+                "graft.store_match must be same_step, latest_before or latest")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """One training run of one model."""
 
@@ -248,16 +290,18 @@ class TrainConfig:
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     optim: OptimSection = field(default_factory=OptimSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    graft: GraftSection = field(default_factory=GraftSection)
 
     def __post_init__(self) -> None:
         if self.algorithm.num_minibatches * self.algorithm.epochs == 1:
             warnings.warn("one minibatch and one epoch per step: every ratio is exactly 1, so clipping is "
-                          "inert (and GRAFT's peer-last ordering has no effect)", stacklevel=2)
+                          "inert and GRAFT's peer-last ordering has no effect; use >= 2 minibatches",
+                          stacklevel=2)
 
     # Fields that may change between a run and its resumption without changing its results.
     _RESUME_FREE = {("run", "steps"), ("run", "output_dir"), ("run", "checkpoint_every"),
                     ("run", "keep_checkpoints"), ("run", "eval_every"), ("run", "tensorboard"),
-                    ("run", "threads"), ("run", "name"), ("run", "device"), ("eval",),
+                    ("run", "threads"), ("run", "name"), ("run", "device"), ("run", "record_groups"), ("eval",),
                     ("verifier", "workers"), ("verifier", "timeout_s"), ("rollout", "batch_size"),
                     ("algorithm", "micro_batch_size")}
 

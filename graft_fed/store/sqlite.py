@@ -1,0 +1,158 @@
+"""SQLite trajectory store: one file per run, indexed by prompt id and step.
+
+The store is the paper's "stored peer trajectories": a log of every group a run sampled
+(prompt, texts, generation log-probs, rewards, advantages, lengths), which another model
+can later train against (GRAFT.md section 2). WAL mode lets a reader (a receiver) open
+the file while its writer is still training.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from graft_fed.core.records import GroupRecord, RecordError
+from graft_fed.errors import DataError
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS groups (
+    run_id TEXT NOT NULL,
+    model_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    prompt_id TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    k INTEGER NOT NULL,
+    payload TEXT NOT NULL,
+    PRIMARY KEY (run_id, step, prompt_id)
+);
+CREATE INDEX IF NOT EXISTS groups_by_prompt ON groups (prompt_id, step);
+"""
+
+
+class TrajectoryStore:
+    def __init__(self, path: str | Path, readonly: bool = False) -> None:
+        self.path = Path(path)
+        if readonly and not self.path.is_file():
+            raise DataError(f"trajectory store {self.path} does not exist; give the trajectories.sqlite "
+                            "file of a finished run (run.record_groups: true)")
+        uri = f"file:{self.path}?mode=ro" if readonly else f"file:{self.path}"
+        if not readonly:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.db = sqlite3.connect(uri, uri=True, check_same_thread=False)
+            if not readonly:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute("PRAGMA synchronous=NORMAL")
+                self.db.executescript(_SCHEMA)
+                self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                self.db.commit()
+            row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise DataError(f"{self.path} is not a readable trajectory store: {exc}") from None
+        if row is None or int(row[0]) != SCHEMA_VERSION:
+            raise DataError(f"{self.path}: trajectory store schema {row[0] if row else '?'} is not "
+                            f"{SCHEMA_VERSION}; re-export it with this graft-fed version")
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> "TrajectoryStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def record(self, records: Iterable[GroupRecord]) -> int:
+        """Insert (or replace: a resumed run re-records the steps after its checkpoint) groups."""
+        rows = [(r.run_id, r.model_id, r.step, r.prompt_id, r.n, r.k, json.dumps(r.to_dict()))
+                for r in records]
+        with self.db:
+            self.db.executemany("INSERT OR REPLACE INTO groups VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+        return len(rows)
+
+    def runs(self) -> list[tuple[str, str, int]]:
+        """(run_id, model_id, number of groups) for every run in the store."""
+        return [tuple(r) for r in self.db.execute(
+            "SELECT run_id, model_id, COUNT(*) FROM groups GROUP BY run_id, model_id ORDER BY run_id")]
+
+    @staticmethod
+    def _decode(payload: str) -> GroupRecord:
+        try:
+            return GroupRecord.from_dict(json.loads(payload))
+        except (json.JSONDecodeError, RecordError) as exc:
+            raise DataError(f"corrupt group in trajectory store: {exc}") from None
+
+    def lookup(self, prompt_ids: Sequence[str], step: int | None = None, run_id: str | None = None,
+               match: str = "same_step") -> dict[str, GroupRecord]:
+        """The stored group for each prompt id.
+
+        match: "same_step" (the paper's stored mode: the peer's group for this prompt at the
+        same step of the same prompt schedule), "latest_before" (the freshest group at a
+        step <= `step`), or "latest" (the freshest group at any step).
+        """
+        out: dict[str, GroupRecord] = {}
+        run_clause = " AND run_id = ?" if run_id is not None else ""
+        for pid in prompt_ids:
+            args: list = [pid]
+            if match == "same_step":
+                sql = "SELECT payload FROM groups WHERE prompt_id = ? AND step = ?"
+                args.append(step)
+            elif match == "latest_before":
+                sql = "SELECT payload FROM groups WHERE prompt_id = ? AND step <= ?"
+                args.append(step)
+            elif match == "latest":
+                sql = "SELECT payload FROM groups WHERE prompt_id = ?"
+            else:
+                raise ValueError(f"unknown match {match!r}")
+            if run_id is not None:
+                args.append(run_id)
+            row = self.db.execute(sql + run_clause + " ORDER BY step DESC LIMIT 1", args).fetchone()
+            if row is not None:
+                out[pid] = self._decode(row[0])
+        return out
+
+    def iter_records(self, run_id: str | None = None) -> Iterator[GroupRecord]:
+        sql, args = "SELECT payload FROM groups", []
+        if run_id is not None:
+            sql += " WHERE run_id = ?"
+            args.append(run_id)
+        for (payload,) in self.db.execute(sql + " ORDER BY run_id, step, prompt_id", args):
+            yield self._decode(payload)
+
+    def export(self, out: str | Path, run_id: str | None = None) -> int:
+        """Write the store as JSONL (.jsonl) or Parquet (.parquet, needs pyarrow) for sharing."""
+        out = Path(out)
+        records = [r.to_dict() for r in self.iter_records(run_id)]
+        if out.suffix == ".parquet":
+            try:
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise DataError("Parquet export needs pyarrow: pip install 'graft-fed[data]'") from None
+            for r in records:
+                r["meta"] = json.dumps(r["meta"])
+            pq.write_table(pa.Table.from_pylist(records), out)
+        else:
+            with out.open("w", encoding="utf-8") as fh:
+                for r in records:
+                    fh.write(json.dumps(r) + "\n")
+        return len(records)
+
+    @staticmethod
+    def import_jsonl(path: str | Path, store_path: str | Path) -> int:
+        """Load an exported JSONL into a store (validating every record)."""
+        recs = []
+        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                recs.append(GroupRecord.from_dict(json.loads(line)))
+            except (json.JSONDecodeError, RecordError) as exc:
+                raise DataError(f"{path}:{n}: {exc}") from None
+        with TrajectoryStore(store_path) as store:
+            return store.record(recs)

@@ -1,0 +1,204 @@
+"""The receiver's side of GRAFT (GRAFT.md steps 7-10 and section 2).
+
+Given this model's own groups for a step and, for some of its all-fail prompts, a peer's
+group record, it re-verifies the peer's rewards with its own verifier, re-renders the
+prompt with its own template, re-tokenises every peer response string with its own
+tokenizer, scores compatibility with one likelihood pass of its old policy, and replaces
+the failed group by the peer group with the source's advantages and the gate's weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+
+from graft_fed.core.exchange import Quantiles, compatibility, gate_weights, mean_token_logprob, plan_transfer
+from graft_fed.core.records import GroupRecord, RecordError
+from graft_fed.modeling import pack
+from graft_fed.rollout.base import Completion
+
+if TYPE_CHECKING:
+    from graft_fed.trainer.grpo import GRPOTrainer, Group
+
+
+def tokenizer_id(tokenizer: Any) -> str:
+    """A short fingerprint of a tokenizer's vocabulary: equal ids mean equal tokenisations."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    digest = hashlib.sha256(repr(vocab).encode()).hexdigest()[:12]
+    return f"{type(tokenizer).__name__}:{len(vocab)}:{digest}"
+
+
+def to_record(group: "Group", step: int, model_id: str, tok_id: str, run_id: str) -> GroupRecord:
+    """What this model publishes about one of its own groups."""
+    return GroupRecord(
+        prompt_id=group.prompt.id, step=step, model_id=model_id, tokenizer_id=tok_id,
+        problem=group.prompt.problem, answer=group.prompt.answer,
+        rewards=tuple(float(r) for r in group.rewards.tolist()),
+        advantages=tuple(float(a) for a in group.advantages.tolist()),
+        texts=tuple(c.text for c in group.completions),
+        finish_reasons=tuple(c.finish_reason for c in group.completions),
+        lengths=tuple(len(c.token_ids) for c in group.completions),
+        mean_logprobs=tuple(c.mean_logprob for c in group.completions),
+        run_id=run_id, meta={k: v for k, v in group.prompt.meta.items() if isinstance(v, (str, int, float))})
+
+
+def retokenise(tokenizer: Any, text: str, finish_reason: str, eos_id: int) -> list[int]:
+    """The receiver's own token ids for a peer response string (never the peer's ids).
+    A response that stopped gets the receiver's EOS so the receiver learns to stop."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if finish_reason == "stop" or not ids:
+        ids.append(eos_id)
+    return ids
+
+
+@dataclass
+class ReceiveResult:
+    groups: list["Group"]  # the step's groups with replacements made, in the original order
+    metrics: dict[str, Any]
+
+
+def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str, GroupRecord]) -> ReceiveResult:
+    """Replace own all-fail groups by the offered peer groups (one source group per prompt)."""
+    from graft_fed.trainer.grpo import Group
+
+    g = trainer.cfg.graft
+    t0 = time.perf_counter()
+    counts: dict[str, float] = defaultdict(float)
+    per_source: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    index = {grp.prompt.id: i for i, grp in enumerate(own)}
+    accepted: list[tuple[int, GroupRecord]] = []
+    for pid, rec in offers.items():
+        counts["offered"] += 1
+        i = index.get(pid)
+        if i is None or own[i].k != 0:
+            counts["rejected_not_all_fail"] += 1  # a receiver never takes a group it did not need
+            continue
+        try:
+            rec.validate()
+        except RecordError:
+            counts["rejected_malformed"] += 1
+            per_source[rec.model_id]["rejected"] += 1
+            continue
+        if rec.kind != "informative" and g.transfer != "pooled":
+            counts["rejected_uninformative"] += 1
+            continue
+        accepted.append((i, rec))
+
+    # Re-verify every peer response against OUR answer with OUR verifier (section 3).
+    if g.reverify and accepted:
+        texts = [t for _, rec in accepted for t in rec.texts]
+        answers = [own[i].prompt.answer for i, rec in accepted for _ in rec.texts]
+        scored = trainer.verifier.score(texts, answers).rewards
+        kept, pos = [], 0
+        for i, rec in accepted:
+            mine = scored[pos:pos + rec.n]
+            pos += rec.n
+            if [float(r) for r in mine] != [float(r) for r in rec.rewards]:
+                counts["rejected_reverify"] += 1
+                per_source[rec.model_id]["rejected_reverify"] += 1
+                continue
+            kept.append((i, rec))
+        accepted = kept
+
+    # Re-tokenise and score compatibility in one batched likelihood pass of pi_old^R.
+    eos = trainer.engine.eos_ids[0]
+    plans, prompt_ids, resp_ids, owners = [], [], [], []
+    for i, rec in accepted:
+        plan = plan_transfer(rec.rewards, rec.advantages, g.transfer,  # type: ignore[arg-type]
+                             own_rewards=own[i].rewards.tolist() if g.transfer == "pooled" else (),
+                             scale=trainer.cfg.algorithm.scale_rewards, std=trainer.cfg.algorithm.std)
+        plans.append(plan)
+        for j in plan.peer_index:
+            if j is None:
+                continue
+            prompt_ids.append(own[i].prompt_ids)
+            resp_ids.append(retokenise(trainer.tokenizer, rec.texts[j], rec.finish_reasons[j], eos))
+            owners.append((len(plans) - 1, j))
+    lbar_r = torch.empty(0)
+    token_lps: list[list[float]] = []
+    if resp_ids:
+        mb = trainer.cfg.algorithm.micro_batch_size
+        chunks, lp_rows = [], []
+        with torch.no_grad():
+            for s in range(0, len(resp_ids), mb):
+                batch = pack(prompt_ids[s:s + mb], resp_ids[s:s + mb], trainer.tokenizer.pad_token_id, trainer.device)
+                lp = trainer._forward(trainer.model, batch).logprobs.float()
+                chunks.append(mean_token_logprob(lp, batch.response_mask).cpu())
+                for r in range(lp.shape[0]):
+                    lp_rows.append(lp[r, :len(resp_ids[s + r])].cpu().tolist())
+        lbar_r = torch.cat(chunks)
+        token_lps = lp_rows
+    src_lbar = torch.tensor([accepted[p][1].mean_logprobs[j] for p, j in owners], dtype=torch.float32)
+    s_all = compatibility(lbar_r, src_lbar) if resp_ids else torch.empty(0)
+    w_all = gate_weights(s_all, g.delta, g.gate) if resp_ids else torch.empty(0)
+
+    out = list(own)
+    cursor = 0
+    s_values: list[float] = []
+    for plan_idx, ((i, rec), plan) in enumerate(zip(accepted, plans)):
+        completions, rewards, weights, from_peer = [], [], [], []
+        for j, adv in zip(plan.peer_index, plan.advantages):
+            if j is None:
+                c = own[i].completions[len(completions)]
+                completions.append(c)
+                rewards.append(0.0)
+                weights.append(1.0)
+                from_peer.append(False)
+                continue
+            s_val, w_val = float(s_all[cursor]), float(w_all[cursor])
+            completions.append(Completion(text=rec.texts[j], token_ids=resp_ids[cursor],
+                                          logprobs=token_lps[cursor], finish_reason=rec.finish_reasons[j],  # type: ignore[arg-type]
+                                          prompt_token_ids=list(own[i].prompt_ids)))
+            rewards.append(rec.rewards[j])
+            weights.append(w_val)
+            from_peer.append(True)
+            s_values.append(s_val)
+            src = per_source[rec.model_id]
+            src["peer_responses"] += 1
+            src["admitted"] += 1.0 if w_val > 0 else 0.0
+            src["s_sum"] += s_val
+            cursor += 1
+        if not any(w > 0 for w, fp in zip(weights, from_peer) if fp):
+            counts["replaced_all_dropped"] += 1
+        out[i] = Group(prompt=own[i].prompt, prompt_ids=own[i].prompt_ids, completions=completions,
+                       rewards=torch.tensor(rewards), advantages=torch.tensor(plan.advantages, dtype=torch.float32),
+                       weights=torch.tensor(weights, dtype=torch.float32), source=rec.model_id, from_peer=from_peer)
+        counts["replaced"] += 1
+        per_source[rec.model_id]["replaced"] += 1
+
+    peer_resp = sum(src["peer_responses"] for src in per_source.values())
+    admitted = sum(src["admitted"] for src in per_source.values())
+    q = Quantiles.of(s_values)
+    metrics: dict[str, Any] = {f"graft/{k}": v for k, v in counts.items()}
+    metrics.update({
+        "graft/peer_responses": peer_resp,
+        "graft/admitted_frac": admitted / peer_resp if peer_resp else float("nan"),
+        "graft/s_p10": q.p10, "graft/s_p50": q.p50, "graft/s_p90": q.p90,
+        "graft/s_values": [round(v, 4) for v in s_values],
+        "time/graft": time.perf_counter() - t0,
+    })
+    for name, src in per_source.items():
+        metrics[f"graft/from/{name}/replaced"] = src["replaced"]
+        if src["peer_responses"]:
+            metrics[f"graft/from/{name}/admitted_frac"] = src["admitted"] / src["peer_responses"]
+            metrics[f"graft/from/{name}/s_mean"] = src["s_sum"] / src["peer_responses"]
+    return ReceiveResult(groups=out, metrics=metrics)
+
+
+def offer_metrics(own: Sequence["Group"], source_kn: Mapping[str, tuple[int, int]], n_candidates: int,
+                  n_selected: int, prefix: str = "graft") -> dict[str, float]:
+    """Diagnostics of one direction before receiving: all-fail, candidates, selected, and
+    complementarity (share of our all-fail prompts the source solved at least once)."""
+    all_fail = [grp for grp in own if grp.k == 0]
+    solved = sum(1 for grp in all_fail if source_kn.get(grp.prompt.id, (0, 0))[0] >= 1)
+    return {
+        f"{prefix}/all_fail": float(len(all_fail)),
+        f"{prefix}/candidates": float(n_candidates),
+        f"{prefix}/selected": float(n_selected),
+        f"{prefix}/complementarity": solved / len(all_fail) if all_fail else float("nan"),
+    }
