@@ -27,12 +27,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     from graft_fed.trainer.config import load_train_config
     from graft_fed.trainer.grpo import GRPOTrainer
 
-    cfg = load_train_config(args.config, _parse_overrides(args.set))
+    overrides = _parse_overrides(args.set)
+    if args.peer_store:
+        overrides["graft.peer_store"] = args.peer_store
+    if args.peer_run:
+        overrides["graft.peer_run"] = args.peer_run
+    cfg = load_train_config(args.config, overrides)
     with GRPOTrainer(cfg, resume=args.resume, quiet=args.quiet) as trainer:
         summary = trainer.train(evaluate_before_after=not args.no_eval)
+    _print_summary(cfg, trainer.step, summary)
+    return 0
+
+
+def _print_summary(cfg, steps: int, summary: dict) -> None:
     before = summary.get("eval_before", {}).get("pass@1")
     after = summary.get("eval_after", {}).get("pass@1")
-    print(f"run {cfg.run.name}: {trainer.step} steps, checkpoint {summary['final_checkpoint']}")
+    print(f"run {cfg.run.name}: {steps} steps, checkpoint {summary['final_checkpoint']}")
     if after is not None:
         b = f"{before:.3f}" if before is not None else "n/a (resumed)"
         print(f"held-out pass@1 ({cfg.eval.data.source}:{cfg.eval.data.split}): before {b} -> after {after:.3f} "
@@ -40,6 +50,33 @@ def cmd_train(args: argparse.Namespace) -> int:
         for fam, v in summary["eval_after"].get("by_group", {}).items():
             bv = summary.get("eval_before", {}).get("by_group", {}).get(fam)
             print(f"  {fam:>6}: " + (f"{bv:.3f} -> " if bv is not None else "") + f"{v:.3f}")
+
+
+def cmd_cotrain(args: argparse.Namespace) -> int:
+    from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config
+
+    cfg = load_cotrain_config(args.config, _parse_overrides(args.set))
+    with CoTrainer(cfg, resume=args.resume, quiet=args.quiet) as co:
+        summaries = co.train(evaluate_before_after=not args.no_eval)
+        for i, summary in enumerate(summaries):
+            _print_summary(cfg.member_config(i), co.step, summary)
+    return 0
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    from graft_fed.store import TrajectoryStore
+
+    if args.store_command == "export":
+        with TrajectoryStore(args.store, readonly=True) as store:
+            n = store.export(args.out, run_id=args.run)
+        print(f"wrote {n} groups to {args.out}")
+    elif args.store_command == "import":
+        n = TrajectoryStore.import_jsonl(args.file, args.store)
+        print(f"imported {n} groups into {args.store}")
+    else:
+        with TrajectoryStore(args.store, readonly=True) as store:
+            for run_id, model_id, count in store.runs():
+                print(f"{run_id}\t{model_id}\t{count} groups")
     return 0
 
 
@@ -101,7 +138,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume from a checkpoint directory, or from the latest one in run.output_dir")
     t.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation before and after")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--peer-store", metavar="PATH",
+                   help="GRAFT stored mode: learn from the groups of a peer run's trajectories.sqlite")
+    t.add_argument("--peer-run", metavar="RUN_ID", help="which run of the peer store (when it holds several)")
     t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("cotrain", help="co-train N models with GRAFT exchange on one machine",
+                       description="Co-train models on the same prompt batches with GRAFT exchange in every "
+                                   "direction. The config is a train config plus `members`.")
+    c.add_argument("--config", required=True, help="cotrain config YAML")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    c.add_argument("--resume", action="store_const", const="auto", default=None,
+                   help="resume every member from its latest checkpoint")
+    c.add_argument("--no-eval", action="store_true")
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(func=cmd_cotrain)
+
+    st = sub.add_parser("store", help="inspect, export or import a trajectory store")
+    st_sub = st.add_subparsers(dest="store_command", required=True)
+    ls = st_sub.add_parser("list", help="runs in a store")
+    ls.add_argument("store")
+    ex = st_sub.add_parser("export", help="export to JSONL or Parquet")
+    ex.add_argument("store")
+    ex.add_argument("out", help="output .jsonl or .parquet")
+    ex.add_argument("--run", help="only this run id")
+    im = st_sub.add_parser("import", help="import an exported JSONL into a store")
+    im.add_argument("file")
+    im.add_argument("store")
+    st.set_defaults(func=cmd_store)
 
     e = sub.add_parser("eval", help="pass@1 of a model on a benchmark or prompt file")
     e.add_argument("--model", required=True, help="model directory or zoo:<name>")

@@ -497,34 +497,47 @@ class GRPOTrainer:
         write_eval(result, self.out_dir / "eval", tag)
         return result
 
-    def train(self, evaluate_before_after: bool = True) -> dict[str, Any]:
-        from tqdm.auto import tqdm
-
-        r = self.cfg.run
-        summary: dict[str, Any] = {"run": r.name, "output_dir": str(self.out_dir)}
+    def begin_train(self, evaluate_before_after: bool = True) -> dict[str, Any]:
+        summary: dict[str, Any] = {"run": self.cfg.run.name, "output_dir": str(self.out_dir)}
         if evaluate_before_after and self.step == 0:
             before = self.evaluate("step_000000")
             summary["eval_before"] = before.summary()
             self.metrics.write({"step": 0, "eval/pass@1": before.pass_at_1, "eval/stderr": before.stderr})
-        bar = tqdm(total=r.steps, initial=self.step, desc=r.name, disable=self.quiet, dynamic_ncols=True)
-        row: dict[str, float] = {}
-        while self.step < r.steps:
-            row = self.train_step()
-            if r.eval_every and self.step % r.eval_every == 0 and self.step < r.steps:
-                ev = self.evaluate(f"step_{self.step:06d}")
-                row.update({"eval/pass@1": ev.pass_at_1, "eval/stderr": ev.stderr})
-            self.metrics.write(row)
-            if r.checkpoint_every and self.step % r.checkpoint_every == 0 and self.step < r.steps:
-                self.save_checkpoint()
-            bar.update(1)
-            bar.set_postfix(reward=f"{row['reward']:.3f}", all_fail=f"{row['frac_all_fail']:.2f}",
-                            s_per_step=f"{row['time/step']:.1f}")
-        bar.close()
+        return summary
+
+    def end_step(self, row: dict[str, Any]) -> None:
+        """Periodic evaluation, the metrics row, periodic checkpoint."""
+        r = self.cfg.run
+        if r.eval_every and self.step % r.eval_every == 0 and self.step < r.steps:
+            ev = self.evaluate(f"step_{self.step:06d}")
+            row.update({"eval/pass@1": ev.pass_at_1, "eval/stderr": ev.stderr})
+        self.metrics.write(row)
+        if r.checkpoint_every and self.step % r.checkpoint_every == 0 and self.step < r.steps:
+            self.save_checkpoint()
+
+    def end_train(self, summary: dict[str, Any], last_row: dict[str, Any],
+                  evaluate_before_after: bool = True) -> dict[str, Any]:
         summary["final_checkpoint"] = str(self.save_checkpoint())
-        summary["last_step"] = row
+        summary["last_step"] = {k: v for k, v in last_row.items() if not isinstance(v, list)}
         if evaluate_before_after:
             after = self.evaluate(f"step_{self.step:06d}")
             summary["eval_after"] = after.summary()
             self.metrics.write({"step": self.step, "eval/pass@1": after.pass_at_1, "eval/stderr": after.stderr})
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
         return summary
+
+    def train(self, evaluate_before_after: bool = True) -> dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        summary = self.begin_train(evaluate_before_after)
+        bar = tqdm(total=self.cfg.run.steps, initial=self.step, desc=self.cfg.run.name, disable=self.quiet,
+                   dynamic_ncols=True)
+        row: dict[str, Any] = {}
+        while self.step < self.cfg.run.steps:
+            row = self.train_step()
+            self.end_step(row)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward']:.3f}", all_fail=f"{row['frac_all_fail']:.2f}",
+                            s_per_step=f"{row['time/step']:.1f}")
+        bar.close()
+        return self.end_train(summary, row, evaluate_before_after)

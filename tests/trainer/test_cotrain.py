@@ -1,0 +1,66 @@
+import math
+
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graft_fed.core.exchange import balanced_pair, candidates
+from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config, select_sources
+from tests.trainer.test_grpo import prompt_file  # noqa: F401 - fixture
+
+ks = st.dictionaries(st.sampled_from([f"p{i}" for i in range(16)]), st.integers(0, 4), min_size=16, max_size=16)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ks, ks, st.booleans())
+def test_two_models_select_exactly_the_papers_rule(ka, kb, balance):
+    kn = [{p: (k, 4) for p, k in ka.items()}, {p: (k, 4) for p, k in kb.items()}]
+    s_ab, s_ba = balanced_pair(candidates(kn[1], kn[0]), candidates(kn[0], kn[1]), balance)
+    got = select_sources(kn, balance, {})
+    assert got[1] == {p: 0 for p in s_ab} and got[0] == {p: 1 for p in s_ba}
+
+
+@settings(max_examples=100, deadline=None)
+@given(ks, ks, ks)
+def test_n_models_one_valid_source_per_prompt(ka, kb, kc):
+    kn = [{p: (k, 4) for p, k in d.items()} for d in (ka, kb, kc)]
+    for r, chosen in enumerate(select_sources(kn, True, {})):
+        for pid, s in chosen.items():
+            assert s != r and kn[r][pid][0] == 0 and 1 <= kn[s][pid][0] < 4
+
+
+def test_untried_pairs_are_explored_before_known_ones():
+    kn = [{"p": (0, 4)}, {"p": (3, 4)}, {"p": (1, 4)}]
+    # receiver 0: source 1 has the higher k but a known low compatibility; source 2 is untried
+    assert select_sources(kn, False, {(1, 0): 0.5})[0] == {"p": 2}
+    assert select_sources(kn, False, {(1, 0): 0.9, (2, 0): 0.5})[0] == {"p": 1}
+
+
+def test_cotrain_two_heterogeneous_models_end_to_end(tiny_llama, tiny_gpt2, prompt_file, tmp_path):  # noqa: F811
+    cfg = {
+        "run": {"output_dir": str(tmp_path / "co"), "steps": 2, "seed": 3, "device": "cpu", "threads": 1,
+                "checkpoint_every": 0},
+        "data": {"source": str(prompt_file)},
+        "rollout": {"n": 2, "max_new_tokens": 6},
+        "verifier": {"name": "tests.plugins:odd_char_sum"},
+        "algorithm": {"prompts_per_step": 8, "num_minibatches": 2},
+        "optim": {"lr": 1e-3},
+        "members": [{"name": "llama", "model": {"path": str(tiny_llama)}},
+                    {"name": "gpt2", "model": {"path": str(tiny_gpt2)}, "optim": {"lr": 1e-4}}],
+    }
+    path = tmp_path / "co.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    conf = load_cotrain_config(path)
+    assert conf.member_config(1).optim.lr == 1e-4 and conf.member_config(0).optim.lr == 1e-3
+    with CoTrainer(conf, quiet=True) as co:
+        summaries = co.train(evaluate_before_after=False)
+    assert len(summaries) == 2
+    replaced = 0
+    for name in ("llama", "gpt2"):
+        rows = [__import__("json").loads(x) for x in (tmp_path / "co" / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2]
+        for r in rows:
+            assert r["graft/selected"] <= r["graft/candidates"] <= r["graft/all_fail"]
+            replaced += r.get("graft/replaced", 0)
+            assert math.isnan(r["clip_ratio/peer"] or math.nan) or 0 <= r["clip_ratio/peer"] <= 1
+    assert (tmp_path / "co" / "llama" / "trajectories.sqlite").exists()
