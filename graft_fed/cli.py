@@ -63,6 +63,19 @@ def cmd_cotrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from graft_fed.experiment import Experiment, load_experiment_config, write_report
+
+    cfg = load_experiment_config(args.config, quick=args.quick)
+    if args.output_dir:
+        import dataclasses
+        cfg = dataclasses.replace(cfg, output_dir=args.output_dir)
+    report = write_report(cfg) if args.report_only else Experiment(cfg, quiet=args.quiet).run()
+    print(report.read_text(encoding="utf-8"))
+    print(f"report: {report}")
+    return 0
+
+
 def cmd_store(args: argparse.Namespace) -> int:
     from graft_fed.store import TrajectoryStore
 
@@ -153,6 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-eval", action="store_true")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(func=cmd_cotrain)
+
+    x = sub.add_parser("experiment", help="the paper's experiment in miniature (GRPO vs GRAFT and ablations)",
+                       description="Run every arm of an experiment config over its seeds (resumable: finished "
+                                   "runs are skipped) and write report.md with plots.")
+    x.add_argument("--config", required=True, help="experiment YAML, e.g. bench/paper_miniature.yaml")
+    x.add_argument("--quick", action="store_true", help="apply the config's `quick` overrides (minutes, not hours)")
+    x.add_argument("--output-dir", help="override the config's output_dir")
+    x.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
+    x.add_argument("--quiet", action="store_true")
+    x.set_defaults(func=cmd_experiment)
 
     st = sub.add_parser("store", help="inspect, export or import a trajectory store")
     st_sub = st.add_subparsers(dest="store_command", required=True)

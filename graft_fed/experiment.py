@@ -1,0 +1,317 @@
+"""The paper's experiment in miniature: for each pair of models, GRPO n=8, GRPO n=16,
+GRAFT co-trained, GRAFT from stored trajectories and ablations, over several seeds, each
+final model evaluated on a held-out test split; a Markdown report in the paper's layout
+and PNG plots.
+
+Every arm is an ordinary run (train or cotrain) in its own folder; a finished run has a
+summary.json and is skipped on re-invocation, so the experiment resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from graft_fed.configbase import from_mapping, load_yaml, require, to_dict
+from graft_fed.errors import ConfigError
+from graft_fed.trainer.config import GraftSection, ModelSection, TrainConfig
+
+log = logging.getLogger("graft_fed.experiment")
+
+# Ablation arms: name -> (graft overrides, algorithm overrides). Each is one config switch.
+ABLATIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "graft": ({}, {}),
+    "no_gate": ({"gate": False}, {}),
+    "delta0": ({"delta": 0.0}, {}),
+    "no_balance": ({"balance": "none"}, {}),
+    "peer_first": ({"order": "peer_first"}, {}),
+    "shuffled": ({"order": "shuffled"}, {}),
+    "pooled": ({"transfer": "pooled"}, {}),
+    "success_only": ({"transfer": "success_only"}, {}),
+    "seq_ratio": ({}, {"ratio": "sequence"}),
+}
+BASELINES = ("grpo_n8", "grpo_n16")
+ARMS = BASELINES + ("stored",) + tuple(ABLATIONS)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """The miniature experiment (bench/paper_miniature.yaml)."""
+
+    #: Where every run and the report go.
+    output_dir: str = "runs/miniature"
+    #: Seeds; each arm runs once per seed.
+    seeds: tuple[int, ...] = (0, 1, 2)
+    #: name -> model spec (zoo:<name> or a path), with its prompt template.
+    models: Mapping[str, Any] = field(default_factory=dict)
+    #: Pairs of model names, each trained together in the GRAFT arms.
+    pairs: tuple[tuple[str, str], ...] = ()
+    #: Arms to run: grpo_n8, grpo_n16, stored, and any of the ablations (graft, no_gate, ...).
+    arms: tuple[str, ...] = ("grpo_n8", "grpo_n16", "graft", "stored", "no_gate")
+    #: The run config every arm starts from (model and output_dir are set per run).
+    base: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        require(len(self.seeds) >= 1, "experiment.seeds must hold at least one seed")
+        require(len(self.models) >= 2, "experiment.models must name at least two models")
+        for a, b in self.pairs:
+            require(a in self.models and b in self.models and a != b,
+                    f"pair ({a}, {b}) must name two different models of experiment.models")
+        unknown = [a for a in self.arms if a not in ARMS]
+        require(not unknown, f"unknown arms {unknown}; choose from {list(ARMS)}")
+        require("stored" not in self.arms or "grpo_n8" in self.arms,
+                "the stored arm learns from the grpo_n8 runs' trajectories: add grpo_n8 to arms")
+
+
+def load_experiment_config(path: str | Path, quick: bool = False) -> ExperimentConfig:
+    data = load_yaml(path)
+    quick_over = data.pop("quick", None)
+    if quick and quick_over:
+        for key, value in quick_over.items():
+            if key == "base":
+                data["base"] = _deep_merge(data.get("base", {}), value)
+            else:
+                data[key] = value
+    try:
+        return from_mapping(ExperimentConfig, data)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid experiment config {path}: {exc}") from None
+
+
+def _deep_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def _model_section(spec: Any) -> dict[str, Any]:
+    return {"path": spec} if isinstance(spec, str) else dict(spec)
+
+
+class Experiment:
+    def __init__(self, cfg: ExperimentConfig, quiet: bool = True) -> None:
+        self.cfg = cfg
+        self.root = Path(cfg.output_dir)
+        self.quiet = quiet
+        # Validate the base config once, up front, with a placeholder model.
+        self._train_cfg("validate", "x", next(iter(cfg.models)), 0)
+
+    def _train_cfg(self, arm: str, run_name: str, model: str, seed: int, **over: Any) -> TrainConfig:
+        base = _deep_merge(self.cfg.base, {
+            "run": {"name": run_name, "output_dir": str(self.root / arm / f"seed{seed}" / run_name), "seed": seed},
+            "model": _model_section(self.cfg.models[model]),
+        })
+        base = _deep_merge(base, over)
+        return from_mapping(TrainConfig, base)
+
+    def _done(self, out_dir: Path) -> bool:
+        return (out_dir / "summary.json").is_file()
+
+    def run_single(self, arm: str, run_name: str, model: str, seed: int, **over: Any) -> None:
+        from graft_fed.trainer.grpo import GRPOTrainer
+
+        cfg = self._train_cfg(arm, run_name, model, seed, **over)
+        # The model id (what peers and the store call it) is the model's name, whatever the folder.
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=model))
+        if self._done(Path(cfg.run.output_dir)):
+            return
+        log.info("%s seed %d: %s", arm, seed, run_name)
+        with GRPOTrainer(cfg, resume="auto", quiet=self.quiet) as t:
+            t.train()
+
+    def run_pair(self, arm: str, a: str, b: str, seed: int) -> None:
+        from graft_fed.trainer.cotrain import CoTrainer, CotrainConfig, MemberSection
+
+        g_over, alg_over = ABLATIONS[arm]
+        name = f"{a}+{b}"
+        out = self.root / arm / f"seed{seed}" / name
+        if all(self._done(out / m) for m in (a, b)):
+            return
+        log.info("%s seed %d: %s", arm, seed, name)
+        base = self._train_cfg(arm, name, a, seed, graft=g_over, algorithm=alg_over)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(TrainConfig)}
+        fields["run"] = dataclasses.replace(base.run, output_dir=str(out))
+        members = tuple(MemberSection(name=m, model=from_mapping(ModelSection, _model_section(self.cfg.models[m])))
+                        for m in (a, b))
+        with CoTrainer(CotrainConfig(**fields, members=members), resume="auto", quiet=self.quiet) as co:
+            co.train()
+
+    def run_stored(self, receiver: str, peer: str, seed: int) -> None:
+        """The paper's stored mode: the receiver learns from the peer's own GRPO n=8 run of the
+        same seed (hence the same prompt schedule), every candidate, one direction."""
+        store = self.root / "grpo_n8" / f"seed{seed}" / peer / "trajectories.sqlite"
+        self.run_single("stored", f"{receiver}<-{peer}", receiver, seed,
+                        graft={"peer_store": str(store), "balance": "none"})
+
+    def models_in_pairs(self) -> list[str]:
+        return sorted({m for p in self.cfg.pairs for m in p})
+
+    def run(self) -> Path:
+        t0 = time.perf_counter()
+        arms = self.cfg.arms
+        for seed in self.cfg.seeds:
+            for model in self.models_in_pairs():
+                if "grpo_n8" in arms:
+                    self.run_single("grpo_n8", model, model, seed, rollout={"n": 8})
+                if "grpo_n16" in arms:
+                    self.run_single("grpo_n16", model, model, seed, rollout={"n": 16})
+            for a, b in self.cfg.pairs:
+                for arm in arms:
+                    if arm in ABLATIONS:
+                        self.run_pair(arm, a, b, seed)
+                if "stored" in arms:
+                    self.run_stored(a, b, seed)
+                    self.run_stored(b, a, seed)
+        (self.root / "timing.json").write_text(json.dumps({"seconds_this_invocation": time.perf_counter() - t0}))
+        return write_report(self.cfg)
+
+
+# ----- the report -----------------------------------------------------------------------------
+
+def _final_pass1(out_dir: Path) -> float | None:
+    path = out_dir / "summary.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())["eval_after"]["pass@1"]
+
+
+def collect_results(cfg: ExperimentConfig) -> dict[tuple[str, str, str], list[float]]:
+    """(receiver, peer, arm) -> final pass@1 per seed. Baselines have peer '-'."""
+    root = Path(cfg.output_dir)
+    res: dict[tuple[str, str, str], list[float]] = {}
+
+    def add(key: tuple[str, str, str], path: Path) -> None:
+        v = _final_pass1(path)
+        if v is not None:
+            res.setdefault(key, []).append(v)
+
+    for seed in cfg.seeds:
+        s = f"seed{seed}"
+        for m in {x for p in cfg.pairs for x in p}:
+            for arm in BASELINES:
+                add((m, "-", arm), root / arm / s / m)
+        for a, b in cfg.pairs:
+            for recv, peer in ((a, b), (b, a)):
+                for arm in ABLATIONS:
+                    add((recv, peer, arm), root / arm / s / f"{a}+{b}" / recv)
+                add((recv, peer, "stored"), root / "stored" / s / f"{recv}<-{peer}")
+    return res
+
+
+def _fmt(values: list[float] | None) -> str:
+    if not values:
+        return "n/a"
+    mean = 100 * statistics.fmean(values)
+    sd = 100 * statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:.1f} ± {sd:.1f}"
+
+
+def write_report(cfg: ExperimentConfig) -> Path:
+    root = Path(cfg.output_dir)
+    res = collect_results(cfg)
+    arms = [a for a in cfg.arms if a not in BASELINES]
+    lines = ["# GRAFT in miniature", "",
+             f"Held-out pass@1 (%, mean ± std over seeds {list(cfg.seeds)}) of each receiver after training.",
+             "Δ is against GRPO n=8 of the same receiver. Produced by `graft-fed experiment`; config in "
+             f"`{root / 'experiment.json'}`.", ""]
+    header = ["receiver", "peer", "GRPO n=8", "GRPO n=16"] + [a for a in arms] + [f"Δ {a}" for a in arms]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    for a, b in cfg.pairs:
+        for recv, peer in ((a, b), (b, a)):
+            n8 = res.get((recv, "-", "grpo_n8"))
+            row = [recv, peer, _fmt(n8), _fmt(res.get((recv, "-", "grpo_n16")))]
+            row += [_fmt(res.get((recv, peer, arm))) for arm in arms]
+            for arm in arms:
+                v = res.get((recv, peer, arm))
+                row.append(f"{100 * (statistics.fmean(v) - statistics.fmean(n8)):+.1f}" if v and n8 else "n/a")
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Seeds per cell: " + ", ".join(f"{k[0]}/{k[1]}/{k[2]}={len(v)}" for k, v in sorted(res.items())),
+              ""]
+    timing = root / "timing.json"
+    if timing.is_file():
+        lines.append(f"Wall time of the last invocation: {json.loads(timing.read_text())['seconds_this_invocation']:.0f} s.")
+    (root / "experiment.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    plots = plot_experiment(cfg)
+    lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
+    report = root / "report.md"
+    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return report
+
+
+def plot_experiment(cfg: ExperimentConfig) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from graft_fed.trainer.metrics import read_metrics
+
+    root = Path(cfg.output_dir)
+    receivers = sorted({m for p in cfg.pairs for m in p})
+    out: list[Path] = []
+
+    def runs_for(recv: str, arm: str) -> list[Path]:
+        if arm in BASELINES:
+            return [root / arm / f"seed{s}" / recv for s in cfg.seeds]
+        if arm == "stored":
+            return [p for s in cfg.seeds for p in (root / "stored" / f"seed{s}").glob(f"{recv}<-*")]
+        return [p for s in cfg.seeds for p in (root / arm / f"seed{s}").glob(f"*/{recv}") if "+" in p.parent.name]
+
+    fig, axes = plt.subplots(1, len(receivers), figsize=(5 * len(receivers), 3.6), squeeze=False)
+    for ax, recv in zip(axes[0], receivers):
+        for arm in cfg.arms:
+            curves = []
+            for run in runs_for(recv, arm):
+                if (run / "metrics.jsonl").is_file():
+                    rows = [r for r in read_metrics(run / "metrics.jsonl") if "reward" in r]
+                    curves.append([r["reward"] for r in rows])
+            if curves:
+                length = min(len(c) for c in curves)
+                mean = [statistics.fmean(c[i] for c in curves) for i in range(length)]
+                ax.plot(range(1, length + 1), mean, label=arm, linewidth=1.2)
+        ax.set_title(f"{recv}: train reward")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = root / "learning_curves.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    out.append(path)
+
+    s_vals, replaced = [], {}
+    for recv in receivers:
+        for run in runs_for(recv, "graft"):
+            if (run / "metrics.jsonl").is_file():
+                rows = read_metrics(run / "metrics.jsonl")
+                for r in rows:
+                    s_vals.extend(r.get("graft/s_values") or [])
+                replaced.setdefault(recv, []).append([r.get("graft/replaced", 0) for r in rows if "reward" in r])
+    if s_vals:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        delta = GraftSection().delta
+        axes[0].hist([min(v, 3.0) for v in s_vals], bins=60)
+        axes[0].axvline(delta, color="red", linestyle="--", label=f"delta = {delta}")
+        axes[0].set_title("compatibility s of peer responses (GRAFT arm; clipped at 3)")
+        axes[0].legend()
+        for recv, curves in replaced.items():
+            length = min(len(c) for c in curves)
+            axes[1].plot(range(1, length + 1), [statistics.fmean(c[i] for c in curves) for i in range(length)],
+                         label=recv)
+        axes[1].set_title("groups replaced per step (mean over seeds)")
+        axes[1].set_xlabel("step")
+        axes[1].legend(fontsize=7)
+        fig.tight_layout()
+        path = root / "exchange.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+    return out
