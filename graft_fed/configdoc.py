@@ -55,11 +55,13 @@ def _fmt(value: Any) -> str:
 
 
 def _type_name(tp: Any) -> str:
-    text = str(tp).replace("typing.", "")
-    return getattr(tp, "__name__", text) if not typing.get_args(tp) else text
+    text = getattr(tp, "__name__", None) if not typing.get_args(tp) else None
+    if text is None:
+        text = re.sub(r"\b[\w.]+\.(\w+)", r"\1", str(tp).replace("typing.", ""))
+    return text.replace("|", "\\|")
 
 
-def section_markdown(cls: type, prefix: str, out: list[str]) -> None:
+def section_markdown(cls: type, prefix: str, out: list[str], skip: frozenset[str] = frozenset()) -> None:
     hints = typing.get_type_hints(cls)
     doc = inspect.getdoc(cls) or ""
     out.append(f"## `{prefix or 'top level'}`\n")
@@ -69,11 +71,14 @@ def section_markdown(cls: type, prefix: str, out: list[str]) -> None:
     nested = []
     rows = []
     for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
         tp = hints[f.name]
-        base = typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Union else tp
+        base = typing.get_args(tp)[0] if typing.get_origin(tp) in (typing.Union, tuple) else tp
         if dataclasses.is_dataclass(base):
             nested.append((base, f"{prefix}.{f.name}" if prefix else f.name))
-            rows.append(f"| `{f.name}` | section | | see `{prefix + '.' if prefix else ''}{f.name}` below |")
+            kind = "list of sections" if typing.get_origin(tp) is tuple else "section"
+            rows.append(f"| `{f.name}` | {kind} | | see `{prefix + '.' if prefix else ''}{f.name}` below |")
             continue
         rows.append(f"| `{f.name}` | {_type_name(tp)} | {_fmt(_default(f))} | {comments.get(f.name, '')} |")
     out.append("| key | type | default | meaning |\n|---|---|---|---|")
@@ -92,6 +97,16 @@ def render() -> str:
            "out of range and impossible combinations, with a message saying how to fix them. Any field can",
            "be overridden on the command line: `--set section.key=value`.", ""]
     section_markdown(TrainConfig, "", out)
+    from graft_fed.experiment import ExperimentConfig
+    from graft_fed.trainer.cotrain import CotrainConfig
+
+    out += ["# Co-training (`graft-fed cotrain`)", "",
+            "A cotrain config has every section above, shared by all members, plus these keys.", ""]
+    section_markdown(CotrainConfig, "cotrain", out, skip=frozenset(f.name for f in dataclasses.fields(TrainConfig)))
+    out += ["# Experiment (`graft-fed experiment`)", "",
+            "`base` is a run config as above (without model and output_dir); a `quick` mapping of the same",
+            "keys is applied with `--quick`.", ""]
+    section_markdown(ExperimentConfig, "experiment", out)
     return "\n".join(out).rstrip() + "\n"
 
 
