@@ -1,0 +1,27 @@
+"""Plugins for the verifier tests, loaded as 'tests.rewards.verifier_plugins:NAME'."""
+
+import math
+import os
+import time
+
+
+def exact(response: str, answer: str) -> float:
+    """1 when the response equals the answer; sleeps forever on 'hang', dies on 'crash'."""
+    if response == "hang":
+        time.sleep(10_000)
+    if response == "crash":
+        os._exit(3)
+    if response == "raise":
+        raise RuntimeError("plugin failure")
+    return 1.0 if response == answer else 0.0
+
+
+def bad_value(response: str, answer: str) -> object:
+    return {"two": 2.0, "nan": math.nan, "text": "1", "neg": -0.5, "true": True}[response]
+
+
+def one_argument(response: str) -> float:
+    return 1.0
+
+
+NOT_CALLABLE = 42
