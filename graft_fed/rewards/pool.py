@@ -203,7 +203,10 @@ class KillablePool:
 
         while remaining:
             now = time.monotonic()
-            for worker in self._workers:
+            for worker in list(self._workers):
+                if worker.ready and not worker.proc.is_alive():
+                    self._replace(worker)  # died while idle (e.g. killed from outside)
+                    continue
                 if worker.ready and not worker.inflight and pending:
                     size = min(self.chunk_size, max(1, math.ceil(len(pending) / self.n_workers)))
                     chunk = [pending.popleft() for _ in range(min(size, len(pending)))]

@@ -126,3 +126,13 @@ def test_in_process_plugin_errors_and_bad_values_score_zero_and_are_counted():
 def test_plugin_loading_errors_are_config_errors(name, fragment):
     with pytest.raises(ConfigError, match=fragment):
         build_verifier(VerifierConfig(name=name))
+
+
+def test_a_real_math_verify_hang_is_cut_at_the_wall_clock():
+    """sympy tries to evaluate this tower of powers for ever; math-verify's own timeout is off."""
+    with build_verifier(VerifierConfig(exact_match_fast_path=False, workers=1, timeout_s=1.0)) as verifier:
+        verifier.score(["\\boxed{1}"], ["1"])
+        start = time.monotonic()
+        result = verifier.score(["\\boxed{10^{10^{10^{10^{10}}}}}", "\\boxed{2}"], ["3", "2"])
+        assert time.monotonic() - start < 10.0
+    assert result.rewards == [0.0, 1.0] and result.statuses == ["timeout", "ok"] and result.timeouts == 1
