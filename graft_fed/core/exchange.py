@@ -66,6 +66,34 @@ def balanced_pair(c_ab: Sequence[tuple[K, int]], c_ba: Sequence[tuple[K, int]],
     return select_with_ties(c_ab, m), select_with_ties(c_ba, m)
 
 
+def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
+                   compat: Mapping[tuple[int, int], float]) -> list[dict[K, int]]:
+    """For every receiver r: prompt id -> source index.
+
+    N = 2 is exactly the paper's rule (balanced_pair). For N > 2 each ordered pair is
+    first selected as the paper does for two models (pairwise-balanced, or all candidates
+    when balance is off); a prompt that several sources could serve goes to the source
+    with the highest running compatibility with this receiver, then the highest k_S, then
+    the lowest index. A pair with no history yet counts as +inf compatibility, so every
+    pair gets tried (explicit exploration)."""
+    n_models = len(kn)
+    chosen: list[dict[K, list[int]]] = [dict() for _ in range(n_models)]
+    for a in range(n_models):
+        for b in range(a + 1, n_models):
+            c_ab = candidates(kn[b], kn[a])  # a -> b
+            c_ba = candidates(kn[a], kn[b])  # b -> a
+            s_ab, s_ba = balanced_pair(c_ab, c_ba, balance)
+            for pid in s_ab:
+                chosen[b].setdefault(pid, []).append(a)
+            for pid in s_ba:
+                chosen[a].setdefault(pid, []).append(b)
+    out: list[dict[K, int]] = []
+    for r, per_prompt in enumerate(chosen):
+        out.append({pid: min(srcs, key=lambda s: (-compat.get((s, r), math.inf), -kn[s][pid][0], s))
+                    for pid, srcs in per_prompt.items()})
+    return out
+
+
 # ----- compatibility (Eq. 6-8) -------------------------------------------------------------
 
 def mean_token_logprob(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

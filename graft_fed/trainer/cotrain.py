@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from graft_fed.configbase import from_mapping, load_yaml, require
-from graft_fed.core.exchange import balanced_pair, candidates
+from graft_fed.core.exchange import candidates, select_sources
 from graft_fed.errors import ConfigError
 from graft_fed.trainer.config import ModelSection, OptimSection, TrainConfig
 from graft_fed.trainer.graft import offer_metrics, receive, to_record
@@ -77,34 +77,6 @@ def load_cotrain_config(path: str | Path, overrides: dict[str, Any] | None = Non
         return from_mapping(CotrainConfig, data)
     except ConfigError as exc:
         raise ConfigError(f"invalid cotrain config in {path}: {exc}") from None
-
-
-def select_sources(kn: Sequence[dict[str, tuple[int, int]]], balance: bool,
-                   compat: dict[tuple[int, int], float]) -> list[dict[str, int]]:
-    """For every receiver r: prompt id -> source index.
-
-    N = 2 is exactly the paper's rule (balanced_pair). For N > 2 each ordered pair is
-    first selected as the paper does for two models (pairwise-balanced, or all candidates
-    when balance is off); a prompt that several sources could serve goes to the source
-    with the highest running compatibility with this receiver, then the highest k_S, then
-    the lowest index. A pair with no history yet counts as +inf compatibility, so every
-    pair gets tried (explicit exploration)."""
-    n_models = len(kn)
-    chosen: list[dict[str, list[int]]] = [dict() for _ in range(n_models)]
-    for a in range(n_models):
-        for b in range(a + 1, n_models):
-            c_ab = candidates(kn[b], kn[a])  # a -> b
-            c_ba = candidates(kn[a], kn[b])  # b -> a
-            s_ab, s_ba = balanced_pair(c_ab, c_ba, balance)
-            for pid in s_ab:
-                chosen[b].setdefault(pid, []).append(a)
-            for pid in s_ba:
-                chosen[a].setdefault(pid, []).append(b)
-    out: list[dict[str, int]] = []
-    for r, per_prompt in enumerate(chosen):
-        out.append({pid: min(srcs, key=lambda s: (-compat.get((s, r), math.inf), -kn[s][pid][0], s))
-                    for pid, srcs in per_prompt.items()})
-    return out
 
 
 class CoTrainer:

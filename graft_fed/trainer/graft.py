@@ -10,6 +10,7 @@ the failed group by the peer group with the source's advantages and the gate's w
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -56,10 +57,22 @@ def retokenise(tokenizer: Any, text: str, finish_reason: str, eos_id: int) -> li
     return ids
 
 
+@dataclass(frozen=True)
+class GroupReport:
+    """What the receiver learnt about one offered group (reported back to the broker)."""
+
+    prompt_id: str
+    source: str
+    mean_s: float
+    admitted_fraction: float
+    rejected: bool  # re-verification disagreed with the claimed rewards
+
+
 @dataclass
 class ReceiveResult:
     groups: list["Group"]  # the step's groups with replacements made, in the original order
     metrics: dict[str, Any]
+    reports: list[GroupReport]
 
 
 def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str, GroupRecord]) -> ReceiveResult:
@@ -71,6 +84,7 @@ def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str,
     counts: dict[str, float] = defaultdict(float)
     per_source: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     index = {grp.prompt.id: i for i, grp in enumerate(own)}
+    reports: list[GroupReport] = []
     accepted: list[tuple[int, GroupRecord]] = []
     for pid, rec in offers.items():
         counts["offered"] += 1
@@ -101,6 +115,7 @@ def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str,
             if [float(r) for r in mine] != [float(r) for r in rec.rewards]:
                 counts["rejected_reverify"] += 1
                 per_source[rec.model_id]["rejected_reverify"] += 1
+                reports.append(GroupReport(rec.prompt_id, rec.model_id, math.nan, 0.0, True))
                 continue
             kept.append((i, rec))
         accepted = kept
@@ -140,8 +155,9 @@ def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str,
     out = list(own)
     cursor = 0
     s_values: list[float] = []
-    for plan_idx, ((i, rec), plan) in enumerate(zip(accepted, plans)):
+    for (i, rec), plan in zip(accepted, plans):
         completions, rewards, weights, from_peer = [], [], [], []
+        group_s: list[float] = []
         for j, adv in zip(plan.peer_index, plan.advantages):
             if j is None:
                 c = own[i].completions[len(completions)]
@@ -158,6 +174,7 @@ def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str,
             weights.append(w_val)
             from_peer.append(True)
             s_values.append(s_val)
+            group_s.append(s_val)
             src = per_source[rec.model_id]
             src["peer_responses"] += 1
             src["admitted"] += 1.0 if w_val > 0 else 0.0
@@ -170,6 +187,10 @@ def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str,
                        weights=torch.tensor(weights, dtype=torch.float32), source=rec.model_id, from_peer=from_peer)
         counts["replaced"] += 1
         per_source[rec.model_id]["replaced"] += 1
+        admitted_here = sum(1 for w, fp in zip(weights, from_peer) if fp and w > 0)
+        reports.append(GroupReport(rec.prompt_id, rec.model_id,
+                                   sum(group_s) / len(group_s) if group_s else math.nan,
+                                   admitted_here / len(group_s) if group_s else 0.0, False))
 
     peer_resp = sum(src["peer_responses"] for src in per_source.values())
     admitted = sum(src["admitted"] for src in per_source.values())
@@ -187,7 +208,7 @@ def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str,
         if src["peer_responses"]:
             metrics[f"graft/from/{name}/admitted_frac"] = src["admitted"] / src["peer_responses"]
             metrics[f"graft/from/{name}/s_mean"] = src["s_sum"] / src["peer_responses"]
-    return ReceiveResult(groups=out, metrics=metrics)
+    return ReceiveResult(groups=out, metrics=metrics, reports=reports)
 
 
 def offer_metrics(own: Sequence["Group"], source_kn: Mapping[str, tuple[int, int]], n_candidates: int,

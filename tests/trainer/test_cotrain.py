@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graft_fed.core.exchange import balanced_pair, candidates
-from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config, select_sources
+from graft_fed.core.exchange import select_sources
+from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config
 from tests.trainer.test_grpo import prompt_file  # noqa: F401 - fixture
 
 ks = st.dictionaries(st.sampled_from([f"p{i}" for i in range(16)]), st.integers(0, 4), min_size=16, max_size=16)

@@ -1,0 +1,163 @@
+"""Broker state behind one abstract interface, with its contract.
+
+Contract every implementation keeps (tests/broker/test_state.py runs the same suite on
+each implementation):
+
+- Every mutating method is atomic: it either applies completely or not at all, and a
+  method that raises leaves the state exactly as it was.
+- Writes are durable when the method returns (for persistent implementations): a crash
+  after `put_summaries`, `put_bundle`, `put_matches` or `update_compat` returned loses
+  nothing; a crash before leaves no partial write.
+- `put_summaries` is idempotent on (node_id, round, prompt_id): a retried publish never
+  duplicates; the first write wins and later ones are counted as duplicates.
+- `put_bundle` is idempotent on the digest; the bytes are stored once.
+- Reads return copies: mutating a returned object never changes the state.
+- Methods are safe to call from several threads.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+NODE_STATES = ("registered", "online", "offline", "left")
+
+
+@dataclass
+class NodeRow:
+    node_id: str
+    model_id: str
+    tokenizer_id: str
+    privacy: str  # share_all | matched_only | summaries_only
+    state: str  # one of NODE_STATES
+    session_id: str
+    round: int  # the node's last reported round
+    last_seen: float  # unix time of the last call
+    published: int = 0
+
+
+@dataclass
+class SummaryRow:
+    node_id: str
+    round: int
+    prompt_id: str
+    policy_version: int
+    n: int
+    k: int
+    reward_mean: float
+    reward_std: float
+    lengths: list[int] = field(default_factory=list)
+    mean_logprobs: list[float] = field(default_factory=list)
+    bundle_digest: str = ""
+
+
+@dataclass
+class MatchRow:
+    round: int
+    receiver: str
+    prompt_id: str
+    source: str
+    source_round: int
+
+
+@dataclass
+class CompatRow:
+    source: str
+    receiver: str
+    groups: int  # reports received for this pair
+    mean_s: float  # running mean of the reported mean s
+    admitted_fraction: float  # running mean of the reported admitted fraction
+    rejected: int  # groups rejected by re-verification
+
+
+@dataclass
+class RoundRow:
+    round: int
+    state: str  # open | matched
+    opened_at: float
+    matched_at: float | None = None
+
+
+class BrokerState(abc.ABC):
+    # ----- nodes
+    @abc.abstractmethod
+    def upsert_node(self, node: NodeRow) -> None: ...
+
+    @abc.abstractmethod
+    def get_node(self, node_id: str) -> NodeRow | None: ...
+
+    @abc.abstractmethod
+    def list_nodes(self) -> list[NodeRow]: ...
+
+    # ----- rounds
+    @abc.abstractmethod
+    def put_round(self, row: RoundRow) -> None:
+        """Insert or replace a round's row."""
+
+    @abc.abstractmethod
+    def get_round(self, round: int) -> RoundRow | None: ...
+
+    @abc.abstractmethod
+    def latest_round(self) -> int:
+        """The highest round with a row, or -1."""
+
+    # ----- summaries
+    @abc.abstractmethod
+    def put_summaries(self, rows: Sequence[SummaryRow]) -> tuple[int, int]:
+        """Store summaries; returns (accepted, duplicates). Idempotent on (node, round, prompt)."""
+
+    @abc.abstractmethod
+    def summaries(self, round: int | None = None, node_id: str | None = None,
+                  prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryRow]:
+        """Summaries filtered by exact round, node, prompt ids and/or a minimum round."""
+
+    @abc.abstractmethod
+    def set_bundle_digest(self, node_id: str, round: int, prompt_id: str, digest: str) -> bool:
+        """Attach an uploaded bundle to its summary; False when no such summary exists."""
+
+    # ----- matches
+    @abc.abstractmethod
+    def put_matches(self, rows: Sequence[MatchRow]) -> None:
+        """Store a round's matches (idempotent on (round, receiver, prompt))."""
+
+    @abc.abstractmethod
+    def matches(self, round: int | None = None, receiver: str | None = None,
+                source: str | None = None) -> list[MatchRow]: ...
+
+    # ----- bundles (content-addressed)
+    @abc.abstractmethod
+    def put_bundle(self, digest: str, data: bytes) -> bool:
+        """Store bytes under their sha256 digest; False when already held. The caller has
+        checked the digest."""
+
+    @abc.abstractmethod
+    def get_bundle(self, digest: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def has_bundles(self, digests: Sequence[str]) -> list[str]:
+        """The subset of `digests` held, in input order."""
+
+    @abc.abstractmethod
+    def bundle_stats(self) -> tuple[int, int]:
+        """(number of bundles, total bytes)."""
+
+    # ----- compatibility
+    @abc.abstractmethod
+    def update_compat(self, source: str, receiver: str, mean_s: float, admitted_fraction: float,
+                      rejected: bool) -> None:
+        """Fold one receiver report into the pair's running means (plain running mean over
+        reports) and rejection count. A rejected report counts only towards `rejected`."""
+
+    @abc.abstractmethod
+    def compat(self) -> list[CompatRow]: ...
+
+    # ----- retention
+    @abc.abstractmethod
+    def prune(self, keep_rounds: int | None = None, max_bundle_bytes: int | None = None) -> int:
+        """Drop summaries, matches and rounds older than the newest `keep_rounds` rounds, and
+        the oldest bundles beyond `max_bundle_bytes` (their summaries lose the digest);
+        returns the number of rows removed."""
+
+    def close(self) -> None:
+        """Release resources (files, connections)."""

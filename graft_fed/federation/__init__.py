@@ -1,0 +1,1 @@
+"""What broker and nodes share: the manifest, bundle encoding, domain errors."""
