@@ -77,6 +77,9 @@ class RoundRow:
     state: str  # open | matched
     opened_at: float
     matched_at: float | None = None
+    # Nodes included when the round was matched; a node publishing to the round later
+    # (a late joiner learning from stored groups) is matched on its own.
+    participants: list[str] = field(default_factory=list)
 
 
 class BrokerState(abc.ABC):
