@@ -67,7 +67,8 @@ def balanced_pair(c_ab: Sequence[tuple[K, int]], c_ba: Sequence[tuple[K, int]],
 
 
 def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
-                   compat: Mapping[tuple[int, int], float]) -> list[dict[K, int]]:
+                   compat: Mapping[tuple[int, int], float],
+                   can_source: Sequence[bool] | None = None) -> list[dict[K, int]]:
     """For every receiver r: prompt id -> source index.
 
     N = 2 is exactly the paper's rule (balanced_pair). For N > 2 each ordered pair is
@@ -75,13 +76,14 @@ def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
     when balance is off); a prompt that several sources could serve goes to the source
     with the highest running compatibility with this receiver, then the highest k_S, then
     the lowest index. A pair with no history yet counts as +inf compatibility, so every
-    pair gets tried (explicit exploration)."""
+    pair gets tried (explicit exploration). A model with can_source False (it shares no
+    trajectories) offers no candidates; balancing then sees its direction as empty."""
     n_models = len(kn)
     chosen: list[dict[K, list[int]]] = [dict() for _ in range(n_models)]
     for a in range(n_models):
         for b in range(a + 1, n_models):
-            c_ab = candidates(kn[b], kn[a])  # a -> b
-            c_ba = candidates(kn[a], kn[b])  # b -> a
+            c_ab = candidates(kn[b], kn[a]) if can_source is None or can_source[a] else []  # a -> b
+            c_ba = candidates(kn[a], kn[b]) if can_source is None or can_source[b] else []  # b -> a
             s_ab, s_ba = balanced_pair(c_ab, c_ba, balance)
             for pid in s_ab:
                 chosen[b].setdefault(pid, []).append(a)

@@ -185,15 +185,27 @@ class MatchRequest(_message.Message):
     wait_ms: int
     def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
+class UploadRequest(_message.Message):
+    __slots__ = ("prompt_id", "round")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    round: int
+    def __init__(self, prompt_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
 class MatchResponse(_message.Message):
-    __slots__ = ("ready", "offers", "upload_requests")
+    __slots__ = ("ready", "offers", "upload_requests", "candidates", "solved_by_peers")
     READY_FIELD_NUMBER: _ClassVar[int]
     OFFERS_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    SOLVED_BY_PEERS_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     offers: _containers.RepeatedCompositeFieldContainer[MatchOffer]
-    upload_requests: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ready: _Optional[bool] = ..., offers: _Optional[_Iterable[_Union[MatchOffer, _Mapping]]] = ..., upload_requests: _Optional[_Iterable[str]] = ...) -> None: ...
+    upload_requests: _containers.RepeatedCompositeFieldContainer[UploadRequest]
+    candidates: int
+    solved_by_peers: int
+    def __init__(self, ready: _Optional[bool] = ..., offers: _Optional[_Iterable[_Union[MatchOffer, _Mapping]]] = ..., upload_requests: _Optional[_Iterable[_Union[UploadRequest, _Mapping]]] = ..., candidates: _Optional[int] = ..., solved_by_peers: _Optional[int] = ...) -> None: ...
 
 class BundleChunk(_message.Message):
     __slots__ = ("digest", "total_size", "offset", "data", "node_id", "session_id", "prompt_id", "round")

@@ -19,7 +19,7 @@ from graft_fed.configbase import from_mapping, load_yaml, require
 from graft_fed.core.exchange import candidates, select_sources
 from graft_fed.errors import ConfigError
 from graft_fed.trainer.config import ModelSection, OptimSection, TrainConfig
-from graft_fed.trainer.graft import offer_metrics, receive, to_record
+from graft_fed.trainer.graft import complementarity, offer_metrics, receive, to_record
 from graft_fed.trainer.grpo import GRPOTrainer
 
 log = logging.getLogger("graft_fed.cotrain")
@@ -130,18 +130,14 @@ class CoTrainer:
                 src = self.trainers[s]
                 offers[pid] = to_record(by_prompt[s][pid], src.step, src.model_id, src.tok_id, src.run_id)
             extra: dict[str, Any] = {}
-            n_cands = 0
             for s, other in enumerate(self.trainers):
-                if s == r:
-                    continue
-                n_cands_s = len(candidates(kn[r], kn[s]))
-                n_cands += n_cands_s
-                extra.update({k.replace("graft/", f"graft/from/{other.model_id}/"): v
-                              for k, v in offer_metrics(datas[r].groups, kn[s], n_cands_s,
-                                                        sum(1 for x in sources[r].values() if x == s)).items()})
-            any_source = {pid: max((kn[s][pid] for s in range(len(kn)) if s != r), key=lambda kv: kv[0])
-                          for pid in kn[r]}
-            extra.update(offer_metrics(datas[r].groups, any_source, n_cands, len(offers)))
+                if s != r:
+                    c, v = complementarity(datas[r].groups, [kn[s]])
+                    n_sel = sum(1 for x in sources[r].values() if x == s)
+                    extra.update({k.replace("graft/", f"graft/from/{other.model_id}/"): val
+                                  for k, val in offer_metrics(datas[r].groups, c, v, n_sel).items()})
+            cands, solved = complementarity(datas[r].groups, [kn[s] for s in range(len(kn)) if s != r])
+            extra.update(offer_metrics(datas[r].groups, cands, solved, len(offers)))
             result = receive(t, datas[r].groups, offers)
             extra.update(result.metrics)
             for s, other in enumerate(self.trainers):

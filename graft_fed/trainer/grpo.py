@@ -37,7 +37,7 @@ from graft_fed.rollout.base import Completion, SamplingParams
 from graft_fed.rollout.hf import HFRollout
 from graft_fed.trainer import checkpoint as ckpt
 from graft_fed.trainer.config import TrainConfig
-from graft_fed.trainer.graft import offer_metrics, receive, to_record, tokenizer_id
+from graft_fed.trainer.graft import complementarity, offer_metrics, receive, to_record, tokenizer_id
 from graft_fed.trainer.metrics import MetricsWriter
 from graft_fed.trainer.schedule import PromptSchedule
 
@@ -460,8 +460,8 @@ class GRPOTrainer:
         all_fail = [grp.prompt.id for grp in groups if grp.k == 0]
         found = self.peer_store.lookup(all_fail, step=self.step, run_id=g.peer_run, match=g.store_match)
         offers = {pid: rec for pid, rec in found.items() if rec.kind == "informative"}
-        kn = {pid: (rec.k, rec.n) for pid, rec in found.items()}
-        return offers, offer_metrics(groups, kn, len(offers), len(offers))
+        cands, solved = complementarity(groups, [{pid: (rec.k, rec.n) for pid, rec in found.items()}])
+        return offers, offer_metrics(groups, cands, solved, len(offers))
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()

@@ -1,0 +1,92 @@
+"""Broker configuration (`graft-fed broker --config broker.yaml`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from graft_fed.configbase import from_mapping, load_yaml, require
+from graft_fed.data.config import DataConfig
+from graft_fed.errors import ConfigError
+from graft_fed.rewards.config import VerifierConfig
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """One federation's broker: its manifest, its limits, where it keeps state."""
+
+    #: gRPC listen address. Plaintext is for loopback; TLS arrives with the security issue.
+    listen: str = "127.0.0.1:50551"
+    #: HTTP address of /metrics (Prometheus text) and /healthz; "" = off.
+    http: str = "127.0.0.1:9464"
+    #: State database: a SQLite file (WAL; restored on restart) or ":memory:" (tests).
+    db: str = "runs/broker/broker.sqlite"
+    #: Name of the federation (nodes may pin it).
+    federation_id: str = "graft-fed"
+    #: The shared training prompt set; its id and content hash go into the manifest.
+    data: DataConfig = field(default_factory=DataConfig)
+    #: The verifier every node must run (name and version go into the manifest).
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    #: Federation seed: round r's prompt batch is a function of (dataset, seed, r).
+    seed: int = 0
+    #: Responses per prompt every node samples.
+    n: int = 8
+    #: Prompts per round (each node's prompts_per_step).
+    prompts_per_round: int = 32
+    #: "sync": a round is matched when every online node has published or the deadline
+    #: passes; "async": a node is matched at once against the freshest groups within
+    #: `staleness_rounds`.
+    mode: str = "sync"
+    #: Asynchronous mode: how many rounds old a source group may be.
+    staleness_rounds: int = 4
+    #: Synchronous mode: seconds after a round's first publish when it is matched without
+    #: the nodes that have not published (slow nodes do not stall the federation).
+    round_deadline_s: float = 120.0
+    #: Interval nodes are told to heartbeat at.
+    heartbeat_interval_s: float = 2.0
+    #: A node silent for this long is offline (not waited for in synchronous rounds).
+    offline_after_s: float = 15.0
+    #: Balancing between sources and receivers: "pairwise" (for two nodes exactly the
+    #: paper's rule; for more, each pair balanced the same way) or "none" (every candidate).
+    balance: str = "pairwise"
+    #: Largest gRPC message accepted or sent, MiB (both directions, set explicitly).
+    max_message_mib: int = 16
+    #: Bundle chunk size, KiB.
+    chunk_kib: int = 1024
+    #: Largest bundle accepted, MiB.
+    max_bundle_mib: int = 64
+    #: Retention: keep this many most recent rounds of summaries and matches (null = all).
+    keep_rounds: int | None = None
+    #: Retention: total bundle bytes kept, GiB; the oldest go first (null = unbounded).
+    max_bundle_gib: float | None = None
+
+    def __post_init__(self) -> None:
+        require(":" in self.listen, f"broker.listen must be HOST:PORT, got {self.listen!r}")
+        require(self.mode in ("sync", "async"), f"broker.mode must be sync or async, got {self.mode!r}")
+        require(self.balance in ("pairwise", "none"), "broker.balance must be pairwise or none")
+        require(self.n >= 2, "broker.n must be >= 2")
+        require(self.prompts_per_round >= 1, "broker.prompts_per_round must be >= 1")
+        require(self.staleness_rounds >= 0, "broker.staleness_rounds must be >= 0")
+        require(self.round_deadline_s > 0, "broker.round_deadline_s must be > 0")
+        require(0 < self.heartbeat_interval_s < self.offline_after_s,
+                "broker.heartbeat_interval_s must be > 0 and below offline_after_s")
+        require(1 <= self.max_message_mib <= 1024, "broker.max_message_mib must be in [1, 1024]")
+        require(16 <= self.chunk_kib <= 1024 * self.max_message_mib // 2,
+                "broker.chunk_kib must be >= 16 and at most half of max_message_mib")
+        require(self.max_bundle_mib >= 1, "broker.max_bundle_mib must be >= 1")
+        require(self.keep_rounds is None or self.keep_rounds >= 1, "broker.keep_rounds must be >= 1 or null")
+
+
+def load_broker_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> BrokerConfig:
+    data: dict[str, Any] = load_yaml(path) if path else {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    try:
+        return from_mapping(BrokerConfig, data)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid broker config{' in ' + str(path) if path else ''}: {exc}") from None

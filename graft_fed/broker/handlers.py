@@ -1,0 +1,453 @@
+"""The broker's domain logic: registry, rounds, matching, bundles, compatibility.
+
+No gRPC here: methods take and return plain data and raise the domain errors of
+graft_fed.federation.errors; the servicer translates. Every method that changes state
+validates its whole input first, so a rejected request leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Sequence
+
+from graft_fed.broker.config import BrokerConfig
+from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, RoundRow, SummaryRow
+from graft_fed.core.exchange import classify, select_sources
+from graft_fed.core.records import RecordError
+from graft_fed.data.config import load_prompts
+from graft_fed.federation.bundles import decode_bundle, digest_of, is_digest
+from graft_fed.federation.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
+                                         ResourceExhausted, Unauthenticated)
+from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, differences, verifier_version
+
+log = logging.getLogger("graft_fed.broker")
+
+PRIVACY = ("share_all", "matched_only", "summaries_only")
+MAX_ID_LEN = 256
+MAX_SUMMARIES_FACTOR = 4  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
+
+
+@dataclass(frozen=True)
+class Offer:
+    prompt_id: str
+    source_node: str
+    source_model: str
+    source_round: int
+    k: int
+    n: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    ready: bool
+    offers: list[Offer]
+    upload_requests: list[tuple[str, int]]  # (prompt id, round) of the caller's own groups
+    candidates: int = 0  # the caller's all-fail prompts with an informative peer group
+    solved_by_peers: int = 0  # the caller's all-fail prompts some peer solved at least once
+
+
+@dataclass(frozen=True)
+class ReportEntry:
+    source: str
+    prompt_id: str
+    mean_s: float
+    admitted_fraction: float
+    rejected: bool
+
+
+def _check_id(value: str, what: str) -> None:
+    if not value or len(value) > MAX_ID_LEN or any(ord(c) < 32 for c in value):
+        raise InvalidArgument(f"{what} must be 1-{MAX_ID_LEN} printable characters, got {value[:40]!r}")
+
+
+class Federation:
+    def __init__(self, cfg: BrokerConfig, state: BrokerState, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.clock = clock
+        prompts = load_prompts(cfg.data)
+        self.known_prompts = {p.id for p in prompts}
+        self.manifest = Manifest(
+            federation_id=cfg.federation_id, protocol_version=PROTOCOL_VERSION,
+            dataset_id=prompts[0].dataset if prompts else cfg.data.source,
+            dataset_hash=dataset_hash(prompts), seed=cfg.seed, n=cfg.n, prompts_per_round=cfg.prompts_per_round,
+            mode=cfg.mode, verifier_name=cfg.verifier.name, verifier_version=verifier_version(cfg.verifier),
+            staleness_rounds=cfg.staleness_rounds)
+        self.cond = threading.Condition()
+        self.counters: Counter[str] = Counter()
+        self._granted: dict[str, set[str]] = {}  # bundle digest -> receivers allowed to fetch it
+
+    # ----- sessions -------------------------------------------------------------------------
+
+    def _node(self, node_id: str, session_id: str, touch: bool = True) -> NodeRow:
+        node = self.state.get_node(node_id)
+        if node is None or node.state == "left" or not session_id or node.session_id != session_id:
+            raise Unauthenticated(f"node {node_id!r} has no live session {session_id[:8]!r}...; call Join again")
+        if touch:
+            node = replace(node, last_seen=self.clock(), state="online")
+            self.state.upsert_node(node)
+        return node
+
+    def online_nodes(self) -> list[NodeRow]:
+        now = self.clock()
+        return [n for n in self.state.list_nodes()
+                if n.state != "left" and now - n.last_seen < self.cfg.offline_after_s]
+
+    def node_state(self, node: NodeRow) -> str:
+        if node.state in ("left", "registered"):
+            return node.state
+        return "online" if self.clock() - node.last_seen < self.cfg.offline_after_s else "offline"
+
+    def join(self, node_id: str, model_id: str, tokenizer_id: str, manifest: Manifest, privacy: str,
+             resume_round: int) -> tuple[str, int]:
+        _check_id(node_id, "node_id")
+        _check_id(model_id, "model_id")
+        if privacy not in PRIVACY:
+            raise InvalidArgument(f"privacy must be one of {PRIVACY}, got {privacy!r}")
+        diff = differences(self.manifest, manifest)
+        if diff:
+            self.counters["rejected_join"] += 1
+            raise FailedPrecondition("the node's settings differ from the federation manifest: " + "; ".join(diff)
+                                     + ". Use the broker's dataset, seed, n, prompts per round and verifier.")
+        session = secrets.token_hex(16)
+        with self.cond:
+            prev = self.state.get_node(node_id)
+            self.state.upsert_node(NodeRow(node_id=node_id, model_id=model_id, tokenizer_id=tokenizer_id,
+                                           privacy=privacy, state="online", session_id=session,
+                                           round=resume_round, last_seen=self.clock(),
+                                           published=prev.published if prev else 0))
+            self.counters["joins"] += 1
+            self.cond.notify_all()
+        log.info("node %s joined (model %s, privacy %s, round %d)", node_id, model_id, privacy, resume_round)
+        return session, self.current_round()
+
+    def leave(self, node_id: str, session_id: str) -> None:
+        with self.cond:
+            node = self._node(node_id, session_id, touch=False)
+            self.state.upsert_node(replace(node, state="left", last_seen=self.clock()))
+            self.cond.notify_all()
+        log.info("node %s left", node_id)
+
+    def heartbeat(self, node_id: str, session_id: str, round: int) -> tuple[int, int]:
+        with self.cond:
+            node = self._node(node_id, session_id)
+            if round > node.round:
+                self.state.upsert_node(replace(node, round=round, last_seen=self.clock(), state="online"))
+        return self.current_round(), len(self.online_nodes())
+
+    def current_round(self) -> int:
+        return max(0, self.state.latest_round())
+
+    # ----- publishing -------------------------------------------------------------------------
+
+    def _validate_summary(self, s: SummaryRow) -> None:
+        where = f"summary for prompt {s.prompt_id[:40]!r}"
+        if s.prompt_id not in self.known_prompts:
+            raise InvalidArgument(f"{where}: unknown prompt id (not in the federation's dataset "
+                                  f"{self.manifest.dataset_id})")
+        if s.n != self.manifest.n:
+            raise InvalidArgument(f"{where}: n={s.n} but the federation samples n={self.manifest.n}")
+        if not 0 <= s.k <= s.n:
+            raise InvalidArgument(f"{where}: k={s.k} is not in [0, n={s.n}]")
+        if len(s.lengths) != s.n or len(s.mean_logprobs) != s.n:
+            raise InvalidArgument(f"{where}: {len(s.lengths)} lengths and {len(s.mean_logprobs)} mean log-probs "
+                                  f"for n={s.n} responses")
+        if any(length < 1 for length in s.lengths):
+            raise InvalidArgument(f"{where}: every response has at least one token")
+        values = [s.reward_mean, s.reward_std, *s.mean_logprobs]
+        if not all(math.isfinite(v) for v in values):
+            raise InvalidArgument(f"{where}: non-finite number")
+        if any(v > 1e-6 for v in s.mean_logprobs):
+            raise InvalidArgument(f"{where}: a mean log-prob is positive (log-probs are <= 0)")
+        if abs(s.reward_mean - s.k / s.n) > 1e-6:
+            raise InvalidArgument(f"{where}: reward_mean {s.reward_mean} contradicts k/n = {s.k}/{s.n}")
+        if s.bundle_digest and not is_digest(s.bundle_digest):
+            raise InvalidArgument(f"{where}: bundle_digest must be 64 lowercase hex digits")
+
+    def publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
+        limit = self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
+        if len(summaries) > limit:
+            raise ResourceExhausted(f"{len(summaries)} summaries in one publish; at most {limit} per round")
+        seen = set()
+        for s in summaries:
+            if s.node_id != node_id or s.round != round:
+                raise InvalidArgument("every summary must carry the publishing node and round")
+            if s.prompt_id in seen:
+                raise InvalidArgument(f"prompt {s.prompt_id!r} appears twice in one publish")
+            seen.add(s.prompt_id)
+            self._validate_summary(s)
+        with self.cond:
+            node = self._node(node_id, session_id)
+            rnd = self.state.get_round(round)
+            if rnd is None:
+                if round > self.current_round() + 1000:
+                    raise FailedPrecondition(f"round {round} is implausibly far ahead of the federation "
+                                             f"(current {self.current_round()})")
+                self.state.put_round(RoundRow(round=round, state="open", opened_at=self.clock()))
+            accepted, dups = self.state.put_summaries(summaries)
+            self.state.upsert_node(replace(node, round=max(node.round, round), published=node.published + accepted,
+                                           last_seen=self.clock(), state="online"))
+            self.counters["summaries"] += accepted
+            self.counters["duplicate_summaries"] += dups
+            self.cond.notify_all()
+        return accepted, dups
+
+    # ----- matching -----------------------------------------------------------------------------
+
+    def _compat_index(self, nodes: Sequence[str]) -> dict[tuple[int, int], float]:
+        pos = {n: i for i, n in enumerate(nodes)}
+        return {(pos[c.source], pos[c.receiver]): c.mean_s for c in self.state.compat()
+                if c.source in pos and c.receiver in pos and c.groups > 0}
+
+    def _can_source(self, node_ids: Sequence[str]) -> list[bool]:
+        out = []
+        for nid in node_ids:
+            node = self.state.get_node(nid)
+            out.append(node is not None and node.privacy != "summaries_only")
+        return out
+
+    def _round_ready(self, round: int) -> bool:
+        rnd = self.state.get_round(round)
+        if rnd is None:
+            return False
+        if rnd.state == "matched":
+            return True
+        published = {s.node_id for s in self.state.summaries(round=round)}
+        # Wait for online nodes working near this round; one far behind (a late joiner
+        # replaying early rounds) is not waited for.
+        waiting = [n.node_id for n in self.online_nodes() if n.node_id not in published and n.round >= round - 1]
+        return not waiting or self.clock() - rnd.opened_at >= self.cfg.round_deadline_s
+
+    def _match_round(self, round: int) -> None:
+        """Synchronous close: select sources for every participant at once (for two nodes,
+        exactly the paper's balanced rule)."""
+        rows = self.state.summaries(round=round)
+        participants = sorted({s.node_id for s in rows})
+        kn = [{s.prompt_id: (s.k, s.n) for s in rows if s.node_id == p} for p in participants]
+        chosen = select_sources(kn, self.cfg.balance == "pairwise", self._compat_index(participants),
+                                self._can_source(participants))
+        matches = [MatchRow(round=round, receiver=participants[r], prompt_id=pid, source=participants[s],
+                            source_round=round)
+                   for r, per in enumerate(chosen) for pid, s in sorted(per.items())]
+        self.state.put_matches(matches)
+        rnd = self.state.get_round(round)
+        assert rnd is not None
+        self.state.put_round(replace(rnd, state="matched", matched_at=self.clock(), participants=participants))
+        self.counters["rounds_matched"] += 1
+        self.counters["matches"] += len(matches)
+        log.info("round %d matched: %d nodes, %d transfers", round, len(participants), len(matches))
+
+    def _match_one(self, receiver: str, round: int, min_round: int, max_round: int) -> None:
+        """Match one receiver on its own against every other node's groups in [min_round,
+        max_round]: the stored mode (a late joiner) and asynchronous mode. Every candidate
+        in this one direction; per prompt the most compatible source, then the highest k,
+        then the freshest group."""
+        mine = {s.prompt_id: s for s in self.state.summaries(round=round, node_id=receiver)}
+        fails = [pid for pid, s in mine.items() if s.k == 0]
+        if not fails:
+            return
+        compat = {c.source: c.mean_s for c in self.state.compat() if c.receiver == receiver and c.groups > 0}
+        best: dict[str, SummaryRow] = {}
+        sources_ok: dict[str, bool] = {}
+        for s in self.state.summaries(prompt_ids=fails, min_round=min_round):
+            if s.node_id == receiver or s.round > max_round or classify(s.k, s.n) != "informative":
+                continue
+            if s.node_id not in sources_ok:
+                sources_ok[s.node_id] = self._can_source([s.node_id])[0]
+            if not sources_ok[s.node_id]:
+                continue
+            key = (compat.get(s.node_id, math.inf), s.k, s.round)
+            cur = best.get(s.prompt_id)
+            if cur is None or key > (compat.get(cur.node_id, math.inf), cur.k, cur.round):
+                best[s.prompt_id] = s
+        self.state.put_matches([MatchRow(round=round, receiver=receiver, prompt_id=pid, source=s.node_id,
+                                         source_round=s.round) for pid, s in sorted(best.items())])
+        self.counters["matches"] += len(best)
+
+    def get_matches(self, node_id: str, session_id: str, round: int, wait_s: float) -> MatchResult:
+        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        with self.cond:
+            self._node(node_id, session_id)
+            if not self.state.summaries(round=round, node_id=node_id):
+                raise FailedPrecondition(f"node {node_id!r} has published nothing for round {round}; "
+                                         "publish its summaries before asking for matches")
+            while True:
+                if self.cfg.mode == "async":
+                    if not self.state.matches(round=round, receiver=node_id):
+                        self._match_one(node_id, round, round - self.cfg.staleness_rounds, round)
+                    break
+                if self._round_ready(round):
+                    rnd = self.state.get_round(round)
+                    assert rnd is not None
+                    if rnd.state != "matched":
+                        self._match_round(round)
+                    elif node_id not in rnd.participants and not self.state.matches(round=round, receiver=node_id):
+                        # published after the round was matched: learn from the stored groups
+                        self._match_one(node_id, round, round, round)
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return MatchResult(ready=False, offers=[], upload_requests=[])
+                rnd = self.state.get_round(round)
+                until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
+                self.cond.wait(timeout=max(0.01, min(remaining, until_deadline, 1.0)))
+            lo = round - self.cfg.staleness_rounds if self.cfg.mode == "async" else round
+            cands, solved = self._complementarity(node_id, round, lo)
+            return MatchResult(ready=True, offers=self._offers(node_id, round),
+                               upload_requests=self._upload_requests(node_id), candidates=cands,
+                               solved_by_peers=solved)
+
+    def _complementarity(self, receiver: str, round: int, min_round: int) -> tuple[int, int]:
+        fails = [s.prompt_id for s in self.state.summaries(round=round, node_id=receiver) if s.k == 0]
+        informative, solved = set(), set()
+        for s in self.state.summaries(prompt_ids=fails, min_round=min_round):
+            if s.node_id == receiver or s.round > round:
+                continue
+            if s.k >= 1:
+                solved.add(s.prompt_id)
+            if classify(s.k, s.n) == "informative":
+                informative.add(s.prompt_id)
+        return len(informative), len(solved)
+
+    def _summary(self, node: str, round: int, prompt_id: str) -> SummaryRow | None:
+        rows = self.state.summaries(round=round, node_id=node, prompt_ids=[prompt_id])
+        return rows[0] if rows else None
+
+    def _offers(self, receiver: str, round: int) -> list[Offer]:
+        offers = []
+        for m in self.state.matches(round=round, receiver=receiver):
+            s = self._summary(m.source, m.source_round, m.prompt_id)
+            src = self.state.get_node(m.source)
+            if s is None or src is None:
+                continue
+            if s.bundle_digest:
+                self._granted.setdefault(s.bundle_digest, set()).add(receiver)
+            offers.append(Offer(prompt_id=m.prompt_id, source_node=m.source, source_model=src.model_id,
+                                source_round=m.source_round, k=s.k, n=s.n, digest=s.bundle_digest))
+        return offers
+
+    def _upload_requests(self, source: str) -> list[tuple[str, int]]:
+        node = self.state.get_node(source)
+        if node is None or node.privacy == "summaries_only":
+            return []
+        out = []
+        for m in self.state.matches(source=source):
+            s = self._summary(source, m.source_round, m.prompt_id)
+            if s is not None and not s.bundle_digest:
+                out.append((m.prompt_id, m.source_round))
+        return sorted(set(out))
+
+    # ----- bundles ------------------------------------------------------------------------------
+
+    def has_bundles(self, node_id: str, session_id: str, digests: Sequence[str]) -> list[str]:
+        if len(digests) > 4096:
+            raise InvalidArgument(f"{len(digests)} digests in one call; at most 4096")
+        for d in digests:
+            if not is_digest(d):
+                raise InvalidArgument(f"malformed digest {d[:70]!r}: expected 64 lowercase hex digits")
+        with self.cond:
+            self._node(node_id, session_id)
+            return self.state.has_bundles(digests)
+
+    def upload_allowed(self, node_id: str, session_id: str) -> None:
+        """Checks that need no payload, run before receiving the chunks."""
+        with self.cond:
+            node = self._node(node_id, session_id)
+        if node.privacy == "summaries_only":
+            raise PermissionDenied(f"node {node_id!r} declared privacy summaries_only; it uploads no trajectories")
+
+    def put_bundle(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str,
+                   data: bytes) -> bool:
+        self.upload_allowed(node_id, session_id)
+        if digest_of(data) != digest:
+            raise InvalidArgument(f"bundle bytes do not hash to the declared digest {digest[:12]}...")
+        try:
+            rec = decode_bundle(data, digest)
+        except RecordError as exc:
+            raise InvalidArgument(f"bundle rejected: {exc}") from None
+        with self.cond:
+            summary = self._summary(node_id, round, prompt_id)
+            if summary is None:
+                raise NotFound(f"node {node_id!r} published no summary for prompt {prompt_id!r} in round {round}")
+            if (rec.prompt_id != prompt_id or rec.k != summary.k or rec.n != summary.n
+                    or list(rec.mean_logprobs) != list(summary.mean_logprobs)):
+                raise InvalidArgument("the bundle does not hold the group its summary describes "
+                                      "(prompt id, k, n or mean log-probs differ)")
+            stored = self.state.put_bundle(digest, data)
+            self.state.set_bundle_digest(node_id, round, prompt_id, digest)
+            self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
+            self.counters["bundle_bytes_in"] += len(data)
+            self.cond.notify_all()
+        return stored
+
+    def get_bundle(self, node_id: str, session_id: str, digest: str) -> bytes:
+        if not is_digest(digest):
+            raise InvalidArgument("digest must be 64 lowercase hex digits")
+        with self.cond:
+            self._node(node_id, session_id)
+            if node_id not in self._granted.get(digest, set()):
+                if self.state.get_bundle(digest) is None:
+                    raise NotFound(f"no bundle {digest[:12]}...")
+                raise PermissionDenied(f"node {node_id!r} was not matched to bundle {digest[:12]}...; ask for "
+                                       "matches first")
+            data = self.state.get_bundle(digest)
+        if data is None:
+            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
+        self.counters["bundle_bytes_out"] += len(data)
+        return data
+
+    # ----- compatibility -----------------------------------------------------------------------
+
+    def report(self, node_id: str, session_id: str, entries: Iterable[ReportEntry]) -> int:
+        entries = list(entries)
+        for e in entries:
+            if not e.rejected and not (math.isfinite(e.mean_s) and e.mean_s >= 0):
+                raise InvalidArgument(f"mean_s must be a finite number >= 0, got {e.mean_s}")
+            if not (0.0 <= e.admitted_fraction <= 1.0):
+                raise InvalidArgument(f"admitted_fraction must be in [0, 1], got {e.admitted_fraction}")
+        with self.cond:
+            self._node(node_id, session_id)
+            for e in entries:
+                if self.state.get_node(e.source) is None or e.source == node_id:
+                    raise InvalidArgument(f"unknown source node {e.source!r}")
+            for e in entries:
+                self.state.update_compat(e.source, node_id, e.mean_s if not e.rejected else 0.0,
+                                         e.admitted_fraction, e.rejected)
+            self.counters["reports"] += len(entries)
+            self.counters["rejected_groups"] += sum(1 for e in entries if e.rejected)
+        return len(entries)
+
+    # ----- status and retention -------------------------------------------------------------------
+
+    def status(self) -> dict:
+        with self.cond:
+            nodes = self.state.list_nodes()
+            now = self.clock()
+            exchange = Counter((m.source, m.receiver) for m in self.state.matches())
+            compat = {(c.source, c.receiver): c for c in self.state.compat()}
+            n_bundles, n_bytes = self.state.bundle_stats()
+        pairs = []
+        for key in sorted(set(exchange) | set(compat)):
+            c = compat.get(key)
+            pairs.append({"source": key[0], "receiver": key[1], "groups": exchange.get(key, 0),
+                          "mean_s": c.mean_s if c else math.nan,
+                          "admitted_fraction": c.admitted_fraction if c else math.nan,
+                          "rejected": c.rejected if c else 0})
+        return {
+            "manifest": self.manifest, "current_round": self.current_round(),
+            "nodes": [{"node_id": n.node_id, "model_id": n.model_id, "state": self.node_state(n), "round": n.round,
+                       "published": n.published, "last_seen_s": now - n.last_seen} for n in nodes],
+            "pairs": pairs, "bundles": n_bundles, "bundle_bytes": n_bytes,
+        }
+
+    def prune(self) -> int:
+        with self.cond:
+            max_bytes = int(self.cfg.max_bundle_gib * 2**30) if self.cfg.max_bundle_gib else None
+            return self.state.prune(keep_rounds=self.cfg.keep_rounds, max_bundle_bytes=max_bytes)

@@ -1,0 +1,167 @@
+"""Broker process: the gRPC server, /metrics and /healthz over HTTP, retention."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import grpc
+
+from graft_fed.broker.config import BrokerConfig
+from graft_fed.broker.handlers import Federation
+from graft_fed.broker.servicer import BrokerServicer
+from graft_fed.broker.state import BrokerState
+from graft_fed.proto import broker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("graft_fed.broker")
+
+
+def open_state(db: str) -> BrokerState:
+    if db == ":memory:":
+        from graft_fed.broker.state_memory import InMemoryState
+
+        return InMemoryState()
+    from graft_fed.broker.state_sqlite import SqliteState
+
+    Path(db).parent.mkdir(parents=True, exist_ok=True)
+    return SqliteState(db)
+
+
+def grpc_options(max_message_mib: int) -> list[tuple[str, int]]:
+    """Message limits set explicitly (both directions) and keepalive under 4 minutes, shared
+    by server and client so the two sides agree."""
+    limit = max_message_mib * 2**20
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+    ]
+
+
+def render_metrics(fed: Federation, servicer: BrokerServicer) -> str:
+    lines = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP graft_fed_{name} {help_}")
+        lines.append(f"# TYPE graft_fed_{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"graft_fed_{name}{labels} {value}")
+
+    st = fed.status()
+    states: dict[str, int] = {"online": 0, "offline": 0, "left": 0, "registered": 0}
+    for n in st["nodes"]:
+        states[n["state"]] = states.get(n["state"], 0) + 1
+    metric("nodes", "gauge", "Nodes by lifecycle state.", [(f'{{state="{k}"}}', v) for k, v in states.items()])
+    metric("current_round", "gauge", "Highest round seen.", [("", st["current_round"])])
+    metric("bundles", "gauge", "Trajectory bundles held.", [("", st["bundles"])])
+    metric("bundle_bytes", "gauge", "Bytes of trajectory bundles held.", [("", st["bundle_bytes"])])
+    c = fed.counters
+    for key, help_ in [("summaries", "Group summaries accepted."), ("duplicate_summaries", "Retried summaries ignored."),
+                       ("rounds_matched", "Rounds matched."), ("matches", "Groups matched to a receiver."),
+                       ("bundles_stored", "Bundles stored."), ("bundles_duplicate", "Bundles already held."),
+                       ("bundle_bytes_in", "Bundle bytes uploaded."), ("bundle_bytes_out", "Bundle bytes served."),
+                       ("reports", "Compatibility reports."), ("rejected_groups", "Groups rejected by receivers."),
+                       ("joins", "Joins."), ("rejected_join", "Joins refused for a manifest mismatch.")]:
+        metric(f"{key}_total", "counter", help_, [("", c.get(key, 0))])
+    stats = servicer.stats
+    metric("rpc_total", "counter", "RPCs by method and status code.",
+           [(f'{{method="{m}",code="{code}"}}', v) for (m, code), v in sorted(stats.calls.items())])
+    samples = []
+    for m, counts in sorted(stats.hist.items()):
+        for b, cumulative in zip(stats.BUCKETS, counts):
+            le = "+Inf" if b == float("inf") else repr(b)
+            samples.append((f'_bucket{{method="{m}",le="{le}"}}', cumulative))
+        samples.append((f'_sum{{method="{m}"}}', stats.sum[m]))
+        samples.append((f'_count{{method="{m}"}}', counts[-1]))
+    metric("rpc_seconds", "histogram", "RPC latency.", samples)
+    return "\n".join(lines) + "\n"
+
+
+class BrokerServer:
+    def __init__(self, cfg: BrokerConfig, state: BrokerState | None = None) -> None:
+        self.cfg = cfg
+        self.state = state or open_state(cfg.db)
+        self.fed = Federation(cfg, self.state)
+        self.servicer = BrokerServicer(self.fed)
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="broker"),
+                                options=grpc_options(cfg.max_message_mib))
+        pb_grpc.add_BrokerServicer_to_server(self.servicer, self.grpc)
+        self.port = self.grpc.add_insecure_port(cfg.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {cfg.listen}")
+        self.http: ThreadingHTTPServer | None = None
+        self.http_port: int | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def address(self) -> str:
+        host = self.cfg.listen.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    def _serve_http(self) -> None:
+        if not self.cfg.http:
+            return
+        fed, servicer = self.fed, self.servicer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if self.path == "/metrics":
+                    body, ctype, code = render_metrics(fed, servicer).encode(), "text/plain; version=0.0.4", 200
+                elif self.path == "/healthz":
+                    body, ctype, code = b"ok\n", "text/plain", 200
+                else:
+                    body, ctype, code = b"not found\n", "text/plain", 404
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        host, port = self.cfg.http.rsplit(":", 1)
+        self.http = ThreadingHTTPServer((host, int(port)), Handler)
+        self.http_port = self.http.server_address[1]
+        t = threading.Thread(target=self.http.serve_forever, name="broker-http", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _housekeeping(self) -> None:
+        while not self._stop.wait(1.0):
+            with self.fed.cond:
+                self.fed.cond.notify_all()  # wake long-polls whose round deadline passed
+            if self.cfg.keep_rounds or self.cfg.max_bundle_gib:
+                try:
+                    self.fed.prune()
+                except Exception:  # noqa: BLE001 - retention must never take the broker down
+                    log.exception("retention failed")
+
+    def start(self) -> "BrokerServer":
+        self.grpc.start()
+        self._serve_http()
+        t = threading.Thread(target=self._housekeeping, name="broker-housekeeping", daemon=True)
+        t.start()
+        self._threads.append(t)
+        log.info("broker listening on %s (http %s), federation %s, dataset %s, mode %s", self.address,
+                 self.http_port, self.cfg.federation_id, self.fed.manifest.dataset_id, self.cfg.mode)
+        return self
+
+    def wait(self) -> None:
+        self.grpc.wait_for_termination()
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._stop.set()
+        self.grpc.stop(grace).wait()
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+        self.state.close()

@@ -1,0 +1,201 @@
+"""gRPC servicer: decode, call the handler, encode, map errors. Nothing else lives here."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import defaultdict
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from graft_fed.broker.handlers import Federation, ReportEntry
+from graft_fed.broker.state import SummaryRow
+from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted, status_of
+from graft_fed.federation.manifest import Manifest
+from graft_fed.proto import broker_pb2 as pb
+from graft_fed.proto import broker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("graft_fed.broker")
+
+MODES = {pb.MODE_SYNC: "sync", pb.MODE_ASYNC: "async"}
+MODE_CODES = {v: k for k, v in MODES.items()}
+PRIVACY = {pb.PRIVACY_SHARE_ALL: "share_all", pb.PRIVACY_MATCHED_ONLY: "matched_only",
+           pb.PRIVACY_SUMMARIES_ONLY: "summaries_only"}
+PRIVACY_CODES = {v: k for k, v in PRIVACY.items()}
+
+
+def manifest_to_pb(m: Manifest) -> pb.Manifest:
+    return pb.Manifest(federation_id=m.federation_id, protocol_version=m.protocol_version, dataset_id=m.dataset_id,
+                       dataset_hash=m.dataset_hash, seed=m.seed, n=m.n, prompts_per_round=m.prompts_per_round,
+                       mode=MODE_CODES.get(m.mode, pb.MODE_UNSPECIFIED), verifier_name=m.verifier_name,
+                       verifier_version=m.verifier_version, staleness_rounds=m.staleness_rounds)
+
+
+def manifest_from_pb(m: pb.Manifest) -> Manifest:
+    return Manifest(federation_id=m.federation_id, protocol_version=m.protocol_version, dataset_id=m.dataset_id,
+                    dataset_hash=m.dataset_hash, seed=m.seed, n=m.n, prompts_per_round=m.prompts_per_round,
+                    mode=MODES.get(m.mode, ""), verifier_name=m.verifier_name, verifier_version=m.verifier_version,
+                    staleness_rounds=m.staleness_rounds)
+
+
+class RpcStats:
+    """Per-RPC call counts, status codes and latencies for /metrics."""
+
+    BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, float("inf"))
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self.hist: dict[str, list[int]] = defaultdict(lambda: [0] * len(self.BUCKETS))
+        self.sum: dict[str, float] = defaultdict(float)
+
+    def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        self.calls[(method, code.name)] += 1
+        self.sum[method] += seconds
+        for i, b in enumerate(self.BUCKETS):
+            if seconds <= b:
+                self.hist[method][i] += 1
+
+
+def _rpc(method: Callable) -> Callable:
+    """Map domain errors to status codes; anything unexpected becomes a sanitised INTERNAL."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: "BrokerServicer", request: Any, context: grpc.ServicerContext) -> Any:
+        t0 = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            return method(self, request, context)
+        except FederationError as exc:
+            code, message = status_of(exc)
+            self.stats.observe(name, code, time.perf_counter() - t0)
+            context.abort(code, message)
+        except Exception:  # noqa: BLE001 - the last line of defence: never leak internals
+            log.exception("%s failed", name)
+            code = grpc.StatusCode.INTERNAL
+            self.stats.observe(name, code, time.perf_counter() - t0)
+            context.abort(code, "internal broker error (see the broker's log)")
+        finally:
+            if code == grpc.StatusCode.OK:
+                self.stats.observe(name, code, time.perf_counter() - t0)
+    return wrapper
+
+
+class BrokerServicer(pb_grpc.BrokerServicer):
+    def __init__(self, fed: Federation) -> None:
+        self.fed = fed
+        self.stats = RpcStats()
+        self.chunk = fed.cfg.chunk_kib * 1024
+        self.max_bundle = fed.cfg.max_bundle_mib * 2**20
+
+    @_rpc
+    def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinResponse:
+        if not request.HasField("manifest"):
+            raise InvalidArgument("JoinRequest.manifest is required")
+        session, current = self.fed.join(request.node_id, request.model_id, request.tokenizer_id,
+                                         manifest_from_pb(request.manifest), PRIVACY.get(request.privacy, ""),
+                                         request.resume_round)
+        return pb.JoinResponse(session_id=session, manifest=manifest_to_pb(self.fed.manifest), current_round=current,
+                               heartbeat_interval_ms=int(self.fed.cfg.heartbeat_interval_s * 1000))
+
+    @_rpc
+    def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
+        self.fed.leave(request.node_id, request.session_id)
+        return pb.LeaveResponse()
+
+    @_rpc
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        current, online = self.fed.heartbeat(request.node_id, request.session_id, request.round)
+        return pb.HeartbeatResponse(current_round=current, online_nodes=online)
+
+    @_rpc
+    def PublishSummaries(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
+        rows = [SummaryRow(node_id=request.node_id, round=request.round, prompt_id=s.prompt_id,
+                           policy_version=s.policy_version, n=s.n, k=s.k, reward_mean=s.reward_mean,
+                           reward_std=s.reward_std, lengths=list(s.lengths), mean_logprobs=list(s.mean_logprobs),
+                           bundle_digest=s.bundle_digest)
+                for s in request.summaries]
+        for s in request.summaries:
+            if s.round != request.round:
+                raise InvalidArgument("every summary's round must equal the request's round")
+        accepted, dups = self.fed.publish(request.node_id, request.session_id, request.round, rows)
+        return pb.PublishResponse(accepted=accepted, duplicates=dups)
+
+    @_rpc
+    def GetMatches(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
+        res = self.fed.get_matches(request.node_id, request.session_id, request.round, request.wait_ms / 1000.0)
+        return pb.MatchResponse(
+            ready=res.ready,
+            offers=[pb.MatchOffer(prompt_id=o.prompt_id, source_node_id=o.source_node, source_model_id=o.source_model,
+                                  source_round=o.source_round, source_k=o.k, source_n=o.n, bundle_digest=o.digest)
+                    for o in res.offers],
+            upload_requests=[pb.UploadRequest(prompt_id=p, round=r) for p, r in res.upload_requests],
+            candidates=res.candidates, solved_by_peers=res.solved_by_peers)
+
+    @_rpc
+    def UploadBundle(self, request_iterator: Iterator[pb.BundleChunk], context: Any) -> pb.UploadResponse:
+        first: pb.BundleChunk | None = None
+        parts: list[bytes] = []
+        received = 0
+        for chunk in request_iterator:
+            if first is None:
+                first = chunk
+                if chunk.total_size > self.max_bundle:
+                    raise ResourceExhausted(f"bundle of {chunk.total_size} bytes exceeds the broker's limit "
+                                            f"of {self.max_bundle} bytes")
+                self.fed.upload_allowed(chunk.node_id, chunk.session_id)
+            elif (chunk.digest, chunk.total_size, chunk.node_id, chunk.prompt_id, chunk.round) != (
+                    first.digest, first.total_size, first.node_id, first.prompt_id, first.round):
+                raise InvalidArgument("every chunk of one upload must carry the same digest, size, node, prompt "
+                                      "and round")
+            if len(chunk.data) > self.chunk:
+                raise InvalidArgument(f"chunk of {len(chunk.data)} bytes exceeds the chunk size {self.chunk}")
+            if chunk.offset != received:
+                raise InvalidArgument(f"chunk offset {chunk.offset} but {received} bytes received so far")
+            received += len(chunk.data)
+            if received > first.total_size:
+                raise InvalidArgument("chunks exceed the declared total_size")
+            parts.append(chunk.data)
+        if first is None:
+            raise InvalidArgument("empty upload: send at least one chunk")
+        if received != first.total_size:
+            raise InvalidArgument(f"upload ended after {received} of {first.total_size} bytes")
+        stored = self.fed.put_bundle(first.node_id, first.session_id, first.prompt_id, first.round, first.digest,
+                                     b"".join(parts))
+        return pb.UploadResponse(digest=first.digest, stored=stored)
+
+    @_rpc
+    def HasBundles(self, request: pb.HasBundlesRequest, context: Any) -> pb.HasBundlesResponse:
+        return pb.HasBundlesResponse(present=self.fed.has_bundles(request.node_id, request.session_id,
+                                                                  list(request.digests)))
+
+    def FetchBundle(self, request: pb.FetchBundleRequest, context: Any) -> Iterator[pb.BundleChunk]:
+        t0 = time.perf_counter()
+        try:
+            data = self.fed.get_bundle(request.node_id, request.session_id, request.digest)
+        except FederationError as exc:
+            code, message = status_of(exc)
+            self.stats.observe("FetchBundle", code, time.perf_counter() - t0)
+            context.abort(code, message)
+        self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
+        for off in range(0, max(1, len(data)), self.chunk):
+            yield pb.BundleChunk(digest=request.digest, total_size=len(data), offset=off,
+                                 data=data[off:off + self.chunk])
+
+    @_rpc
+    def ReportCompatibility(self, request: pb.CompatibilityReport, context: Any) -> pb.ReportResponse:
+        n = self.fed.report(request.node_id, request.session_id,
+                            [ReportEntry(e.source_node_id, e.prompt_id, e.mean_s, e.admitted_fraction, e.rejected)
+                             for e in request.entries])
+        return pb.ReportResponse(accepted=n)
+
+    @_rpc
+    def GetStatus(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
+        st = self.fed.status()
+        return pb.StatusResponse(
+            manifest=manifest_to_pb(st["manifest"]), current_round=st["current_round"],
+            nodes=[pb.StatusResponse.Node(**n) for n in st["nodes"]],
+            pairs=[pb.StatusResponse.Pair(**p) for p in st["pairs"]],
+            bundles=st["bundles"], bundle_bytes=st["bundle_bytes"])

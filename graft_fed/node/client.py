@@ -1,0 +1,172 @@
+"""The node's side of the wire: a gRPC client of the broker, heartbeats on their own thread."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Iterable, Iterator, Sequence
+
+import grpc
+
+from graft_fed.broker.server import grpc_options
+from graft_fed.broker.servicer import PRIVACY_CODES, manifest_from_pb, manifest_to_pb
+from graft_fed.core.records import GroupRecord, RecordError
+from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
+from graft_fed.federation.manifest import Manifest
+from graft_fed.proto import broker_pb2 as pb
+from graft_fed.proto import broker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("graft_fed.node")
+
+
+class Backoff:
+    """Exponential backoff with full jitter between reconnection attempts."""
+
+    def __init__(self, base_s: float = 1.0, cap_s: float = 60.0, rng: random.Random | None = None) -> None:
+        self.base, self.cap = base_s, cap_s
+        self.failures = 0
+        self.next_at = 0.0
+        self.rng = rng or random.Random()
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.next_at
+
+    def failed(self) -> float:
+        self.failures += 1
+        delay = self.rng.uniform(0, min(self.cap, self.base * 2 ** (self.failures - 1)))
+        self.next_at = time.monotonic() + delay
+        return delay
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self.next_at = 0.0
+
+
+class BrokerClient:
+    def __init__(self, address: str, node_id: str, max_message_mib: int = 16, rpc_timeout_s: float = 10.0,
+                 chunk_kib: int = 1024) -> None:
+        self.address = address
+        self.node_id = node_id
+        self.timeout = rpc_timeout_s
+        self.chunk = chunk_kib * 1024
+        self.channel = grpc.insecure_channel(address, options=grpc_options(max_message_mib))
+        self.stub = pb_grpc.BrokerStub(self.channel)
+        self.session = ""
+        self.round = 0
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self.session_lost = threading.Event()
+
+    # ----- session ------------------------------------------------------------------------------
+    def join(self, model_id: str, tokenizer_id: str, manifest: Manifest, privacy: str,
+             resume_round: int) -> tuple[Manifest, int, float]:
+        resp = self.stub.Join(pb.JoinRequest(node_id=self.node_id, model_id=model_id, tokenizer_id=tokenizer_id,
+                                             manifest=manifest_to_pb(manifest), privacy=PRIVACY_CODES[privacy],
+                                             resume_round=resume_round), timeout=self.timeout)
+        self.session = resp.session_id
+        self.session_lost.clear()
+        interval = max(0.05, resp.heartbeat_interval_ms / 1000.0)
+        self._start_heartbeats(interval)
+        return manifest_from_pb(resp.manifest), resp.current_round, interval
+
+    def _start_heartbeats(self, interval: float) -> None:
+        self._stop_heartbeats()
+        self._hb_stop = threading.Event()
+        stop, session = self._hb_stop, self.session
+
+        def beat() -> None:
+            # Its own thread: a long training step never looks like death to the broker.
+            while not stop.wait(interval):
+                try:
+                    self.stub.Heartbeat(pb.HeartbeatRequest(node_id=self.node_id, session_id=session,
+                                                            round=self.round), timeout=self.timeout)
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        self.session_lost.set()
+                        return
+                    log.debug("heartbeat failed: %s", exc.code())
+
+        self._hb_thread = threading.Thread(target=beat, name=f"heartbeat-{self.node_id}", daemon=True)
+        self._hb_thread.start()
+
+    def _stop_heartbeats(self) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=2)
+            self._hb_thread = None
+
+    def leave(self) -> None:
+        self._stop_heartbeats()
+        if self.session:
+            try:
+                self.stub.Leave(pb.LeaveRequest(node_id=self.node_id, session_id=self.session), timeout=self.timeout)
+            except grpc.RpcError as exc:
+                log.info("leave failed (%s); the broker will see this node go offline", exc.code())
+        self.session = ""
+
+    def close(self) -> None:
+        self._stop_heartbeats()
+        self.channel.close()
+
+    # ----- rounds -------------------------------------------------------------------------------
+    def publish(self, round: int, summaries: Sequence[pb.GroupSummary]) -> tuple[int, int]:
+        resp = self.stub.PublishSummaries(pb.PublishRequest(node_id=self.node_id, session_id=self.session, round=round,
+                                                            summaries=summaries), timeout=self.timeout)
+        return resp.accepted, resp.duplicates
+
+    def get_matches(self, round: int, wait_s: float) -> pb.MatchResponse:
+        return self.stub.GetMatches(pb.MatchRequest(node_id=self.node_id, session_id=self.session, round=round,
+                                                    wait_ms=int(wait_s * 1000)), timeout=wait_s + self.timeout)
+
+    # ----- bundles ------------------------------------------------------------------------------
+    def has_bundles(self, digests: Sequence[str]) -> set[str]:
+        if not digests:
+            return set()
+        resp = self.stub.HasBundles(pb.HasBundlesRequest(node_id=self.node_id, session_id=self.session,
+                                                         digests=list(digests)), timeout=self.timeout)
+        return set(resp.present)
+
+    def upload(self, record: GroupRecord, round: int) -> tuple[str, bool]:
+        data = encode_bundle(record)
+        digest = digest_of(data)
+
+        def chunks() -> Iterator[pb.BundleChunk]:
+            for off in range(0, max(1, len(data)), self.chunk):
+                yield pb.BundleChunk(digest=digest, total_size=len(data), offset=off, data=data[off:off + self.chunk],
+                                     node_id=self.node_id, session_id=self.session, prompt_id=record.prompt_id,
+                                     round=round)
+
+        resp = self.stub.UploadBundle(chunks(), timeout=self.timeout * 3)
+        return digest, resp.stored
+
+    def upload_missing(self, records: Iterable[tuple[GroupRecord, int]]) -> int:
+        """Upload the bundles the broker does not hold yet; returns the number sent."""
+        items = [(rec, rnd, digest_of(encode_bundle(rec))) for rec, rnd in records]
+        present = self.has_bundles([d for _, _, d in items])
+        sent = 0
+        for rec, rnd, digest in items:
+            if digest not in present:
+                self.upload(rec, rnd)
+                sent += 1
+        return sent
+
+    def fetch(self, digest: str) -> GroupRecord:
+        parts, size = [], None
+        for chunk in self.stub.FetchBundle(pb.FetchBundleRequest(node_id=self.node_id, session_id=self.session,
+                                                                 digest=digest), timeout=self.timeout * 3):
+            size = chunk.total_size
+            parts.append(chunk.data)
+        data = b"".join(parts)
+        if size is None or len(data) != size:
+            raise RecordError(f"bundle {digest[:12]} arrived truncated ({len(data)} of {size} bytes)")
+        return decode_bundle(data, digest)
+
+    def report(self, round: int, entries: Sequence[pb.CompatibilityReport.Entry]) -> None:
+        if entries:
+            self.stub.ReportCompatibility(pb.CompatibilityReport(node_id=self.node_id, session_id=self.session,
+                                                                 round=round, entries=entries), timeout=self.timeout)
+
+    def status(self) -> pb.StatusResponse:
+        return self.stub.GetStatus(pb.StatusRequest(), timeout=self.timeout)

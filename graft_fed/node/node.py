@@ -1,0 +1,277 @@
+"""A federation node: the GRAFT trainer with the broker as its exchange partner.
+
+Per step: sample -> verify -> publish summaries -> (upload bundles) -> receive matches ->
+fetch peer groups -> re-verify, re-tokenise, score compatibility (trainer/graft.py) ->
+report compatibility -> optimise peer-last -> checkpoint. When the broker is unreachable
+or slow, the step goes on as plain GRPO and the node reconnects with backoff and jitter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import grpc
+
+from graft_fed.configbase import from_mapping, load_yaml, require
+from graft_fed.core.records import GroupRecord, RecordError
+from graft_fed.errors import ConfigError
+from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
+from graft_fed.node.client import Backoff, BrokerClient
+from graft_fed.proto import broker_pb2 as pb
+from graft_fed.trainer.config import TrainConfig
+from graft_fed.trainer.graft import offer_metrics, receive, to_record
+from graft_fed.trainer.grpo import GRPOTrainer, Group, StepData
+
+log = logging.getLogger("graft_fed.node")
+
+
+@dataclass(frozen=True)
+class FederationSection:
+    """How this node takes part in a federation."""
+
+    #: The broker's address, HOST:PORT.
+    broker: str = "127.0.0.1:50551"
+    #: This node's name in the federation (default: run.name).
+    node_id: str = ""
+    #: What may leave the site: "share_all" (every informative group's trajectories go to
+    #: the broker, so peers joining later can learn from them), "matched_only" (only groups
+    #: a receiver was matched to), "summaries_only" (no trajectories ever; still receives).
+    privacy: str = "share_all"
+    #: Refuse a broker whose federation id differs (null = accept any).
+    federation_id: str | None = None
+    #: Longest single long-poll for matches, seconds.
+    match_wait_s: float = 10.0
+    #: Give up the exchange of one step after this long and train plain GRPO.
+    round_timeout_s: float = 180.0
+    #: Wait at most this long for matched sources to upload their bundles.
+    fetch_timeout_s: float = 30.0
+    #: Deadline of ordinary RPCs, seconds.
+    rpc_timeout_s: float = 10.0
+    #: Largest gRPC message, MiB (keep equal to the broker's).
+    max_message_mib: int = 16
+    #: Bundle chunk size, KiB (at most the broker's).
+    chunk_kib: int = 1024
+    #: Reconnection backoff: first delay and cap, seconds (full jitter).
+    reconnect_min_s: float = 1.0
+    reconnect_max_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        require(":" in self.broker, f"federation.broker must be HOST:PORT, got {self.broker!r}")
+        require(self.privacy in ("share_all", "matched_only", "summaries_only"),
+                "federation.privacy must be share_all, matched_only or summaries_only")
+        require(self.match_wait_s > 0 and self.round_timeout_s > 0 and self.fetch_timeout_s >= 0,
+                "federation timeouts must be positive")
+        require(0 < self.reconnect_min_s <= self.reconnect_max_s, "need 0 < reconnect_min_s <= reconnect_max_s")
+
+
+@dataclass(frozen=True)
+class NodeConfig(TrainConfig):
+    """A node: a training run plus its federation section."""
+
+    federation: FederationSection = field(default_factory=FederationSection)
+
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainConfig)})
+
+    @property
+    def node_id(self) -> str:
+        return self.federation.node_id or self.run.name
+
+
+def load_node_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> NodeConfig:
+    data: dict[str, Any] = load_yaml(path) if path else {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    try:
+        return from_mapping(NodeConfig, data)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid node config{' in ' + str(path) if path else ''}: {exc}") from None
+
+
+def summary_of(group: Group, round: int, step: int) -> pb.GroupSummary:
+    rewards = group.rewards.tolist()
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(1, len(rewards) - 1))
+    return pb.GroupSummary(prompt_id=group.prompt.id, round=round, policy_version=step, n=group.n, k=group.k,
+                           reward_mean=mean, reward_std=std, lengths=[len(c.token_ids) for c in group.completions],
+                           mean_logprobs=[c.mean_logprob for c in group.completions])
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig, resume: str | None = None, quiet: bool = False) -> None:
+        self.cfg = cfg
+        self.quiet = quiet
+        self.trainer = GRPOTrainer(cfg.train_config(), resume=resume, quiet=True)
+        f = cfg.federation
+        self.client = BrokerClient(f.broker, cfg.node_id, max_message_mib=f.max_message_mib,
+                                   rpc_timeout_s=f.rpc_timeout_s, chunk_kib=f.chunk_kib)
+        t = self.trainer
+        self.manifest = Manifest(
+            federation_id=f.federation_id or "", protocol_version=PROTOCOL_VERSION,
+            dataset_id=t.schedule.prompts[0].dataset, dataset_hash=dataset_hash(t.schedule.prompts),
+            seed=cfg.run.seed, n=cfg.rollout.n, prompts_per_round=cfg.algorithm.prompts_per_step,
+            mode="", verifier_name=cfg.verifier.name, verifier_version=verifier_version(cfg.verifier),
+            staleness_rounds=0)
+        self.connected = False
+        self.backoff = Backoff(f.reconnect_min_s, f.reconnect_max_s)
+        self.broker_manifest: Manifest | None = None
+
+    def close(self, leave: bool = True) -> None:
+        if leave and self.connected:
+            self.client.leave()
+        self.client.close()
+        self.trainer.close()
+
+    def __enter__(self) -> "Node":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- connection -----------------------------------------------------------------------------
+    def ensure_joined(self) -> bool:
+        if self.connected and not self.client.session_lost.is_set():
+            return True
+        if not self.backoff.ready():
+            return False
+        try:
+            manifest, current, _ = self.client.join(self.trainer.model_id, self.trainer.tok_id, self.manifest,
+                                                    self.cfg.federation.privacy, self.trainer.step)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                              grpc.StatusCode.PERMISSION_DENIED):
+                raise ConfigError(f"the broker at {self.cfg.federation.broker} refused node "
+                                  f"{self.cfg.node_id!r}: {exc.details()}") from None
+            self._lost(exc)
+            return False
+        pin = self.cfg.federation.federation_id
+        if pin and manifest.federation_id != pin:
+            raise ConfigError(f"broker {self.cfg.federation.broker} serves federation {manifest.federation_id!r}, "
+                              f"not {pin!r}")
+        self.broker_manifest = manifest
+        self.connected = True
+        self.backoff.succeeded()
+        log.info("node %s joined federation %s at round %d", self.cfg.node_id, manifest.federation_id, current)
+        return True
+
+    def _lost(self, exc: grpc.RpcError) -> None:
+        self.connected = False
+        delay = self.backoff.failed()
+        log.warning("exchange with broker %s failed (%s: %s); training plain GRPO, next attempt in %.1fs",
+                    self.cfg.federation.broker, exc.code().name, exc.details(), delay)
+
+    # ----- one step -------------------------------------------------------------------------------
+    def _record(self, group: Group) -> GroupRecord:
+        t = self.trainer
+        return to_record(group, t.step, t.model_id, t.tok_id, t.run_id)
+
+    def _own_record(self, prompt_id: str, round: int, current: dict[str, Group]) -> GroupRecord | None:
+        if round == self.trainer.step and prompt_id in current:
+            return self._record(current[prompt_id])
+        if self.trainer.store is not None:
+            return self.trainer.store.lookup([prompt_id], step=round).get(prompt_id)
+        return None
+
+    def exchange(self, data: StepData) -> tuple[list[Group], dict[str, Any]]:
+        """The federation part of a step; any broker failure leaves the own groups untouched."""
+        t0 = time.perf_counter()
+        groups = data.groups
+        metrics: dict[str, Any] = {"federation/connected": 0.0}
+        if not self.ensure_joined():
+            return groups, metrics
+        f = self.cfg.federation
+        round = self.trainer.step
+        self.client.round = round
+        by_prompt = {g.prompt.id: g for g in groups}
+        try:
+            self.client.publish(round, [summary_of(g, round, self.trainer.step) for g in groups])
+            if f.privacy == "share_all":
+                self.client.upload_missing((self._record(g), round) for g in groups if 0 < g.k < g.n)
+            deadline = time.monotonic() + f.round_timeout_s
+            resp = self.client.get_matches(round, f.match_wait_s)
+            while not resp.ready and time.monotonic() < deadline:
+                resp = self.client.get_matches(round, min(f.match_wait_s, max(0.1, deadline - time.monotonic())))
+            if not resp.ready:
+                metrics["federation/round_timeout"] = 1.0
+                return groups, metrics
+            uploads_done = self._serve_uploads(resp, by_prompt)
+            fetch_deadline = time.monotonic() + f.fetch_timeout_s
+            while any(not o.bundle_digest for o in resp.offers) and time.monotonic() < fetch_deadline:
+                time.sleep(0.05)
+                resp = self.client.get_matches(round, 0.5)
+                uploads_done += self._serve_uploads(resp, by_prompt)
+            offers: dict[str, GroupRecord] = {}
+            bad = 0
+            for o in resp.offers:
+                if not o.bundle_digest:
+                    continue
+                try:
+                    rec = self.client.fetch(o.bundle_digest)
+                except RecordError as exc:
+                    log.warning("bundle from %s rejected: %s", o.source_node_id, exc)
+                    bad += 1
+                    continue
+                if rec.prompt_id != o.prompt_id:
+                    bad += 1
+                    continue
+                # Name the source by its node id, so reports and metrics key on it.
+                offers[o.prompt_id] = dataclasses.replace(rec, model_id=o.source_node_id)
+            result = receive(self.trainer, groups, offers)
+            metrics.update(offer_metrics(groups, resp.candidates, resp.solved_by_peers, len(resp.offers)))
+            self.client.report(round, [pb.CompatibilityReport.Entry(
+                source_node_id=r.source, prompt_id=r.prompt_id, mean_s=0.0 if math.isnan(r.mean_s) else r.mean_s,
+                admitted_fraction=r.admitted_fraction, rejected=r.rejected) for r in result.reports])
+        except grpc.RpcError as exc:
+            self._lost(exc)
+            metrics["time/federation"] = time.perf_counter() - t0
+            return groups, metrics
+        metrics.update(result.metrics)
+        metrics.update({"federation/connected": 1.0, "federation/offers": float(len(resp.offers)),
+                        "federation/bad_bundles": float(bad), "federation/uploads": float(uploads_done),
+                        "time/federation": time.perf_counter() - t0})
+        return result.groups, metrics
+
+    def _serve_uploads(self, resp: pb.MatchResponse, current: dict[str, Group]) -> int:
+        if self.cfg.federation.privacy == "summaries_only" or not resp.upload_requests:
+            return 0
+        records = []
+        for req in resp.upload_requests:
+            rec = self._own_record(req.prompt_id, req.round, current)
+            if rec is not None:
+                records.append((rec, req.round))
+        return self.client.upload_missing(records)
+
+    def train_step(self) -> dict[str, Any]:
+        t = self.trainer
+        t0 = time.perf_counter()
+        data = t.collect()
+        t.record(data.groups)
+        groups, extra = self.exchange(data)
+        return t.finish_step(data, groups, extra, t0)
+
+    def train(self, evaluate_before_after: bool = True) -> dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        t = self.trainer
+        summary = t.begin_train(evaluate_before_after)
+        bar = tqdm(total=t.cfg.run.steps, initial=t.step, desc=self.cfg.node_id, disable=self.quiet,
+                   dynamic_ncols=True)
+        row: dict[str, Any] = {}
+        while t.step < t.cfg.run.steps:
+            row = self.train_step()
+            t.end_step(row)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward']:.3f}", replaced=f"{row.get('graft/replaced', 0):.0f}",
+                            broker="up" if row.get("federation/connected") else "down")
+        bar.close()
+        return t.end_train(summary, row, evaluate_before_after)

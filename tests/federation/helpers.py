@@ -1,0 +1,65 @@
+"""Shared set-up for federation tests: a broker on 127.0.0.1:0 and node configs."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from graft_fed.broker.config import BrokerConfig
+from graft_fed.broker.server import BrokerServer
+from graft_fed.configbase import from_mapping
+from graft_fed.node.node import Node, NodeConfig
+
+
+def broker_config(prompt_file: Path, db: str = ":memory:", **over: Any) -> BrokerConfig:
+    base = {"listen": "127.0.0.1:0", "http": "127.0.0.1:0", "db": db, "data": {"source": str(prompt_file)},
+            "verifier": {"name": "tests.plugins:odd_char_sum"}, "seed": 3, "n": 2, "prompts_per_round": 8,
+            "round_deadline_s": 30.0, "heartbeat_interval_s": 0.2, "offline_after_s": 5.0}
+    base.update(over)
+    return from_mapping(BrokerConfig, base)
+
+
+def node_config(name: str, model_dir: Path, prompt_file: Path, out: Path, address: str, steps: int = 2,
+                **fed: Any) -> NodeConfig:
+    cfg = {
+        "run": {"name": name, "output_dir": str(out / name), "steps": steps, "seed": 3, "device": "cpu",
+                "threads": 1, "checkpoint_every": 0},
+        "model": {"path": str(model_dir)},
+        "data": {"source": str(prompt_file)},
+        "rollout": {"n": 2, "max_new_tokens": 6},
+        "verifier": {"name": "tests.plugins:odd_char_sum"},
+        "algorithm": {"prompts_per_step": 8, "num_minibatches": 2},
+        "optim": {"lr": 1e-3},
+        "federation": {"broker": address, "match_wait_s": 2.0, "round_timeout_s": 30.0, "fetch_timeout_s": 10.0,
+                       "reconnect_min_s": 0.1, "reconnect_max_s": 0.5, **fed},
+    }
+    return from_mapping(NodeConfig, cfg)
+
+
+def run_nodes(cfgs: list[NodeConfig]) -> list[dict]:
+    """Train several nodes concurrently (threads), as separate sites would. Models are
+    loaded one after another first: transformers' loading is not thread-safe."""
+    results: list[Any] = [None] * len(cfgs)
+    errors: list[BaseException] = []
+    nodes = [Node(cfg, quiet=True) for cfg in cfgs]
+
+    def work(i: int) -> None:
+        try:
+            with nodes[i] as node:
+                results[i] = node.train(evaluate_before_after=False)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cfgs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def start_broker(cfg: BrokerConfig) -> BrokerServer:
+    return BrokerServer(cfg).start()
