@@ -76,6 +76,79 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_broker(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from graft_fed.broker.config import load_broker_config
+    from graft_fed.broker.server import BrokerServer
+
+    cfg = load_broker_config(args.config, _parse_overrides(args.set))
+    server = BrokerServer(cfg).start()
+    if args.port_file:
+        from pathlib import Path
+
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(server.address)
+        tmp.replace(args.port_file)
+    print(f"broker listening on {server.address}" + (f", http on {server.http_port}" if server.http_port else ""),
+          flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop()
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from graft_fed.node.node import Node, load_node_config
+
+    cfg = load_node_config(args.config, _parse_overrides(args.set))
+    with Node(cfg, resume=args.resume, quiet=args.quiet) as node:
+        summary = node.train(evaluate_before_after=not args.no_eval)
+    _print_summary(cfg, node.trainer.step, summary)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from graft_fed.node.client import BrokerClient
+
+    client = BrokerClient(args.broker, node_id="status")
+    try:
+        st = client.status()
+    except grpc.RpcError as exc:
+        raise GraftFedError(f"cannot reach the broker at {args.broker}: {exc.code().name} {exc.details()}") from None
+    finally:
+        client.close()
+    m = st.manifest
+    print(f"federation {m.federation_id}: dataset {m.dataset_id}, n={m.n}, {m.prompts_per_round} prompts/round, "
+          f"round {st.current_round}, {st.bundles} bundles ({st.bundle_bytes / 2**20:.1f} MiB)")
+    print(f"{'node':<20} {'model':<20} {'state':<8} {'round':>6} {'published':>9} {'last seen':>9}")
+    for n in st.nodes:
+        print(f"{n.node_id:<20} {n.model_id:<20} {n.state:<8} {n.round:>6} {n.published:>9} {n.last_seen_s:>8.1f}s")
+    if st.pairs:
+        print(f"\n{'source -> receiver':<36} {'groups':>7} {'mean s':>7} {'admitted':>9} {'rejected':>9}")
+        for p in st.pairs:
+            print(f"{p.source + ' -> ' + p.receiver:<36} {p.groups:>7} {p.mean_s:>7.3f} {p.admitted_fraction:>9.2f} "
+                  f"{p.rejected:>9}")
+    return 0
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from graft_fed.sim import Simulation, load_sim_config
+
+    cfg = load_sim_config(args.config)
+    if args.output_dir:
+        import dataclasses
+        cfg = dataclasses.replace(cfg, output_dir=args.output_dir)
+    table = Simulation(cfg, args.nodes, quiet=args.quiet).run()
+    print(table)
+    return 0
+
+
 def cmd_store(args: argparse.Namespace) -> int:
     from graft_fed.store import TrajectoryStore
 
@@ -176,6 +249,32 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     x.add_argument("--quiet", action="store_true")
     x.set_defaults(func=cmd_experiment)
+
+    b = sub.add_parser("broker", help="run a federation's broker",
+                       description="Run the broker (config: docs/configuration.md#broker).")
+    b.add_argument("--config", help="broker config YAML (default: built-in defaults)")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    b.add_argument("--port-file", help="write the bound HOST:PORT here once listening (useful with port 0)")
+    b.set_defaults(func=cmd_broker)
+
+    nd = sub.add_parser("node", help="run a federation node (a trainer that exchanges through the broker)")
+    nd.add_argument("--config", required=True, help="node config YAML: a train config plus `federation`")
+    nd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    nd.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT")
+    nd.add_argument("--no-eval", action="store_true")
+    nd.add_argument("--quiet", action="store_true")
+    nd.set_defaults(func=cmd_node)
+
+    ss = sub.add_parser("status", help="print a live federation: nodes, rounds, exchange and compatibility")
+    ss.add_argument("--broker", required=True, help="HOST:PORT of the broker")
+    ss.set_defaults(func=cmd_status)
+
+    sm = sub.add_parser("sim", help="a broker and N node processes on this machine, over loopback gRPC")
+    sm.add_argument("--config", required=True, help="sim config YAML, e.g. configs/sim-zoo.yaml")
+    sm.add_argument("--nodes", type=int, default=3, help="how many of the config's nodes to run (default 3)")
+    sm.add_argument("--output-dir", help="override the config's output_dir")
+    sm.add_argument("--quiet", action="store_true")
+    sm.set_defaults(func=cmd_sim)
 
     st = sub.add_parser("store", help="inspect, export or import a trajectory store")
     st_sub = st.add_subparsers(dest="store_command", required=True)

@@ -108,6 +108,7 @@ def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str,
         texts = [t for _, rec in accepted for t in rec.texts]
         answers = [own[i].prompt.answer for i, rec in accepted for _ in rec.texts]
         scored = trainer.verifier.score(texts, answers).rewards
+        counts["reverified"] += len(accepted)
         kept, pos = [], 0
         for i, rec in accepted:
             mine = scored[pos:pos + rec.n]
