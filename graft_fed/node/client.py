@@ -59,6 +59,14 @@ class BrokerClient:
         self._hb_thread: threading.Thread | None = None
         self.session_lost = threading.Event()
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until the channel is connected (it backs off after a broker outage)."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+
     # ----- session ------------------------------------------------------------------------------
     def join(self, model_id: str, tokenizer_id: str, manifest: Manifest, privacy: str,
              resume_round: int) -> tuple[Manifest, int, float]:

@@ -144,6 +144,7 @@ class Node:
             return True
         if not self.backoff.ready():
             return False
+        self.client.wait_ready(self.cfg.federation.rpc_timeout_s)
         try:
             manifest, current, _ = self.client.join(self.trainer.model_id, self.trainer.tok_id, self.manifest,
                                                     self.cfg.federation.privacy, self.trainer.step)

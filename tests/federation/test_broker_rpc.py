@@ -1,0 +1,174 @@
+"""Every RPC over a real server on 127.0.0.1:0: status codes, idempotence, authorisation."""
+
+import dataclasses
+import urllib.request
+
+import grpc
+import pytest
+
+from graft_fed.core.records import GroupRecord
+from graft_fed.data.config import DataConfig, load_prompts
+from graft_fed.federation.bundles import digest_of, encode_bundle
+from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
+from graft_fed.node.client import BrokerClient
+from graft_fed.proto import broker_pb2 as pb
+from graft_fed.rewards.config import VerifierConfig
+from tests.federation.helpers import broker_config, start_broker
+from tests.trainer.test_grpo import prompt_file  # noqa: F401 - fixture
+
+
+@pytest.fixture()
+def broker(prompt_file):  # noqa: F811
+    server = start_broker(broker_config(prompt_file))
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def prompts(prompt_file):  # noqa: F811
+    return load_prompts(DataConfig(source=str(prompt_file)))
+
+
+def manifest(prompts, **over):
+    m = Manifest(federation_id="", protocol_version=PROTOCOL_VERSION, dataset_id=prompts[0].dataset,
+                 dataset_hash=dataset_hash(prompts), seed=3, n=2, prompts_per_round=8, mode="",
+                 verifier_name="tests.plugins:odd_char_sum",
+                 verifier_version=verifier_version(VerifierConfig(name="tests.plugins:odd_char_sum")),
+                 staleness_rounds=0)
+    return dataclasses.replace(m, **over)
+
+
+def client(broker, prompts, name, privacy="share_all"):
+    c = BrokerClient(broker.address, name)
+    c.join(name, "tok", manifest(prompts), privacy, 0)
+    return c
+
+
+def summary(p, k, round=0):
+    return pb.GroupSummary(prompt_id=p.id, round=round, policy_version=round, n=2, k=k, reward_mean=k / 2,
+                           reward_std=0.7 if k == 1 else 0.0, lengths=[3, 4], mean_logprobs=[-0.5, -0.25])
+
+
+def record(p, k, model="a"):
+    rewards = (1.0, 0.0) if k == 1 else (0.0, 0.0)
+    adv = (0.7071, -0.7071) if k == 1 else (0.0, 0.0)
+    return GroupRecord(prompt_id=p.id, step=0, model_id=model, tokenizer_id="tok", problem=p.problem, answer=p.answer,
+                       rewards=rewards, advantages=adv, texts=("x", "y"), finish_reasons=("stop", "stop"),
+                       lengths=(3, 4), mean_logprobs=(-0.5, -0.25))
+
+
+def code_of(call):
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def test_join_refuses_a_different_manifest_naming_the_fields(broker, prompts):
+    c = BrokerClient(broker.address, "x")
+    code, details = code_of(lambda: c.join("x", "tok", manifest(prompts, n=4, seed=9), "share_all", 0))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "n: broker has 2, node has 4" in details and "seed" in details
+    code, details = code_of(lambda: c.join("", "tok", manifest(prompts), "share_all", 0))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    c.close()
+
+
+def test_publish_validates_is_idempotent_and_leaves_state_on_rejection(broker, prompts):
+    a = client(broker, prompts, "a")
+    bad = summary(prompts[0], 3)  # k > n
+    code, details = code_of(lambda: a.publish(0, [summary(prompts[1], 1), bad]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "k=3" in details
+    assert broker.state.summaries() == []  # the valid summary of the rejected batch was not stored
+    assert a.publish(0, [summary(prompts[1], 1)]) == (1, 0)
+    assert a.publish(0, [summary(prompts[1], 1)]) == (0, 1)  # a retried publish never duplicates
+    lying = summary(prompts[2], 1)
+    lying.reward_mean = 0.9
+    assert code_of(lambda: a.publish(0, [lying]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    unknown = summary(prompts[2], 1)
+    unknown.prompt_id = "ffffffffffffffff"
+    assert "unknown prompt id" in code_of(lambda: a.publish(0, [unknown]))[1]
+    a.session = "stale"
+    assert code_of(lambda: a.publish(0, [summary(prompts[3], 1)]))[0] == grpc.StatusCode.UNAUTHENTICATED
+    a.close()
+
+
+def test_matching_bundles_and_authorisation(broker, prompts):
+    a, b, c = (client(broker, prompts, n) for n in "abc")
+    p0, p1 = prompts[0], prompts[1]
+    # a and b complement each other (a failed p0, b solved it once; the reverse for p1), so the
+    # pairwise rule lets one group move each way; c failed everything and gives nothing, so it
+    # receives nothing either (m = 0 for its pairs)
+    a.publish(0, [summary(p0, 0), summary(p1, 1)])
+    b.publish(0, [summary(p0, 1), summary(p1, 0)])
+    c.publish(0, [summary(p0, 0), summary(p1, 0)])
+    rec = record(p0, 1, model="b")
+    digest, stored = b.upload(rec, 0)
+    assert stored and b.upload(rec, 0) == (digest, False)  # content-addressed: never stored twice
+    assert b.has_bundles([digest]) == {digest}
+    resp = a.get_matches(0, 5.0)
+    assert resp.ready and [(o.prompt_id, o.source_node_id, o.bundle_digest) for o in resp.offers] == [
+        (p0.id, "b", digest)]
+    assert resp.candidates == 1 and resp.solved_by_peers == 1
+    assert a.fetch(digest) == rec
+    # c was never matched to that bundle
+    assert list(c.get_matches(0, 5.0).offers) == []
+    assert [(u.prompt_id, u.round) for u in a.get_matches(0, 1.0).upload_requests] == [(p1.id, 0)]
+    assert code_of(lambda: c.fetch(digest))[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert code_of(lambda: c.fetch("0" * 64))[0] == grpc.StatusCode.NOT_FOUND
+    # a bundle that does not hold the group its summary describes is refused
+    wrong = dataclasses.replace(rec, mean_logprobs=(-0.1, -0.2))
+    assert code_of(lambda: b.upload(wrong, 0))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    # uploading for a group never published
+    assert code_of(lambda: b.upload(record(prompts[5], 1, "b"), 0))[0] == grpc.StatusCode.NOT_FOUND
+    # compatibility reports feed the status matrix
+    a.report(0, [pb.CompatibilityReport.Entry(source_node_id="b", prompt_id=p0.id, mean_s=0.9, admitted_fraction=1.0)])
+    bad = pb.CompatibilityReport.Entry(source_node_id="b", prompt_id=p0.id, mean_s=float("nan"), admitted_fraction=1)
+    assert code_of(lambda: a.report(0, [bad]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    st = a.status()
+    pair = [p for p in st.pairs if (p.source, p.receiver) == ("b", "a")][0]
+    assert pair.groups == 1 and pair.mean_s == pytest.approx(0.9)
+    for x in (a, b, c):
+        x.close()
+
+
+def test_summaries_only_nodes_upload_nothing_and_are_never_sources(broker, prompts):
+    a, s = client(broker, prompts, "a"), client(broker, prompts, "s", privacy="summaries_only")
+    p0 = prompts[0]
+    a.publish(0, [summary(p0, 0)])
+    s.publish(0, [summary(p0, 1)])
+    assert code_of(lambda: s.upload(record(p0, 1, "s"), 0))[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert list(a.get_matches(0, 5.0).offers) == []
+    a.close()
+    s.close()
+
+
+def test_upload_chunk_checks(broker, prompts):
+    a = client(broker, prompts, "a")
+    a.publish(0, [summary(prompts[0], 1)])
+    data = encode_bundle(record(prompts[0], 1))
+
+    def send(chunks):
+        return a.stub.UploadBundle(iter(chunks), timeout=5)
+
+    good = dict(digest=digest_of(data), total_size=len(data), node_id="a", session_id=a.session,
+                prompt_id=prompts[0].id, round=0)
+    assert code_of(lambda: send([pb.BundleChunk(offset=0, data=data[:-1], **{**good, "total_size": len(data) - 1})]))[
+        0] == grpc.StatusCode.INVALID_ARGUMENT  # bytes do not hash to the digest
+    assert code_of(lambda: send([pb.BundleChunk(offset=5, data=data, **good)]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: send([]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    huge = pb.BundleChunk(offset=0, data=b"x", **{**good, "total_size": 10 * 2**30})
+    assert code_of(lambda: send([huge]))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert send([pb.BundleChunk(offset=0, data=data[:10], **good), pb.BundleChunk(offset=10, data=data[10:], **good)]).stored
+    a.close()
+
+
+def test_metrics_and_healthz(broker, prompts):
+    a = client(broker, prompts, "a")
+    a.publish(0, [summary(prompts[0], 1)])
+    base = f"http://127.0.0.1:{broker.http_port}"
+    assert urllib.request.urlopen(base + "/healthz", timeout=5).read() == b"ok\n"
+    text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+    assert 'graft_fed_nodes{state="online"} 1' in text
+    assert "graft_fed_summaries_total 1" in text
+    assert 'graft_fed_rpc_total{method="PublishSummaries",code="OK"} 1' in text
+    a.close()
