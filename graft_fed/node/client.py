@@ -10,7 +10,9 @@ from typing import Iterable, Iterator, Sequence
 
 import grpc
 
+from graft_fed.broker.handlers import MatchResult, Offer, ReportEntry
 from graft_fed.broker.server import grpc_options
+from graft_fed.broker.state import SummaryRow
 from graft_fed.broker.servicer import PRIVACY_CODES, manifest_from_pb, manifest_to_pb
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
@@ -119,14 +121,25 @@ class BrokerClient:
         self.channel.close()
 
     # ----- rounds -------------------------------------------------------------------------------
-    def publish(self, round: int, summaries: Sequence[pb.GroupSummary]) -> tuple[int, int]:
+    def publish(self, round: int, summaries: Sequence[SummaryRow | pb.GroupSummary]) -> tuple[int, int]:
+        msgs = [s if isinstance(s, pb.GroupSummary) else pb.GroupSummary(
+            prompt_id=s.prompt_id, round=s.round, policy_version=s.policy_version, n=s.n, k=s.k,
+            reward_mean=s.reward_mean, reward_std=s.reward_std, lengths=s.lengths, mean_logprobs=s.mean_logprobs,
+            bundle_digest=s.bundle_digest) for s in summaries]
         resp = self.stub.PublishSummaries(pb.PublishRequest(node_id=self.node_id, session_id=self.session, round=round,
-                                                            summaries=summaries), timeout=self.timeout)
+                                                            summaries=msgs), timeout=self.timeout)
         return resp.accepted, resp.duplicates
 
-    def get_matches(self, round: int, wait_s: float) -> pb.MatchResponse:
-        return self.stub.GetMatches(pb.MatchRequest(node_id=self.node_id, session_id=self.session, round=round,
+    def get_matches(self, round: int, wait_s: float) -> MatchResult:
+        resp = self.stub.GetMatches(pb.MatchRequest(node_id=self.node_id, session_id=self.session, round=round,
                                                     wait_ms=int(wait_s * 1000)), timeout=wait_s + self.timeout)
+        return MatchResult(
+            ready=resp.ready,
+            offers=[Offer(prompt_id=o.prompt_id, source_node=o.source_node_id, source_model=o.source_model_id,
+                          source_round=o.source_round, k=o.source_k, n=o.source_n, digest=o.bundle_digest)
+                    for o in resp.offers],
+            upload_requests=[(u.prompt_id, u.round) for u in resp.upload_requests],
+            candidates=resp.candidates, solved_by_peers=resp.solved_by_peers)
 
     # ----- bundles ------------------------------------------------------------------------------
     def has_bundles(self, digests: Sequence[str]) -> set[str]:
@@ -171,10 +184,13 @@ class BrokerClient:
             raise RecordError(f"bundle {digest[:12]} arrived truncated ({len(data)} of {size} bytes)")
         return decode_bundle(data, digest)
 
-    def report(self, round: int, entries: Sequence[pb.CompatibilityReport.Entry]) -> None:
-        if entries:
+    def report(self, round: int, entries: Sequence[ReportEntry | pb.CompatibilityReport.Entry]) -> None:
+        msgs = [e if isinstance(e, pb.CompatibilityReport.Entry) else pb.CompatibilityReport.Entry(
+            source_node_id=e.source, prompt_id=e.prompt_id, mean_s=e.mean_s, admitted_fraction=e.admitted_fraction,
+            rejected=e.rejected) for e in entries]
+        if msgs:
             self.stub.ReportCompatibility(pb.CompatibilityReport(node_id=self.node_id, session_id=self.session,
-                                                                 round=round, entries=entries), timeout=self.timeout)
+                                                                 round=round, entries=msgs), timeout=self.timeout)
 
     def status(self) -> pb.StatusResponse:
         return self.stub.GetStatus(pb.StatusRequest(), timeout=self.timeout)

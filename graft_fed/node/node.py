@@ -18,12 +18,13 @@ from typing import Any, Mapping
 
 import grpc
 
+from graft_fed.broker.handlers import MatchResult, ReportEntry
+from graft_fed.broker.state import SummaryRow
 from graft_fed.configbase import from_mapping, load_yaml, require
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
 from graft_fed.node.client import Backoff, BrokerClient
-from graft_fed.proto import broker_pb2 as pb
 from graft_fed.trainer.config import TrainConfig
 from graft_fed.trainer.graft import offer_metrics, receive, to_record
 from graft_fed.trainer.grpo import GRPOTrainer, Group, StepData
@@ -98,13 +99,14 @@ def load_node_config(path: str | Path | None, overrides: Mapping[str, Any] | Non
         raise ConfigError(f"invalid node config{' in ' + str(path) if path else ''}: {exc}") from None
 
 
-def summary_of(group: Group, round: int, step: int) -> pb.GroupSummary:
+def summary_of(group: Group, node_id: str, round: int, step: int) -> SummaryRow:
+    """What leaves the site about a group whatever the privacy setting: no text."""
     rewards = group.rewards.tolist()
     mean = sum(rewards) / len(rewards)
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(1, len(rewards) - 1))
-    return pb.GroupSummary(prompt_id=group.prompt.id, round=round, policy_version=step, n=group.n, k=group.k,
-                           reward_mean=mean, reward_std=std, lengths=[len(c.token_ids) for c in group.completions],
-                           mean_logprobs=[c.mean_logprob for c in group.completions])
+    return SummaryRow(node_id=node_id, round=round, prompt_id=group.prompt.id, policy_version=step, n=group.n,
+                      k=group.k, reward_mean=mean, reward_std=std, lengths=[len(c.token_ids) for c in group.completions],
+                      mean_logprobs=[c.mean_logprob for c in group.completions])
 
 
 class Node:
@@ -195,7 +197,7 @@ class Node:
         self.client.round = round
         by_prompt = {g.prompt.id: g for g in groups}
         try:
-            self.client.publish(round, [summary_of(g, round, self.trainer.step) for g in groups])
+            self.client.publish(round, [summary_of(g, self.cfg.node_id, round, self.trainer.step) for g in groups])
             if f.privacy == "share_all":
                 self.client.upload_missing((self._record(g), round) for g in groups if 0 < g.k < g.n)
             deadline = time.monotonic() + f.round_timeout_s
@@ -207,31 +209,32 @@ class Node:
                 return groups, metrics
             uploads_done = self._serve_uploads(resp, by_prompt)
             fetch_deadline = time.monotonic() + f.fetch_timeout_s
-            while any(not o.bundle_digest for o in resp.offers) and time.monotonic() < fetch_deadline:
+            while any(not o.digest for o in resp.offers) and time.monotonic() < fetch_deadline:
                 time.sleep(0.05)
                 resp = self.client.get_matches(round, 0.5)
                 uploads_done += self._serve_uploads(resp, by_prompt)
             offers: dict[str, GroupRecord] = {}
             bad = 0
             for o in resp.offers:
-                if not o.bundle_digest:
+                if not o.digest:
                     continue
                 try:
-                    rec = self.client.fetch(o.bundle_digest)
+                    rec = self.client.fetch(o.digest)
                 except RecordError as exc:
-                    log.warning("bundle from %s rejected: %s", o.source_node_id, exc)
+                    log.warning("bundle from %s rejected: %s", o.source_node, exc)
                     bad += 1
                     continue
                 if rec.prompt_id != o.prompt_id:
                     bad += 1
                     continue
                 # Name the source by its node id, so reports and metrics key on it.
-                offers[o.prompt_id] = dataclasses.replace(rec, model_id=o.source_node_id)
+                offers[o.prompt_id] = dataclasses.replace(rec, model_id=o.source_node)
             result = receive(self.trainer, groups, offers)
             metrics.update(offer_metrics(groups, resp.candidates, resp.solved_by_peers, len(resp.offers)))
-            self.client.report(round, [pb.CompatibilityReport.Entry(
-                source_node_id=r.source, prompt_id=r.prompt_id, mean_s=0.0 if math.isnan(r.mean_s) else r.mean_s,
-                admitted_fraction=r.admitted_fraction, rejected=r.rejected) for r in result.reports])
+            self.client.report(round, [ReportEntry(source=r.source, prompt_id=r.prompt_id,
+                                                   mean_s=0.0 if math.isnan(r.mean_s) else r.mean_s,
+                                                   admitted_fraction=r.admitted_fraction, rejected=r.rejected)
+                                       for r in result.reports])
         except grpc.RpcError as exc:
             self._lost(exc)
             metrics["time/federation"] = time.perf_counter() - t0
@@ -242,14 +245,14 @@ class Node:
                         "time/federation": time.perf_counter() - t0})
         return result.groups, metrics
 
-    def _serve_uploads(self, resp: pb.MatchResponse, current: dict[str, Group]) -> int:
+    def _serve_uploads(self, resp: MatchResult, current: dict[str, Group]) -> int:
         if self.cfg.federation.privacy == "summaries_only" or not resp.upload_requests:
             return 0
         records = []
-        for req in resp.upload_requests:
-            rec = self._own_record(req.prompt_id, req.round, current)
+        for prompt_id, rnd in resp.upload_requests:
+            rec = self._own_record(prompt_id, rnd, current)
             if rec is not None:
-                records.append((rec, req.round))
+                records.append((rec, rnd))
         return self.client.upload_missing(records)
 
     def train_step(self) -> dict[str, Any]:

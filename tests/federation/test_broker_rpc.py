@@ -106,13 +106,13 @@ def test_matching_bundles_and_authorisation(broker, prompts):
     assert stored and b.upload(rec, 0) == (digest, False)  # content-addressed: never stored twice
     assert b.has_bundles([digest]) == {digest}
     resp = a.get_matches(0, 5.0)
-    assert resp.ready and [(o.prompt_id, o.source_node_id, o.bundle_digest) for o in resp.offers] == [
+    assert resp.ready and [(o.prompt_id, o.source_node, o.digest) for o in resp.offers] == [
         (p0.id, "b", digest)]
     assert resp.candidates == 1 and resp.solved_by_peers == 1
     assert a.fetch(digest) == rec
     # c was never matched to that bundle
     assert list(c.get_matches(0, 5.0).offers) == []
-    assert [(u.prompt_id, u.round) for u in a.get_matches(0, 1.0).upload_requests] == [(p1.id, 0)]
+    assert a.get_matches(0, 1.0).upload_requests == [(p1.id, 0)]
     assert code_of(lambda: c.fetch(digest))[0] == grpc.StatusCode.PERMISSION_DENIED
     assert code_of(lambda: c.fetch("0" * 64))[0] == grpc.StatusCode.NOT_FOUND
     # a bundle that does not hold the group its summary describes is refused
