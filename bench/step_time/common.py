@@ -36,7 +36,10 @@ BATCH: dict[str, Any] = {
     "eps_low": 0.2,
     "eps_high": 0.28,
     "seed": 0,
-    "threads": 2,
+    # torch intra-op threads of both frameworks (run.sh --threads sets STEP_TIME_THREADS). 1 by
+    # default: on a shared 2-core machine two OpenMP threads per process stall at every barrier
+    # whenever another process holds a core, which made steps 2-10x slower and erratic.
+    "threads": int(os.environ.get("STEP_TIME_THREADS", "1")),
     "verifier_workers": 2,
 }
 

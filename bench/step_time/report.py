@@ -36,6 +36,14 @@ def nproc() -> int:
         return os.cpu_count() or 0
 
 
+def git_describe() -> str:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=Path, required=True)
@@ -44,7 +52,11 @@ def main() -> None:
     ap.add_argument("--load", default="", help="load averages seen during the runs (run.sh passes them)")
     args = ap.parse_args()
 
-    runs = [json.loads(p.read_text()) for p in sorted(args.runs.glob("*.json"))]
+    runs = []
+    for p in sorted(args.runs.glob("*.json")):
+        run = json.loads(p.read_text())
+        run["round"] = p.stem.split("-", 1)[0]  # r<k>-<framework>.json
+        runs.append(run)
     by_fw = {fw: [r for r in runs if r["framework"] == fw] for fw in FRAMEWORKS}
     for fw, rs in by_fw.items():
         if not rs:
@@ -66,6 +78,13 @@ def main() -> None:
     ratio = {c: (t[c] / g[c] if g[c] > 0 else float("nan")) for c in COLUMNS}
     paired = [tr / gr for gr, tr in zip(summary["graft-fed"]["per_round_step_median"],
                                         summary["trl"]["per_round_step_median"])]
+    # Step i of graft-fed and step i of TRL ran next to each other in the same process: the
+    # ratio of each such pair sees the least machine noise.
+    rounds = {}
+    for r in runs:
+        rounds.setdefault(r["round"], {})[r["framework"]] = r
+    pair_ratios = [t_row["step"] / g_row["step"] for pair in rounds.values() if len(pair) == 2
+                   for g_row, t_row in zip(pair["graft-fed"]["timed"], pair["trl"]["timed"])]
     result = {
         "command": args.command,
         "machine": {"nproc": nproc(), "cpu": cpu_model(), "load_average": args.load,
@@ -74,6 +93,8 @@ def main() -> None:
         "frameworks": summary,
         "ratio_trl_over_graft_fed": ratio,
         "per_round_step_ratio": paired,
+        "adjacent_step_pair_ratio_median": statistics.median(pair_ratios) if pair_ratios else None,
+        "git": git_describe(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2), encoding="utf-8")
@@ -87,11 +108,11 @@ def main() -> None:
         "",
         f"Step: {b['prompts_per_step']} prompts x n={b['n']}, max {b['max_new_tokens']} new tokens, "
         f"T={b['temperature']}, {b['num_minibatches']} optimiser steps; model {summary['graft-fed']['model']}; "
-        f"{summary['graft-fed']['threads']} torch threads, {b['verifier_workers']} verifier workers.",
+        f"torch threads {summary['graft-fed']['threads']}, {b['verifier_workers']} verifier workers.",
         f"Machine: {result['machine']['nproc']} x {result['machine']['cpu']}"
         + (f" (load average {args.load})" if args.load else "") + ".",
         f"Versions: torch {v.get('torch')}, transformers {v.get('transformers')}, trl {v.get('trl')}, "
-        f"accelerate {v.get('accelerate')}, graft-fed {v.get('graft-fed')}.",
+        f"accelerate {v.get('accelerate')}, graft-fed {v.get('graft-fed')} (git {result['git']}).",
         "",
         "| framework | rollout s | verify s | train s | step s | completion tokens/step |",
         "|---|---:|---:|---:|---:|---:|",
@@ -107,7 +128,9 @@ def main() -> None:
         "Per-round step medians (s): graft-fed "
         + ", ".join(f"{x:.2f}" for x in summary["graft-fed"]["per_round_step_median"])
         + "; TRL " + ", ".join(f"{x:.2f}" for x in summary["trl"]["per_round_step_median"])
-        + "; per-round ratio " + ", ".join(f"{x:.2f}" for x in paired) + ".",
+        + "; per-round ratio " + ", ".join(f"{x:.2f}" for x in paired)
+        + (f"; median ratio of adjacent step pairs {result['adjacent_step_pair_ratio_median']:.2f}."
+           if pair_ratios else "."),
         "train = step - rollout - verify (everything else in the step: old log-probs, advantages, "
         "4 x forward/backward/clip/AdamW, bookkeeping).",
     ]
