@@ -1,0 +1,354 @@
+"""`BrokerState` in one SQLite file: the broker's default, durable state.
+
+- WAL journal with `synchronous=FULL`: a method that returned has its transaction fsynced
+  in the WAL, so a crash (process or machine) after it returns loses nothing, and a crash
+  before leaves the previous state.
+- One connection (`check_same_thread=False`) behind one re-entrant lock: every method,
+  read or write, holds the lock, and every mutating method is exactly one
+  `BEGIN IMMEDIATE ... COMMIT` transaction, rolled back when anything in it raises.
+- The schema is created on first open; a `meta` table holds `schema_version`. A file with
+  another version, or a file that is not a SQLite database, raises `DataError` naming the
+  file and what to do.
+- Float columns carry no declared type (a `REAL` column turns -0.0 into 0.0) and NaN is
+  stored as the text 'nan' (SQLite turns a NaN into NULL); lists are JSON text. So every
+  float reads back bit for bit (NaN as a NaN).
+
+See docs/broker-state.md for the schema and the contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sqlite3
+import threading
+import time
+from typing import Iterable, Iterator, Sequence
+
+from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, RoundRow, SummaryRow
+from graft_fed.broker.state_memory import (
+    as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_bytes, norm_compat_args, norm_digests,
+    norm_match, norm_node, norm_prompt_ids, norm_round, norm_summary, opt_int, opt_str, prune_cutoff,
+)
+from graft_fed.errors import DataError
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- Columns without a declared type hold floats exactly (see the module docstring).
+CREATE TABLE nodes (
+    node_id TEXT PRIMARY KEY, model_id TEXT NOT NULL, tokenizer_id TEXT NOT NULL,
+    privacy TEXT NOT NULL, state TEXT NOT NULL, session_id TEXT NOT NULL,
+    round INTEGER NOT NULL, last_seen NOT NULL, published INTEGER NOT NULL);
+CREATE TABLE rounds (round INTEGER PRIMARY KEY, state TEXT NOT NULL, opened_at NOT NULL, matched_at);
+CREATE TABLE summaries (
+    node_id TEXT NOT NULL, round INTEGER NOT NULL, prompt_id TEXT NOT NULL,
+    policy_version INTEGER NOT NULL, n INTEGER NOT NULL, k INTEGER NOT NULL,
+    reward_mean NOT NULL, reward_std NOT NULL,
+    lengths TEXT NOT NULL, mean_logprobs TEXT NOT NULL,  -- JSON arrays
+    bundle_digest TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (node_id, round, prompt_id));
+CREATE INDEX summaries_by_round ON summaries (round, node_id, prompt_id);  -- also the result order
+CREATE INDEX summaries_by_prompt ON summaries (prompt_id, round);
+CREATE TABLE matches (
+    round INTEGER NOT NULL, receiver TEXT NOT NULL, prompt_id TEXT NOT NULL,
+    source TEXT NOT NULL, source_round INTEGER NOT NULL,
+    PRIMARY KEY (round, receiver, prompt_id));
+CREATE INDEX matches_by_source ON matches (source);
+-- rowid order is insertion order: prune drops the lowest rowids (oldest) first.
+CREATE TABLE bundles (digest TEXT PRIMARY KEY, data BLOB NOT NULL, size INTEGER NOT NULL, created NOT NULL);
+CREATE TABLE compat (
+    source TEXT NOT NULL, receiver TEXT NOT NULL, groups INTEGER NOT NULL,
+    mean_s NOT NULL, admitted_fraction NOT NULL, rejected INTEGER NOT NULL,
+    PRIMARY KEY (source, receiver));
+"""
+
+_SUMMARY_COLS = ("node_id, round, prompt_id, policy_version, n, k, reward_mean, reward_std, lengths, "
+                 "mean_logprobs, bundle_digest")
+_MATCH_COLS = "round, receiver, prompt_id, source, source_round"
+_NODE_COLS = "node_id, model_id, tokenizer_id, privacy, state, session_id, round, last_seen, published"
+_COMPAT_COLS = "source, receiver, groups, mean_s, admitted_fraction, rejected"
+
+
+def _f2db(x: float):
+    return "nan" if math.isnan(x) else x
+
+
+def _db2f(v) -> float:
+    return float(v)  # a float, or the text 'nan'
+
+
+def _json(values: list) -> str:
+    return json.dumps(values, separators=(",", ":"))  # repr of a float round-trips exactly
+
+
+class SqliteState(BrokerState):
+    """`BrokerState` in the SQLite file at `path` (created when missing). A new instance on
+    the same file restores everything a previous one wrote."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._lock = threading.RLock()
+        self._conn = self._open(self.path)
+
+    # ----- opening
+    @staticmethod
+    def _fail(path: str, what: str) -> DataError:
+        return DataError(f"broker state {path!r}: {what}")
+
+    def _open(self, path: str) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30.0)
+        except sqlite3.Error as e:
+            raise self._fail(path, f"cannot open it ({e}); check that the directory exists and is "
+                                   "writable, or point the broker at another state file") from None
+        try:
+            self._init_schema(conn, path)
+        except sqlite3.DatabaseError as e:
+            conn.close()
+            raise self._fail(path, f"is not a readable SQLite database ({e}). If it is not the broker's "
+                                   "state, point the broker at another path; if it is, restore it from a "
+                                   "backup or move it aside to start with an empty state") from None
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _init_schema(self, conn: sqlite3.Connection, path: str) -> None:
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() not in ("wal", "memory"):
+            raise self._fail(path, f"SQLite could not switch it to WAL mode (journal_mode={mode}); "
+                                   "put the state on a local filesystem")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not tables:
+                for stmt in _SCHEMA.split(";"):
+                    if stmt.strip():
+                        conn.execute(stmt)
+                conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif "meta" not in tables:
+                raise self._fail(path, f"is a SQLite database but not a graft-fed broker state (tables: "
+                                       f"{', '.join(sorted(tables))}); point the broker at another path")
+            else:
+                row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                version = row[0] if row else None
+                if str(version) != str(SCHEMA_VERSION):
+                    newer = str(version).isdigit() and int(version) > SCHEMA_VERSION
+                    raise self._fail(path, f"has schema version {version!r}, this graft-fed reads version "
+                                           f"{SCHEMA_VERSION}. " + (
+                                               "It was written by a newer graft-fed: upgrade graft-fed, or "
+                                               "point the broker at a fresh state file." if newer else
+                                               "Move the file aside to start with an empty state, or point "
+                                               "the broker at another path."))
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    # ----- transactions
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction under the lock: committed when the block ends, rolled back
+        (and the exception re-raised) when it raises."""
+        with self._lock:
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+    def _read(self, sql: str, params: Sequence = ()) -> list[tuple]:
+        with self._lock:
+            return self._conn.execute(sql, params).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # ----- nodes
+    @staticmethod
+    def _node(r: tuple) -> NodeRow:
+        return NodeRow(node_id=r[0], model_id=r[1], tokenizer_id=r[2], privacy=r[3], state=r[4],
+                       session_id=r[5], round=r[6], last_seen=_db2f(r[7]), published=r[8])
+
+    def upsert_node(self, node: NodeRow) -> None:
+        n = norm_node(node)
+        with self._tx() as conn:
+            conn.execute(f"INSERT OR REPLACE INTO nodes ({_NODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
+                         (n.node_id, n.model_id, n.tokenizer_id, n.privacy, n.state, n.session_id, n.round,
+                          _f2db(n.last_seen), n.published))
+
+    def get_node(self, node_id: str) -> NodeRow | None:
+        rows = self._read(f"SELECT {_NODE_COLS} FROM nodes WHERE node_id = ?", (as_str(node_id, "node_id"),))
+        return self._node(rows[0]) if rows else None
+
+    def list_nodes(self) -> list[NodeRow]:
+        return [self._node(r) for r in self._read(f"SELECT {_NODE_COLS} FROM nodes ORDER BY node_id")]
+
+    # ----- rounds
+    @staticmethod
+    def _round(r: tuple) -> RoundRow:
+        return RoundRow(round=r[0], state=r[1], opened_at=_db2f(r[2]),
+                        matched_at=None if r[3] is None else _db2f(r[3]))
+
+    def put_round(self, row: RoundRow) -> None:
+        r = norm_round(row)
+        with self._tx() as conn:
+            conn.execute("INSERT OR REPLACE INTO rounds (round, state, opened_at, matched_at) VALUES (?,?,?,?)",
+                         (r.round, r.state, _f2db(r.opened_at), None if r.matched_at is None else _f2db(r.matched_at)))
+
+    def get_round(self, round: int) -> RoundRow | None:
+        rows = self._read("SELECT round, state, opened_at, matched_at FROM rounds WHERE round = ?",
+                          (as_int(round, "round"),))
+        return self._round(rows[0]) if rows else None
+
+    def latest_round(self) -> int:
+        (latest,), = self._read("SELECT MAX(round) FROM rounds")
+        return -1 if latest is None else latest
+
+    # ----- summaries
+    def _encode_summary(self, s: SummaryRow) -> tuple:
+        return (s.node_id, s.round, s.prompt_id, s.policy_version, s.n, s.k, _f2db(s.reward_mean),
+                _f2db(s.reward_std), _json(s.lengths), _json(s.mean_logprobs), s.bundle_digest)
+
+    @staticmethod
+    def _summary(r: tuple) -> SummaryRow:
+        return SummaryRow(node_id=r[0], round=r[1], prompt_id=r[2], policy_version=r[3], n=r[4], k=r[5],
+                          reward_mean=_db2f(r[6]), reward_std=_db2f(r[7]), lengths=json.loads(r[8]),
+                          mean_logprobs=[float(x) for x in json.loads(r[9])], bundle_digest=r[10])
+
+    def put_summaries(self, rows: Sequence[SummaryRow]) -> tuple[int, int]:
+        batch = [norm_summary(r) for r in rows]
+        accepted = 0
+        with self._tx() as conn:
+            for s in batch:
+                cur = conn.execute(f"INSERT INTO summaries ({_SUMMARY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
+                                   "ON CONFLICT (node_id, round, prompt_id) DO NOTHING", self._encode_summary(s))
+                accepted += cur.rowcount
+        return accepted, len(batch) - accepted
+
+    def summaries(self, round: int | None = None, node_id: str | None = None,
+                  prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryRow]:
+        where, params = [], []
+        for column, op, value in (("round", "=", opt_int(round, "round")),
+                                  ("node_id", "=", opt_str(node_id, "node_id")),
+                                  ("round", ">=", opt_int(min_round, "min_round"))):
+            if value is not None:
+                where.append(f"{column} {op} ?")
+                params.append(value)
+        wanted = norm_prompt_ids(prompt_ids)
+        if wanted is not None:
+            if not wanted:
+                return []
+            # one bound parameter however many ids: no SQLITE_MAX_VARIABLE_NUMBER limit
+            where.append("prompt_id IN (SELECT value FROM json_each(?))")
+            params.append(json.dumps(wanted))
+        sql = f"SELECT {_SUMMARY_COLS} FROM summaries"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        return [self._summary(r) for r in self._read(sql + " ORDER BY round, node_id, prompt_id", params)]
+
+    def set_bundle_digest(self, node_id: str, round: int, prompt_id: str, digest: str) -> bool:
+        key = (as_str(digest, "digest"), as_str(node_id, "node_id"), as_int(round, "round"),
+               as_str(prompt_id, "prompt_id"))
+        with self._tx() as conn:
+            cur = conn.execute("UPDATE summaries SET bundle_digest = ? WHERE node_id = ? AND round = ? "
+                               "AND prompt_id = ?", key)
+            return cur.rowcount == 1
+
+    # ----- matches
+    def put_matches(self, rows: Sequence[MatchRow]) -> None:
+        batch = [norm_match(r) for r in rows]
+        with self._tx() as conn:
+            for m in batch:
+                conn.execute(f"INSERT INTO matches ({_MATCH_COLS}) VALUES (?,?,?,?,?) "
+                             "ON CONFLICT (round, receiver, prompt_id) DO NOTHING",
+                             (m.round, m.receiver, m.prompt_id, m.source, m.source_round))
+
+    def matches(self, round: int | None = None, receiver: str | None = None,
+                source: str | None = None) -> list[MatchRow]:
+        where, params = [], []
+        for column, value in (("round", opt_int(round, "round")), ("receiver", opt_str(receiver, "receiver")),
+                              ("source", opt_str(source, "source"))):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        sql = f"SELECT {_MATCH_COLS} FROM matches"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        return [MatchRow(*r) for r in self._read(sql + " ORDER BY round, receiver, prompt_id", params)]
+
+    # ----- bundles
+    def put_bundle(self, digest: str, data: bytes) -> bool:
+        digest = as_str(digest, "digest")
+        blob = norm_bytes(data)
+        with self._tx() as conn:
+            cur = conn.execute("INSERT INTO bundles (digest, data, size, created) VALUES (?,?,?,?) "
+                               "ON CONFLICT (digest) DO NOTHING", (digest, blob, len(blob), time.time()))
+            return cur.rowcount == 1
+
+    def get_bundle(self, digest: str) -> bytes | None:
+        rows = self._read("SELECT data FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
+        return bytes(rows[0][0]) if rows else None
+
+    def has_bundles(self, digests: Sequence[str]) -> list[str]:
+        wanted = norm_digests(digests)
+        if not wanted:
+            return []
+        held = {r[0] for r in self._read("SELECT digest FROM bundles WHERE digest IN "
+                                         "(SELECT value FROM json_each(?))", (json.dumps(wanted),))}
+        return [d for d in wanted if d in held]
+
+    def bundle_stats(self) -> tuple[int, int]:
+        (count, total), = self._read("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM bundles")
+        return count, total
+
+    # ----- compatibility
+    @staticmethod
+    def _compat(r: tuple) -> CompatRow:
+        return CompatRow(source=r[0], receiver=r[1], groups=r[2], mean_s=_db2f(r[3]),
+                         admitted_fraction=_db2f(r[4]), rejected=r[5])
+
+    def update_compat(self, source: str, receiver: str, mean_s: float, admitted_fraction: float,
+                      rejected: bool) -> None:
+        args = norm_compat_args(source, receiver, mean_s, admitted_fraction, rejected)
+        with self._tx() as conn:
+            r = conn.execute(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?",
+                             args[:2]).fetchone()
+            new = fold_compat(None if r is None else self._compat(r), *args)
+            conn.execute(f"INSERT OR REPLACE INTO compat ({_COMPAT_COLS}) VALUES (?,?,?,?,?,?)",
+                         (new.source, new.receiver, new.groups, _f2db(new.mean_s), _f2db(new.admitted_fraction),
+                          new.rejected))
+
+    def compat(self) -> list[CompatRow]:
+        return [self._compat(r) for r in self._read(f"SELECT {_COMPAT_COLS} FROM compat ORDER BY source, receiver")]
+
+    # ----- retention
+    def prune(self, keep_rounds: int | None = None, max_bundle_bytes: int | None = None) -> int:
+        check_prune_args(keep_rounds, max_bundle_bytes)
+        removed = 0
+        with self._tx() as conn:
+            (latest,), = conn.execute("SELECT MAX(round) FROM rounds").fetchall()
+            cutoff = prune_cutoff(-1 if latest is None else latest, keep_rounds)
+            if cutoff is not None:
+                for table in ("summaries", "matches", "rounds"):
+                    removed += conn.execute(f"DELETE FROM {table} WHERE round < ?", (cutoff,)).rowcount
+            if max_bundle_bytes is not None:
+                drop = bundles_to_drop(conn.execute("SELECT digest, size FROM bundles ORDER BY rowid").fetchall(),
+                                       max_bundle_bytes)
+                if drop:
+                    ids = json.dumps(drop)
+                    removed += conn.execute("DELETE FROM bundles WHERE digest IN (SELECT value FROM json_each(?))",
+                                            (ids,)).rowcount
+                    conn.execute("UPDATE summaries SET bundle_digest = '' WHERE bundle_digest IN "
+                                 "(SELECT value FROM json_each(?))", (ids,))
+        return removed

@@ -1,0 +1,536 @@
+"""The one suite every BrokerState implementation passes (the contract is in
+graft_fed/broker/state.py), then what only the SQLite state can show: restart, crash,
+refusal of foreign or newer files, and rollback of a batch that fails half way."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, RoundRow, SummaryRow
+from graft_fed.broker.state_memory import InMemoryState
+from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
+from graft_fed.errors import DataError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def state(request, tmp_path):
+    s = InMemoryState() if request.param == "memory" else SqliteState(tmp_path / "broker.db")
+    yield s
+    s.close()
+
+
+def node(node_id="a", **kw) -> NodeRow:
+    base = dict(model_id="m", tokenizer_id="t", privacy="share_all", state="online", session_id="s1",
+                round=0, last_seen=100.5)
+    base.update(kw)
+    return NodeRow(node_id=node_id, **base)
+
+
+def summ(node_id="a", round=0, prompt_id="p0", **kw) -> SummaryRow:
+    base = dict(policy_version=1, n=4, k=2, reward_mean=0.5, reward_std=0.5, lengths=[3, 5, 7, 9],
+                mean_logprobs=[-0.25, -1.5, -0.125, -2.0])
+    base.update(kw)
+    return SummaryRow(node_id=node_id, round=round, prompt_id=prompt_id, **base)
+
+
+def exact(x) -> str:
+    """A float's identity, sign of zero and NaN included."""
+    return repr(x)
+
+
+# ---------------------------------------------------------------- nodes and rounds
+
+def test_nodes_upsert_get_list(state):
+    assert state.get_node("a") is None and state.list_nodes() == []
+    state.upsert_node(node("b", round=3))
+    state.upsert_node(node("a"))
+    state.upsert_node(node("b", state="offline", round=4, published=7))  # replaces the whole row
+    assert state.get_node("b") == node("b", state="offline", round=4, published=7)
+    assert [n.node_id for n in state.list_nodes()] == ["a", "b"]
+    assert state.list_nodes()[0] == node("a")
+
+
+def test_reads_and_writes_are_copies(state):
+    n = node("a")
+    state.upsert_node(n)
+    n.state = "left"  # the caller's object after the write
+    got = state.get_node("a")
+    got.round = 99
+    state.list_nodes()[0].model_id = "x"
+    assert state.get_node("a") == node("a")
+
+    s = summ()
+    state.put_summaries([s])
+    s.lengths.append(1)
+    out = state.summaries()[0]
+    out.lengths.append(2)
+    out.mean_logprobs[0] = 9.0
+    out.reward_mean = 9.0
+    assert state.summaries() == [summ()]
+
+    r = RoundRow(round=0, state="open", opened_at=1.0)
+    state.put_round(r)
+    r.state = "matched"
+    state.get_round(0).state = "matched"
+    assert state.get_round(0).state == "open"
+
+    state.put_matches([MatchRow(0, "a", "p0", "b", 0)])
+    state.matches()[0].source = "z"
+    assert state.matches()[0].source == "b"
+
+    state.update_compat("a", "b", 0.5, 1.0, False)
+    state.compat()[0].groups = 50
+    assert state.compat()[0].groups == 1
+
+
+def test_rounds_and_latest_round(state):
+    assert state.latest_round() == -1 and state.get_round(0) is None
+    state.put_round(RoundRow(round=2, state="open", opened_at=10.0))
+    state.put_round(RoundRow(round=0, state="matched", opened_at=1.0, matched_at=2.0))
+    assert state.latest_round() == 2
+    state.put_round(RoundRow(round=2, state="matched", opened_at=10.0, matched_at=11.25))  # replace
+    assert state.get_round(2) == RoundRow(round=2, state="matched", opened_at=10.0, matched_at=11.25)
+    assert state.get_round(0).matched_at == 2.0 and state.get_round(1) is None
+
+
+# ---------------------------------------------------------------- summaries
+
+def test_put_summaries_is_idempotent_first_write_wins(state):
+    batch = [summ(prompt_id=f"p{i}") for i in range(3)]
+    assert state.put_summaries(batch) == (3, 0)
+    assert state.put_summaries(batch) == (0, 3)  # a retried publish
+    assert state.put_summaries([summ(prompt_id="p0", reward_mean=0.0), summ(prompt_id="p3")]) == (1, 1)
+    assert state.summaries(prompt_ids=["p0"])[0].reward_mean == 0.5  # the first write won
+    # duplicates inside one batch: the first occurrence wins
+    assert state.put_summaries([summ(prompt_id="q", k=1), summ(prompt_id="q", k=3)]) == (1, 1)
+    assert state.summaries(prompt_ids=["q"])[0].k == 1
+    assert state.put_summaries([]) == (0, 0)
+    assert len(state.summaries()) == 5
+
+
+def test_floats_round_trip_exactly(state):
+    odd = [0.1, -1e-300, 1 / 3, -0.0, 5e-324, 1e308, float("inf"), float("-inf"), float("nan"), 2.0 ** 60]
+    rows = [summ(prompt_id=f"p{i}", reward_mean=x, reward_std=-x, mean_logprobs=[x, -x, 0.1 + 0.2])
+            for i, x in enumerate(odd)]
+    state.put_summaries(rows)
+    got = state.summaries()
+    assert [exact(r.reward_mean) for r in got] == [exact(x) for x in odd]
+    assert [exact(r.reward_std) for r in got] == [exact(-x) for x in odd]
+    assert [list(map(exact, r.mean_logprobs)) for r in got] == [[exact(x), exact(-x), exact(0.1 + 0.2)] for x in odd]
+    assert all(type(v) is float for r in got for v in (r.reward_mean, *r.mean_logprobs))
+    assert all(type(v) is int for r in got for v in r.lengths)
+
+    state.upsert_node(node("a", last_seen=1 / 3))
+    assert exact(state.get_node("a").last_seen) == exact(1 / 3)
+    state.put_round(RoundRow(round=0, state="open", opened_at=-0.0, matched_at=0.1))
+    r = state.get_round(0)
+    assert (exact(r.opened_at), exact(r.matched_at)) == ("-0.0", "0.1")
+    state.update_compat("a", "b", 1 / 3, -1e-300, False)
+    c = state.compat()[0]
+    assert (exact(c.mean_s), exact(c.admitted_fraction)) == (exact(1 / 3), exact(-1e-300))
+
+
+def test_summaries_filters(state):
+    rows = [summ(n, r, p) for n in ("a", "b") for r in (0, 1, 2) for p in ("p0", "p1", "p2")]
+    state.put_summaries(list(reversed(rows)))
+    keys = lambda out: [(s.node_id, s.round, s.prompt_id) for s in out]  # noqa: E731
+    assert keys(state.summaries()) == sorted(keys(rows), key=lambda k: (k[1], k[0], k[2]))  # round, node, prompt
+    assert {s.round for s in state.summaries(round=1)} == {1} and len(state.summaries(round=1)) == 6
+    assert len(state.summaries(node_id="b")) == 9
+    assert keys(state.summaries(round=2, node_id="a")) == [("a", 2, "p0"), ("a", 2, "p1"), ("a", 2, "p2")]
+    assert keys(state.summaries(prompt_ids=["p2", "zz"], min_round=1)) == [
+        ("a", 1, "p2"), ("b", 1, "p2"), ("a", 2, "p2"), ("b", 2, "p2")]
+    assert keys(state.summaries(prompt_ids=(p for p in ["p1"]), node_id="a", min_round=2)) == [("a", 2, "p1")]
+    assert state.summaries(prompt_ids=[]) == []
+    assert len(state.summaries(min_round=0)) == 18 and state.summaries(min_round=3) == []
+    assert state.summaries(round=7) == [] and state.summaries(node_id="zz") == []
+    many = [f"x{i}" for i in range(40000)] + ["p0"]  # beyond SQLite's bound-parameter limit
+    assert len(state.summaries(prompt_ids=many)) == 6
+
+
+def test_set_bundle_digest(state):
+    state.put_summaries([summ(), summ(prompt_id="p1")])
+    assert state.set_bundle_digest("a", 0, "p0", "d" * 64) is True
+    assert state.set_bundle_digest("a", 0, "missing", "d" * 64) is False
+    assert state.set_bundle_digest("a", 1, "p0", "d" * 64) is False
+    assert [s.bundle_digest for s in state.summaries()] == ["d" * 64, ""]
+    assert state.set_bundle_digest("a", 0, "p0", "e" * 64) is True  # a later upload replaces the link
+    assert state.summaries(prompt_ids=["p0"])[0].bundle_digest == "e" * 64
+
+
+# ---------------------------------------------------------------- matches, bundles, compat
+
+def test_matches_idempotent_and_filters(state):
+    rows = [MatchRow(1, "r1", "p0", "s1", 0), MatchRow(1, "r2", "p0", "s2", 1), MatchRow(0, "r1", "p1", "s2", 0)]
+    state.put_matches(rows)
+    state.put_matches(rows)  # retried
+    state.put_matches([MatchRow(1, "r1", "p0", "other", 1)])  # same key: the first write wins
+    assert state.matches() == [rows[2], rows[0], rows[1]]  # round, receiver, prompt
+    assert state.matches(round=1, receiver="r1") == [rows[0]]
+    assert state.matches(source="s2") == [rows[2], rows[1]]
+    assert state.matches(round=0) == [rows[2]]
+    assert state.matches(round=1, receiver="r1", source="s2") == []
+    state.put_matches([])
+    assert len(state.matches()) == 3
+
+
+def test_bundles(state):
+    assert state.bundle_stats() == (0, 0) and state.get_bundle("x") is None
+    assert state.put_bundle("d1", b"abc") is True
+    assert state.put_bundle("d1", b"abc") is False  # idempotent on the digest
+    assert state.put_bundle("d2", bytearray(b"\x00" * 10)) is True
+    assert state.put_bundle("d3", b"") is True
+    assert state.get_bundle("d1") == b"abc" and type(state.get_bundle("d2")) is bytes
+    assert state.get_bundle("d3") == b""
+    assert state.bundle_stats() == (3, 13)
+    assert state.has_bundles(["zz", "d3", "d1", "nope", "d2"]) == ["d3", "d1", "d2"]
+    assert state.has_bundles([]) == []
+    with pytest.raises(TypeError):
+        state.put_bundle("d4", 5)  # bytes(5) would be five zero bytes
+    assert state.bundle_stats() == (3, 13)
+
+
+def test_compat_running_means_and_rejections(state):
+    state.update_compat("s", "r", 0.2, 1.0, False)
+    state.update_compat("s", "r", 0.9, 0.0, True)  # rejected: counts only towards `rejected`
+    state.update_compat("s", "r", 0.4, 0.5, False)
+    state.update_compat("s", "r", 0.9, 0.0, False)
+    state.update_compat("a", "r", 0.7, 0.25, True)  # first report of a pair, rejected
+    assert state.compat() == [
+        CompatRow("a", "r", groups=0, mean_s=0.0, admitted_fraction=0.0, rejected=1),
+        CompatRow("s", "r", groups=3, mean_s=pytest.approx(0.5), admitted_fraction=pytest.approx(0.5), rejected=1),
+    ]
+    state.update_compat("r", "s", 0.3, 0.75, False)  # the pair is directed
+    assert [(c.source, c.receiver, c.groups) for c in state.compat()] == [("a", "r", 0), ("r", "s", 1), ("s", "r", 3)]
+    assert state.compat()[1].mean_s == 0.3 and state.compat()[1].admitted_fraction == 0.75
+
+
+# ---------------------------------------------------------------- retention
+
+def _fill_rounds(state, n=5):
+    for r in range(n):
+        state.put_round(RoundRow(round=r, state="matched", opened_at=float(r)))
+        state.put_summaries([summ("a", r, "p0"), summ("b", r, "p0")])
+        state.put_matches([MatchRow(r, "a", "p0", "b", r)])
+
+
+def test_prune_rounds(state):
+    assert state.prune(keep_rounds=3) == 0  # nothing yet
+    _fill_rounds(state)
+    assert state.prune() == 0  # no limits: nothing goes
+    assert state.prune(keep_rounds=3) == 2 * (2 + 1 + 1)  # rounds 0 and 1: 2 summaries, 1 match, 1 round each
+    assert sorted({s.round for s in state.summaries()}) == [2, 3, 4]
+    assert [m.round for m in state.matches()] == [2, 3, 4]
+    assert state.get_round(1) is None and state.get_round(2) is not None and state.latest_round() == 4
+    assert state.prune(keep_rounds=3) == 0  # idempotent
+    assert state.prune(keep_rounds=1) == 2 * 4
+    assert state.latest_round() == 4 and len(state.summaries()) == 2
+    for bad in (dict(keep_rounds=0), dict(keep_rounds=-1), dict(max_bundle_bytes=-1)):
+        with pytest.raises(ValueError):
+            state.prune(**bad)
+
+
+def test_prune_bundles_drops_oldest_and_unlinks(state):
+    state.put_summaries([summ(prompt_id=f"p{i}") for i in range(4)])
+    for i, size in enumerate((40, 30, 20, 10)):
+        state.put_bundle(f"d{i}", bytes(size))
+    state.set_bundle_digest("a", 0, "p0", "d0")
+    state.set_bundle_digest("a", 0, "p1", "d0")  # content-addressed: shared by two summaries
+    state.set_bundle_digest("a", 0, "p2", "d2")
+    assert state.prune(max_bundle_bytes=100) == 0
+    assert state.prune(max_bundle_bytes=50) == 2  # d0 (40): 100 -> 60, still over; d1 (30): -> 30
+    assert state.has_bundles(["d0", "d1", "d2", "d3"]) == ["d2", "d3"]
+    assert state.bundle_stats() == (2, 30)
+    assert [s.bundle_digest for s in state.summaries()] == ["", "", "d2", ""]
+    assert state.put_bundle("d0", bytes(40)) is True  # re-uploaded: now the newest
+    assert state.prune(max_bundle_bytes=45) == 2  # d2 (20): 70 -> 50, still over; d3 (10): -> 40
+    assert state.has_bundles(["d0", "d2", "d3"]) == ["d0"] and state.bundle_stats() == (1, 40)
+
+
+def test_prune_bundles_budget_zero(state):
+    state.put_bundle("d0", b"x")
+    state.put_bundle("d1", b"")
+    assert state.prune(max_bundle_bytes=0) == 1  # the empty bundle fits a budget of 0
+    assert state.has_bundles(["d0", "d1"]) == ["d1"]
+
+
+# ---------------------------------------------------------------- atomicity, threads
+
+def test_a_bad_row_writes_nothing_of_its_batch(state):
+    state.put_summaries([summ(prompt_id="old")])
+    bad = [summ(prompt_id="p0"), summ(prompt_id="p1"), summ(prompt_id="p2", lengths=[1, object()])]
+    with pytest.raises(TypeError):
+        state.put_summaries(bad)
+    with pytest.raises(TypeError):
+        state.put_summaries([summ(prompt_id="p3"), summ(prompt_id="p4", reward_mean="0.5")])
+    with pytest.raises(ValueError):
+        state.put_summaries([summ(prompt_id="p5"), summ(prompt_id="p6", n=2**64)])
+    with pytest.raises(TypeError):
+        state.put_matches([MatchRow(0, "r", "p", "s", 0), MatchRow(0, "r", "q", None, 0)])
+    assert [s.prompt_id for s in state.summaries()] == ["old"] and state.matches() == []
+
+
+def test_concurrent_publishers(state):
+    errors = []
+
+    def publish(t: int):
+        try:
+            for b in range(15):
+                rows = [summ(f"n{t}", b, f"p{i}") for i in range(5)]
+                assert state.put_summaries(rows) == (5, 0)
+                assert state.put_summaries(rows[:2]) == (0, 2)
+                state.update_compat(f"n{t}", "r", 0.5, 0.5, False)
+                assert len(state.summaries(node_id=f"n{t}", round=b)) == 5
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=publish, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert len(state.summaries()) == 4 * 15 * 5
+    assert [c.groups for c in state.compat()] == [15] * 4
+
+
+# ---------------------------------------------------------------- both implementations agree
+
+_ids = st.sampled_from(["a", "b", "c"])
+_prompts = st.sampled_from(["p0", "p1", "p2"])
+_rounds = st.integers(0, 6)
+# the awkward values often, any float sometimes
+_floats = st.sampled_from([0.0, -0.0, 0.1, 1 / 3, -1e-300, 5e-324, float("nan"), float("inf")]) | st.floats()
+
+
+def _obs(x):
+    """A comparable view of results in which floats compare by repr (-0.0 != 0.0, nan == nan)."""
+    if isinstance(x, float):
+        return repr(x)
+    if dataclasses.is_dataclass(x):
+        return (type(x).__name__, _obs(dataclasses.astuple(x)))
+    if isinstance(x, (list, tuple)):
+        return [_obs(v) for v in x]
+    return x
+
+
+class SameBehaviour(RuleBasedStateMachine):
+    """Random operations on both implementations give the same results and the same state."""
+
+    def __init__(self):
+        super().__init__()
+        self.dir = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.mem = InMemoryState()
+        self.sql = SqliteState(os.path.join(self.dir, "s.db"))
+
+    def both(self, method, *args, **kw):
+        out = []
+        for s in (self.mem, self.sql):
+            try:
+                out.append(("ok", _obs(getattr(s, method)(*args, **kw))))
+            except (TypeError, ValueError) as e:
+                out.append(("raised", type(e).__name__))
+        assert out[0] == out[1], (method, args, kw, out)
+
+    @rule(n=_ids, state=st.sampled_from(["online", "offline"]), r=_rounds, seen=_floats)
+    def upsert_node(self, n, state, r, seen):
+        self.both("upsert_node", node(n, state=state, round=r, last_seen=seen))
+
+    @rule(r=_rounds, matched=st.none() | _floats)
+    def put_round(self, r, matched):
+        self.both("put_round", RoundRow(round=r, state="open" if matched is None else "matched",
+                                        opened_at=1.0, matched_at=matched))
+
+    @rule(rows=st.lists(st.builds(summ, _ids, _rounds, _prompts, reward_mean=_floats, k=st.integers(0, 4),
+                                  mean_logprobs=st.lists(_floats, max_size=3)), max_size=4))
+    def put_summaries(self, rows):
+        self.both("put_summaries", rows)
+
+    @rule(n=_ids, r=_rounds, p=_prompts, d=st.sampled_from(["d0", "d1", "d2"]))
+    def set_bundle_digest(self, n, r, p, d):
+        self.both("set_bundle_digest", n, r, p, d)
+
+    @rule(rows=st.lists(st.builds(MatchRow, _rounds, _ids, _prompts, _ids, _rounds), max_size=3))
+    def put_matches(self, rows):
+        self.both("put_matches", rows)
+
+    @rule(bundles=st.lists(st.tuples(st.sampled_from(["d0", "d1", "d2", "d3"]), st.binary(max_size=20)),
+                           min_size=1, max_size=3))
+    def put_bundles(self, bundles):
+        for d, data in bundles:
+            self.both("put_bundle", d, data)
+
+    @rule(s=_ids, r=_ids, mean_s=_floats, frac=st.floats(0, 1), rejected=st.booleans())
+    def update_compat(self, s, r, mean_s, frac, rejected):
+        self.both("update_compat", s, r, mean_s, frac, rejected)
+
+    @rule(keep=st.none() | st.integers(1, 4), share=st.none() | st.sampled_from([0.0, 0.3, 0.6, 0.9, 1.0]))
+    def prune(self, keep, share):
+        budget = None if share is None else int(self.mem.bundle_stats()[1] * share)  # a budget that bites
+        self.both("prune", keep_rounds=keep, max_bundle_bytes=budget)
+
+    @rule(keep=st.sampled_from([-1, 0, 2]), budget=st.sampled_from([-1, None]))
+    def prune_refused(self, keep, budget):
+        self.both("prune", keep_rounds=keep, max_bundle_bytes=budget)
+
+    @rule(r=st.none() | _rounds, n=st.none() | _ids, p=st.none() | st.lists(_prompts, max_size=2),
+          m=st.none() | _rounds)
+    def query_summaries(self, r, n, p, m):
+        self.both("summaries", round=r, node_id=n, prompt_ids=p, min_round=m)
+
+    @rule(r=st.none() | _rounds, rec=st.none() | _ids, src=st.none() | _ids)
+    def query_matches(self, r, rec, src):
+        self.both("matches", round=r, receiver=rec, source=src)
+
+    @invariant()
+    def same_state(self):
+        for method, args in (("list_nodes", ()), ("latest_round", ()), ("summaries", ()), ("matches", ()),
+                             ("compat", ()), ("bundle_stats", ()), ("has_bundles", (["d3", "d2", "d1", "d0"],))):
+            self.both(method, *args)
+        for r in range(7):
+            self.both("get_round", r)
+
+    def teardown(self):
+        self.mem.close()
+        self.sql.close()
+        for name in os.listdir(self.dir):
+            os.remove(os.path.join(self.dir, name))
+        os.rmdir(self.dir)
+
+
+test_implementations_agree = SameBehaviour.TestCase
+test_implementations_agree.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                               suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------- SQLite only
+
+def _populate(s):
+    s.upsert_node(node("a", last_seen=1 / 3))
+    s.put_round(RoundRow(round=3, state="matched", opened_at=1.0, matched_at=2.5))
+    s.put_summaries([summ(reward_mean=0.1, mean_logprobs=[-1e-300, -0.0]), summ(prompt_id="p1")])
+    s.put_bundle("d0", b"bundle bytes")
+    s.set_bundle_digest("a", 0, "p0", "d0")
+    s.put_matches([MatchRow(3, "a", "p0", "b", 2)])
+    s.update_compat("b", "a", 0.25, 0.5, False)
+    s.update_compat("b", "a", 0.0, 0.0, True)
+
+
+def _observe(s):
+    return _obs([s.list_nodes(), s.get_round(3), s.latest_round(), s.summaries(), s.matches(), s.compat(),
+                 s.bundle_stats(), s.get_bundle("d0")])
+
+
+def test_sqlite_reopen_restores_everything(tmp_path):
+    path = tmp_path / "b.db"
+    mem, s = InMemoryState(), SqliteState(path)
+    _populate(mem)
+    _populate(s)
+    s.close()
+    s2 = SqliteState(str(path))
+    try:
+        assert _observe(s2) == _observe(mem)
+        assert s2.put_summaries([summ()]) == (0, 1)  # idempotence survives the restart
+        assert s2._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert s2._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    finally:
+        s2.close()
+
+
+def test_sqlite_survives_a_killed_process(tmp_path):
+    path = tmp_path / "b.db"
+    code = ("import os, sys\n"
+            "sys.path.insert(0, sys.argv[2])\n"
+            "from graft_fed.broker.state_sqlite import SqliteState\n"
+            "from tests.broker.test_state import _populate\n"
+            "s = SqliteState(sys.argv[1]); _populate(s)\n"
+            "os._exit(0)  # no close(), no checkpoint: the writes live only in the WAL\n")
+    subprocess.run([sys.executable, "-c", code, str(path), str(ROOT)], check=True, timeout=60, cwd=ROOT)
+    mem = InMemoryState()
+    _populate(mem)
+    s = SqliteState(path)
+    try:
+        assert _observe(s) == _observe(mem)
+    finally:
+        s.close()
+
+
+def test_sqlite_refuses_a_file_that_is_not_a_database(tmp_path):
+    path = tmp_path / "junk.db"
+    path.write_bytes(os.urandom(4096))
+    with pytest.raises(DataError, match="junk.db.*not a readable SQLite database"):
+        SqliteState(path)
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n" * 100)
+    with pytest.raises(DataError, match="notes.txt"):
+        SqliteState(text)
+    with pytest.raises(DataError, match="cannot open|not a readable"):
+        SqliteState(tmp_path)  # a directory
+    with pytest.raises(DataError, match="cannot open|not a readable"):
+        SqliteState(tmp_path / "missing" / "dir" / "b.db")
+
+
+def test_sqlite_refuses_another_applications_database(tmp_path):
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as c:
+        c.execute("CREATE TABLE users (id INTEGER)")
+    c.close()
+    with pytest.raises(DataError, match="not a graft-fed broker state.*users"):
+        SqliteState(path)
+
+
+def test_sqlite_refuses_a_newer_schema(tmp_path):
+    path = tmp_path / "b.db"
+    SqliteState(path).close()
+    with sqlite3.connect(path) as c:
+        c.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION + 1),))
+    c.close()
+    with pytest.raises(DataError, match=r"b\.db.*schema version '2'.*newer graft-fed: upgrade graft-fed"):
+        SqliteState(path)
+    with sqlite3.connect(path) as c:
+        c.execute("UPDATE meta SET value = 'banana' WHERE key = 'schema_version'")
+    c.close()
+    with pytest.raises(DataError, match="banana.*Move the file aside"):
+        SqliteState(path)
+
+
+def test_sqlite_batch_failing_midway_is_rolled_back(tmp_path, monkeypatch):
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        s.put_summaries([summ(prompt_id="old")])
+        real, calls = SqliteState._encode_summary, []
+
+        def flaky(self, row):
+            calls.append(row.prompt_id)
+            if len(calls) == 3:
+                raise OSError("disk on fire")
+            return real(self, row)
+
+        monkeypatch.setattr(SqliteState, "_encode_summary", flaky)
+        with pytest.raises(OSError, match="disk on fire"):
+            s.put_summaries([summ(prompt_id=f"p{i}") for i in range(5)])
+        assert calls == ["p0", "p1", "p2"]  # two rows had been inserted when it failed
+        assert [r.prompt_id for r in s.summaries()] == ["old"]
+        monkeypatch.undo()
+        assert s.put_summaries([summ(prompt_id=f"p{i}") for i in range(5)]) == (5, 0)  # the state is usable
+    finally:
+        s.close()
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        assert len(s.summaries()) == 6
+    finally:
+        s.close()
