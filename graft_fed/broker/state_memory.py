@@ -67,7 +67,8 @@ def norm_node(row: NodeRow) -> NodeRow:
 def norm_round(row: RoundRow) -> RoundRow:
     return RoundRow(round=as_int(row.round, "round"), state=as_str(row.state, "state"),
                     opened_at=as_float(row.opened_at, "opened_at"),
-                    matched_at=None if row.matched_at is None else as_float(row.matched_at, "matched_at"))
+                    matched_at=None if row.matched_at is None else as_float(row.matched_at, "matched_at"),
+                    participants=[as_str(p, "participants") for p in row.participants])
 
 
 def norm_summary(row: SummaryRow) -> SummaryRow:
@@ -222,7 +223,7 @@ class InMemoryState(BrokerState):
         round = as_int(round, "round")
         with self._lock:
             row = self._rounds.get(round)
-            return None if row is None else dataclasses.replace(row)
+            return None if row is None else norm_round(row)
 
     def latest_round(self) -> int:
         with self._lock:

@@ -43,7 +43,8 @@ CREATE TABLE nodes (
     node_id TEXT PRIMARY KEY, model_id TEXT NOT NULL, tokenizer_id TEXT NOT NULL,
     privacy TEXT NOT NULL, state TEXT NOT NULL, session_id TEXT NOT NULL,
     round INTEGER NOT NULL, last_seen NOT NULL, published INTEGER NOT NULL);
-CREATE TABLE rounds (round INTEGER PRIMARY KEY, state TEXT NOT NULL, opened_at NOT NULL, matched_at);
+CREATE TABLE rounds (round INTEGER PRIMARY KEY, state TEXT NOT NULL, opened_at NOT NULL, matched_at,
+    participants TEXT NOT NULL DEFAULT '[]');
 CREATE TABLE summaries (
     node_id TEXT NOT NULL, round INTEGER NOT NULL, prompt_id TEXT NOT NULL,
     policy_version INTEGER NOT NULL, n INTEGER NOT NULL, k INTEGER NOT NULL,
@@ -198,16 +199,18 @@ class SqliteState(BrokerState):
     @staticmethod
     def _round(r: tuple) -> RoundRow:
         return RoundRow(round=r[0], state=r[1], opened_at=_db2f(r[2]),
-                        matched_at=None if r[3] is None else _db2f(r[3]))
+                        matched_at=None if r[3] is None else _db2f(r[3]), participants=json.loads(r[4]))
 
     def put_round(self, row: RoundRow) -> None:
         r = norm_round(row)
         with self._tx() as conn:
-            conn.execute("INSERT OR REPLACE INTO rounds (round, state, opened_at, matched_at) VALUES (?,?,?,?)",
-                         (r.round, r.state, _f2db(r.opened_at), None if r.matched_at is None else _f2db(r.matched_at)))
+            conn.execute("INSERT OR REPLACE INTO rounds (round, state, opened_at, matched_at, participants) "
+                         "VALUES (?,?,?,?,?)",
+                         (r.round, r.state, _f2db(r.opened_at), None if r.matched_at is None else _f2db(r.matched_at),
+                          json.dumps(r.participants)))
 
     def get_round(self, round: int) -> RoundRow | None:
-        rows = self._read("SELECT round, state, opened_at, matched_at FROM rounds WHERE round = ?",
+        rows = self._read("SELECT round, state, opened_at, matched_at, participants FROM rounds WHERE round = ?",
                           (as_int(round, "round"),))
         return self._round(rows[0]) if rows else None
 

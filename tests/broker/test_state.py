@@ -102,8 +102,12 @@ def test_rounds_and_latest_round(state):
     state.put_round(RoundRow(round=2, state="open", opened_at=10.0))
     state.put_round(RoundRow(round=0, state="matched", opened_at=1.0, matched_at=2.0))
     assert state.latest_round() == 2
-    state.put_round(RoundRow(round=2, state="matched", opened_at=10.0, matched_at=11.25))  # replace
-    assert state.get_round(2) == RoundRow(round=2, state="matched", opened_at=10.0, matched_at=11.25)
+    state.put_round(RoundRow(round=2, state="matched", opened_at=10.0, matched_at=11.25,
+                             participants=["a", "b"]))  # replace
+    assert state.get_round(2) == RoundRow(round=2, state="matched", opened_at=10.0, matched_at=11.25,
+                                          participants=["a", "b"])
+    state.get_round(2).participants.append("mutated")
+    assert state.get_round(2).participants == ["a", "b"]
     assert state.get_round(0).matched_at == 2.0 and state.get_round(1) is None
 
 
