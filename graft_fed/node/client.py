@@ -53,7 +53,11 @@ class BrokerClient:
         self.node_id = node_id
         self.timeout = rpc_timeout_s
         self.chunk = chunk_kib * 1024
-        self.channel = grpc.insecure_channel(address, options=grpc_options(max_message_mib))
+        # The node paces its own reconnection attempts (Backoff below); keep gRPC's channel-level
+        # backoff short so a broker that is back is seen at the node's next attempt.
+        self.channel = grpc.insecure_channel(address, options=grpc_options(max_message_mib) + [
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 5000)])
         self.stub = pb_grpc.BrokerStub(self.channel)
         self.session = ""
         self.round = 0

@@ -9,7 +9,7 @@ from tests.trainer.test_grpo import prompt_file  # noqa: F401 - fixture
 def test_node_trains_without_broker_and_reconnects(tiny_llama, prompt_file, tmp_path):  # noqa: F811
     port = free_port()
     cfg = node_config("solo", tiny_llama, prompt_file, tmp_path, f"127.0.0.1:{port}", steps=4,
-                      rpc_timeout_s=1.0)
+                      rpc_timeout_s=3.0)
     with Node(cfg, quiet=True) as node:
         rows = [node.train_step() for _ in range(2)]
         assert [r["federation/connected"] for r in rows] == [0.0, 0.0]
