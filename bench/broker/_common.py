@@ -1,0 +1,169 @@
+"""Shared pieces of the broker benchmarks: servers in a child process (their own GIL, as a
+real broker has), a raw-bytes gRPC baseline server, percentiles, machine facts."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Raw baseline service: bytes in, bytes out, no protobuf, no handler work.
+RAW_SERVICE = "graftbench.Raw"
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); nan for no data."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, int(round(q / 100.0 * len(s) + 0.5)) - 1))
+    return s[k]
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 - not a checkout
+        rev = ""
+    import grpc
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "nproc": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "cpu": cpu, "python": platform.python_version(), "grpc": grpc.__version__, "git": rev,
+            "load_avg_at_start": os.getloadavg()}
+
+
+# ----- child-process servers -----------------------------------------------------------------
+
+def _raw_server(conn, max_message_mib: int, chunk: int) -> None:
+    import grpc
+
+    from graft_fed.broker.server import grpc_options
+
+    store: dict[bytes, bytes] = {}
+    ack = b"\x08\x01"  # the size of a PublishResponse(accepted=...) on the wire, roughly
+
+    def unary(request: bytes, context) -> bytes:  # no-op: the broker's baseline for PublishSummaries
+        return ack
+
+    def put(request_iterator, context) -> bytes:  # stream in, like UploadBundle
+        parts = [c for c in request_iterator]
+        data = b"".join(parts)
+        store[b"last"] = data
+        return len(data).to_bytes(8, "big")
+
+    def get(request: bytes, context):  # stream out, like FetchBundle
+        data = store.get(b"last", b"")
+        for off in range(0, max(1, len(data)), chunk):
+            yield data[off:off + chunk]
+
+    handler = grpc.method_handlers_generic_handler(RAW_SERVICE, {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary),
+        "Put": grpc.stream_unary_rpc_method_handler(put),
+        "Get": grpc.unary_stream_rpc_method_handler(get),
+    })
+    # The same thread pool size and options as BrokerServer.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=grpc_options(max_message_mib))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    conn.send(port)
+    conn.recv()  # wait for stop
+    server.stop(0.5).wait()
+    conn.send("stopped")
+
+
+def _broker_server(conn, cfg_map: dict) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    from graft_fed.broker.config import BrokerConfig
+    from graft_fed.broker.server import BrokerServer
+    from graft_fed.configbase import from_mapping
+
+    server = BrokerServer(from_mapping(BrokerConfig, cfg_map)).start()
+    conn.send(server.port)
+    msg = conn.recv()
+    out = {}
+    if msg == "stats":
+        st = server.servicer.stats
+        out = {m: {"count": st.hist[m][-1], "sum_s": st.sum[m]} for m in st.hist}
+        conn.send(out)
+        conn.recv()
+    server.stop(0.5)
+    conn.send("stopped")
+
+
+class ChildServer:
+    """A server in a spawned child process on 127.0.0.1:<ephemeral>."""
+
+    def __init__(self, kind: str, **kwargs: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        target = _broker_server if kind == "broker" else _raw_server
+        args = (child, kwargs["cfg"]) if kind == "broker" else (child, kwargs.get("max_message_mib", 16),
+                                                                kwargs.get("chunk", 1 << 20))
+        self.kind = kind
+        self.proc = ctx.Process(target=target, args=args, daemon=True)
+        self.proc.start()
+        if not self.conn.poll(120):
+            self.proc.kill()
+            raise RuntimeError(f"{kind} server did not start")
+        self.port = self.conn.recv()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def rpc_stats(self) -> dict:
+        """Broker only: the servicer's per-method counts and summed handler seconds."""
+        self.conn.send("stats")
+        return self.conn.recv() if self.conn.poll(60) else {}
+
+    def stop(self) -> None:
+        try:
+            self.conn.send("stop")
+            self.conn.poll(30)
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def write_prompts(path: Path, count: int, problem_chars: int = 0) -> Path:
+    with path.open("w", encoding="utf-8") as fh:
+        for i in range(count):
+            problem = f"What is {i} + {i + 1}?" + (" " + "x" * problem_chars if problem_chars else "")
+            fh.write(json.dumps({"problem": problem, "answer": str(2 * i + 1)}) + "\n")
+    return path
+
+
+def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    j = RESULTS / f"{name}.json"
+    m = RESULTS / f"{name}.md"
+    j.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+    m.write_text(markdown, encoding="utf-8")
+    return j, m

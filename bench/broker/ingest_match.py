@@ -1,0 +1,273 @@
+"""Broker ingest rate and match latency for N simulated nodes and P prompts per round.
+
+A real BrokerServer (SqliteState in a temp dir, or `--db memory`) runs in a child process
+on 127.0.0.1:0 (its own GIL, as a deployed broker has); N node threads, each its own
+BrokerClient, join and, for R rounds, publish P summaries each (random k in 0..n, n = 8,
+random lengths and negative mean log-probs) at a barrier, then long-poll GetMatches until
+the round is ready.
+
+- ingest: summaries accepted / (first publish sent .. last publish acknowledged), per round,
+  aggregated over rounds.
+- match latency: last publish acknowledged .. each node's GetMatches returning ready=true
+  (the broker matches the round inside the first GetMatches that finds it complete).
+- baseline, same run, same cell: a no-op unary gRPC server (generic handler, bytes in, a
+  2-byte ack out, same thread pool and channel options) in a child process receiving the
+  same serialized PublishRequest bytes from the same N threads at the same barrier.
+  ratio = broker ingest / raw gRPC throughput.
+
+    .venv/bin/python bench/broker/ingest_match.py            # full grid, ~5 min budget
+    .venv/bin/python bench/broker/ingest_match.py --quick    # tiny grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import grpc  # noqa: E402
+
+from _common import RAW_SERVICE, ChildServer, machine, median, percentile, write_prompts, write_results  # noqa: E402
+from graft_fed.broker.server import grpc_options  # noqa: E402
+from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
+from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version  # noqa: E402
+from graft_fed.node.client import BrokerClient  # noqa: E402
+from graft_fed.proto import broker_pb2 as pb  # noqa: E402
+from graft_fed.rewards.config import VerifierConfig  # noqa: E402
+
+GROUP_N = 8
+FIXED_S = 8.0  # two child servers started and stopped, joins, request building
+VERIFIER = "math_verify"
+
+
+def make_summaries(rng: random.Random, prompt_ids: list[str], round: int) -> list[pb.GroupSummary]:
+    out = []
+    for pid in prompt_ids:
+        k = rng.randint(0, GROUP_N)
+        p = k / GROUP_N
+        out.append(pb.GroupSummary(prompt_id=pid, round=round, policy_version=round, n=GROUP_N, k=k, reward_mean=p,
+                                   reward_std=math.sqrt(p * (1 - p)),
+                                   lengths=[rng.randint(1, 1024) for _ in range(GROUP_N)],
+                                   mean_logprobs=[-rng.uniform(0.0, 3.0) for _ in range(GROUP_N)]))
+    return out
+
+
+class Barrier:
+    def __init__(self, n: int, timeout: float) -> None:
+        self.b = threading.Barrier(n, timeout=timeout)
+
+    def wait(self) -> None:
+        self.b.wait()
+
+
+def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Path, seed: int,
+                    requests: list[list[pb.PublishRequest]], prompts_path: Path, cell_timeout_s: float) -> dict:
+    cfg = {"listen": "127.0.0.1:0", "http": "", "db": db, "data": {"source": str(prompts_path)},
+           "verifier": {"name": VERIFIER}, "seed": seed, "n": GROUP_N, "prompts_per_round": n_prompts,
+           "mode": "sync", "round_deadline_s": 3600.0, "heartbeat_interval_s": 2.0, "offline_after_s": 3600.0}
+    server = ChildServer("broker", cfg=cfg)
+    prompts = load_prompts(DataConfig(source=str(prompts_path)))
+    manifest = Manifest(federation_id="graft-fed", protocol_version=PROTOCOL_VERSION, dataset_id=prompts[0].dataset,
+                        dataset_hash=dataset_hash(prompts), seed=seed, n=GROUP_N, prompts_per_round=n_prompts,
+                        mode="sync", verifier_name=VERIFIER,
+                        verifier_version=verifier_version(VerifierConfig(name=VERIFIER)), staleness_rounds=4)
+    clients = [BrokerClient(server.address, f"node{i:02d}", rpc_timeout_s=cell_timeout_s) for i in range(n_nodes)]
+    t_send = [[0.0] * n_nodes for _ in range(rounds)]
+    t_ack = [[0.0] * n_nodes for _ in range(rounds)]
+    t_ready = [[0.0] * n_nodes for _ in range(rounds)]
+    accepted = [[0] * n_nodes for _ in range(rounds)]
+    polls = [[0] * n_nodes for _ in range(rounds)]
+    errors: list[BaseException] = []
+    barrier = Barrier(n_nodes, timeout=cell_timeout_s)
+    try:
+        for i, c in enumerate(clients):
+            c.join(f"model{i}", "tok", manifest, "share_all", 0)
+
+        def node(i: int) -> None:
+            c = clients[i]
+            try:
+                for r in range(rounds):
+                    req = requests[i][r]
+                    req.session_id = c.session
+                    barrier.wait()
+                    t_send[r][i] = time.perf_counter()
+                    resp = c.stub.PublishSummaries(req, timeout=cell_timeout_s)
+                    t_ack[r][i] = time.perf_counter()
+                    accepted[r][i] = resp.accepted
+                    while True:
+                        polls[r][i] += 1
+                        m = c.get_matches(r, wait_s=30.0)
+                        if m.ready:
+                            break
+                    t_ready[r][i] = time.perf_counter()
+            except BaseException as exc:  # noqa: BLE001 - reported by the caller
+                errors.append(exc)
+                barrier.b.abort()
+
+        threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(n_nodes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=cell_timeout_s * rounds)
+        if errors:
+            raise errors[0]
+        stats = server.rpc_stats()
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+    windows = [max(t_ack[r]) - min(t_send[r]) for r in range(rounds)]
+    total = sum(sum(a) for a in accepted)
+    lat = [t_ready[r][i] - max(t_ack[r]) for r in range(rounds) for i in range(n_nodes)]
+    publish_lat = [t_ack[r][i] - t_send[r][i] for r in range(rounds) for i in range(n_nodes)]
+    return {"summaries": total, "ingest_per_s": total / sum(windows), "windows_s": windows,
+            "match_p50_s": percentile(lat, 50), "match_p99_s": percentile(lat, 99), "match_max_s": max(lat),
+            "publish_p50_s": percentile(publish_lat, 50), "publish_p99_s": percentile(publish_lat, 99),
+            "round_s": [max(t_ready[r]) - min(t_send[r]) for r in range(rounds)],
+            "getmatches_calls": sum(sum(p) for p in polls),
+            "servicer": stats}
+
+
+def run_raw_cell(n_nodes: int, rounds: int, payloads: list[list[bytes]], timeout_s: float) -> dict:
+    server = ChildServer("raw")
+    chans = [grpc.insecure_channel(server.address, options=grpc_options(16)) for _ in range(n_nodes)]
+    calls = [ch.unary_unary(f"/{RAW_SERVICE}/Unary") for ch in chans]
+    t_send = [[0.0] * n_nodes for _ in range(rounds)]
+    t_ack = [[0.0] * n_nodes for _ in range(rounds)]
+    errors: list[BaseException] = []
+    barrier = Barrier(n_nodes, timeout=timeout_s)
+    try:
+        for call in calls:  # connect first, as Join does for the broker
+            call(b"", timeout=timeout_s)
+
+        def node(i: int) -> None:
+            try:
+                for r in range(rounds):
+                    barrier.wait()
+                    t_send[r][i] = time.perf_counter()
+                    calls[i](payloads[i][r], timeout=timeout_s)
+                    t_ack[r][i] = time.perf_counter()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+                barrier.b.abort()
+
+        threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(n_nodes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=timeout_s * rounds)
+        if errors:
+            raise errors[0]
+    finally:
+        for ch in chans:
+            ch.close()
+        server.stop()
+    windows = [max(t_ack[r]) - min(t_send[r]) for r in range(rounds)]
+    msgs = n_nodes * rounds
+    return {"messages": msgs, "windows_s": windows, "msgs_per_s": msgs / sum(windows),
+            "bytes_per_round": sum(len(payloads[i][0]) for i in range(n_nodes))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny grid: N in {2, 4} x P in {32, 128}, 2 rounds")
+    ap.add_argument("--nodes", type=int, nargs="*", default=[2, 8, 32, 64])
+    ap.add_argument("--prompts", type=int, nargs="*", default=[128, 1024, 4096])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--db", choices=["sqlite", "memory", "both"], default="sqlite")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="skip cells predicted to overrun this")
+    ap.add_argument("--cell-timeout-s", type=float, default=240.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default=None, help="results file stem (default ingest_match[_quick])")
+    args = ap.parse_args()
+    if args.quick:
+        args.nodes, args.prompts, args.rounds = [2, 4], [32, 128], 2
+    backends = ["sqlite", "memory"] if args.db == "both" else [args.db]
+    name = args.name or ("ingest_match_quick" if args.quick else "ingest_match")
+    info = machine()
+    t_start = time.monotonic()
+    cells, skipped = [], []
+    # cost model from the measured cells: a cell costs ~FIXED_S (two child servers, joins)
+    # plus rounds x c * N^1.5 * P (ingest and matching grow with N * P; every publish also
+    # wakes every waiting long-poll, hence the extra sqrt(N)); c is the largest seen so far
+    coef: dict[str, float] = {}
+    grid = sorted(((n, p) for n in args.nodes for p in args.prompts), key=lambda x: (x[0] * x[1], x[0]))
+    with tempfile.TemporaryDirectory(prefix="graft-bench-broker-") as tmpd:
+        tmp = Path(tmpd)
+        for n_nodes, n_prompts in grid:
+            left = args.budget_s - (time.monotonic() - t_start)
+            per_round = sum(coef[b] * n_nodes ** 1.5 * n_prompts for b in backends if b in coef)
+            rounds = args.rounds
+            while rounds > 1 and FIXED_S + rounds * per_round > left:
+                rounds -= 1
+            if FIXED_S + rounds * per_round > left:
+                skipped.append({"nodes": n_nodes, "prompts": n_prompts,
+                                "why": f"predicted {FIXED_S + per_round:.0f} s for one round with {left:.0f} s "
+                                       "of budget left"})
+                print(f"skip N={n_nodes} P={n_prompts}: {skipped[-1]['why']}", flush=True)
+                continue
+            prompts_path = write_prompts(tmp / f"prompts-{n_prompts}.jsonl", n_prompts)
+            ids = [p.id for p in load_prompts(DataConfig(source=str(prompts_path)))]
+            rng = random.Random(args.seed * 1000003 + n_nodes * 7919 + n_prompts)
+            requests = [[pb.PublishRequest(node_id=f"node{i:02d}", session_id="x" * 32, round=r,
+                                           summaries=make_summaries(rng, ids, r)) for r in range(rounds)]
+                        for i in range(n_nodes)]
+            payloads = [[req.SerializeToString() for req in per] for per in requests]
+            cell: dict = {"nodes": n_nodes, "prompts": n_prompts, "rounds": rounds,
+                          "publish_bytes": len(payloads[0][0])}
+            cell["raw"] = run_raw_cell(n_nodes, rounds, payloads, args.cell_timeout_s)
+            for b in backends:
+                db = ":memory:" if b == "memory" else str(tmp / f"broker-{n_nodes}-{n_prompts}.sqlite")
+                t0 = time.monotonic()
+                res = run_broker_cell(n_nodes, n_prompts, rounds, db, tmp, args.seed, requests, prompts_path,
+                                      args.cell_timeout_s)
+                res["cell_s"] = time.monotonic() - t0
+                coef[b] = max(coef.get(b, 0.0), max(res["round_s"]) / (n_nodes ** 1.5 * n_prompts))
+                raw_summaries_per_s = cell["raw"]["msgs_per_s"] * n_prompts
+                res["ratio_vs_raw"] = res["ingest_per_s"] / raw_summaries_per_s
+                cell[b] = res
+            cell["raw"]["summaries_per_s"] = cell["raw"]["msgs_per_s"] * n_prompts
+            cells.append(cell)
+            line = f"N={n_nodes:>3} P={n_prompts:>5} raw {cell['raw']['summaries_per_s']:>11,.0f} summ/s"
+            for b in backends:
+                r = cell[b]
+                line += (f" | {b}: ingest {r['ingest_per_s']:>9,.0f}/s ({r['ratio_vs_raw']:.3f}x raw) match p50 "
+                         f"{1e3 * r['match_p50_s']:.1f} ms p99 {1e3 * r['match_p99_s']:.1f} ms")
+            print(line, flush=True)
+    payload = {"machine": info, "command": " ".join(["bench/broker/ingest_match.py", *sys.argv[1:]]),
+               "n": GROUP_N, "backends": backends, "cells": cells, "skipped": skipped,
+               "total_s": time.monotonic() - t_start}
+    md = [f"### Broker ingest and match latency ({info['date']})", "",
+          f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
+          f"git {info['git']}. Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}.", "",
+          "| nodes | prompts/round | rounds | state | broker ingest (summaries/s) | raw gRPC (summaries/s) | ratio | "
+          "match p50 (ms) | match p99 (ms) | publish p99 (ms) |",
+          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for c in cells:
+        for b in backends:
+            r = c[b]
+            md.append(f"| {c['nodes']} | {c['prompts']} | {c['rounds']} | {b} | {r['ingest_per_s']:,.0f} | "
+                      f"{c['raw']['summaries_per_s']:,.0f} | {r['ratio_vs_raw']:.3f} | {1e3 * r['match_p50_s']:.1f} | "
+                      f"{1e3 * r['match_p99_s']:.1f} | {1e3 * r['publish_p99_s']:.1f} |")
+    if skipped:
+        md += ["", "Skipped (time budget " + f"{args.budget_s:.0f} s): " + "; ".join(
+            f"N={s['nodes']} P={s['prompts']} ({s['why']})" for s in skipped) + "."]
+    md += ["", "raw gRPC: the same serialized PublishRequest bytes to a no-op generic unary handler (same thread "
+           "pool and options), same threads, same barrier; its messages/s times P. Match latency: last publish "
+           "acknowledged .. each node's GetMatches returning ready.", ""]
+    j, m = write_results(name, payload, "\n".join(md))
+    print("\n".join(md))
+    print(f"wrote {j} and {m}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
