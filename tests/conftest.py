@@ -59,3 +59,13 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gpt2(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-gpt2"), "gpt2")
+
+
+@pytest.fixture()
+def prompt_file(tmp_path) -> Path:
+    """Twelve tiny prompts as a JSONL file {problem, answer}."""
+    path = tmp_path / "prompts.jsonl"
+    with path.open("w") as fh:
+        for i in range(12):
+            fh.write(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")
+    return path

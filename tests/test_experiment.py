@@ -3,10 +3,9 @@ import json
 import yaml
 
 from graft_fed.experiment import Experiment, collect_results, load_experiment_config
-from tests.trainer.test_grpo import prompt_file  # noqa: F401 - fixture
 
 
-def test_miniature_experiment_runs_every_arm_and_reports(tiny_llama, tiny_gpt2, prompt_file, tmp_path):  # noqa: F811
+def test_miniature_experiment_runs_every_arm_and_reports(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
     cfg = {
         "output_dir": str(tmp_path / "exp"),
         "seeds": [0],

@@ -43,6 +43,9 @@ class BrokerConfig:
     #: Synchronous mode: seconds after a round's first publish when it is matched without
     #: the nodes that have not published (slow nodes do not stall the federation).
     round_deadline_s: float = 120.0
+    #: Synchronous mode: a round also waits (until its deadline) for at least this many
+    #: nodes to publish, so nodes that start a little later still join the first rounds.
+    min_nodes: int = 1
     #: Interval nodes are told to heartbeat at.
     heartbeat_interval_s: float = 2.0
     #: A node silent for this long is offline (not waited for in synchronous rounds).
@@ -69,6 +72,7 @@ class BrokerConfig:
         require(self.prompts_per_round >= 1, "broker.prompts_per_round must be >= 1")
         require(self.staleness_rounds >= 0, "broker.staleness_rounds must be >= 0")
         require(self.round_deadline_s > 0, "broker.round_deadline_s must be > 0")
+        require(self.min_nodes >= 1, "broker.min_nodes must be >= 1")
         require(0 < self.heartbeat_interval_s < self.offline_after_s,
                 "broker.heartbeat_interval_s must be > 0 and below offline_after_s")
         require(1 <= self.max_message_mib <= 1024, "broker.max_message_mib must be in [1, 1024]")

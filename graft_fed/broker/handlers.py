@@ -83,6 +83,9 @@ class Federation:
         self.cond = threading.Condition()
         self.counters: Counter[str] = Counter()
         self._granted: dict[str, set[str]] = {}  # bundle digest -> receivers allowed to fetch it
+        # round -> nodes that published in it; a cache of the state (rebuilt on a miss, e.g.
+        # after a restart) so that waking long-polls do not re-read every summary of the round
+        self._published: dict[int, set[str]] = {}
 
     # ----- sessions -------------------------------------------------------------------------
 
@@ -192,6 +195,7 @@ class Federation:
                                              f"(current {self.current_round()})")
                 self.state.put_round(RoundRow(round=round, state="open", opened_at=self.clock()))
             accepted, dups = self.state.put_summaries(summaries)
+            self._published_in(round).add(node_id)
             self.state.upsert_node(replace(node, round=max(node.round, round), published=node.published + accepted,
                                            last_seen=self.clock(), state="online"))
             self.counters["summaries"] += accepted
@@ -219,11 +223,19 @@ class Federation:
             return False
         if rnd.state == "matched":
             return True
-        published = {s.node_id for s in self.state.summaries(round=round)}
+        published = self._published_in(round)
         # Wait for online nodes working near this round; one far behind (a late joiner
         # replaying early rounds) is not waited for.
         waiting = [n.node_id for n in self.online_nodes() if n.node_id not in published and n.round >= round - 1]
-        return not waiting or self.clock() - rnd.opened_at >= self.cfg.round_deadline_s
+        quorum = len(published) >= self.cfg.min_nodes
+        return (not waiting and quorum) or self.clock() - rnd.opened_at >= self.cfg.round_deadline_s
+
+    def _published_in(self, round: int) -> set[str]:
+        if round not in self._published:
+            self._published[round] = {s.node_id for s in self.state.summaries(round=round)}
+            for old in [r for r in sorted(self._published) if r != round][:-64]:  # keep the cache small
+                del self._published[old]
+        return self._published[round]
 
     def _match_round(self, round: int) -> None:
         """Synchronous close: select sources for every participant at once (for two nodes,

@@ -267,6 +267,7 @@ class Node:
         from tqdm.auto import tqdm
 
         t = self.trainer
+        self.ensure_joined()  # join (and start heartbeats) before the first, long, rollout
         summary = t.begin_train(evaluate_before_after)
         bar = tqdm(total=t.cfg.run.steps, initial=t.step, desc=self.cfg.node_id, disable=self.quiet,
                    dynamic_ncols=True)

@@ -12,8 +12,7 @@ import grpc
 import yaml
 
 from graft_fed.node.client import BrokerClient
-from tests.federation.test_broker_rpc import client, manifest, record, summary  # noqa: F401
-from tests.trainer.test_grpo import prompt_file  # noqa: F401 - fixture
+from tests.federation.test_broker_rpc import client, record, summary
 
 
 def free_port() -> int:
@@ -39,7 +38,7 @@ class _Addr:
         self.address = address
 
 
-def test_sigkill_loses_nothing_acknowledged(prompt_file, tmp_path):  # noqa: F811
+def test_sigkill_loses_nothing_acknowledged(prompt_file, tmp_path):
     from graft_fed.data.config import DataConfig, load_prompts
 
     prompts = load_prompts(DataConfig(source=str(prompt_file)))

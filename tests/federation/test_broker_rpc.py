@@ -14,18 +14,17 @@ from graft_fed.node.client import BrokerClient
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.rewards.config import VerifierConfig
 from tests.federation.helpers import broker_config, start_broker
-from tests.trainer.test_grpo import prompt_file  # noqa: F401 - fixture
 
 
 @pytest.fixture()
-def broker(prompt_file):  # noqa: F811
+def broker(prompt_file):
     server = start_broker(broker_config(prompt_file))
     yield server
     server.stop()
 
 
 @pytest.fixture()
-def prompts(prompt_file):  # noqa: F811
+def prompts(prompt_file):
     return load_prompts(DataConfig(source=str(prompt_file)))
 
 

@@ -3,10 +3,9 @@
 from graft_fed.node.node import Node
 from tests.federation.helpers import broker_config, node_config, start_broker
 from tests.federation.test_broker_crash import free_port
-from tests.trainer.test_grpo import prompt_file  # noqa: F401 - fixture
 
 
-def test_node_trains_without_broker_and_reconnects(tiny_llama, prompt_file, tmp_path):  # noqa: F811
+def test_node_trains_without_broker_and_reconnects(tiny_llama, prompt_file, tmp_path):
     port = free_port()
     cfg = node_config("solo", tiny_llama, prompt_file, tmp_path, f"127.0.0.1:{port}", steps=4,
                       rpc_timeout_s=3.0)

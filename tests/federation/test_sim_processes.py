@@ -6,15 +6,14 @@ import yaml
 
 from graft_fed.sim import Simulation, load_sim_config
 from tests.conftest import build_tiny_model
-from tests.trainer.test_grpo import prompt_file  # noqa: F401 - fixture
 
 
-def test_broker_and_three_node_processes_exchange_and_reverify(tiny_llama, tiny_gpt2, prompt_file, tmp_path):  # noqa: F811
+def test_broker_and_three_node_processes_exchange_and_reverify(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
     third = build_tiny_model(tmp_path / "llama-b", "llama", seed=5)
     cfg = {
         "output_dir": str(tmp_path / "sim"),
         "broker": {"data": {"source": str(prompt_file)}, "verifier": {"name": "tests.plugins:odd_char_sum"},
-                   "seed": 3, "n": 2, "prompts_per_round": 8, "round_deadline_s": 60,
+                   "seed": 3, "n": 2, "prompts_per_round": 8, "round_deadline_s": 60, "min_nodes": 3,
                    "heartbeat_interval_s": 0.5, "offline_after_s": 20},
         "base": {"run": {"steps": 3, "seed": 3, "checkpoint_every": 0},
                  "data": {"source": str(prompt_file)},

@@ -8,16 +8,15 @@ import yaml
 
 from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config
 from tests.federation.helpers import broker_config, node_config, run_nodes, start_broker
-from tests.trainer.test_grpo import prompt_file  # noqa: F401 - fixture
 
 
 def _rows(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def test_two_node_federation_equals_cotraining(tiny_llama, tiny_gpt2, prompt_file, tmp_path):  # noqa: F811
+def test_two_node_federation_equals_cotraining(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
     steps = 3
-    broker = start_broker(broker_config(prompt_file))
+    broker = start_broker(broker_config(prompt_file, min_nodes=2))
     try:
         cfgs = [node_config("llama", tiny_llama, prompt_file, tmp_path / "fed", broker.address, steps=steps),
                 node_config("gpt2", tiny_gpt2, prompt_file, tmp_path / "fed", broker.address, steps=steps)]

@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 from graft_fed.core.exchange import balanced_pair, candidates
 from graft_fed.core.exchange import select_sources
 from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config
-from tests.trainer.test_grpo import prompt_file  # noqa: F401 - fixture
 
 ks = st.dictionaries(st.sampled_from([f"p{i}" for i in range(16)]), st.integers(0, 4), min_size=16, max_size=16)
 
@@ -37,7 +36,7 @@ def test_untried_pairs_are_explored_before_known_ones():
     assert select_sources(kn, False, {(1, 0): 0.9, (2, 0): 0.5})[0] == {"p": 1}
 
 
-def test_cotrain_two_heterogeneous_models_end_to_end(tiny_llama, tiny_gpt2, prompt_file, tmp_path):  # noqa: F811
+def test_cotrain_two_heterogeneous_models_end_to_end(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
     cfg = {
         "run": {"output_dir": str(tmp_path / "co"), "steps": 2, "seed": 3, "device": "cpu", "threads": 1,
                 "checkpoint_every": 0},

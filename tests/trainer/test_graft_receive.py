@@ -13,7 +13,7 @@ from graft_fed.store import TrajectoryStore
 from graft_fed.trainer.graft import receive
 from graft_fed.trainer.grpo import GRPOTrainer
 from tests.plugins import odd_char_sum
-from tests.trainer.test_grpo import make_cfg, prompt_file  # noqa: F401 - fixture
+from tests.trainer.test_grpo import make_cfg
 
 
 def _source_record(source_dir, prompt, problem_text, n=6, seed=0, step=0):
@@ -32,7 +32,7 @@ def _source_record(source_dir, prompt, problem_text, n=6, seed=0, step=0):
     return rec, comps, model, tok
 
 
-def _receiver(tiny, prompt_file, tmp_path, **over):  # noqa: F811
+def _receiver(tiny, prompt_file, tmp_path, **over):
     cfg = make_cfg(tiny, prompt_file, tmp_path / "recv", **over)
     tr = GRPOTrainer(cfg, quiet=True)
     data = tr.collect()
@@ -50,7 +50,7 @@ def _informative_record(tiny_gpt2, tr, group, seed=0):
     raise AssertionError("no informative source group in 50 tries")
 
 
-def test_s_matches_direct_length_normalised_likelihood_ratio(tiny_llama, tiny_gpt2, prompt_file, tmp_path):  # noqa: F811
+def test_s_matches_direct_length_normalised_likelihood_ratio(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
     # Both fixtures share one character tokenizer, so re-tokenisation is the identity.
     tr, own = _receiver(tiny_llama, prompt_file, tmp_path, **{"graft.gate": False})
     with tr:
@@ -75,7 +75,7 @@ def test_s_matches_direct_length_normalised_likelihood_ratio(tiny_llama, tiny_gp
         assert new.weights.tolist() == [1.0] * rec.n  # gate off
 
 
-def test_gate_weights_follow_eq8(tiny_llama, tiny_gpt2, prompt_file, tmp_path):  # noqa: F811
+def test_gate_weights_follow_eq8(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
     tr, own = _receiver(tiny_llama, prompt_file, tmp_path, **{"graft.delta": 0.5})
     with tr:
         rec, *_ = _informative_record(tiny_gpt2, tr, own[0])
@@ -86,7 +86,7 @@ def test_gate_weights_follow_eq8(tiny_llama, tiny_gpt2, prompt_file, tmp_path): 
         torch.testing.assert_close(w, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_lying_peer_is_rejected_and_counted(tiny_llama, tiny_gpt2, prompt_file, tmp_path):  # noqa: F811
+def test_lying_peer_is_rejected_and_counted(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
     tr, own = _receiver(tiny_llama, prompt_file, tmp_path)
     with tr:
         rec, *_ = _informative_record(tiny_gpt2, tr, own[0])
@@ -97,7 +97,7 @@ def test_lying_peer_is_rejected_and_counted(tiny_llama, tiny_gpt2, prompt_file, 
         assert res.groups[0] is own[0]
 
 
-def test_never_replaces_a_group_that_was_not_all_fail(tiny_llama, tiny_gpt2, prompt_file, tmp_path):  # noqa: F811
+def test_never_replaces_a_group_that_was_not_all_fail(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
     tr, own = _receiver(tiny_llama, prompt_file, tmp_path)
     with tr:
         own[0].rewards = torch.tensor([1.0] + [0.0] * (own[0].n - 1))
@@ -106,7 +106,7 @@ def test_never_replaces_a_group_that_was_not_all_fail(tiny_llama, tiny_gpt2, pro
         assert res.metrics["graft/rejected_not_all_fail"] == 1 and res.groups[0] is own[0]
 
 
-def test_stored_mode_trains_against_a_recorded_run(tiny_llama, tiny_gpt2, prompt_file, tmp_path):  # noqa: F811
+def test_stored_mode_trains_against_a_recorded_run(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
     src_cfg = make_cfg(tiny_gpt2, prompt_file, tmp_path / "src", **{"rollout.n": 2, "run.name": "peer"})
     with GRPOTrainer(src_cfg, quiet=True) as src:
         src.train(evaluate_before_after=False)

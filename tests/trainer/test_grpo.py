@@ -1,4 +1,3 @@
-import json
 import shutil
 
 import pytest
@@ -11,15 +10,6 @@ from graft_fed.trainer.metrics import read_metrics
 
 TRL_NAMES = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
              "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy"]
-
-
-@pytest.fixture()
-def prompt_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    with path.open("w") as fh:
-        for i in range(12):
-            fh.write(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")
-    return path
 
 
 def make_cfg(model_dir, prompt_file, out_dir, **over):
