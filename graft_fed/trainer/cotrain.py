@@ -13,10 +13,10 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from graft_fed.configbase import from_mapping, load_yaml, require
-from graft_fed.core.exchange import candidates, select_sources
+from graft_fed.core.exchange import select_sources
 from graft_fed.errors import ConfigError
 from graft_fed.trainer.config import ModelSection, OptimSection, TrainConfig
 from graft_fed.trainer.graft import complementarity, offer_metrics, receive, to_record

@@ -7,7 +7,6 @@ collection and optimisation without touching either.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
