@@ -10,7 +10,7 @@ from pathlib import Path
 
 from graft_fed.errors import ConfigError
 
-ZOO_NAMES: tuple[str, ...] = ("tiny-llama-char", "tiny-gpt2-bpe", "tiny-qwen2-unigram")
+ZOO_NAMES: tuple[str, ...] = ("tiny-llama-char", "tiny-gpt2-bpe", "tiny-qwen3-unigram")
 ZOO_PREFIX = "zoo:"
 
 

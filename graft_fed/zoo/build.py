@@ -38,7 +38,7 @@ METASPACE = "\u2581"
 @dataclass(frozen=True)
 class ZooSpec:
     name: str
-    arch: str  # "llama" | "gpt2" | "qwen2"
+    arch: str  # "llama" | "gpt2" | "qwen3"
     tokenizer: str  # "char" | "bpe" | "unigram"
     chat_template: str
     special: dict[str, str]  # eos / pad / unk token strings
@@ -71,18 +71,18 @@ SPECS: dict[str, ZooSpec] = {s.name: s for s in (
         name="tiny-gpt2-bpe", arch="gpt2", tokenizer="bpe",
         chat_template=_one_turn_template("Question: ", "Answer:\n"),
         special={"eos": "<|endoftext|>", "pad": "<|pad|>", "unk": "<|unk|>"},
-        model=dict(n_embd=112, n_layer=3, n_head=4, n_positions=192, tie_word_embeddings=True,
+        model=dict(n_embd=128, n_layer=4, n_head=4, n_positions=192, tie_word_embeddings=True,
                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-        mix={"add": 0.45, "sub": 0.45, "mul": 0.10}, vocab_size=320,
+        mix={"add": 0.40, "sub": 0.40, "mul": 0.20}, vocab_size=320, steps=1200,
     ),
     ZooSpec(
-        name="tiny-qwen2-unigram", arch="qwen2", tokenizer="unigram",
+        name="tiny-qwen3-unigram", arch="qwen3", tokenizer="unigram",
         chat_template=_one_turn_template("User: ", "Assistant: "),
         special={"eos": "<|im_end|>", "pad": "<|endoftext|>", "unk": "<unk>"},
-        model=dict(hidden_size=96, intermediate_size=320, num_hidden_layers=3,
+        model=dict(hidden_size=96, intermediate_size=320, num_hidden_layers=4, head_dim=24,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                    tie_word_embeddings=True, use_sliding_window=False),
-        mix={"add": 0.10, "sub": 0.45, "mul": 0.45}, vocab_size=260,
+        mix={"add": 0.03, "sub": 0.50, "mul": 0.47}, vocab_size=260, steps=800,
     ),
 )}
 assert tuple(SPECS) == ZOO_NAMES
@@ -139,7 +139,8 @@ def build_tokenizer(spec: ZooSpec, corpus: Sequence[str]) -> Any:
 # --- models ---------------------------------------------------------------------------
 
 def build_model(spec: ZooSpec, tokenizer: Any) -> Any:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                bos_token_id=tokenizer.eos_token_id)
@@ -148,8 +149,8 @@ def build_model(spec: ZooSpec, tokenizer: Any) -> Any:
         return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, **ids, **spec.model))
     if spec.arch == "gpt2":
         return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, **ids, **spec.model))
-    if spec.arch == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, **ids, **spec.model))
+    if spec.arch == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, **ids, **spec.model))
     raise ConfigError(f"unknown architecture {spec.arch!r}")
 
 
@@ -251,6 +252,8 @@ def build_one(spec: ZooSpec, out_dir: Path, seed: int, steps: int | None = None,
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    for f in path.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600; the files ship in the package
     card = {
         "name": spec.name,
         "architecture": type(model).__name__,

@@ -126,6 +126,18 @@ def render_doc(result: dict[str, Any], cards: dict[str, dict[str, Any]], command
         "`AutoModelForCausalLM.from_pretrained(graft_fed.zoo.resolve_model_path('zoo:<name>'))`.",
         "Prompt with the template `chat` (each tokenizer ships its own one-turn chat template).",
         "",
+        "Tokenizers: `tiny-llama-char` is character-level (WordLevel over single characters,",
+        "`Fuse` decoder); `tiny-gpt2-bpe` is a BPE without byte-level mapping (Metaspace `\u2581`",
+        "for spaces), trained on the task corpus; `tiny-qwen3-unigram` is a Unigram model trained",
+        "on the same corpus. Digits are one token each everywhere, so numbers tokenise alike but",
+        "everything around them does not: a peer response must be re-tokenised (GRAFT.md step 8).",
+        "`tokenizer.decode(ids, skip_special_tokens=True)` gives back the exact text.",
+        "",
+        "Why Qwen3 and not Qwen2: transformers 5 forces `AutoTokenizer` to rebuild a byte-level",
+        "BPE `Qwen2Tokenizer` for any `model_type: qwen2` checkpoint (it is in",
+        "`MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`), which silently drops the spaces of a",
+        "Unigram tokenizer. Qwen3 (Qwen2 plus QK-norm) loads the shipped `tokenizer.json` as is.",
+        "",
         "## Models",
         "",
         "| model | architecture | params | tokenizer | vocab | eos / pad | prompt (chat template) | SFT mix (add/sub/mul) | SFT steps x batch | max_new_tokens | weights |",
@@ -151,7 +163,12 @@ def render_doc(result: dict[str, Any], cards: dict[str, dict[str, Any]], command
     build = [f"- `{n}`: seed {c['build_seed']}, {c['sft']['train_seconds']:.0f} s of SFT"
              for n, c in cards.items()]
     lines += ["## Build", "", "```", "graft-fed zoo build --seed 0", "```", "",
-              "(`python -m graft_fed.zoo.build` is the same.) Build time on 2 CPU cores:", ""] + build + [""]
+              "(`python -m graft_fed.zoo.build` is the same; `--only NAME` rebuilds one model,",
+              "`--threads 1` and one process per model is the fastest way on 2 cores.) SFT wall time,",
+              "the three models trained in parallel with one thread each on a shared 2-core machine:",
+              ""] + build + [
+              "", "Bit-for-bit identical weights need the same torch build and thread count; the",
+              "measured behaviour does not depend on it.", ""]
     lines += [
         "## Measurements",
         "",
