@@ -37,7 +37,10 @@ ABLATIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "seq_ratio": ({}, {"ratio": "sequence"}),
 }
 BASELINES = ("grpo_n8", "grpo_n16")
-ARMS = BASELINES + ("stored",) + tuple(ABLATIONS)
+# graft_all: every model of `models` co-trained together (the in-process equivalent of a
+# synchronous federation of them: the broker uses the same selection), against each
+# receiver's best pairwise partner.
+ARMS = BASELINES + ("stored", "graft_all") + tuple(ABLATIONS)
 
 
 @dataclass(frozen=True)
@@ -127,19 +130,21 @@ class Experiment:
             t.train()
 
     def run_pair(self, arm: str, a: str, b: str, seed: int) -> None:
+        self.run_group(arm, (a, b), f"{a}+{b}", seed)
+
+    def run_group(self, arm: str, names: tuple[str, ...], folder: str, seed: int) -> None:
         from graft_fed.trainer.cotrain import CoTrainer, CotrainConfig, MemberSection
 
-        g_over, alg_over = ABLATIONS[arm]
-        name = f"{a}+{b}"
-        out = self.root / arm / f"seed{seed}" / name
-        if all(self._done(out / m) for m in (a, b)):
+        g_over, alg_over = ABLATIONS.get(arm, ({}, {}))
+        out = self.root / arm / f"seed{seed}" / folder
+        if all(self._done(out / m) for m in names):
             return
-        log.info("%s seed %d: %s", arm, seed, name)
-        base = self._train_cfg(arm, name, a, seed, graft=g_over, algorithm=alg_over)
+        log.info("%s seed %d: %s", arm, seed, folder)
+        base = self._train_cfg(arm, folder, names[0], seed, graft=g_over, algorithm=alg_over)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(TrainConfig)}
         fields["run"] = dataclasses.replace(base.run, output_dir=str(out))
         members = tuple(MemberSection(name=m, model=from_mapping(ModelSection, _model_section(self.cfg.models[m])))
-                        for m in (a, b))
+                        for m in names)
         with CoTrainer(CotrainConfig(**fields, members=members), resume="auto", quiet=self.quiet) as co:
             co.train()
 
@@ -169,6 +174,8 @@ class Experiment:
                 if "stored" in arms:
                     self.run_stored(a, b, seed)
                     self.run_stored(b, a, seed)
+            if "graft_all" in arms:
+                self.run_group("graft_all", tuple(sorted(self.cfg.models)), "all", seed)
         (self.root / "timing.json").write_text(json.dumps({"seconds_this_invocation": time.perf_counter() - t0}))
         return write_report(self.cfg)
 
@@ -202,6 +209,8 @@ def collect_results(cfg: ExperimentConfig) -> dict[tuple[str, str, str], list[fl
                 for arm in ABLATIONS:
                     add((recv, peer, arm), root / arm / s / f"{a}+{b}" / recv)
                 add((recv, peer, "stored"), root / "stored" / s / f"{recv}<-{peer}")
+        for m in cfg.models:
+            add((m, "all", "graft_all"), root / "graft_all" / s / "all" / m)
     return res
 
 
@@ -216,7 +225,7 @@ def _fmt(values: list[float] | None) -> str:
 def write_report(cfg: ExperimentConfig) -> Path:
     root = Path(cfg.output_dir)
     res = collect_results(cfg)
-    arms = [a for a in cfg.arms if a not in BASELINES]
+    arms = [a for a in cfg.arms if a not in BASELINES and a != "graft_all"]
     lines = ["# GRAFT in miniature", "",
              f"Held-out pass@1 (%, mean ± std over seeds {list(cfg.seeds)}) of each receiver after training.",
              "Δ is against GRPO n=8 of the same receiver. Produced by `graft-fed experiment`; config in "
@@ -233,6 +242,19 @@ def write_report(cfg: ExperimentConfig) -> Path:
                 v = res.get((recv, peer, arm))
                 row.append(f"{100 * (statistics.fmean(v) - statistics.fmean(n8)):+.1f}" if v and n8 else "n/a")
             lines.append("| " + " | ".join(row) + " |")
+    if "graft_all" in cfg.arms:
+        lines += ["", "## Does a third model help?", "",
+                  "Each receiver co-trained with all models at once (graft_all; the broker's selection) against "
+                  "GRPO n=8 and its best pairwise GRAFT partner (the pair arm `graft` above).", "",
+                  "| receiver | GRPO n=8 | best pair (peer) | all models | Δ all vs best pair |", "|---|---|---|---|---|"]
+        for m in sorted(cfg.models):
+            pairs = [(res[(m, p, "graft")], p) for p in cfg.models if (m, p, "graft") in res]
+            best = max(pairs, key=lambda vp: statistics.fmean(vp[0])) if pairs else None
+            allv = res.get((m, "all", "graft_all"))
+            delta = (f"{100 * (statistics.fmean(allv) - statistics.fmean(best[0])):+.1f}"
+                     if allv and best else "n/a")
+            lines.append(f"| {m} | {_fmt(res.get((m, '-', 'grpo_n8')))} | "
+                         f"{_fmt(best[0]) + ' (' + best[1] + ')' if best else 'n/a'} | {_fmt(allv)} | {delta} |")
     lines += ["", "Seeds per cell: " + ", ".join(f"{k[0]}/{k[1]}/{k[2]}={len(v)}" for k, v in sorted(res.items())),
               ""]
     timing = root / "timing.json"

@@ -11,7 +11,7 @@ def test_miniature_experiment_runs_every_arm_and_reports(tiny_llama, tiny_gpt2, 
         "seeds": [0],
         "models": {"llama": str(tiny_llama), "gpt2": str(tiny_gpt2)},
         "pairs": [["llama", "gpt2"]],
-        "arms": ["grpo_n8", "grpo_n16", "graft", "stored", "no_gate"],
+        "arms": ["grpo_n8", "grpo_n16", "graft", "stored", "no_gate", "graft_all"],
         "base": {
             "run": {"steps": 1, "device": "cpu", "threads": 1, "checkpoint_every": 0},
             "data": {"source": str(prompt_file)},
@@ -37,6 +37,7 @@ def test_miniature_experiment_runs_every_arm_and_reports(tiny_llama, tiny_gpt2, 
     assert n16["rollout"]["n"] == 16
     stored = json.loads((tmp_path / "exp" / "stored" / "seed0" / "llama<-gpt2" / "config.json").read_text())
     assert stored["graft"]["peer_store"].endswith("grpo_n8/seed0/gpt2/trajectories.sqlite")
+    assert len(res[("llama", "all", "graft_all")]) == 1 and "Does a third model help?" in text
     assert (tmp_path / "exp" / "learning_curves.png").is_file()
     # finished runs are skipped: a second invocation does no training
     mtime = (tmp_path / "exp" / "graft" / "seed0" / "llama+gpt2" / "llama" / "summary.json").stat().st_mtime

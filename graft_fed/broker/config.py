@@ -50,9 +50,13 @@ class BrokerConfig:
     heartbeat_interval_s: float = 2.0
     #: A node silent for this long is offline (not waited for in synchronous rounds).
     offline_after_s: float = 15.0
-    #: Balancing between sources and receivers: "pairwise" (for two nodes exactly the
-    #: paper's rule; for more, each pair balanced the same way) or "none" (every candidate).
+    #: Balancing between sources and receivers: "pairwise" (the default: for two nodes
+    #: exactly the paper's rule; for more, each pair balanced the same way, so exchange
+    #: stays mutual and no node becomes a pure donor), "per_receiver_cap" (every
+    #: candidate, at most `per_receiver_cap` groups per receiver and round) or "none".
     balance: str = "pairwise"
+    #: The cap of the per_receiver_cap policy.
+    per_receiver_cap: int = 8
     #: Largest gRPC message accepted or sent, MiB (both directions, set explicitly).
     max_message_mib: int = 16
     #: Bundle chunk size, KiB.
@@ -67,7 +71,9 @@ class BrokerConfig:
     def __post_init__(self) -> None:
         require(":" in self.listen, f"broker.listen must be HOST:PORT, got {self.listen!r}")
         require(self.mode in ("sync", "async"), f"broker.mode must be sync or async, got {self.mode!r}")
-        require(self.balance in ("pairwise", "none"), "broker.balance must be pairwise or none")
+        require(self.balance in ("pairwise", "per_receiver_cap", "none"),
+                "broker.balance must be pairwise, per_receiver_cap or none")
+        require(self.per_receiver_cap >= 1, "broker.per_receiver_cap must be >= 1")
         require(self.n >= 2, "broker.n must be >= 2")
         require(self.prompts_per_round >= 1, "broker.prompts_per_round must be >= 1")
         require(self.staleness_rounds >= 0, "broker.staleness_rounds must be >= 0")

@@ -244,7 +244,8 @@ class Federation:
         participants = sorted({s.node_id for s in rows})
         kn = [{s.prompt_id: (s.k, s.n) for s in rows if s.node_id == p} for p in participants]
         chosen = select_sources(kn, self.cfg.balance == "pairwise", self._compat_index(participants),
-                                self._can_source(participants))
+                                self._can_source(participants),
+                                cap=self.cfg.per_receiver_cap if self.cfg.balance == "per_receiver_cap" else None)
         matches = [MatchRow(round=round, receiver=participants[r], prompt_id=pid, source=participants[s],
                             source_round=round)
                    for r, per in enumerate(chosen) for pid, s in sorted(per.items())]

@@ -68,7 +68,7 @@ def balanced_pair(c_ab: Sequence[tuple[K, int]], c_ba: Sequence[tuple[K, int]],
 
 def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
                    compat: Mapping[tuple[int, int], float],
-                   can_source: Sequence[bool] | None = None) -> list[dict[K, int]]:
+                   can_source: Sequence[bool] | None = None, cap: int | None = None) -> list[dict[K, int]]:
     """For every receiver r: prompt id -> source index.
 
     N = 2 is exactly the paper's rule (balanced_pair). For N > 2 each ordered pair is
@@ -77,7 +77,10 @@ def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
     with the highest running compatibility with this receiver, then the highest k_S, then
     the lowest index. A pair with no history yet counts as +inf compatibility, so every
     pair gets tried (explicit exploration). A model with can_source False (it shares no
-    trajectories) offers no candidates; balancing then sees its direction as empty."""
+    trajectories) offers no candidates; balancing then sees its direction as empty.
+    `cap` (the per-receiver-cap policy) keeps at most that many prompts per receiver, those
+    with the most compatible source first, then the highest k_S (ties with the last kept
+    k_S are kept, as in SelectWithTies)."""
     n_models = len(kn)
     chosen: list[dict[K, list[int]]] = [dict() for _ in range(n_models)]
     for a in range(n_models):
@@ -91,8 +94,13 @@ def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
                 chosen[a].setdefault(pid, []).append(b)
     out: list[dict[K, int]] = []
     for r, per_prompt in enumerate(chosen):
-        out.append({pid: min(srcs, key=lambda s: (-compat.get((s, r), math.inf), -kn[s][pid][0], s))
-                    for pid, srcs in per_prompt.items()})
+        best = {pid: min(srcs, key=lambda s: (-compat.get((s, r), math.inf), -kn[s][pid][0], s))
+                for pid, srcs in per_prompt.items()}
+        if cap is not None and len(best) > cap:
+            ranked = sorted(best.items(), key=lambda kv: (-compat.get((kv[1], r), math.inf), -kn[kv[1]][kv[0]][0]))
+            keep = select_with_ties([(pid, kn[s][pid][0]) for pid, s in ranked], cap)
+            best = {pid: best[pid] for pid in keep}
+        out.append(best)
     return out
 
 

@@ -171,3 +171,22 @@ def test_metrics_and_healthz(broker, prompts):
     assert "graft_fed_summaries_total 1" in text
     assert 'graft_fed_rpc_total{method="PublishSummaries",code="OK"} 1' in text
     a.close()
+
+
+def test_a_late_joiner_learns_from_a_departed_peers_stored_groups(broker, prompts):
+    b = client(broker, prompts, "b")
+    p0 = prompts[0]
+    b.publish(0, [summary(p0, 1)])
+    rec = record(p0, 1, model="b")
+    digest, _ = b.upload(rec, 0)
+    assert b.get_matches(0, 5.0).ready  # round 0 is matched with b alone
+    b.leave()
+    b.close()
+    late = client(broker, prompts, "late")
+    late.publish(0, [summary(p0, 0)])  # it failed p0 entirely in round 0
+    offers = late.get_matches(0, 5.0).offers
+    assert [(o.prompt_id, o.source_node, o.digest) for o in offers] == [(p0.id, "b", digest)]
+    assert late.fetch(digest) == rec
+    st = {n.node_id: n.state for n in late.status().nodes}
+    assert st == {"b": "left", "late": "online"}
+    late.close()

@@ -64,3 +64,10 @@ def test_cotrain_two_heterogeneous_models_end_to_end(tiny_llama, tiny_gpt2, prom
             replaced += r.get("graft/replaced", 0)
             assert math.isnan(r["clip_ratio/peer"] or math.nan) or 0 <= r["clip_ratio/peer"] <= 1
     assert (tmp_path / "co" / "llama" / "trajectories.sqlite").exists()
+
+
+def test_per_receiver_cap_keeps_the_best_ranked_with_ties():
+    kn = [{f"p{i}": (0, 4) for i in range(5)}, {"p0": (3, 4), "p1": (1, 4), "p2": (2, 4), "p3": (2, 4), "p4": (1, 4)}]
+    got = select_sources(kn, False, {}, cap=2)
+    assert got[0] == {"p0": 1, "p2": 1, "p3": 1}  # k 3, then the tie at k 2 with the cap's last
+    assert select_sources(kn, False, {}, cap=10)[0] == {f"p{i}": 1 for i in range(5)}
