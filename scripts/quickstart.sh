@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# README command 1: set up .venv and run the main job on the embedded default.
-# Extra arguments go to `graft-fed train` (e.g. --set run.steps=10).
+# README command 1: set up .venv, then run the main job on the embedded default: a broker
+# and the three zoo models as separate node processes over loopback gRPC, helping one
+# another (graft-fed sim). Extra arguments go to `graft-fed sim` (e.g. --nodes 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/graft-fed train --config configs/tiny-grpo.yaml "$@"
-.venv/bin/graft-fed plot runs/tiny-grpo
+.venv/bin/graft-fed sim --nodes 3 --config configs/sim-zoo.yaml "$@"
+for node in llama gpt2 qwen3; do
+  [ -f "runs/sim/$node/metrics.jsonl" ] && .venv/bin/graft-fed plot "runs/sim/$node" >/dev/null
+done
+echo "per-node runs, metrics and plots: runs/sim/<node>/ ; result table: runs/sim/result.md"

@@ -1,6 +1,9 @@
 """A node that loses the broker trains on with plain GRPO and rejoins when it returns."""
 
+import dataclasses
+
 from graft_fed.node.node import Node
+from graft_fed.trainer.metrics import read_metrics
 from tests.federation.helpers import broker_config, node_config, start_broker
 from tests.federation.test_broker_crash import free_port
 
@@ -21,3 +24,26 @@ def test_node_trains_without_broker_and_reconnects(tiny_llama, prompt_file, tmp_
             broker.stop()
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[2]["federation/connected"] == 1.0 and rows[3]["federation/connected"] == 1.0
+
+
+def test_a_killed_node_resumes_from_its_checkpoint_and_rejoins(tiny_llama, prompt_file, tmp_path):
+    broker = start_broker(broker_config(prompt_file))
+    try:
+        cfg = node_config("n1", tiny_llama, prompt_file, tmp_path, broker.address, steps=4)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, checkpoint_every=1))
+        node = Node(cfg, quiet=True)
+        node.ensure_joined()
+        for _ in range(2):
+            node.trainer.end_step(node.train_step())
+        first_session = node.client.session
+        node.close(leave=False)  # as if killed: no Leave, heartbeats stop
+        with Node(cfg, resume="auto", quiet=True) as again:
+            assert again.trainer.step == 2
+            again.train(evaluate_before_after=False)
+            assert again.client.session != first_session
+        rows = [r for r in read_metrics(tmp_path / "n1" / "metrics.jsonl") if "reward" in r]
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        assert all(r["federation/connected"] == 1.0 for r in rows)
+        assert {n["node_id"]: n["round"] for n in broker.fed.status()["nodes"]}["n1"] >= 3
+    finally:
+        broker.stop()
