@@ -66,11 +66,20 @@ def cmd_cotrain(args: argparse.Namespace) -> int:
 def cmd_experiment(args: argparse.Namespace) -> int:
     from graft_fed.experiment import Experiment, load_experiment_config, write_report
 
+    import dataclasses
+
     cfg = load_experiment_config(args.config, quick=args.quick)
     if args.output_dir:
-        import dataclasses
         cfg = dataclasses.replace(cfg, output_dir=args.output_dir)
-    report = write_report(cfg) if args.report_only else Experiment(cfg, quiet=args.quiet).run()
+    if args.seeds:
+        # run a subset of seeds (e.g. one per process); the report still covers every seed
+        # of the config that has finished runs
+        run_cfg = dataclasses.replace(cfg, seeds=tuple(args.seeds))
+        if not args.report_only:
+            Experiment(run_cfg, quiet=args.quiet).run()
+        report = write_report(cfg)
+    else:
+        report = write_report(cfg) if args.report_only else Experiment(cfg, quiet=args.quiet).run()
     print(report.read_text(encoding="utf-8"))
     print(f"report: {report}")
     return 0
@@ -247,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--quick", action="store_true", help="apply the config's `quick` overrides (minutes, not hours)")
     x.add_argument("--output-dir", help="override the config's output_dir")
     x.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
+    x.add_argument("--seeds", type=int, nargs="+", help="run only these seeds of the config (e.g. one per process)")
     x.add_argument("--quiet", action="store_true")
     x.set_defaults(func=cmd_experiment)
 
