@@ -131,6 +131,26 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def load_config(cls: type[T], path: str | Path | None, overrides: Mapping[str, Any] | None = None,
+                what: str = "config") -> T:
+    """Read a YAML file (or nothing: the defaults), apply dotted `overrides`
+    (``{"run.steps": 20}``, as `--set run.steps=20` gives), and build `cls`."""
+    data: dict[str, Any] = load_yaml(path) if path is not None else {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+        node[leaf] = value
+    try:
+        return from_mapping(cls, data)
+    except ConfigError as exc:
+        where = f" in {path}" if path is not None else ""
+        raise ConfigError(f"invalid {what}{where}: {exc}") from None
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """A plain, YAML-serialisable dict of a config dataclass (tuples become lists)."""
     def plain(v: Any) -> Any:

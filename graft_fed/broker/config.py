@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from graft_fed.configbase import from_mapping, load_yaml, require
+from graft_fed.configbase import load_config, require
 from graft_fed.data.config import DataConfig
-from graft_fed.errors import ConfigError
 from graft_fed.rewards.config import VerifierConfig
 
 
@@ -89,14 +88,4 @@ class BrokerConfig:
 
 
 def load_broker_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> BrokerConfig:
-    data: dict[str, Any] = load_yaml(path) if path else {}
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    try:
-        return from_mapping(BrokerConfig, data)
-    except ConfigError as exc:
-        raise ConfigError(f"invalid broker config{' in ' + str(path) if path else ''}: {exc}") from None
+    return load_config(BrokerConfig, path, overrides, "broker config")

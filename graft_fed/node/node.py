@@ -20,7 +20,7 @@ import grpc
 
 from graft_fed.broker.handlers import MatchResult, ReportEntry
 from graft_fed.broker.state import SummaryRow
-from graft_fed.configbase import from_mapping, load_yaml, require
+from graft_fed.configbase import load_config, require
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
@@ -86,17 +86,7 @@ class NodeConfig(TrainConfig):
 
 
 def load_node_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> NodeConfig:
-    data: dict[str, Any] = load_yaml(path) if path else {}
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    try:
-        return from_mapping(NodeConfig, data)
-    except ConfigError as exc:
-        raise ConfigError(f"invalid node config{' in ' + str(path) if path else ''}: {exc}") from None
+    return load_config(NodeConfig, path, overrides, "node config")
 
 
 def summary_of(group: Group, node_id: str, round: int, step: int) -> SummaryRow:
@@ -264,19 +254,6 @@ class Node:
         return t.finish_step(data, groups, extra, t0)
 
     def train(self, evaluate_before_after: bool = True) -> dict[str, Any]:
-        from tqdm.auto import tqdm
-
-        t = self.trainer
         self.ensure_joined()  # join (and start heartbeats) before the first, long, rollout
-        summary = t.begin_train(evaluate_before_after)
-        bar = tqdm(total=t.cfg.run.steps, initial=t.step, desc=self.cfg.node_id, disable=self.quiet,
-                   dynamic_ncols=True)
-        row: dict[str, Any] = {}
-        while t.step < t.cfg.run.steps:
-            row = self.train_step()
-            t.end_step(row)
-            bar.update(1)
-            bar.set_postfix(reward=f"{row['reward']:.3f}", replaced=f"{row.get('graft/replaced', 0):.0f}",
-                            broker="up" if row.get("federation/connected") else "down")
-        bar.close()
-        return t.end_train(summary, row, evaluate_before_after)
+        self.trainer.quiet = self.quiet
+        return self.trainer.train(evaluate_before_after, step_fn=self.train_step)

@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from graft_fed.configbase import from_mapping, load_yaml, require, to_dict
+from graft_fed.configbase import load_config, require, to_dict
 from graft_fed.core.losses import AGGREGATIONS, RATIOS
 from graft_fed.data.config import DataConfig
 from graft_fed.data.templates import validate_template
-from graft_fed.errors import ConfigError
 from graft_fed.rewards.config import VerifierConfig
 
 
@@ -324,17 +323,4 @@ class TrainConfig:
 
 def load_train_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
     """Read a YAML run config (or the defaults), apply dotted `overrides`, validate."""
-    data: dict[str, Any] = load_yaml(path) if path is not None else {}
-    for dotted, value in (overrides or {}).items():
-        node = data
-        parts = dotted.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
-        node[parts[-1]] = value
-    try:
-        return from_mapping(TrainConfig, data)
-    except ConfigError as exc:
-        where = f" in {path}" if path is not None else ""
-        raise ConfigError(f"invalid config{where}: {exc}") from None
+    return load_config(TrainConfig, path, overrides, "config")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from graft_fed.configbase import from_mapping, load_yaml, require
+from graft_fed.configbase import load_config, require
 from graft_fed.core.exchange import select_sources
 from graft_fed.errors import ConfigError
 from graft_fed.trainer.config import ModelSection, OptimSection, TrainConfig
@@ -66,17 +66,7 @@ class CotrainConfig(TrainConfig):
 
 
 def load_cotrain_config(path: str | Path, overrides: dict[str, Any] | None = None) -> CotrainConfig:
-    data = load_yaml(path)
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    try:
-        return from_mapping(CotrainConfig, data)
-    except ConfigError as exc:
-        raise ConfigError(f"invalid cotrain config in {path}: {exc}") from None
+    return load_config(CotrainConfig, path, overrides, "cotrain config")
 
 
 class CoTrainer:

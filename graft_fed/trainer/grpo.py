@@ -14,7 +14,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -525,18 +525,22 @@ class GRPOTrainer:
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
         return summary
 
-    def train(self, evaluate_before_after: bool = True) -> dict[str, Any]:
+    def train(self, evaluate_before_after: bool = True,
+              step_fn: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The loop: evaluate, then steps until run.steps (`step_fn` replaces train_step,
+        e.g. a federation node's), checkpoints and metrics, then the final evaluation."""
         from tqdm.auto import tqdm
 
+        step_fn = step_fn or self.train_step
         summary = self.begin_train(evaluate_before_after)
         bar = tqdm(total=self.cfg.run.steps, initial=self.step, desc=self.cfg.run.name, disable=self.quiet,
                    dynamic_ncols=True)
         row: dict[str, Any] = {}
         while self.step < self.cfg.run.steps:
-            row = self.train_step()
+            row = step_fn()
             self.end_step(row)
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward']:.3f}", all_fail=f"{row['frac_all_fail']:.2f}",
-                            s_per_step=f"{row['time/step']:.1f}")
+                            peer_groups=f"{row.get('graft/replaced', 0):.0f}", s_per_step=f"{row['time/step']:.1f}")
         bar.close()
         return self.end_train(summary, row, evaluate_before_after)
