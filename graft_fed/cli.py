@@ -85,7 +85,36 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    from graft_fed.federation import certs
+
+    if args.certs_command == "init":
+        print(f"CA: {certs.init_ca(args.dir, args.federation, args.days)}")
+    elif args.certs_command == "issue":
+        hosts = [h for h in (args.hosts or "").split(",") if h]
+        cert, key = certs.issue(args.dir, args.name, hosts, args.days)
+        print(f"certificate {cert}\nkey         {key}")
+    else:
+        entry = certs.revoke(args.dir, args.name)
+        print(f"revoked {entry['name']} (serial {entry['serial']}); also run `graft-fed broker nodes revoke "
+              f"--allowlist FILE {entry['name']}` so the broker refuses it at once")
+    return 0
+
+
+def cmd_broker_nodes(args: argparse.Namespace) -> int:
+    from graft_fed.broker.auth import Allowlist
+
+    out = Allowlist.edit(args.allowlist, args.nodes_command, getattr(args, "name", None))
+    for name in out["allowed"]:
+        print(f"allowed  {name}")
+    for name in out["revoked"]:
+        print(f"revoked  {name}")
+    return 0
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
+    if getattr(args, "nodes_command", None):
+        return cmd_broker_nodes(args)
     import signal
     import threading
 
@@ -125,7 +154,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from graft_fed.node.client import BrokerClient
 
-    client = BrokerClient(args.broker, node_id="status")
+    client = BrokerClient(args.broker, node_id="status", tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                          tls_key=args.tls_key, insecure=args.insecure)
     try:
         st = client.status()
     except grpc.RpcError as exc:
@@ -266,6 +296,31 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     b.add_argument("--port-file", help="write the bound HOST:PORT here once listening (useful with port 0)")
     b.set_defaults(func=cmd_broker)
+    bn = b.add_subparsers(dest="broker_sub")
+    nodes = bn.add_parser("nodes", help="the operator's allowlist: add, list or revoke nodes")
+    nodes_sub = nodes.add_subparsers(dest="nodes_command", required=True)
+    for action, help_ in (("add", "allow a node"), ("list", "list the allowlist"),
+                          ("revoke", "revoke a node: refused at its next call")):
+        a = nodes_sub.add_parser(action, help=help_)
+        a.add_argument("--allowlist", required=True, help="the allowlist YAML (broker config key `allowlist`)")
+        if action != "list":
+            a.add_argument("name")
+
+    ce = sub.add_parser("certs", help="the federation's certificate authority: init, issue, revoke")
+    ce_sub = ce.add_subparsers(dest="certs_command", required=True)
+    ci = ce_sub.add_parser("init", help="create the federation CA")
+    ci.add_argument("--dir", required=True)
+    ci.add_argument("--federation", default="graft-fed")
+    ci.add_argument("--days", type=int, default=3650)
+    cs = ce_sub.add_parser("issue", help="issue a node's or the broker's certificate (its name is its identity)")
+    cs.add_argument("--dir", required=True)
+    cs.add_argument("--name", required=True)
+    cs.add_argument("--hosts", help="comma-separated DNS names / IPs a server is reached at")
+    cs.add_argument("--days", type=int, default=825)
+    cr = ce_sub.add_parser("revoke", help="record a revocation")
+    cr.add_argument("--dir", required=True)
+    cr.add_argument("--name", required=True)
+    ce.set_defaults(func=cmd_certs)
 
     nd = sub.add_parser("node", help="run a federation node (a trainer that exchanges through the broker)")
     nd.add_argument("--config", required=True, help="node config YAML: a train config plus `federation`")
@@ -277,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ss = sub.add_parser("status", help="print a live federation: nodes, rounds, exchange and compatibility")
     ss.add_argument("--broker", required=True, help="HOST:PORT of the broker")
+    ss.add_argument("--tls-ca", help="federation CA (PEM): use TLS")
+    ss.add_argument("--tls-cert", help="a certificate for mutual TLS")
+    ss.add_argument("--tls-key", help="its key")
+    ss.add_argument("--insecure", action="store_true", help="allow plaintext to a non-loopback broker")
     ss.set_defaults(func=cmd_status)
 
     sm = sub.add_parser("sim", help="a broker and N node processes on this machine, over loopback gRPC")

@@ -15,8 +15,19 @@ from graft_fed.rewards.config import VerifierConfig
 class BrokerConfig:
     """One federation's broker: its manifest, its limits, where it keeps state."""
 
-    #: gRPC listen address. Plaintext is for loopback; TLS arrives with the security issue.
+    #: gRPC listen address. Off loopback the broker needs TLS (tls_cert/tls_key) or `insecure`.
     listen: str = "127.0.0.1:50551"
+    #: The broker's TLS certificate and key (PEM), e.g. from `graft-fed certs issue`.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: The federation CA: set it for mutual TLS, where each node's identity is the common
+    #: name of its certificate (and a node can act only as itself).
+    client_ca: str | None = None
+    #: Allow plaintext gRPC on a non-loopback address (logged as a warning at every start).
+    insecure: bool = False
+    #: The operator's allowlist file (`graft-fed broker nodes add|list|revoke`); null = every
+    #: node (with a valid certificate, under mutual TLS) may join.
+    allowlist: str | None = None
     #: HTTP address of /metrics (Prometheus text) and /healthz; "" = off.
     http: str = "127.0.0.1:9464"
     #: State database: a SQLite file (WAL; restored on restart) or ":memory:" (tests).
@@ -69,6 +80,9 @@ class BrokerConfig:
 
     def __post_init__(self) -> None:
         require(":" in self.listen, f"broker.listen must be HOST:PORT, got {self.listen!r}")
+        require((self.tls_cert is None) == (self.tls_key is None), "broker: give both tls_cert and tls_key, or neither")
+        require(self.client_ca is None or self.tls_cert is not None,
+                "broker.client_ca (mutual TLS) needs the broker's own tls_cert and tls_key")
         require(self.mode in ("sync", "async"), f"broker.mode must be sync or async, got {self.mode!r}")
         require(self.balance in ("pairwise", "per_receiver_cap", "none"),
                 "broker.balance must be pairwise, per_receiver_cap or none")

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import grpc
 
+from graft_fed.broker.auth import Allowlist, IdentityInterceptor
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
 from graft_fed.broker.servicer import BrokerServicer
 from graft_fed.broker.state import BrokerState
+from graft_fed.federation.transport import check_plaintext, server_credentials
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("graft_fed.broker")
@@ -90,10 +92,17 @@ class BrokerServer:
         self.state = state or open_state(cfg.db)
         self.fed = Federation(cfg, self.state)
         self.servicer = BrokerServicer(self.fed)
+        allowlist = Allowlist(cfg.allowlist) if cfg.allowlist else None
+        interceptors = [IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist)]
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="broker"),
-                                options=grpc_options(cfg.max_message_mib))
+                                options=grpc_options(cfg.max_message_mib), interceptors=interceptors)
         pb_grpc.add_BrokerServicer_to_server(self.servicer, self.grpc)
-        self.port = self.grpc.add_insecure_port(cfg.listen)
+        if cfg.tls_cert and cfg.tls_key:
+            creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.client_ca)
+            self.port = self.grpc.add_secure_port(cfg.listen, creds)
+        else:
+            check_plaintext(cfg.listen, cfg.insecure, "broker")
+            self.port = self.grpc.add_insecure_port(cfg.listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {cfg.listen}")
         self.http: ThreadingHTTPServer | None = None

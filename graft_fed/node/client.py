@@ -17,6 +17,7 @@ from graft_fed.broker.servicer import PRIVACY_CODES, manifest_from_pb, manifest_
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
 from graft_fed.federation.manifest import Manifest
+from graft_fed.federation.transport import channel_credentials, check_plaintext
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
@@ -48,16 +49,23 @@ class Backoff:
 
 class BrokerClient:
     def __init__(self, address: str, node_id: str, max_message_mib: int = 16, rpc_timeout_s: float = 10.0,
-                 chunk_kib: int = 1024) -> None:
+                 chunk_kib: int = 1024, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, insecure: bool = False) -> None:
         self.address = address
         self.node_id = node_id
         self.timeout = rpc_timeout_s
         self.chunk = chunk_kib * 1024
         # The node paces its own reconnection attempts (Backoff below); keep gRPC's channel-level
         # backoff short so a broker that is back is seen at the node's next attempt.
-        self.channel = grpc.insecure_channel(address, options=grpc_options(max_message_mib) + [
+        options = grpc_options(max_message_mib) + [
             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 5000)])
+            ("grpc.max_reconnect_backoff_ms", 5000)]
+        if tls_ca is not None:
+            self.channel = grpc.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key),
+                                               options=options)
+        else:
+            check_plaintext(address, insecure, f"node {node_id}")
+            self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.BrokerStub(self.channel)
         self.session = ""
         self.round = 0

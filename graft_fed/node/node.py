@@ -46,6 +46,13 @@ class FederationSection:
     privacy: str = "share_all"
     #: Refuse a broker whose federation id differs (null = accept any).
     federation_id: str | None = None
+    #: The federation CA (PEM) that signed the broker's certificate: turns TLS on.
+    tls_ca: str | None = None
+    #: This node's certificate and key for mutual TLS (its identity is the certificate's name).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: Allow plaintext gRPC to a non-loopback broker (logged as a warning at every start).
+    insecure: bool = False
     #: Longest single long-poll for matches, seconds.
     match_wait_s: float = 10.0
     #: Give up the exchange of one step after this long and train plain GRPO.
@@ -69,6 +76,9 @@ class FederationSection:
         require(self.match_wait_s > 0 and self.round_timeout_s > 0 and self.fetch_timeout_s >= 0,
                 "federation timeouts must be positive")
         require(0 < self.reconnect_min_s <= self.reconnect_max_s, "need 0 < reconnect_min_s <= reconnect_max_s")
+        require((self.tls_cert is None) == (self.tls_key is None), "federation: give both tls_cert and tls_key")
+        require(self.tls_cert is None or self.tls_ca is not None,
+                "federation.tls_cert needs federation.tls_ca (the CA that signed the broker's certificate)")
 
 
 @dataclass(frozen=True)
@@ -106,7 +116,8 @@ class Node:
         self.trainer = GRPOTrainer(cfg.train_config(), resume=resume, quiet=True)
         f = cfg.federation
         self.client = BrokerClient(f.broker, cfg.node_id, max_message_mib=f.max_message_mib,
-                                   rpc_timeout_s=f.rpc_timeout_s, chunk_kib=f.chunk_kib)
+                                   rpc_timeout_s=f.rpc_timeout_s, chunk_kib=f.chunk_kib, tls_ca=f.tls_ca,
+                                   tls_cert=f.tls_cert, tls_key=f.tls_key, insecure=f.insecure)
         t = self.trainer
         self.manifest = Manifest(
             federation_id=f.federation_id or "", protocol_version=PROTOCOL_VERSION,
