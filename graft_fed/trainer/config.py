@@ -45,6 +45,9 @@ class RunSection:
     keep_checkpoints: int = 2
     #: Evaluate on `eval` prompts every this many steps (0 = only before and after).
     eval_every: int = 0
+    #: Evaluate the starting model before the first step (skip it when many runs share one
+    #: starting model and only the final score is needed).
+    eval_before: bool = True
     #: Also write TensorBoard event files (needs the `tensorboard` extra).
     tensorboard: bool = False
     #: Torch intra-op threads (0 = torch's default).
@@ -300,7 +303,7 @@ class TrainConfig:
     # Fields that may change between a run and its resumption without changing its results.
     _RESUME_FREE = {("run", "steps"), ("run", "output_dir"), ("run", "checkpoint_every"),
                     ("run", "keep_checkpoints"), ("run", "eval_every"), ("run", "tensorboard"),
-                    ("run", "threads"), ("run", "name"), ("run", "device"), ("run", "record_groups"), ("eval",),
+                    ("run", "threads"), ("run", "name"), ("run", "device"), ("run", "record_groups"), ("run", "eval_before"), ("eval",),
                     ("verifier", "workers"), ("verifier", "timeout_s"), ("rollout", "batch_size"),
                     ("algorithm", "micro_batch_size")}
 

@@ -498,7 +498,7 @@ class GRPOTrainer:
 
     def begin_train(self, evaluate_before_after: bool = True) -> dict[str, Any]:
         summary: dict[str, Any] = {"run": self.cfg.run.name, "output_dir": str(self.out_dir)}
-        if evaluate_before_after and self.step == 0:
+        if evaluate_before_after and self.cfg.run.eval_before and self.step == 0:
             before = self.evaluate("step_000000")
             summary["eval_before"] = before.summary()
             self.metrics.write({"step": 0, "eval/pass@1": before.pass_at_1, "eval/stderr": before.stderr})
