@@ -1,0 +1,126 @@
+"""Property-based fuzzing of every RPC of a real broker: random and mutated messages never
+crash it, never get INTERNAL for a client's mistake, and a rejected call leaves the state
+exactly as it was."""
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from graft_fed.proto import broker_pb2 as pb
+from tests.federation.helpers import broker_config, start_broker
+from tests.federation.test_broker_rpc import client, manifest, summary
+
+SERVER_FAULTS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
+
+text = st.one_of(st.text(max_size=40), st.sampled_from(["", "a", "n0", "x" * 300, "\x00", "\ud800".encode(
+    "utf-8", "surrogatepass").decode("utf-8", "replace")]))
+u64 = st.one_of(st.integers(0, 10), st.integers(0, 2**64 - 1))
+u32 = st.one_of(st.integers(0, 10), st.integers(0, 2**32 - 1))
+f64 = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.5, 0.5, 1.0]))
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory):
+    import json
+
+    path = tmp_path_factory.mktemp("fuzz") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(12)))
+    from graft_fed.data.config import DataConfig, load_prompts
+
+    prompts = load_prompts(DataConfig(source=str(path)))
+    broker = start_broker(broker_config(path))
+    c = client(broker, prompts, "fuzzer")
+    c.publish(0, [summary(prompts[0], 1)])
+    yield broker, c, prompts
+    c.close()
+    broker.stop()
+
+
+def snapshot(broker):
+    st_ = broker.state
+    return (sorted((s.node_id, s.round, s.prompt_id, s.k) for s in st_.summaries()),
+            sorted((n.node_id, n.session_id, n.state) for n in st_.list_nodes()),
+            st_.bundle_stats(), sorted((m.receiver, m.prompt_id) for m in st_.matches()),
+            sorted((c.source, c.receiver, c.groups) for c in st_.compat()))
+
+
+def call(fn):
+    try:
+        fn()
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+def summaries_st(prompts):
+    return st.lists(st.builds(
+        pb.GroupSummary, prompt_id=st.one_of(text, st.sampled_from([p.id for p in prompts])), round=u64,
+        policy_version=u64, n=u32, k=u32, reward_mean=f64, reward_std=f64,
+        lengths=st.lists(u32, max_size=10), mean_logprobs=st.lists(f64, max_size=10), bundle_digest=text),
+        max_size=5)
+
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_unary_rpcs(fed, data):
+    broker, c, prompts = fed
+    session = data.draw(st.sampled_from([c.session, "", "bogus"]))
+    node = data.draw(st.sampled_from(["fuzzer", "", "other", "x" * 300]))
+    rpc = data.draw(st.sampled_from(["Join", "Heartbeat", "PublishSummaries", "GetMatches", "HasBundles",
+                                     "ReportCompatibility", "Leave", "GetStatus"]))
+    if rpc == "Join":
+        req = pb.JoinRequest(node_id=data.draw(text), model_id=data.draw(text), tokenizer_id=data.draw(text),
+                             privacy=data.draw(st.integers(0, 5)), resume_round=data.draw(u64))
+        if data.draw(st.booleans()):
+            from graft_fed.broker.servicer import manifest_to_pb
+
+            req.manifest.CopyFrom(manifest_to_pb(manifest(prompts, seed=data.draw(st.integers(0, 5)))))
+    elif rpc == "Heartbeat":
+        req = pb.HeartbeatRequest(node_id=node, session_id=session, round=data.draw(u64))
+    elif rpc == "PublishSummaries":
+        req = pb.PublishRequest(node_id=node, session_id=session, round=data.draw(u64),
+                                summaries=data.draw(summaries_st(prompts)))
+    elif rpc == "GetMatches":
+        req = pb.MatchRequest(node_id=node, session_id=session, round=data.draw(u64), wait_ms=data.draw(
+            st.integers(0, 50)))
+    elif rpc == "HasBundles":
+        req = pb.HasBundlesRequest(node_id=node, session_id=session, digests=data.draw(st.lists(text, max_size=4)))
+    elif rpc == "ReportCompatibility":
+        req = pb.CompatibilityReport(node_id=node, session_id=session, round=data.draw(u64), entries=data.draw(
+            st.lists(st.builds(pb.CompatibilityReport.Entry, source_node_id=text, prompt_id=text, mean_s=f64,
+                               admitted_fraction=f64, rejected=st.booleans()), max_size=3)))
+    elif rpc == "Leave":
+        req = pb.LeaveRequest(node_id=node, session_id=data.draw(st.sampled_from(["", "bogus"])))
+    else:
+        req = pb.StatusRequest()
+    before = snapshot(broker)
+    code = call(lambda: getattr(c.stub, rpc)(req, timeout=10))
+    event(f"{rpc}: {code.name}")
+    assert code not in SERVER_FAULTS, (rpc, req)
+    if code != grpc.StatusCode.OK:
+        assert snapshot(broker) == before, f"{rpc} was rejected ({code}) but changed the state"
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_bundle_streams(fed, data):
+    broker, c, prompts = fed
+    chunks = data.draw(st.lists(st.builds(
+        pb.BundleChunk, digest=st.one_of(text, st.just("0" * 64)), total_size=u64, offset=u64,
+        data=st.binary(max_size=64), node_id=st.sampled_from(["fuzzer", "other"]),
+        session_id=st.sampled_from([c.session, "bogus"]), prompt_id=st.sampled_from([prompts[0].id, "nope"]),
+        round=st.integers(0, 2)), max_size=4))
+    before = snapshot(broker)
+    code = call(lambda: c.stub.UploadBundle(iter(chunks), timeout=10))
+    assert code not in SERVER_FAULTS
+    if code != grpc.StatusCode.OK:
+        assert snapshot(broker) == before
+    digest = data.draw(st.one_of(text, st.just("f" * 64)))
+    code = call(lambda: list(c.stub.FetchBundle(pb.FetchBundleRequest(node_id="fuzzer", session_id=c.session,
+                                                                       digest=digest), timeout=10)))
+    assert code not in SERVER_FAULTS
