@@ -405,7 +405,7 @@ class GRPOTrainer:
                     if ref is not None:
                         kl_tok = k3_kl(fwd.logprobs, ref[j])
                         loss = loss + a.kl_coef * agg(kl_tok, batch.response_mask, norm)
-                        stats["kl"] += float((kl_tok * batch.response_mask).sum())
+                        stats["kl"] += float((kl_tok.detach() * batch.response_mask).sum())
                     if a.entropy_coef > 0:
                         loss = loss - a.entropy_coef * agg(fwd.entropy, batch.response_mask, norm)
                     loss.backward()

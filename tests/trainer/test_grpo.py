@@ -125,3 +125,37 @@ def test_config_errors_say_what_and_how(tmp_path):
     with pytest.raises(ConfigError, match="mapping"):
         load_train_config(bad)
     assert load_train_config(None, {"optim.lr": "1e-6"}).optim.lr == 1e-6
+
+
+def test_kl_entropy_and_dynamic_sampling_options(tiny_llama, prompt_file, tmp_path):
+    cfg = make_cfg(tiny_llama, prompt_file, tmp_path / "opts", **{
+        "algorithm.kl_coef": 0.1, "algorithm.entropy_coef": 0.01, "algorithm.dynamic_sampling.enabled": True,
+        "algorithm.dynamic_sampling.max_extra_batches": 2, "optim.schedule": "cosine", "optim.warmup_steps": 1})
+    with GRPOTrainer(cfg, quiet=True) as tr:
+        assert tr.ref_model is not None
+        row = tr.train_step()
+    assert row["kl"] >= 0.0 and "entropy" in row
+    # dynamic sampling trained only on groups with reward variance
+    assert row["dynamic_sampling/kept_groups"] <= 4
+    assert row["learning_rate"] == pytest.approx(1e-2)  # end of the 1-step warm-up
+
+
+def test_lr_schedules():
+    from graft_fed.trainer.grpo import lr_lambda
+
+    assert [lr_lambda("constant", 2, 10, 0.0)(s) for s in (0, 1, 5)] == [0.5, 1.0, 1.0]
+    lin = lr_lambda("linear", 0, 10, 0.1)
+    assert lin(0) == 1.0 and lin(10) == pytest.approx(0.1)
+    cos = lr_lambda("cosine", 0, 10, 0.0)
+    assert cos(0) == 1.0 and cos(5) == pytest.approx(0.5) and cos(10) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_truncated_responses_can_be_masked(tiny_llama, prompt_file, tmp_path):
+    cfg = make_cfg(tiny_llama, prompt_file, tmp_path / "mask", **{"algorithm.mask_truncated": True,
+                                                                    "rollout.max_new_tokens": 2})
+    with GRPOTrainer(cfg, quiet=True) as tr:
+        data = tr.collect()
+        flat = tr._flatten(data.groups)
+        truncated = [c.finish_reason == "length" for g in data.groups for c in g.completions]
+        assert any(truncated)
+        assert flat["keep"].tolist() == [0.0 if t else 1.0 for t in truncated]
