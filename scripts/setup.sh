@@ -24,7 +24,12 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     pip_ install -q "torch>=2.4,<3"
   else
     echo "setup: no NVIDIA GPU: installing the CPU build of PyTorch 2.13.0"
-    pip_ install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+    # torch alone from PyTorch's CPU index (it outranks PyPI's CUDA wheel of the same
+    # version); few retries, so a machine that cannot reach that index (a local wheel
+    # cache, a mirror) moves on quickly. Then its dependencies from the usual index.
+    pip_ install -q --no-deps --retries 1 --timeout 15 "torch==2.13.0" \
+      --extra-index-url https://download.pytorch.org/whl/cpu
+    pip_ install -q "torch==2.13.0"
   fi
 fi
 pip_ install -q -e ".${extras}"
