@@ -71,10 +71,18 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     cfg = load_experiment_config(args.config, quick=args.quick)
     if args.output_dir:
         cfg = dataclasses.replace(cfg, output_dir=args.output_dir)
-    if args.seeds:
-        # run a subset of seeds (e.g. one per process); the report still covers every seed
-        # of the config that has finished runs
-        run_cfg = dataclasses.replace(cfg, seeds=tuple(args.seeds))
+    if args.seeds or args.pairs:
+        # run a subset (e.g. one seed per process, or one pair when time is short); the
+        # report still covers every seed and pair of the config that has finished runs
+        run_cfg = cfg
+        if args.seeds:
+            run_cfg = dataclasses.replace(run_cfg, seeds=tuple(args.seeds))
+        if args.pairs:
+            pairs = tuple(tuple(p.split("+")) for p in args.pairs)
+            unknown = [p for p in pairs if p not in cfg.pairs]
+            if unknown:
+                raise GraftFedError(f"--pairs {unknown} are not pairs of {args.config}: {list(cfg.pairs)}")
+            run_cfg = dataclasses.replace(run_cfg, pairs=pairs)
         if not args.report_only:
             Experiment(run_cfg, quiet=args.quiet).run()
         report = write_report(cfg)
@@ -287,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--output-dir", help="override the config's output_dir")
     x.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     x.add_argument("--seeds", type=int, nargs="+", help="run only these seeds of the config (e.g. one per process)")
+    x.add_argument("--pairs", nargs="+", metavar="A+B", help="run only these pairs of the config, e.g. llama+qwen3")
     x.add_argument("--quiet", action="store_true")
     x.set_defaults(func=cmd_experiment)
 
