@@ -117,6 +117,8 @@ def cmd_broker_nodes(args: argparse.Namespace) -> int:
         print(f"allowed  {name}")
     for name in out["revoked"]:
         print(f"revoked  {name}")
+    for name in out["trusted"]:
+        print(f"trusted  {name} (exempt from quarantine)")
     return 0
 
 
@@ -309,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     nodes = bn.add_parser("nodes", help="the operator's allowlist: add, list or revoke nodes")
     nodes_sub = nodes.add_subparsers(dest="nodes_command", required=True)
     for action, help_ in (("add", "allow a node"), ("list", "list the allowlist"),
-                          ("revoke", "revoke a node: refused at its next call")):
+                          ("revoke", "revoke a node: refused at its next call"),
+                          ("release", "lift a node's automatic quarantine (trust it)")):
         a = nodes_sub.add_parser(action, help=help_)
         a.add_argument("--allowlist", required=True, help="the allowlist YAML (broker config key `allowlist`)")
         if action != "list":

@@ -23,8 +23,9 @@ log = logging.getLogger("graft_fed.broker")
 
 
 class Allowlist:
-    """`{allowed: [names], revoked: [names]}`; an empty or missing `allowed` admits every name
-    that is not revoked."""
+    """`{allowed: [names], revoked: [names], trusted: [names]}`; an empty or missing `allowed`
+    admits every name that is not revoked; `trusted` names are exempt from automatic
+    quarantine (the operator's reversal of it)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -32,6 +33,7 @@ class Allowlist:
         self._mtime: float | None = None
         self.allowed: set[str] = set()
         self.revoked: set[str] = set()
+        self.trusted: set[str] = set()
         self._load()
 
     def _load(self) -> None:
@@ -46,28 +48,38 @@ class Allowlist:
             data = yaml.safe_load(self.path.read_text(encoding="utf-8")) or {}
             allowed = set(map(str, data.get("allowed") or []))
             revoked = set(map(str, data.get("revoked") or []))
+            trusted = set(map(str, data.get("trusted") or []))
         except (yaml.YAMLError, AttributeError, TypeError) as exc:
             log.error("allowlist %s is malformed (%s); keeping the previous one", self.path, exc)
             return
-        self.allowed, self.revoked, self._mtime = allowed, revoked, mtime
+        self.allowed, self.revoked, self.trusted, self._mtime = allowed, revoked, trusted, mtime
 
     def permits(self, node_id: str) -> bool:
         with self._lock:
             self._load()
             return node_id not in self.revoked and (not self.allowed or node_id in self.allowed)
 
+    def is_trusted(self, node_id: str) -> bool:
+        with self._lock:
+            self._load()
+            return node_id in self.trusted
+
     @staticmethod
     def edit(path: str | Path, action: str, name: str | None = None) -> dict[str, list[str]]:
         path = Path(path)
         data = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
         allowed, revoked = set(data.get("allowed") or []), set(data.get("revoked") or [])
+        trusted = set(data.get("trusted") or [])
         if action == "add" and name:
             allowed.add(name)
             revoked.discard(name)
         elif action == "revoke" and name:
             revoked.add(name)
             allowed.discard(name)
-        out = {"allowed": sorted(allowed), "revoked": sorted(revoked)}
+            trusted.discard(name)
+        elif action == "release" and name:
+            trusted.add(name)
+        out = {"allowed": sorted(allowed), "revoked": sorted(revoked), "trusted": sorted(trusted)}
         if action != "list":
             tmp = path.with_suffix(path.suffix + ".tmp")
             tmp.write_text(yaml.safe_dump(out), encoding="utf-8")

@@ -67,6 +67,17 @@ class BrokerConfig:
     balance: str = "pairwise"
     #: The cap of the per_receiver_cap policy.
     per_receiver_cap: int = 8
+    #: Quarantine a source once this share of the groups receivers were given from it was
+    #: rejected by their re-verification (its claimed rewards were wrong): it is no longer
+    #: matched as a source and its uploads are refused. The operator lifts it with
+    #: `graft-fed broker nodes release` (needs `allowlist`). 1.0 = never.
+    quarantine_rejection_rate: float = 0.5
+    #: ... once at least this many of its groups were reported on.
+    quarantine_min_reports: int = 8
+    #: Per-node rate limit on publishes, per second (a token bucket with a burst of 4x). 0 = off.
+    max_publishes_per_s: float = 20.0
+    #: Per-node storage quota for uploaded bundles, MiB (0 = off).
+    max_node_bundle_mib: int = 1024
     #: Largest gRPC message accepted or sent, MiB (both directions, set explicitly).
     max_message_mib: int = 16
     #: Bundle chunk size, KiB.
@@ -92,6 +103,10 @@ class BrokerConfig:
         require(self.staleness_rounds >= 0, "broker.staleness_rounds must be >= 0")
         require(self.round_deadline_s > 0, "broker.round_deadline_s must be > 0")
         require(self.min_nodes >= 1, "broker.min_nodes must be >= 1")
+        require(0 < self.quarantine_rejection_rate <= 1, "broker.quarantine_rejection_rate must be in (0, 1]")
+        require(self.quarantine_min_reports >= 1, "broker.quarantine_min_reports must be >= 1")
+        require(self.max_publishes_per_s >= 0, "broker.max_publishes_per_s must be >= 0 (0 = off)")
+        require(self.max_node_bundle_mib >= 0, "broker.max_node_bundle_mib must be >= 0 (0 = off)")
         require(0 < self.heartbeat_interval_s < self.offline_after_s,
                 "broker.heartbeat_interval_s must be > 0 and below offline_after_s")
         require(1 <= self.max_message_mib <= 1024, "broker.max_message_mib must be in [1, 1024]")

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
+from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, RoundRow, SummaryRow
 from graft_fed.core.exchange import classify, select_sources
@@ -68,10 +69,14 @@ def _check_id(value: str, what: str) -> None:
 
 
 class Federation:
-    def __init__(self, cfg: BrokerConfig, state: BrokerState, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, cfg: BrokerConfig, state: BrokerState, clock: Callable[[], float] = time.time,
+                 allowlist: Allowlist | None = None) -> None:
         self.cfg = cfg
         self.state = state
         self.clock = clock
+        self.allowlist = allowlist
+        self._buckets: dict[str, tuple[float, float]] = {}  # node -> (tokens, last refill)
+        self._bundle_bytes: Counter[str] = Counter()  # uploaded bytes per node (this process's lifetime)
         prompts = load_prompts(cfg.data)
         self.known_prompts = {p.id for p in prompts}
         self.manifest = Manifest(
@@ -188,6 +193,7 @@ class Federation:
             self._validate_summary(s)
         with self.cond:
             node = self._node(node_id, session_id)
+            self._rate_limit(node_id)
             rnd = self.state.get_round(round)
             if rnd is None:
                 if round > self.current_round() + 1000:
@@ -210,12 +216,40 @@ class Federation:
         return {(pos[c.source], pos[c.receiver]): c.mean_s for c in self.state.compat()
                 if c.source in pos and c.receiver in pos and c.groups > 0}
 
+    def quarantined(self) -> set[str]:
+        """Sources whose groups receivers rejected too often (re-verification disagreed with
+        their claimed rewards). Derived from the durable compatibility counts, so it survives
+        a restart; the operator's `trusted` list exempts a node."""
+        totals: dict[str, list[int]] = {}
+        for c in self.state.compat():
+            t = totals.setdefault(c.source, [0, 0])
+            t[0] += c.rejected
+            t[1] += c.groups + c.rejected
+        out = set()
+        for source, (rejected, reports) in totals.items():
+            if reports >= self.cfg.quarantine_min_reports and rejected / reports >= self.cfg.quarantine_rejection_rate:
+                if self.allowlist is None or not self.allowlist.is_trusted(source):
+                    out.add(source)
+        return out
+
     def _can_source(self, node_ids: Sequence[str]) -> list[bool]:
+        bad = self.quarantined()
         out = []
         for nid in node_ids:
             node = self.state.get_node(nid)
-            out.append(node is not None and node.privacy != "summaries_only")
+            out.append(node is not None and node.privacy != "summaries_only" and nid not in bad)
         return out
+
+    def _rate_limit(self, node_id: str) -> None:
+        rate = self.cfg.max_publishes_per_s
+        if not rate:
+            return
+        now = time.monotonic()
+        tokens, last = self._buckets.get(node_id, (4 * rate, now))
+        tokens = min(4 * rate, tokens + (now - last) * rate)
+        if tokens < 1:
+            raise ResourceExhausted(f"node {node_id!r} publishes faster than {rate}/s; slow down and retry")
+        self._buckets[node_id] = (tokens - 1, now)
 
     def _round_ready(self, round: int) -> bool:
         rnd = self.state.get_round(round)
@@ -375,10 +409,17 @@ class Federation:
             node = self._node(node_id, session_id)
         if node.privacy == "summaries_only":
             raise PermissionDenied(f"node {node_id!r} declared privacy summaries_only; it uploads no trajectories")
+        if node_id in self.quarantined():
+            raise PermissionDenied(f"node {node_id!r} is quarantined: receivers rejected too many of its groups "
+                                   "(claimed rewards did not re-verify); the operator can release it")
 
     def put_bundle(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str,
                    data: bytes) -> bool:
         self.upload_allowed(node_id, session_id)
+        quota = self.cfg.max_node_bundle_mib * 2**20
+        if quota and self._bundle_bytes[node_id] + len(data) > quota:
+            raise ResourceExhausted(f"node {node_id!r} exceeded its bundle storage quota of "
+                                    f"{self.cfg.max_node_bundle_mib} MiB")
         if digest_of(data) != digest:
             raise InvalidArgument(f"bundle bytes do not hash to the declared digest {digest[:12]}...")
         try:
@@ -394,6 +435,8 @@ class Federation:
                 raise InvalidArgument("the bundle does not hold the group its summary describes "
                                       "(prompt id, k, n or mean log-probs differ)")
             stored = self.state.put_bundle(digest, data)
+            if stored:
+                self._bundle_bytes[node_id] += len(data)
             self.state.set_bundle_digest(node_id, round, prompt_id, digest)
             self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
             self.counters["bundle_bytes_in"] += len(data)
@@ -446,6 +489,7 @@ class Federation:
             exchange = Counter((m.source, m.receiver) for m in self.state.matches())
             compat = {(c.source, c.receiver): c for c in self.state.compat()}
             n_bundles, n_bytes = self.state.bundle_stats()
+            bad = self.quarantined()
         pairs = []
         for key in sorted(set(exchange) | set(compat)):
             c = compat.get(key)
@@ -455,7 +499,8 @@ class Federation:
                           "rejected": c.rejected if c else 0})
         return {
             "manifest": self.manifest, "current_round": self.current_round(),
-            "nodes": [{"node_id": n.node_id, "model_id": n.model_id, "state": self.node_state(n), "round": n.round,
+            "nodes": [{"node_id": n.node_id, "model_id": n.model_id,
+                       "state": "quarantined" if n.node_id in bad else self.node_state(n), "round": n.round,
                        "published": n.published, "last_seen_s": now - n.last_seen} for n in nodes],
             "pairs": pairs, "bundles": n_bundles, "bundle_bytes": n_bytes,
         }

@@ -90,9 +90,9 @@ class BrokerServer:
     def __init__(self, cfg: BrokerConfig, state: BrokerState | None = None) -> None:
         self.cfg = cfg
         self.state = state or open_state(cfg.db)
-        self.fed = Federation(cfg, self.state)
-        self.servicer = BrokerServicer(self.fed)
         allowlist = Allowlist(cfg.allowlist) if cfg.allowlist else None
+        self.fed = Federation(cfg, self.state, allowlist=allowlist)
+        self.servicer = BrokerServicer(self.fed)
         interceptors = [IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist)]
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="broker"),
                                 options=grpc_options(cfg.max_message_mib), interceptors=interceptors)

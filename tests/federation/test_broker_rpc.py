@@ -190,3 +190,59 @@ def test_a_late_joiner_learns_from_a_departed_peers_stored_groups(broker, prompt
     st = {n.node_id: n.state for n in late.status().nodes}
     assert st == {"b": "left", "late": "online"}
     late.close()
+
+
+def test_a_lying_source_is_quarantined_and_the_operator_can_release_it(prompt_file, prompts, tmp_path):
+    from graft_fed.broker.auth import Allowlist
+
+    allow = tmp_path / "allow.yaml"
+    Allowlist.edit(allow, "add", "a")
+    Allowlist.edit(allow, "add", "liar")
+    broker = start_broker(broker_config(prompt_file, allowlist=str(allow), quarantine_min_reports=4,
+                                        quarantine_rejection_rate=0.5))
+    try:
+        a, liar = client(broker, prompts, "a"), client(broker, prompts, "liar")
+        bad = [pb.CompatibilityReport.Entry(source_node_id="liar", prompt_id=p.id, rejected=True) for p in prompts[:3]]
+        good = [pb.CompatibilityReport.Entry(source_node_id="liar", prompt_id=prompts[3].id, mean_s=0.9,
+                                             admitted_fraction=1.0)]
+        a.report(0, bad + good)  # 3 of 4 groups failed re-verification
+        assert {n.node_id: n.state for n in a.status().nodes}["liar"] == "quarantined"
+        liar.publish(0, [summary(prompts[0], 1), summary(prompts[1], 0)])
+        a.publish(0, [summary(prompts[0], 0), summary(prompts[1], 1)])
+        assert list(a.get_matches(0, 5.0).offers) == []  # never matched as a source
+        code, details = code_of(lambda: liar.upload(record(prompts[0], 1, "liar"), 0))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "quarantined" in details
+        Allowlist.edit(allow, "release", "liar")
+        assert {n.node_id: n.state for n in a.status().nodes}["liar"] == "online"
+        assert liar.upload(record(prompts[0], 1, "liar"), 0)[1]
+        a.close()
+        liar.close()
+    finally:
+        broker.stop()
+
+
+def test_rate_limit_and_storage_quota(prompt_file, prompts):
+    broker = start_broker(broker_config(prompt_file, max_publishes_per_s=1.0, max_node_bundle_mib=0))
+    try:
+        a = client(broker, prompts, "a")
+        codes = []
+        for i in range(6):  # burst of 4, then refused until tokens refill
+            try:
+                a.publish(i, [summary(prompts[0], 1, round=i)])
+                codes.append("ok")
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+        assert codes[:4] == ["ok"] * 4 and grpc.StatusCode.RESOURCE_EXHAUSTED in codes[4:]
+        a.close()
+    finally:
+        broker.stop()
+    from graft_fed.broker.handlers import Federation
+    from graft_fed.broker.state_memory import InMemoryState
+
+    from graft_fed.federation.errors import ResourceExhausted
+
+    fed = Federation(broker_config(prompt_file, max_node_bundle_mib=1), InMemoryState())
+    session, _ = fed.join("a", "a", "tok", manifest(prompts), "share_all", 0)
+    fed._bundle_bytes["a"] = 2**20  # as if it had already uploaded its whole quota
+    with pytest.raises(ResourceExhausted, match="quota"):
+        fed.put_bundle("a", session, prompts[0].id, 0, "0" * 64, b"x")
