@@ -107,6 +107,20 @@ def render() -> str:
             "`base` is a run config as above (without model and output_dir); a `quick` mapping of the same",
             "keys is applied with `--quick`.", ""]
     section_markdown(ExperimentConfig, "experiment", out)
+    from graft_fed.broker.config import BrokerConfig
+    from graft_fed.node.node import FederationSection
+    from graft_fed.sim import SimConfig, SimNode
+
+    out += ["# Node (`graft-fed node`)", "",
+            "A node config has every section of a run config, plus `federation`.", ""]
+    section_markdown(FederationSection, "federation", out)
+    out += ["# Broker (`graft-fed broker`)", ""]
+    section_markdown(BrokerConfig, "broker", out)
+    out += ["# One-machine federation (`graft-fed sim`)", "",
+            "`broker` is a broker config (listen, http and db are chosen by the simulator); `base` a node "
+            "config without model, output_dir and the broker address.", ""]
+    section_markdown(SimConfig, "sim", out)
+    section_markdown(SimNode, "sim.nodes[]", out)
     return "\n".join(out).rstrip() + "\n"
 
 
