@@ -101,13 +101,16 @@ class CoTrainer:
     def train_step(self) -> list[dict[str, Any]]:
         import time
 
-        t0 = [0.0] * len(self.trainers)
+        # Each member's step time counts its own work only (its collect, then its receive
+        # and update), not the other members' rollouts, so it compares with a lone GRPO run.
+        collect_s = [0.0] * len(self.trainers)
         datas = []
         for i, t in enumerate(self.trainers):
-            t0[i] = time.perf_counter()
+            start = time.perf_counter()
             d = t.collect()
             t.record(d.groups)
             datas.append(d)
+            collect_s[i] = time.perf_counter() - start
         kn = [{g.prompt.id: (g.k, g.n) for g in d.groups} for d in datas]
         if len({tuple(sorted(k)) for k in kn}) != 1:
             raise RuntimeError("members sampled different prompt batches; their data or seed differ")
@@ -115,6 +118,7 @@ class CoTrainer:
         sources = select_sources(kn, self.cfg.graft.balance == "pairwise", self.compat)
         rows = []
         for r, t in enumerate(self.trainers):
+            own_start = time.perf_counter()
             offers = {}
             for pid, s in sources[r].items():
                 src = self.trainers[s]
@@ -136,7 +140,7 @@ class CoTrainer:
                     prev = self.compat.get((s, r))
                     a = self.cfg.compat_ema
                     self.compat[(s, r)] = result.metrics[key] if prev is None else a * prev + (1 - a) * result.metrics[key]
-            rows.append(t.finish_step(datas[r], result.groups, extra, t0[r]))
+            rows.append(t.finish_step(datas[r], result.groups, extra, own_start - collect_s[r]))
         return rows
 
     def train(self, evaluate_before_after: bool = True) -> list[dict[str, Any]]:
