@@ -12,7 +12,7 @@ import math
 import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
@@ -32,6 +32,7 @@ log = logging.getLogger("graft_fed.broker")
 PRIVACY = ("share_all", "matched_only", "summaries_only")
 MAX_ID_LEN = 256
 MAX_SUMMARIES_FACTOR = 4  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
+MAX_GRANTS = 200_000  # bundle digests whose fetch permissions are remembered
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,9 @@ class Federation:
             staleness_rounds=cfg.staleness_rounds)
         self.cond = threading.Condition()
         self.counters: Counter[str] = Counter()
-        self._granted: dict[str, set[str]] = {}  # bundle digest -> receivers allowed to fetch it
+        # bundle digest -> receivers allowed to fetch it; most recent grants last, bounded (a
+        # receiver whose old grant was evicted gets it back by asking for its matches again)
+        self._granted: OrderedDict[str, set[str]] = OrderedDict()
         # round -> nodes that published in it; a cache of the state (rebuilt on a miss, e.g.
         # after a restart) so that waking long-polls do not re-read every summary of the round
         self._published: dict[int, set[str]] = {}
@@ -376,6 +379,9 @@ class Federation:
                 continue
             if s.bundle_digest:
                 self._granted.setdefault(s.bundle_digest, set()).add(receiver)
+                self._granted.move_to_end(s.bundle_digest)
+                while len(self._granted) > MAX_GRANTS:
+                    self._granted.popitem(last=False)
             offers.append(Offer(prompt_id=m.prompt_id, source_node=m.source, source_model=src.model_id,
                                 source_round=m.source_round, k=s.k, n=s.n, digest=s.bundle_digest))
         return offers
