@@ -151,6 +151,14 @@ def load_config(cls: type[T], path: str | Path | None, overrides: Mapping[str, A
         raise ConfigError(f"invalid {what}{where}: {exc}") from None
 
 
+def deep_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """`a` updated by `b`, merging nested mappings key by key (b wins on leaves)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """A plain, YAML-serialisable dict of a config dataclass (tuples become lists)."""
     def plain(v: Any) -> Any:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from graft_fed.configbase import from_mapping, load_yaml, require, to_dict
+from graft_fed.configbase import deep_merge, from_mapping, load_yaml, require, to_dict
 from graft_fed.errors import ConfigError
 from graft_fed.trainer.config import GraftSection, ModelSection, TrainConfig
 
@@ -78,20 +78,13 @@ def load_experiment_config(path: str | Path, quick: bool = False) -> ExperimentC
     if quick and quick_over:
         for key, value in quick_over.items():
             if key == "base":
-                data["base"] = _deep_merge(data.get("base", {}), value)
+                data["base"] = deep_merge(data.get("base", {}), value)
             else:
                 data[key] = value
     try:
         return from_mapping(ExperimentConfig, data)
     except ConfigError as exc:
         raise ConfigError(f"invalid experiment config {path}: {exc}") from None
-
-
-def _deep_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
-    return out
 
 
 def _model_section(spec: Any) -> dict[str, Any]:
@@ -107,11 +100,11 @@ class Experiment:
         self._train_cfg("validate", "x", next(iter(cfg.models)), 0)
 
     def _train_cfg(self, arm: str, run_name: str, model: str, seed: int, **over: Any) -> TrainConfig:
-        base = _deep_merge(self.cfg.base, {
+        base = deep_merge(self.cfg.base, {
             "run": {"name": run_name, "output_dir": str(self.root / arm / f"seed{seed}" / run_name), "seed": seed},
             "model": _model_section(self.cfg.models[model]),
         })
-        base = _deep_merge(base, over)
+        base = deep_merge(base, over)
         return from_mapping(TrainConfig, base)
 
     def _done(self, out_dir: Path) -> bool:

@@ -22,9 +22,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from graft_fed.configbase import from_mapping, load_yaml, require
+from graft_fed.configbase import deep_merge, from_mapping, load_yaml, require
 from graft_fed.errors import ConfigError, GraftFedError
-from graft_fed.experiment import _deep_merge
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ class Simulation:
     def start_broker(self) -> str:
         port_file = self.root / "broker.port"
         port_file.unlink(missing_ok=True)
-        bcfg = _deep_merge(self.cfg.broker, {"listen": "127.0.0.1:0", "http": "127.0.0.1:0",
+        bcfg = deep_merge(self.cfg.broker, {"listen": "127.0.0.1:0", "http": "127.0.0.1:0",
                                               "db": str(self.root / "broker.sqlite")})
         path = self._write("broker", bcfg)
         log = (self.root / "logs").joinpath("broker.log")
@@ -125,9 +124,9 @@ class Simulation:
             else:
                 run["threads"] = threads
                 run["device"] = "cpu"
-            data = _deep_merge(self.cfg.base, {"run": run, "model": dict(node.model),
+            data = deep_merge(self.cfg.base, {"run": run, "model": dict(node.model),
                                                "federation": {"broker": address, "node_id": node.name}})
-            data = _deep_merge(data, node.overrides)
+            data = deep_merge(data, node.overrides)
             path = self._write(node.name, data)
             log = (self.root / "logs").joinpath(f"{node.name}.log")
             self.procs[node.name] = subprocess.Popen(self._cli() + ["node", "--config", str(path), "--quiet"],

@@ -304,13 +304,12 @@ class Federation:
         if not fails:
             return
         compat = {c.source: c.mean_s for c in self.state.compat() if c.receiver == receiver and c.groups > 0}
+        rows = [s for s in self.state.summaries(prompt_ids=fails, min_round=min_round)
+                if s.node_id != receiver and s.round <= max_round and classify(s.k, s.n) == "informative"]
+        nodes = sorted({s.node_id for s in rows})
+        sources_ok = dict(zip(nodes, self._can_source(nodes)))
         best: dict[str, SummaryRow] = {}
-        sources_ok: dict[str, bool] = {}
-        for s in self.state.summaries(prompt_ids=fails, min_round=min_round):
-            if s.node_id == receiver or s.round > max_round or classify(s.k, s.n) != "informative":
-                continue
-            if s.node_id not in sources_ok:
-                sources_ok[s.node_id] = self._can_source([s.node_id])[0]
+        for s in rows:
             if not sources_ok[s.node_id]:
                 continue
             key = (compat.get(s.node_id, math.inf), s.k, s.round)
@@ -370,10 +369,21 @@ class Federation:
         rows = self.state.summaries(round=round, node_id=node, prompt_ids=[prompt_id])
         return rows[0] if rows else None
 
+    def _source_summaries(self, matches: Sequence[MatchRow],
+                          node_id: str | None = None) -> dict[tuple[str, int, str], SummaryRow]:
+        """The source summary of every match, in one query, keyed by (node, round, prompt)."""
+        if not matches:
+            return {}
+        rows = self.state.summaries(prompt_ids={m.prompt_id for m in matches}, node_id=node_id,
+                                    min_round=min(m.source_round for m in matches))
+        return {(s.node_id, s.round, s.prompt_id): s for s in rows}
+
     def _offers(self, receiver: str, round: int) -> list[Offer]:
         offers = []
-        for m in self.state.matches(round=round, receiver=receiver):
-            s = self._summary(m.source, m.source_round, m.prompt_id)
+        matches = self.state.matches(round=round, receiver=receiver)
+        summaries = self._source_summaries(matches)
+        for m in matches:
+            s = summaries.get((m.source, m.source_round, m.prompt_id))
             src = self.state.get_node(m.source)
             if s is None or src is None:
                 continue
@@ -391,8 +401,10 @@ class Federation:
         if node is None or node.privacy == "summaries_only":
             return []
         out = []
-        for m in self.state.matches(source=source):
-            s = self._summary(source, m.source_round, m.prompt_id)
+        matches = self.state.matches(source=source)
+        summaries = self._source_summaries(matches, node_id=source)
+        for m in matches:
+            s = summaries.get((source, m.source_round, m.prompt_id))
             if s is not None and not s.bundle_digest:
                 out.append((m.prompt_id, m.source_round))
         return sorted(set(out))

@@ -163,25 +163,30 @@ class BrokerClient:
 
     def upload(self, record: GroupRecord, round: int) -> tuple[str, bool]:
         data = encode_bundle(record)
-        digest = digest_of(data)
+        return self._upload_bytes(data, digest_of(data), record.prompt_id, round)
 
+    def _upload_bytes(self, data: bytes, digest: str, prompt_id: str, round: int) -> tuple[str, bool]:
         def chunks() -> Iterator[pb.BundleChunk]:
             for off in range(0, max(1, len(data)), self.chunk):
                 yield pb.BundleChunk(digest=digest, total_size=len(data), offset=off, data=data[off:off + self.chunk],
-                                     node_id=self.node_id, session_id=self.session, prompt_id=record.prompt_id,
+                                     node_id=self.node_id, session_id=self.session, prompt_id=prompt_id,
                                      round=round)
 
         resp = self.stub.UploadBundle(chunks(), timeout=self.timeout * 3)
         return digest, resp.stored
 
     def upload_missing(self, records: Iterable[tuple[GroupRecord, int]]) -> int:
-        """Upload the bundles the broker does not hold yet; returns the number sent."""
-        items = [(rec, rnd, digest_of(encode_bundle(rec))) for rec, rnd in records]
-        present = self.has_bundles([d for _, _, d in items])
+        """Upload the bundles the broker does not hold yet; returns the number sent. Each
+        record is encoded once, for its digest and, if needed, for the upload."""
+        items = []
+        for rec, rnd in records:
+            data = encode_bundle(rec)
+            items.append((rec.prompt_id, rnd, data, digest_of(data)))
+        present = self.has_bundles([d for *_, d in items])
         sent = 0
-        for rec, rnd, digest in items:
+        for prompt_id, rnd, data, digest in items:
             if digest not in present:
-                self.upload(rec, rnd)
+                self._upload_bytes(data, digest, prompt_id, rnd)
                 sent += 1
         return sent
 
