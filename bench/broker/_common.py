@@ -4,6 +4,7 @@ real broker has), a raw-bytes gRPC baseline server, percentiles, machine facts."
 from __future__ import annotations
 
 import json
+import threading
 import multiprocessing as mp
 import os
 import platform
@@ -161,9 +162,33 @@ def write_prompts(path: Path, count: int, problem_chars: int = 0) -> Path:
 
 
 def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
+    """Write RESULTS/<name>.json and .md, and print the table and where it went."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     j = RESULTS / f"{name}.json"
     m = RESULTS / f"{name}.md"
     j.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
     m.write_text(markdown, encoding="utf-8")
+    print(markdown)
+    print(f"wrote {j} and {m}")
     return j, m
+
+
+def run_threads(target, count: int, timeout_s: float, barrier) -> None:
+    """Run target(i) for i in range(count) on threads; a failure aborts the shared barrier
+    (so the others do not wait forever) and is re-raised here."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            target(i)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+            errors.append(exc)
+            barrier.b.abort()
+
+    threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    if errors:
+        raise errors[0]

@@ -200,9 +200,7 @@ def main() -> int:
            "summary check, SQLite insert with fsync); broker fetch = BrokerClient.fetch (chunked stream, sha256, "
            "decode, validate). raw = the same bytes in the same chunks to/from a generic stream handler. The last "
            "three columns are the client-side pieces, timed apart.", ""]
-    j, m = write_results(name, payload, "\n".join(md))
-    print("\n".join(md))
-    print(f"wrote {j} and {m}")
+    write_results(name, payload, "\n".join(md))
     return 0
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from _common import RAW_SERVICE, ChildServer, machine, median, percentile, write_prompts, write_results  # noqa: E402
+from _common import RAW_SERVICE, ChildServer, machine, percentile, run_threads, write_prompts, write_results  # noqa: E402
 from graft_fed.broker.server import grpc_options  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version  # noqa: E402
@@ -85,7 +85,6 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
     t_ready = [[0.0] * n_nodes for _ in range(rounds)]
     accepted = [[0] * n_nodes for _ in range(rounds)]
     polls = [[0] * n_nodes for _ in range(rounds)]
-    errors: list[BaseException] = []
     barrier = Barrier(n_nodes, timeout=cell_timeout_s)
     try:
         for i, c in enumerate(clients):
@@ -93,32 +92,22 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
 
         def node(i: int) -> None:
             c = clients[i]
-            try:
-                for r in range(rounds):
-                    req = requests[i][r]
-                    req.session_id = c.session
-                    barrier.wait()
-                    t_send[r][i] = time.perf_counter()
-                    resp = c.stub.PublishSummaries(req, timeout=cell_timeout_s)
-                    t_ack[r][i] = time.perf_counter()
-                    accepted[r][i] = resp.accepted
-                    while True:
-                        polls[r][i] += 1
-                        m = c.get_matches(r, wait_s=30.0)
-                        if m.ready:
-                            break
-                    t_ready[r][i] = time.perf_counter()
-            except BaseException as exc:  # noqa: BLE001 - reported by the caller
-                errors.append(exc)
-                barrier.b.abort()
+            for r in range(rounds):
+                req = requests[i][r]
+                req.session_id = c.session
+                barrier.wait()
+                t_send[r][i] = time.perf_counter()
+                resp = c.stub.PublishSummaries(req, timeout=cell_timeout_s)
+                t_ack[r][i] = time.perf_counter()
+                accepted[r][i] = resp.accepted
+                while True:
+                    polls[r][i] += 1
+                    m = c.get_matches(r, wait_s=30.0)
+                    if m.ready:
+                        break
+                t_ready[r][i] = time.perf_counter()
 
-        threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(n_nodes)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=cell_timeout_s * rounds)
-        if errors:
-            raise errors[0]
+        run_threads(node, n_nodes, cell_timeout_s * rounds, barrier)
         stats = server.rpc_stats()
     finally:
         for c in clients:
@@ -142,30 +131,19 @@ def run_raw_cell(n_nodes: int, rounds: int, payloads: list[list[bytes]], timeout
     calls = [ch.unary_unary(f"/{RAW_SERVICE}/Unary") for ch in chans]
     t_send = [[0.0] * n_nodes for _ in range(rounds)]
     t_ack = [[0.0] * n_nodes for _ in range(rounds)]
-    errors: list[BaseException] = []
     barrier = Barrier(n_nodes, timeout=timeout_s)
     try:
         for call in calls:  # connect first, as Join does for the broker
             call(b"", timeout=timeout_s)
 
         def node(i: int) -> None:
-            try:
-                for r in range(rounds):
-                    barrier.wait()
-                    t_send[r][i] = time.perf_counter()
-                    calls[i](payloads[i][r], timeout=timeout_s)
-                    t_ack[r][i] = time.perf_counter()
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-                barrier.b.abort()
+            for r in range(rounds):
+                barrier.wait()
+                t_send[r][i] = time.perf_counter()
+                calls[i](payloads[i][r], timeout=timeout_s)
+                t_ack[r][i] = time.perf_counter()
 
-        threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(n_nodes)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=timeout_s * rounds)
-        if errors:
-            raise errors[0]
+        run_threads(node, n_nodes, timeout_s * rounds, barrier)
     finally:
         for ch in chans:
             ch.close()
@@ -263,9 +241,7 @@ def main() -> int:
     md += ["", "raw gRPC: the same serialized PublishRequest bytes to a no-op generic unary handler (same thread "
            "pool and options), same threads, same barrier; its messages/s times P. Match latency: last publish "
            "acknowledged .. each node's GetMatches returning ready.", ""]
-    j, m = write_results(name, payload, "\n".join(md))
-    print("\n".join(md))
-    print(f"wrote {j} and {m}")
+    write_results(name, payload, "\n".join(md))
     return 0
 
 

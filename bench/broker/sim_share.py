@@ -154,9 +154,7 @@ def main() -> int:
     md += ["", "share = mean(time/federation) / mean(time/step) from each node's metrics.jsonl. time/federation "
            "includes the GetMatches wait for the slowest peer (sync barrier); graft share = mean(time/graft) / "
            "mean(time/step), the receive/score part; federation minus graft = the wire and the wait.", ""]
-    j, m = write_results(name, payload, "\n".join(md))
-    print("\n".join(md))
-    print(f"wrote {j} and {m}")
+    write_results(name, payload, "\n".join(md))
     return 0
 
 
