@@ -91,10 +91,51 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
+class VllmSection:
+    """The vLLM rollout engine (rollout.backend: vllm; needs a CUDA GPU and
+    `pip install 'graft-fed[vllm]'`). It shares the GPU with the trainer; docs/scaling.md
+    says how to size it."""
+
+    #: Fraction of the GPU's total memory the engine may take (its weights plus KV cache).
+    #: It must fit in what the trainer leaves free when the engine starts.
+    gpu_memory_utilization: float = 0.3
+    #: GPUs one engine spans (tensor parallelism). 1 keeps the engine in the trainer's
+    #: process; more sends weight updates to its workers through vLLM's RPC.
+    tensor_parallel_size: int = 1
+    #: Sleep while the trainer trains: offload the engine's weights to CPU memory and free
+    #: its KV cache after each rollout (vLLM sleep mode, level 1), wake before the next.
+    sleep: bool = True
+    #: Engine weight dtype: "auto" (bf16 where the GPU has it, else fp16), "bf16", "fp16", "fp32".
+    dtype: str = "auto"
+    #: Longest prompt + response the engine accepts (null = the model's maximum).
+    max_model_len: int | None = None
+    #: Skip CUDA graph capture: slower decoding, faster start-up, less memory.
+    enforce_eager: bool = False
+    #: Log-probs vLLM records for the sampled tokens: "raw_logprobs" (the untempered
+    #: full-vocabulary model; equal to the sampling distribution at temperature 1, top_p 1,
+    #: top_k 0) or "processed_logprobs" (after temperature / top-k / top-p, what the
+    #: transformers backend records).
+    logprobs_mode: str = "raw_logprobs"
+    #: Reuse the KV cache of shared prompt prefixes (reset after every weight update).
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        require(0 < self.gpu_memory_utilization <= 1,
+                f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        require(self.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1")
+        require(self.dtype in ("auto", "bf16", "fp16", "fp32"),
+                f"rollout.vllm.dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
+        require(self.max_model_len is None or self.max_model_len >= 1,
+                "rollout.vllm.max_model_len must be >= 1 or null")
+        require(self.logprobs_mode in ("raw_logprobs", "processed_logprobs"),
+                f"rollout.vllm.logprobs_mode must be raw_logprobs or processed_logprobs, got {self.logprobs_mode!r}")
+
+
+@dataclass(frozen=True)
 class RolloutSection:
     """How responses are sampled (the behaviour policy)."""
 
-    #: "hf" (transformers, CPU or GPU); "vllm" arrives with the GPU issue.
+    #: "hf" (transformers, CPU or GPU) or "vllm" (GPU only; options in rollout.vllm).
     backend: str = "hf"
     #: Responses per prompt: the GRPO group size n.
     n: int = 8
@@ -106,11 +147,12 @@ class RolloutSection:
     top_k: int = 0
     #: Response length cap in tokens.
     max_new_tokens: int = 160
-    #: Sequences sampled together in one batch.
+    #: Sequences sampled together in one batch (hf backend; vLLM schedules its own batches).
     batch_size: int = 128
+    vllm: VllmSection = field(default_factory=VllmSection)
 
     def __post_init__(self) -> None:
-        require(self.backend in ("hf",), f"rollout.backend {self.backend!r} is not available; use 'hf'")
+        require(self.backend in ("hf", "vllm"), f"rollout.backend must be 'hf' or 'vllm', got {self.backend!r}")
         require(self.n >= 2, f"rollout.n must be >= 2 for group-relative advantages, got {self.n}")
         require(self.temperature > 0, "rollout.temperature must be > 0")
         require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
@@ -305,7 +347,8 @@ class TrainConfig:
                     ("run", "keep_checkpoints"), ("run", "eval_every"), ("run", "tensorboard"),
                     ("run", "threads"), ("run", "name"), ("run", "device"), ("run", "record_groups"), ("run", "eval_before"), ("eval",),
                     ("verifier", "workers"), ("verifier", "timeout_s"), ("rollout", "batch_size"),
-                    ("algorithm", "micro_batch_size")}
+                    ("algorithm", "micro_batch_size"), ("rollout", "vllm", "gpu_memory_utilization"),
+                    ("rollout", "vllm", "enforce_eager"), ("rollout", "vllm", "sleep")}
 
     def fingerprint_dict(self) -> dict[str, Any]:
         d = to_dict(self)
@@ -314,6 +357,8 @@ class TrainConfig:
             for part in key[:-1]:
                 node = node[part]
             node.pop(key[-1], None)
+        if self.rollout.backend != "vllm":
+            d["rollout"].pop("vllm", None)  # unused: keeps earlier hf runs' fingerprints
         return d
 
     def fingerprint(self) -> str:
