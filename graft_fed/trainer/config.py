@@ -149,6 +149,12 @@ class RolloutSection:
     max_new_tokens: int = 160
     #: Sequences sampled together in one batch (hf backend; vLLM schedules its own batches).
     batch_size: int = 128
+    #: Sampler randomness: "stream" (one RNG stream for the whole run, advanced by every
+    #: sampled token) or "prompt" (each prompt's n responses come from streams keyed by
+    #: run.seed, the batch number and the prompt's place in the batch, so the samples do not
+    #: depend on rollout batching or on how prompts are split across processes). torchrun
+    #: runs need "prompt".
+    seeding: str = "stream"
     vllm: VllmSection = field(default_factory=VllmSection)
 
     def __post_init__(self) -> None:
@@ -159,6 +165,7 @@ class RolloutSection:
         require(self.top_k >= 0, "rollout.top_k must be >= 0")
         require(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
         require(self.batch_size >= 1, "rollout.batch_size must be >= 1")
+        require(self.seeding in ("stream", "prompt"), f"rollout.seeding must be stream or prompt, got {self.seeding!r}")
         if self.top_p < 1 or self.top_k:
             warnings.warn("rollout.top_p < 1 or top_k > 0: the recorded behaviour log-probs are those of the "
                           "truncated distribution, so ratios and GRAFT compatibility scores are biased; "
@@ -190,6 +197,11 @@ class AlgorithmSection:
     #: Responses per forward/backward micro-batch inside a minibatch (memory knob only:
     #: gradients are accumulated with the minibatch's normaliser, so results do not change).
     micro_batch_size: int = 64
+    #: Padded tokens (rows x longest prompt + response) per micro-batch, 0 = no token cap.
+    #: Responses are packed longest first until the next one would pass the budget (one
+    #: longer than the budget goes alone); micro_batch_size still caps the rows. A memory
+    #: knob like micro_batch_size: the gradient does not change.
+    micro_batch_tokens: int = 0
     #: Optimisation epochs over the step's buffer (the paper: 1).
     epochs: int = 1
     #: Lower clip epsilon (the paper: 0.2).
@@ -220,6 +232,7 @@ class AlgorithmSection:
                 f"algorithm.prompts_per_step ({self.prompts_per_step}) must be divisible by "
                 f"algorithm.num_minibatches ({self.num_minibatches}) so every minibatch holds whole groups")
         require(self.micro_batch_size >= 1, "algorithm.micro_batch_size must be >= 1")
+        require(self.micro_batch_tokens >= 0, "algorithm.micro_batch_tokens must be >= 0 (0 = no token cap)")
         require(self.epochs >= 1, "algorithm.epochs must be >= 1")
         require(0 <= self.eps_low < 1, f"algorithm.eps_low must be in [0, 1), got {self.eps_low}")
         require(self.eps_high >= 0, f"algorithm.eps_high must be >= 0, got {self.eps_high}")
@@ -323,6 +336,29 @@ class GraftSection:
 
 
 @dataclass(frozen=True)
+class DistributedSection:
+    """One model trained by several processes (`torchrun --nproc-per-node K -m graft_fed.cli
+    train ...`): FSDP2 shards parameters, gradients and optimiser state across them.
+    A plain single-process run ignores this section; none of it changes results."""
+
+    #: Recompute each transformer block's activations during the backward pass instead of
+    #: keeping them (less memory, about one extra forward pass of compute).
+    activation_checkpointing: bool = False
+    #: Free each block's gathered parameters right after its forward pass (least memory);
+    #: false keeps them gathered until the backward pass (one all-gather less per block).
+    reshard_after_forward: bool = True
+    #: Collective backend: "auto" (nccl on CUDA, gloo on CPU), "nccl" or "gloo".
+    backend: str = "auto"
+    #: Seconds a process waits in a collective for the others before the run fails.
+    timeout_s: int = 1800
+
+    def __post_init__(self) -> None:
+        require(self.backend in ("auto", "nccl", "gloo"),
+                f"distributed.backend must be auto, nccl or gloo, got {self.backend!r}")
+        require(self.timeout_s >= 1, "distributed.timeout_s must be >= 1")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """One training run of one model."""
 
@@ -335,6 +371,7 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     eval: EvalSection = field(default_factory=EvalSection)
     graft: GraftSection = field(default_factory=GraftSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
 
     def __post_init__(self) -> None:
         if self.algorithm.num_minibatches * self.algorithm.epochs == 1:
@@ -348,7 +385,8 @@ class TrainConfig:
                     ("run", "threads"), ("run", "name"), ("run", "device"), ("run", "record_groups"), ("run", "eval_before"), ("eval",),
                     ("verifier", "workers"), ("verifier", "timeout_s"), ("rollout", "batch_size"),
                     ("algorithm", "micro_batch_size"), ("rollout", "vllm", "gpu_memory_utilization"),
-                    ("rollout", "vllm", "enforce_eager"), ("rollout", "vllm", "sleep")}
+                    ("rollout", "vllm", "enforce_eager"), ("rollout", "vllm", "sleep"),
+                    ("algorithm", "micro_batch_tokens"), ("distributed",)}
 
     def fingerprint_dict(self) -> dict[str, Any]:
         d = to_dict(self)
@@ -359,6 +397,8 @@ class TrainConfig:
             node.pop(key[-1], None)
         if self.rollout.backend != "vllm":
             d["rollout"].pop("vllm", None)  # unused: keeps earlier hf runs' fingerprints
+        if self.rollout.seeding == "stream":
+            d["rollout"].pop("seeding")  # the default: keeps earlier runs' fingerprints
         return d
 
     def fingerprint(self) -> str:
