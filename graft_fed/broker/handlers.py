@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 
 from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.config import BrokerConfig
-from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, RoundRow, SummaryRow
+from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.core.exchange import classify, select_sources
 from graft_fed.core.records import RecordError
 from graft_fed.data.config import load_prompts
@@ -479,24 +479,39 @@ class Federation:
 
     # ----- compatibility -----------------------------------------------------------------------
 
-    def report(self, node_id: str, session_id: str, entries: Iterable[ReportEntry]) -> int:
+    def report(self, node_id: str, session_id: str, round: int, entries: Iterable[ReportEntry]) -> tuple[int, int]:
+        """Fold a receiver's verdicts into the compatibility matrix; returns (accepted,
+        duplicates). A report about one group, (round, receiver, source, prompt), counts
+        once however often it is sent: a retried or replayed report changes nothing, and a
+        receiver cannot inflate a source's rejections by repeating one."""
         entries = list(entries)
+        seen = set()
         for e in entries:
             if not e.rejected and not (math.isfinite(e.mean_s) and e.mean_s >= 0):
                 raise InvalidArgument(f"mean_s must be a finite number >= 0, got {e.mean_s}")
             if not (0.0 <= e.admitted_fraction <= 1.0):
                 raise InvalidArgument(f"admitted_fraction must be in [0, 1], got {e.admitted_fraction}")
+            if (e.source, e.prompt_id) in seen:
+                raise InvalidArgument(f"source {e.source[:40]!r} and prompt {e.prompt_id[:40]!r} appear twice in one "
+                                      "report; send one entry per group received")
+            seen.add((e.source, e.prompt_id))
         with self.cond:
             self._node(node_id, session_id)
+            if round > self.current_round() + 1000:
+                raise FailedPrecondition(f"report for round {round}, implausibly far ahead of the federation "
+                                         f"(current {self.current_round()})")
             for e in entries:
                 if self.state.get_node(e.source) is None or e.source == node_id:
                     raise InvalidArgument(f"unknown source node {e.source!r}")
-            for e in entries:
-                self.state.update_compat(e.source, node_id, e.mean_s if not e.rejected else 0.0,
-                                         e.admitted_fraction, e.rejected)
-            self.counters["reports"] += len(entries)
-            self.counters["rejected_groups"] += sum(1 for e in entries if e.rejected)
-        return len(entries)
+            accepted, dups = self.state.put_reports([
+                ReportRow(round=round, receiver=node_id, source=e.source, prompt_id=e.prompt_id,
+                          mean_s=e.mean_s if not e.rejected else 0.0, admitted_fraction=e.admitted_fraction,
+                          rejected=e.rejected) for e in entries])
+            self.counters["reports"] += accepted
+            self.counters["duplicate_reports"] += dups
+            # counted once per group, like the matrix (a repeated rejection is a duplicate)
+            self.counters["rejected_groups"] = sum(c.rejected for c in self.state.compat())
+        return accepted, dups
 
     # ----- status and retention -------------------------------------------------------------------
 

@@ -69,7 +69,9 @@ def render_metrics(fed: Federation, servicer: BrokerServicer) -> str:
                        ("rounds_matched", "Rounds matched."), ("matches", "Groups matched to a receiver."),
                        ("bundles_stored", "Bundles stored."), ("bundles_duplicate", "Bundles already held."),
                        ("bundle_bytes_in", "Bundle bytes uploaded."), ("bundle_bytes_out", "Bundle bytes served."),
-                       ("reports", "Compatibility reports."), ("rejected_groups", "Groups rejected by receivers."),
+                       ("reports", "Compatibility reports (one per group)."),
+                       ("duplicate_reports", "Repeated reports ignored (a group counts once)."),
+                       ("rejected_groups", "Groups rejected by receivers."),
                        ("joins", "Joins."), ("rejected_join", "Joins refused for a manifest mismatch.")]:
         metric(f"{key}_total", "counter", help_, [("", c.get(key, 0))])
     stats = servicer.stats

@@ -186,10 +186,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_rpc
     def ReportCompatibility(self, request: pb.CompatibilityReport, context: Any) -> pb.ReportResponse:
-        n = self.fed.report(request.node_id, request.session_id,
-                            [ReportEntry(e.source_node_id, e.prompt_id, e.mean_s, e.admitted_fraction, e.rejected)
-                             for e in request.entries])
-        return pb.ReportResponse(accepted=n)
+        accepted, dups = self.fed.report(request.node_id, request.session_id, request.round,
+                                         [ReportEntry(e.source_node_id, e.prompt_id, e.mean_s, e.admitted_fraction,
+                                                      e.rejected) for e in request.entries])
+        return pb.ReportResponse(accepted=accepted, duplicates=dups)
 
     @_rpc
     def GetStatus(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:

@@ -10,7 +10,12 @@ each implementation):
   nothing; a crash before leaves no partial write.
 - `put_summaries` is idempotent on (node_id, round, prompt_id): a retried publish never
   duplicates; the first write wins and later ones are counted as duplicates.
-- `put_bundle` is idempotent on the digest; the bytes are stored once.
+- `put_bundle` is idempotent on the digest; the bytes, and the provenance (the producing
+  node's signature and certificate) that came with them, are stored once: the first
+  upload wins.
+- `put_reports` is idempotent on (round, receiver, source, prompt_id): a receiver's
+  report about one group counts once towards the pair's compatibility, however often it
+  is sent (a retried or replayed report changes nothing).
 - Reads return copies: mutating a returned object never changes the state.
 - Methods are safe to call from several threads.
 """
@@ -72,6 +77,19 @@ class CompatRow:
 
 
 @dataclass
+class ReportRow:
+    """One receiver's verdict on one group it was given: what ReportCompatibility carries."""
+
+    round: int  # the receiver's round
+    receiver: str
+    source: str
+    prompt_id: str
+    mean_s: float
+    admitted_fraction: float
+    rejected: bool  # re-verification (or the bundle's signature) failed
+
+
+@dataclass
 class RoundRow:
     round: int
     state: str  # open | matched
@@ -130,12 +148,18 @@ class BrokerState(abc.ABC):
 
     # ----- bundles (content-addressed)
     @abc.abstractmethod
-    def put_bundle(self, digest: str, data: bytes) -> bool:
-        """Store bytes under their sha256 digest; False when already held. The caller has
-        checked the digest."""
+    def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+        """Store bytes under their sha256 digest, with the producer's signature over the digest
+        and its certificate (DER) when it signed; False when already held (then nothing,
+        provenance included, is rewritten). The caller has checked the digest."""
 
     @abc.abstractmethod
     def get_bundle(self, digest: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def bundle_provenance(self, digest: str) -> tuple[bytes, bytes] | None:
+        """(signature, signer certificate DER) stored with a bundle, (b"", b"") when it came
+        unsigned, None when the bundle is not held."""
 
     @abc.abstractmethod
     def has_bundles(self, digests: Sequence[str]) -> list[str]:
@@ -155,10 +179,21 @@ class BrokerState(abc.ABC):
     @abc.abstractmethod
     def compat(self) -> list[CompatRow]: ...
 
+    @abc.abstractmethod
+    def put_reports(self, rows: Sequence[ReportRow]) -> tuple[int, int]:
+        """Store receiver reports and fold each new one into its pair's compatibility
+        (exactly as `update_compat`), atomically; returns (accepted, duplicates). Idempotent
+        on (round, receiver, source, prompt_id): the first report wins."""
+
+    @abc.abstractmethod
+    def reports(self, round: int | None = None, receiver: str | None = None,
+                source: str | None = None) -> list[ReportRow]:
+        """Stored reports, by (round, receiver, source, prompt_id)."""
+
     # ----- retention
     @abc.abstractmethod
     def prune(self, keep_rounds: int | None = None, max_bundle_bytes: int | None = None) -> int:
-        """Drop summaries, matches and rounds older than the newest `keep_rounds` rounds, and
+        """Drop summaries, matches, reports and rounds older than the newest `keep_rounds` rounds, and
         the oldest bundles beyond `max_bundle_bytes` (their summaries lose the digest);
         returns the number of rows removed."""
 

@@ -14,7 +14,7 @@ import operator
 import threading
 from typing import Iterable, Sequence
 
-from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, RoundRow, SummaryRow
+from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1  # what SQLite's INTEGER holds
 
@@ -94,6 +94,22 @@ def norm_bytes(data) -> bytes:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"bundle data must be bytes, got {type(data).__name__}")
     return bytes(data)
+
+
+def norm_report(row: ReportRow) -> ReportRow:
+    if not isinstance(row.rejected, bool):
+        raise TypeError(f"rejected must be a bool, got {row.rejected!r}")
+    return ReportRow(round=as_int(row.round, "round"), receiver=as_str(row.receiver, "receiver"),
+                     source=as_str(row.source, "source"), prompt_id=as_str(row.prompt_id, "prompt_id"),
+                     mean_s=as_float(row.mean_s, "mean_s"), admitted_fraction=as_float(row.admitted_fraction,
+                                                                                    "admitted_fraction"),
+                     rejected=row.rejected)
+
+
+def norm_blob(value, what: str) -> bytes:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{what} must be bytes, got {type(value).__name__}")
+    return bytes(value)
 
 
 def opt_int(value, what: str) -> int | None:
@@ -177,6 +193,11 @@ def match_key(row: MatchRow) -> tuple[int, str, str]:
     return (row.round, row.receiver, row.prompt_id)
 
 
+def report_key(row: ReportRow) -> tuple[int, str, str, str]:
+    """Identity and result order of reports: round, receiver, source, prompt."""
+    return (row.round, row.receiver, row.source, row.prompt_id)
+
+
 def _copy_summary(row: SummaryRow) -> SummaryRow:
     return dataclasses.replace(row, lengths=list(row.lengths), mean_logprobs=list(row.mean_logprobs))
 
@@ -194,6 +215,8 @@ class InMemoryState(BrokerState):
         self._summaries: dict[tuple[str, int, str], SummaryRow] = {}
         self._matches: dict[tuple[int, str, str], MatchRow] = {}
         self._bundles: dict[str, bytes] = {}  # insertion order is age: oldest first
+        self._provenance: dict[str, tuple[bytes, bytes]] = {}  # digest -> (signature, signer cert)
+        self._reports: dict[tuple[int, str, str, str], ReportRow] = {}
         self._bundle_bytes = 0
         self._compat: dict[tuple[str, str], CompatRow] = {}
 
@@ -287,15 +310,22 @@ class InMemoryState(BrokerState):
         return out
 
     # ----- bundles
-    def put_bundle(self, digest: str, data: bytes) -> bool:
+    def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
         digest = as_str(digest, "digest")
         blob = norm_bytes(data)
+        provenance = (norm_blob(signature, "signature"), norm_blob(signer_cert, "signer_cert"))
         with self._lock:
             if digest in self._bundles:
                 return False
             self._bundles[digest] = blob
+            self._provenance[digest] = provenance
             self._bundle_bytes += len(blob)
             return True
+
+    def bundle_provenance(self, digest: str) -> tuple[bytes, bytes] | None:
+        digest = as_str(digest, "digest")
+        with self._lock:
+            return self._provenance.get(digest)
 
     def get_bundle(self, digest: str) -> bytes | None:
         digest = as_str(digest, "digest")
@@ -323,6 +353,32 @@ class InMemoryState(BrokerState):
         with self._lock:
             return [dataclasses.replace(self._compat[k]) for k in sorted(self._compat)]
 
+    def put_reports(self, rows: Sequence[ReportRow]) -> tuple[int, int]:
+        batch = [norm_report(r) for r in rows]
+        accepted = 0
+        with self._lock:
+            for row in batch:
+                key = report_key(row)
+                if key in self._reports:
+                    continue
+                self._reports[key] = row
+                pair = (row.source, row.receiver)
+                self._compat[pair] = fold_compat(self._compat.get(pair), row.source, row.receiver, row.mean_s,
+                                                 row.admitted_fraction, row.rejected)
+                accepted += 1
+        return accepted, len(batch) - accepted
+
+    def reports(self, round: int | None = None, receiver: str | None = None,
+                source: str | None = None) -> list[ReportRow]:
+        round, receiver, source = opt_int(round, "round"), opt_str(receiver, "receiver"), opt_str(source, "source")
+        with self._lock:
+            out = [dataclasses.replace(r) for r in self._reports.values()
+                   if (round is None or r.round == round)
+                   and (receiver is None or r.receiver == receiver)
+                   and (source is None or r.source == source)]
+        out.sort(key=report_key)
+        return out
+
     # ----- retention
     def prune(self, keep_rounds: int | None = None, max_bundle_bytes: int | None = None) -> int:
         check_prune_args(keep_rounds, max_bundle_bytes)
@@ -331,7 +387,7 @@ class InMemoryState(BrokerState):
             cutoff = prune_cutoff(self.latest_round(), keep_rounds)
             if cutoff is not None:
                 for table, round_of in ((self._summaries, lambda k: k[1]), (self._matches, lambda k: k[0]),
-                                        (self._rounds, lambda k: k)):
+                                        (self._reports, lambda k: k[0]), (self._rounds, lambda k: k)):
                     old = [k for k in table if round_of(k) < cutoff]
                     for k in old:
                         del table[k]
@@ -341,6 +397,7 @@ class InMemoryState(BrokerState):
                 dropped = set(drop)
                 for d in drop:
                     self._bundle_bytes -= len(self._bundles.pop(d))
+                    del self._provenance[d]
                 for row in self._summaries.values():
                     if row.bundle_digest in dropped:
                         row.bundle_digest = ""

@@ -6,9 +6,9 @@
 - One connection (`check_same_thread=False`) behind one re-entrant lock: every method,
   read or write, holds the lock, and every mutating method is exactly one
   `BEGIN IMMEDIATE ... COMMIT` transaction, rolled back when anything in it raises.
-- The schema is created on first open; a `meta` table holds `schema_version`. A file with
-  another version, or a file that is not a SQLite database, raises `DataError` naming the
-  file and what to do.
+- The schema is created on first open; a `meta` table holds `schema_version`. A file of
+  an older version is migrated in place (one transaction); a file of a newer version, or a
+  file that is not a SQLite database, raises `DataError` naming the file and what to do.
 - Float columns carry no declared type (a `REAL` column turns -0.0 into 0.0) and NaN is
   stored as the text 'nan' (SQLite turns a NaN into NULL); lists are JSON text. So every
   float reads back bit for bit (NaN as a NaN).
@@ -27,14 +27,15 @@ import threading
 import time
 from typing import Iterable, Iterator, Sequence
 
-from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, RoundRow, SummaryRow
+from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_memory import (
-    as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_bytes, norm_compat_args, norm_digests,
-    norm_match, norm_node, norm_prompt_ids, norm_round, norm_summary, opt_int, opt_str, prune_cutoff,
+    as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_blob, norm_bytes, norm_compat_args,
+    norm_digests, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary, opt_int, opt_str,
+    prune_cutoff,
 )
 from graft_fed.errors import DataError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -67,11 +68,25 @@ CREATE TABLE compat (
     PRIMARY KEY (source, receiver));
 """
 
+# Schema version 1 -> 2: bundle provenance (the producer's signature and certificate) and
+# receiver reports keyed by (round, receiver, source, prompt) so a report counts once. Part
+# of the schema of a fresh file too.
+_MIGRATE_2 = """
+ALTER TABLE bundles ADD COLUMN signature BLOB NOT NULL DEFAULT x'';
+ALTER TABLE bundles ADD COLUMN signer_cert BLOB NOT NULL DEFAULT x'';
+CREATE TABLE reports (
+    round INTEGER NOT NULL, receiver TEXT NOT NULL, source TEXT NOT NULL, prompt_id TEXT NOT NULL,
+    mean_s NOT NULL, admitted_fraction NOT NULL, rejected INTEGER NOT NULL,
+    PRIMARY KEY (round, receiver, source, prompt_id));
+"""
+_MIGRATIONS = {2: _MIGRATE_2}  # version reached -> statements from the version before
+
 _SUMMARY_COLS = ("node_id, round, prompt_id, policy_version, n, k, reward_mean, reward_std, lengths, "
                  "mean_logprobs, bundle_digest")
 _MATCH_COLS = "round, receiver, prompt_id, source, source_round"
 _NODE_COLS = "node_id, model_id, tokenizer_id, privacy, state, session_id, round, last_seen, published"
 _COMPAT_COLS = "source, receiver, groups, mean_s, admitted_fraction, rejected"
+_REPORT_COLS = "round, receiver, source, prompt_id, mean_s, admitted_fraction, rejected"
 
 
 def _f2db(x: float):
@@ -128,7 +143,7 @@ class SqliteState(BrokerState):
         try:
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if not tables:
-                for stmt in _SCHEMA.split(";"):
+                for stmt in (_SCHEMA + "".join(_MIGRATIONS[v] for v in sorted(_MIGRATIONS))).split(";"):
                     if stmt.strip():
                         conn.execute(stmt)
                 conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
@@ -138,6 +153,13 @@ class SqliteState(BrokerState):
             else:
                 row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
                 version = row[0] if row else None
+                if str(version).isdigit() and 1 <= int(version) < SCHEMA_VERSION:
+                    for v in range(int(version) + 1, SCHEMA_VERSION + 1):
+                        for stmt in _MIGRATIONS[v].split(";"):
+                            if stmt.strip():
+                                conn.execute(stmt)
+                    conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+                    version = SCHEMA_VERSION
                 if str(version) != str(SCHEMA_VERSION):
                     newer = str(version).isdigit() and int(version) > SCHEMA_VERSION
                     raise self._fail(path, f"has schema version {version!r}, this graft-fed reads version "
@@ -291,13 +313,19 @@ class SqliteState(BrokerState):
         return [MatchRow(*r) for r in self._read(sql + " ORDER BY round, receiver, prompt_id", params)]
 
     # ----- bundles
-    def put_bundle(self, digest: str, data: bytes) -> bool:
+    def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
         digest = as_str(digest, "digest")
         blob = norm_bytes(data)
+        sig, cert = norm_blob(signature, "signature"), norm_blob(signer_cert, "signer_cert")
         with self._tx() as conn:
-            cur = conn.execute("INSERT INTO bundles (digest, data, size, created) VALUES (?,?,?,?) "
-                               "ON CONFLICT (digest) DO NOTHING", (digest, blob, len(blob), time.time()))
+            cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert) "
+                               "VALUES (?,?,?,?,?,?) ON CONFLICT (digest) DO NOTHING",
+                               (digest, blob, len(blob), time.time(), sig, cert))
             return cur.rowcount == 1
+
+    def bundle_provenance(self, digest: str) -> tuple[bytes, bytes] | None:
+        rows = self._read("SELECT signature, signer_cert FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
+        return (bytes(rows[0][0]), bytes(rows[0][1])) if rows else None
 
     def get_bundle(self, digest: str) -> bytes | None:
         rows = self._read("SELECT data FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
@@ -335,6 +363,42 @@ class SqliteState(BrokerState):
     def compat(self) -> list[CompatRow]:
         return [self._compat(r) for r in self._read(f"SELECT {_COMPAT_COLS} FROM compat ORDER BY source, receiver")]
 
+    def put_reports(self, rows: Sequence[ReportRow]) -> tuple[int, int]:
+        batch = [norm_report(r) for r in rows]
+        accepted = 0
+        with self._tx() as conn:
+            for r in batch:
+                cur = conn.execute(f"INSERT INTO reports ({_REPORT_COLS}) VALUES (?,?,?,?,?,?,?) "
+                                   "ON CONFLICT (round, receiver, source, prompt_id) DO NOTHING",
+                                   (r.round, r.receiver, r.source, r.prompt_id, _f2db(r.mean_s),
+                                    _f2db(r.admitted_fraction), int(r.rejected)))
+                if cur.rowcount != 1:
+                    continue
+                accepted += 1
+                old = conn.execute(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?",
+                                   (r.source, r.receiver)).fetchone()
+                new = fold_compat(None if old is None else self._compat(old), r.source, r.receiver, r.mean_s,
+                                  r.admitted_fraction, r.rejected)
+                conn.execute(f"INSERT OR REPLACE INTO compat ({_COMPAT_COLS}) VALUES (?,?,?,?,?,?)",
+                             (new.source, new.receiver, new.groups, _f2db(new.mean_s), _f2db(new.admitted_fraction),
+                              new.rejected))
+        return accepted, len(batch) - accepted
+
+    def reports(self, round: int | None = None, receiver: str | None = None,
+                source: str | None = None) -> list[ReportRow]:
+        where, params = [], []
+        for column, value in (("round", opt_int(round, "round")), ("receiver", opt_str(receiver, "receiver")),
+                              ("source", opt_str(source, "source"))):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        sql = f"SELECT {_REPORT_COLS} FROM reports"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        return [ReportRow(round=r[0], receiver=r[1], source=r[2], prompt_id=r[3], mean_s=_db2f(r[4]),
+                          admitted_fraction=_db2f(r[5]), rejected=bool(r[6]))
+                for r in self._read(sql + " ORDER BY round, receiver, source, prompt_id", params)]
+
     # ----- retention
     def prune(self, keep_rounds: int | None = None, max_bundle_bytes: int | None = None) -> int:
         check_prune_args(keep_rounds, max_bundle_bytes)
@@ -343,7 +407,7 @@ class SqliteState(BrokerState):
             (latest,), = conn.execute("SELECT MAX(round) FROM rounds").fetchall()
             cutoff = prune_cutoff(-1 if latest is None else latest, keep_rounds)
             if cutoff is not None:
-                for table in ("summaries", "matches", "rounds"):
+                for table in ("summaries", "matches", "reports", "rounds"):
                     removed += conn.execute(f"DELETE FROM {table} WHERE round < ?", (cutoff,)).rowcount
             if max_bundle_bytes is not None:
                 drop = bundles_to_drop(conn.execute("SELECT digest, size FROM bundles ORDER BY rowid").fetchall(),

@@ -287,10 +287,12 @@ class CompatibilityReport(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[CompatibilityReport.Entry, _Mapping]]] = ...) -> None: ...
 
 class ReportResponse(_message.Message):
-    __slots__ = ("accepted",)
+    __slots__ = ("accepted", "duplicates")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     accepted: int
-    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+    duplicates: int
+    def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -164,8 +164,10 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportCompatibility(self, request, context):
-        """Report the receiver's compatibility with the sources of its last round.
-        OK; UNAUTHENTICATED; INVALID_ARGUMENT (non-finite or out-of-range values, unknown source).
+        """Report the receiver's compatibility with the sources of its last round. Idempotent on
+        (round, receiver, source, prompt id): a retried or replayed report changes nothing.
+        OK; UNAUTHENTICATED; INVALID_ARGUMENT (non-finite or out-of-range values, unknown source,
+        one group twice in a report).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, RoundRow, SummaryRow
+from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
 from graft_fed.errors import DataError
@@ -208,6 +208,24 @@ def test_bundles(state):
     assert state.bundle_stats() == (3, 13)
 
 
+def test_bundle_provenance_is_stored_once_with_the_bytes(state):
+    assert state.bundle_provenance("d1") is None
+    assert state.put_bundle("d1", b"abc") is True
+    assert state.bundle_provenance("d1") == (b"", b"")  # unsigned
+    assert state.put_bundle("d2", b"xyz", signature=b"\x30sig", signer_cert=bytearray(b"\x30cert")) is True
+    assert state.bundle_provenance("d2") == (b"\x30sig", b"\x30cert")
+    assert type(state.bundle_provenance("d2")[1]) is bytes
+    # the first upload wins: a later one can neither add nor replace the provenance
+    assert state.put_bundle("d1", b"abc", signature=b"late", signer_cert=b"late") is False
+    assert state.put_bundle("d2", b"xyz", signature=b"other", signer_cert=b"other") is False
+    assert state.bundle_provenance("d1") == (b"", b"") and state.bundle_provenance("d2")[0] == b"\x30sig"
+    with pytest.raises(TypeError):
+        state.put_bundle("d3", b"q", signature="not bytes")
+    assert state.bundle_provenance("d3") is None and state.bundle_stats() == (2, 6)
+    state.prune(max_bundle_bytes=3)  # d1 goes, and its provenance with it
+    assert state.bundle_provenance("d1") is None and state.bundle_provenance("d2") is not None
+
+
 def test_compat_running_means_and_rejections(state):
     state.update_compat("s", "r", 0.2, 1.0, False)
     state.update_compat("s", "r", 0.9, 0.0, True)  # rejected: counts only towards `rejected`
@@ -221,6 +239,41 @@ def test_compat_running_means_and_rejections(state):
     state.update_compat("r", "s", 0.3, 0.75, False)  # the pair is directed
     assert [(c.source, c.receiver, c.groups) for c in state.compat()] == [("a", "r", 0), ("r", "s", 1), ("s", "r", 3)]
     assert state.compat()[1].mean_s == 0.3 and state.compat()[1].admitted_fraction == 0.75
+
+
+def rep(round=0, receiver="r", source="s", prompt_id="p0", mean_s=0.5, admitted_fraction=1.0, rejected=False):
+    return ReportRow(round=round, receiver=receiver, source=source, prompt_id=prompt_id, mean_s=mean_s,
+                     admitted_fraction=admitted_fraction, rejected=rejected)
+
+
+def test_reports_count_once_and_fold_into_compat(state):
+    batch = [rep(prompt_id="p0", mean_s=0.2), rep(prompt_id="p1", mean_s=0.4, admitted_fraction=0.5),
+             rep(prompt_id="p2", rejected=True, mean_s=0.0, admitted_fraction=0.0)]
+    assert state.put_reports(batch) == (3, 0)
+    assert state.compat() == [CompatRow("s", "r", groups=2, mean_s=pytest.approx(0.3),
+                                        admitted_fraction=pytest.approx(0.75), rejected=1)]
+    before = state.compat()
+    assert state.put_reports(batch) == (0, 3)  # retried or replayed: nothing changes
+    assert state.put_reports([rep(prompt_id="p2", rejected=False, mean_s=0.9)]) == (0, 1)  # the first wins
+    assert state.compat() == before
+    # another round, receiver or source is another report; duplicates inside a batch count once
+    assert state.put_reports([rep(round=1), rep(round=1), rep(receiver="q"), rep(source="t")]) == (3, 1)
+    assert [(c.source, c.receiver, c.groups) for c in state.compat()] == [("s", "q", 1), ("s", "r", 3),
+                                                                          ("t", "r", 1)]
+    assert [(r.round, r.receiver, r.source, r.prompt_id) for r in state.reports()] == [
+        (0, "q", "s", "p0"), (0, "r", "s", "p0"), (0, "r", "s", "p1"), (0, "r", "s", "p2"), (0, "r", "t", "p0"),
+        (1, "r", "s", "p0")]
+    assert state.reports(round=0, receiver="r", source="s")[2] == rep(prompt_id="p2", rejected=True, mean_s=0.0,
+                                                                     admitted_fraction=0.0)
+    assert len(state.reports(source="t")) == 1 and state.reports(round=5) == []
+    # validated before anything is written
+    with pytest.raises(TypeError):
+        state.put_reports([rep(prompt_id="new"), rep(prompt_id="bad", rejected=1)])
+    with pytest.raises(TypeError):
+        state.put_reports([rep(prompt_id="new"), rep(prompt_id="bad", mean_s="0.5")])
+    assert len(state.reports()) == 6 and state.put_reports([]) == (0, 0)
+    state.reports()[0].source = "mutated"
+    assert state.reports()[0].source == "s"
 
 
 # ---------------------------------------------------------------- retention
@@ -246,6 +299,9 @@ def test_prune_rounds(state):
     for bad in (dict(keep_rounds=0), dict(keep_rounds=-1), dict(max_bundle_bytes=-1)):
         with pytest.raises(ValueError):
             state.prune(**bad)
+    state.put_reports([rep(round=r) for r in range(5)])
+    assert state.prune(keep_rounds=2) == 3  # the reports of rounds 0 to 2
+    assert [r.round for r in state.reports()] == [3, 4] and state.compat()[0].groups == 5  # compat stays
 
 
 def test_prune_bundles_drops_oldest_and_unlinks(state):
@@ -372,11 +428,16 @@ class SameBehaviour(RuleBasedStateMachine):
     def put_matches(self, rows):
         self.both("put_matches", rows)
 
-    @rule(bundles=st.lists(st.tuples(st.sampled_from(["d0", "d1", "d2", "d3"]), st.binary(max_size=20)),
-                           min_size=1, max_size=3))
+    @rule(bundles=st.lists(st.tuples(st.sampled_from(["d0", "d1", "d2", "d3"]), st.binary(max_size=20),
+                                     st.sampled_from([b"", b"sig1", b"sig2"])), min_size=1, max_size=3))
     def put_bundles(self, bundles):
-        for d, data in bundles:
-            self.both("put_bundle", d, data)
+        for d, data, sig in bundles:
+            self.both("put_bundle", d, data, signature=sig, signer_cert=sig and b"cert")
+
+    @rule(rows=st.lists(st.builds(rep, _rounds, _ids, _ids, _prompts, _floats, st.floats(0, 1), st.booleans()),
+                        max_size=4))
+    def put_reports(self, rows):
+        self.both("put_reports", rows)
 
     @rule(s=_ids, r=_ids, mean_s=_floats, frac=st.floats(0, 1), rejected=st.booleans())
     def update_compat(self, s, r, mean_s, frac, rejected):
@@ -403,8 +464,11 @@ class SameBehaviour(RuleBasedStateMachine):
     @invariant()
     def same_state(self):
         for method, args in (("list_nodes", ()), ("latest_round", ()), ("summaries", ()), ("matches", ()),
-                             ("compat", ()), ("bundle_stats", ()), ("has_bundles", (["d3", "d2", "d1", "d0"],))):
+                             ("compat", ()), ("bundle_stats", ()), ("has_bundles", (["d3", "d2", "d1", "d0"],)),
+                             ("reports", ())):
             self.both(method, *args)
+        for d in ("d0", "d1", "d2", "d3"):
+            self.both("bundle_provenance", d)
         for r in range(7):
             self.both("get_round", r)
 
@@ -427,16 +491,17 @@ def _populate(s):
     s.upsert_node(node("a", last_seen=1 / 3))
     s.put_round(RoundRow(round=3, state="matched", opened_at=1.0, matched_at=2.5))
     s.put_summaries([summ(reward_mean=0.1, mean_logprobs=[-1e-300, -0.0]), summ(prompt_id="p1")])
-    s.put_bundle("d0", b"bundle bytes")
+    s.put_bundle("d0", b"bundle bytes", signature=b"sig", signer_cert=b"cert")
     s.set_bundle_digest("a", 0, "p0", "d0")
     s.put_matches([MatchRow(3, "a", "p0", "b", 2)])
     s.update_compat("b", "a", 0.25, 0.5, False)
     s.update_compat("b", "a", 0.0, 0.0, True)
+    s.put_reports([rep(round=3, receiver="a", source="b", mean_s=1 / 3)])
 
 
 def _observe(s):
     return _obs([s.list_nodes(), s.get_round(3), s.latest_round(), s.summaries(), s.matches(), s.compat(),
-                 s.bundle_stats(), s.get_bundle("d0")])
+                 s.bundle_stats(), s.get_bundle("d0"), s.bundle_provenance("d0"), s.reports()])
 
 
 def test_sqlite_reopen_restores_everything(tmp_path):
@@ -449,6 +514,7 @@ def test_sqlite_reopen_restores_everything(tmp_path):
     try:
         assert _observe(s2) == _observe(mem)
         assert s2.put_summaries([summ()]) == (0, 1)  # idempotence survives the restart
+        assert s2.put_reports([rep(round=3, receiver="a", source="b")]) == (0, 1)  # so does a report's
         assert s2._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert s2._conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     finally:
@@ -503,13 +569,36 @@ def test_sqlite_refuses_a_newer_schema(tmp_path):
     with sqlite3.connect(path) as c:
         c.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION + 1),))
     c.close()
-    with pytest.raises(DataError, match=r"b\.db.*schema version '2'.*newer graft-fed: upgrade graft-fed"):
+    with pytest.raises(DataError, match=rf"b\.db.*schema version '{SCHEMA_VERSION + 1}'.*newer graft-fed: upgrade"):
         SqliteState(path)
     with sqlite3.connect(path) as c:
         c.execute("UPDATE meta SET value = 'banana' WHERE key = 'schema_version'")
     c.close()
     with pytest.raises(DataError, match="banana.*Move the file aside"):
         SqliteState(path)
+
+
+def test_sqlite_migrates_a_version_1_file_in_place(tmp_path):
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    _populate(s)
+    s.close()
+    with sqlite3.connect(path) as c:  # what graft-fed 0.1 (schema version 1) wrote
+        c.execute("DROP TABLE reports")
+        c.execute("ALTER TABLE bundles DROP COLUMN signature")
+        c.execute("ALTER TABLE bundles DROP COLUMN signer_cert")
+        c.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    c.close()
+    s = SqliteState(path)
+    try:
+        assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        assert s.get_bundle("d0") == b"bundle bytes" and s.bundle_provenance("d0") == (b"", b"")  # kept, unsigned
+        assert len(s.summaries()) == 2 and s.reports() == [] and s.compat()[0].rejected == 1
+        assert s.put_reports([rep(round=3, receiver="a", source="b")]) == (1, 0)
+        assert s.put_bundle("d1", b"new", signature=b"sig", signer_cert=b"cert")
+        assert s.bundle_provenance("d1") == (b"sig", b"cert")
+    finally:
+        s.close()
 
 
 def test_sqlite_batch_failing_midway_is_rolled_back(tmp_path, monkeypatch):
