@@ -8,6 +8,7 @@ follow the project's packing convention (graft_fed.modeling).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from typing import Any, Sequence
 
@@ -32,6 +33,34 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def stream_seed(*key: int) -> int:
+    """A 63-bit seed from integers (run seed, batch number, position, response ...): the
+    same key gives the same seed on every machine and Python version."""
+    digest = hashlib.sha256(":".join(str(int(k)) for k in key).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def keyed_uniforms(seed: int, count: int) -> torch.Tensor:
+    """`count` uniforms in [0, 1) (float64) from the stream `seed`: one per token position."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    return torch.rand(count, generator=gen, dtype=torch.float64)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse transform sampling. probs: (B, V); uniforms: (B,) in [0, 1).
+
+    A row's draw depends on its own uniform and distribution only, never on the other rows
+    of the batch (unlike torch.multinomial with a shared generator)."""
+    cdf = probs.double().cumsum(-1)  # (B, V)
+    target = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)  # (B, 1)
+    # The first token whose cumulative mass exceeds the target has positive probability;
+    # a target rounded up to the total mass falls back to the last token that has some.
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (B,)
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)  # (B,)
+    return torch.minimum(drawn, last)
 
 
 def _cache_kwarg(model: Any) -> str:
@@ -69,22 +98,34 @@ class HFRollout:
         return list(self.tokenizer(prompt, add_special_tokens=self.add_special_tokens)["input_ids"])
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams,
+                 seeds: Sequence[int] | None = None) -> list[list[Completion]]:
+        """`seeds` (one per prompt) switches to keyed sampling: response j of prompt i draws
+        its tokens from the stream stream_seed(seeds[i], j) alone, whatever batch it is
+        sampled in; without it every token advances the engine's one generator."""
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         encoded = [self.encode(p) for p in prompts]
         flat = [(i, ids) for i, ids in enumerate(encoded) for _ in range(sampling.n)]
+        keys = [stream_seed(seeds[i], j) for i in range(len(prompts)) for j in range(sampling.n)] if seeds is not None else None
         out: list[list[Completion]] = [[] for _ in prompts]
         was_training = self.model.training
         self.model.eval()
         try:
             for start in range(0, len(flat), self.batch_size):
                 chunk = flat[start:start + self.batch_size]
-                for (i, _), comp in zip(chunk, self._sample_batch([ids for _, ids in chunk], sampling)):
+                uniforms = None
+                if keys is not None:
+                    uniforms = torch.stack([keyed_uniforms(k, sampling.max_new_tokens)
+                                            for k in keys[start:start + self.batch_size]])  # (b, max_new_tokens)
+                for (i, _), comp in zip(chunk, self._sample_batch([ids for _, ids in chunk], sampling, uniforms)):
                     out[i].append(comp)
         finally:
             self.model.train(was_training)
         return out
 
-    def _sample_batch(self, prompt_ids: list[list[int]], sp: SamplingParams) -> list[Completion]:
+    def _sample_batch(self, prompt_ids: list[list[int]], sp: SamplingParams,
+                      uniforms: torch.Tensor | None = None) -> list[Completion]:
         batch = len(prompt_ids)
         p_len = max(len(p) for p in prompt_ids)
         ids = torch.full((batch, p_len), self.pad_id, dtype=torch.long)
@@ -111,7 +152,10 @@ class HFRollout:
             scaled = logits.float() / sp.temperature  # (B, V)
             scaled = filter_logits(scaled, sp.top_k, sp.top_p)
             logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
-            sampled = torch.multinomial(logp.exp().cpu(), 1, generator=self.generator).squeeze(-1)  # (B,)
+            if uniforms is None:
+                sampled = torch.multinomial(logp.exp().cpu(), 1, generator=self.generator).squeeze(-1)  # (B,)
+            else:
+                sampled = inverse_cdf_sample(logp.exp(), uniforms[:, step]).cpu()  # (B,)
             sampled_dev = sampled.to(self.device)
             tok_logp = logp.gather(-1, sampled_dev.unsqueeze(-1)).squeeze(-1).cpu()
             live = ~done.cpu()
