@@ -3,7 +3,10 @@
 Per step: sample -> verify -> publish summaries -> (upload bundles) -> receive matches ->
 fetch peer groups -> re-verify, re-tokenise, score compatibility (trainer/graft.py) ->
 report compatibility -> optimise peer-last -> checkpoint. When the broker is unreachable
-or slow, the step goes on as plain GRPO and the node reconnects with backoff and jitter.
+or slow, the step goes on as plain GRPO and the node reconnects with backoff and jitter;
+the summaries of the steps it could not publish wait in a backlog and are published once
+it is back (idempotent: a publish whose answer was lost is counted as a duplicate, never
+stored twice), so the broker ends up with every group the node sampled.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -30,6 +34,15 @@ from graft_fed.trainer.graft import offer_metrics, receive, to_record
 from graft_fed.trainer.grpo import GRPOTrainer, Group, StepData
 
 log = logging.getLogger("graft_fed.node")
+
+#: Unpublished rounds kept for publishing later (the oldest go first beyond this).
+MAX_BACKLOG_ROUNDS = 1024
+#: Backlog rounds published per step once the broker is back (bounded so a long outage
+#: does not turn one step into a burst the broker's rate limit refuses).
+BACKLOG_ROUNDS_PER_STEP = 16
+#: Codes that say a publish will never succeed as it is (retrying cannot help).
+_PERMANENT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+              grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND)
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,9 @@ class Node:
         self.connected = False
         self.backoff = Backoff(f.reconnect_min_s, f.reconnect_max_s)
         self.broker_manifest: Manifest | None = None
+        # round -> summaries not (known to be) acknowledged by the broker, oldest first
+        self.backlog: OrderedDict[int, list[SummaryRow]] = OrderedDict()
+        self.backlog_dropped = 0
 
     def close(self, leave: bool = True) -> None:
         if leave and self.connected:
@@ -190,15 +206,20 @@ class Node:
         """The federation part of a step; any broker failure leaves the own groups untouched."""
         t0 = time.perf_counter()
         groups = data.groups
-        metrics: dict[str, Any] = {"federation/connected": 0.0}
+        round = self.trainer.step
+        summaries = [summary_of(g, self.cfg.node_id, round, self.trainer.step) for g in groups]
+        metrics: dict[str, Any] = {"federation/connected": 0.0, "federation/skipped": 1.0}
         if not self.ensure_joined():
+            self._defer(round, summaries)
+            metrics["federation/backlog_rounds"] = float(len(self.backlog))
             return groups, metrics
         f = self.cfg.federation
-        round = self.trainer.step
         self.client.round = round
         by_prompt = {g.prompt.id: g for g in groups}
+        published = False
         try:
-            self.client.publish(round, [summary_of(g, self.cfg.node_id, round, self.trainer.step) for g in groups])
+            self.client.publish(round, summaries)
+            published = True
             if f.privacy == "share_all":
                 self.client.upload_missing((self._record(g), round) for g in groups if 0 < g.k < g.n)
             deadline = time.monotonic() + f.round_timeout_s
@@ -207,6 +228,9 @@ class Node:
                 resp = self.client.get_matches(round, min(f.match_wait_s, max(0.1, deadline - time.monotonic())))
             if not resp.ready:
                 metrics["federation/round_timeout"] = 1.0
+                metrics["federation/backlog_published"] = float(self._flush_backlog())
+                metrics["federation/backlog_rounds"] = float(len(self.backlog))
+                metrics["federation/connected"] = 1.0
                 return groups, metrics
             uploads_done = self._serve_uploads(resp, by_prompt)
             fetch_deadline = time.monotonic() + f.fetch_timeout_s
@@ -236,15 +260,65 @@ class Node:
                                                    mean_s=0.0 if math.isnan(r.mean_s) else r.mean_s,
                                                    admitted_fraction=r.admitted_fraction, rejected=r.rejected)
                                        for r in result.reports])
+            flushed = self._flush_backlog()
         except grpc.RpcError as exc:
+            if not published:
+                self._defer(round, summaries)
             self._lost(exc)
+            metrics["federation/backlog_rounds"] = float(len(self.backlog))
             metrics["time/federation"] = time.perf_counter() - t0
             return groups, metrics
         metrics.update(result.metrics)
-        metrics.update({"federation/connected": 1.0, "federation/offers": float(len(resp.offers)),
+        metrics.update({"federation/connected": 1.0, "federation/skipped": 0.0,
+                        "federation/backlog_published": float(flushed),
+                        "federation/backlog_rounds": float(len(self.backlog)),
+                        "federation/offers": float(len(resp.offers)),
                         "federation/bad_bundles": float(bad), "federation/uploads": float(uploads_done),
                         "time/federation": time.perf_counter() - t0})
         return result.groups, metrics
+
+    def _defer(self, round: int, summaries: list[SummaryRow]) -> None:
+        """Keep a round's summaries for publishing once the broker is back."""
+        self.backlog[round] = summaries
+        while len(self.backlog) > MAX_BACKLOG_ROUNDS:
+            old, _ = self.backlog.popitem(last=False)
+            self.backlog_dropped += 1
+            log.warning("node %s: backlog over %d rounds; round %d's summaries will not reach the broker",
+                        self.cfg.node_id, MAX_BACKLOG_ROUNDS, old)
+
+    def _flush_backlog(self) -> int:
+        """Publish the oldest backlog rounds (at most BACKLOG_ROUNDS_PER_STEP); with share_all
+        and recorded groups, their informative bundles too. A transient failure leaves the
+        rest for the next step (and is raised as a lost connection); a permanent refusal
+        drops the round with a warning. Returns the rounds published."""
+        done = 0
+        while self.backlog and done < BACKLOG_ROUNDS_PER_STEP:
+            rnd, rows = next(iter(self.backlog.items()))
+            try:
+                self.client.publish(rnd, rows)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    break  # rate limited: the rest waits for the next step
+                if exc.code() not in _PERMANENT:
+                    raise
+                log.warning("node %s: the broker refused round %d's summaries from the backlog (%s: %s); "
+                            "dropping them", self.cfg.node_id, rnd, exc.code().name, exc.details())
+                self.backlog.pop(rnd, None)
+                continue
+            self.backlog.pop(rnd, None)
+            done += 1
+            store = self.trainer.store
+            if self.cfg.federation.privacy == "share_all" and store is not None:
+                informative = [r.prompt_id for r in rows if 0 < r.k < r.n]
+                recs = store.lookup(informative, step=rnd, run_id=self.trainer.run_id)
+                try:
+                    self.client.upload_missing((rec, rnd) for rec in recs.values())
+                except grpc.RpcError as exc:
+                    if exc.code() not in _PERMANENT and exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                    log.warning("node %s: bundles of backlog round %d refused (%s: %s)", self.cfg.node_id, rnd,
+                                exc.code().name, exc.details())
+        return done
 
     def _serve_uploads(self, resp: MatchResult, current: dict[str, Group]) -> int:
         if self.cfg.federation.privacy == "summaries_only" or not resp.upload_requests:
