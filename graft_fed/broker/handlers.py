@@ -26,6 +26,7 @@ from graft_fed.federation.bundles import decode_bundle, digest_of, is_digest
 from graft_fed.federation.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                          ResourceExhausted, Unauthenticated)
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, differences, verifier_version
+from graft_fed.federation.signing import ProvenanceError, common_name, load_certificate_der, verify_signature
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -94,6 +95,7 @@ class Federation:
         # round -> nodes that published in it; a cache of the state (rebuilt on a miss, e.g.
         # after a restart) so that waking long-polls do not re-read every summary of the round
         self._published: dict[int, set[str]] = {}
+        self._warned_unverifiable = False
 
     # ----- sessions -------------------------------------------------------------------------
 
@@ -432,7 +434,11 @@ class Federation:
                                    "(claimed rewards did not re-verify); the operator can release it")
 
     def put_bundle(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str,
-                   data: bytes) -> bool:
+                   data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+        """Store a node's bundle. With `signer_cert` (the node's mTLS certificate, DER) a
+        signature must verify for this node and digest and is stored with the bytes for
+        receivers to check; without a certificate to check it against (no mutual TLS) a
+        signature is dropped and the bundle stored unsigned."""
         self.upload_allowed(node_id, session_id)
         quota = self.cfg.max_node_bundle_mib * 2**20
         if quota and self._bundle_bytes[node_id] + len(data) > quota:
@@ -444,6 +450,23 @@ class Federation:
             rec = decode_bundle(data, digest)
         except RecordError as exc:
             raise InvalidArgument(f"bundle rejected: {exc}") from None
+        if signature and signer_cert:
+            try:
+                cert = load_certificate_der(signer_cert)
+                if common_name(cert) != node_id:
+                    raise ProvenanceError(f"the client certificate is {common_name(cert)!r}'s, not {node_id!r}'s")
+                verify_signature(cert, node_id, digest, signature)
+            except ProvenanceError as exc:
+                raise InvalidArgument(f"bundle signature rejected: {exc}. Sign with the key of the certificate "
+                                      "this connection presents") from None
+        elif signature:
+            if not self._warned_unverifiable:
+                log.warning("node %s signs its bundles but this broker does not use mutual TLS, so it has no "
+                            "certificate to relay with them: bundles are stored unsigned (set client_ca)", node_id)
+                self._warned_unverifiable = True
+            signature = b""
+        else:
+            signer_cert = b""
         with self.cond:
             summary = self._summary(node_id, round, prompt_id)
             if summary is None:
@@ -452,9 +475,10 @@ class Federation:
                     or list(rec.mean_logprobs) != list(summary.mean_logprobs)):
                 raise InvalidArgument("the bundle does not hold the group its summary describes "
                                       "(prompt id, k, n or mean log-probs differ)")
-            stored = self.state.put_bundle(digest, data)
+            stored = self.state.put_bundle(digest, data, signature=signature, signer_cert=signer_cert)
             if stored:
                 self._bundle_bytes[node_id] += len(data)
+                self.counters["bundles_signed" if signature else "bundles_unsigned"] += 1
             self.state.set_bundle_digest(node_id, round, prompt_id, digest)
             self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
             self.counters["bundle_bytes_in"] += len(data)
@@ -462,6 +486,11 @@ class Federation:
         return stored
 
     def get_bundle(self, node_id: str, session_id: str, digest: str) -> bytes:
+        return self.fetch_bundle(node_id, session_id, digest)[0]
+
+    def fetch_bundle(self, node_id: str, session_id: str, digest: str) -> tuple[bytes, bytes, bytes]:
+        """(bytes, producer's signature, producer's certificate DER) of a bundle the node was
+        matched to; the last two are empty for an unsigned bundle."""
         if not is_digest(digest):
             raise InvalidArgument("digest must be 64 lowercase hex digits")
         with self.cond:
@@ -472,10 +501,11 @@ class Federation:
                 raise PermissionDenied(f"node {node_id!r} was not matched to bundle {digest[:12]}...; ask for "
                                        "matches first")
             data = self.state.get_bundle(digest)
-        if data is None:
+            provenance = self.state.bundle_provenance(digest)
+        if data is None or provenance is None:
             raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
         self.counters["bundle_bytes_out"] += len(data)
-        return data
+        return data, provenance[0], provenance[1]
 
     # ----- compatibility -----------------------------------------------------------------------
 

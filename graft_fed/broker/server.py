@@ -68,6 +68,8 @@ def render_metrics(fed: Federation, servicer: BrokerServicer) -> str:
     for key, help_ in [("summaries", "Group summaries accepted."), ("duplicate_summaries", "Retried summaries ignored."),
                        ("rounds_matched", "Rounds matched."), ("matches", "Groups matched to a receiver."),
                        ("bundles_stored", "Bundles stored."), ("bundles_duplicate", "Bundles already held."),
+                       ("bundles_signed", "Bundles stored with their producer's signature."),
+                       ("bundles_unsigned", "Bundles stored unsigned (no mutual TLS or no signature)."),
                        ("bundle_bytes_in", "Bundle bytes uploaded."), ("bundle_bytes_out", "Bundle bytes served."),
                        ("reports", "Compatibility reports (one per group)."),
                        ("duplicate_reports", "Repeated reports ignored (a group counts once)."),

@@ -14,6 +14,7 @@ from graft_fed.broker.handlers import Federation, ReportEntry
 from graft_fed.broker.state import SummaryRow
 from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted, status_of
 from graft_fed.federation.manifest import Manifest
+from graft_fed.federation.signing import pem_to_der
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
@@ -162,8 +163,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             raise InvalidArgument("empty upload: send at least one chunk")
         if received != first.total_size:
             raise InvalidArgument(f"upload ended after {received} of {first.total_size} bytes")
+        pem = context.auth_context().get("x509_pem_cert") or []  # the mTLS client certificate, if any
         stored = self.fed.put_bundle(first.node_id, first.session_id, first.prompt_id, first.round, first.digest,
-                                     b"".join(parts))
+                                     b"".join(parts), signature=first.signature,
+                                     signer_cert=pem_to_der(pem[0]) if pem else b"")
         return pb.UploadResponse(digest=first.digest, stored=stored)
 
     @_rpc
@@ -174,7 +177,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def FetchBundle(self, request: pb.FetchBundleRequest, context: Any) -> Iterator[pb.BundleChunk]:
         t0 = time.perf_counter()
         try:
-            data = self.fed.get_bundle(request.node_id, request.session_id, request.digest)
+            data, signature, cert = self.fed.fetch_bundle(request.node_id, request.session_id, request.digest)
         except FederationError as exc:
             code, message = status_of(exc)
             self.stats.observe("FetchBundle", code, time.perf_counter() - t0)
@@ -182,7 +185,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
         for off in range(0, max(1, len(data)), self.chunk):
             yield pb.BundleChunk(digest=request.digest, total_size=len(data), offset=off,
-                                 data=data[off:off + self.chunk])
+                                 data=data[off:off + self.chunk], signature=signature if off == 0 else b"",
+                                 signer_cert=cert if off == 0 else b"")
 
     @_rpc
     def ReportCompatibility(self, request: pb.CompatibilityReport, context: Any) -> pb.ReportResponse:

@@ -6,6 +6,7 @@ import logging
 import random
 import threading
 import time
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import grpc
@@ -15,8 +16,10 @@ from graft_fed.broker.server import grpc_options
 from graft_fed.broker.state import SummaryRow
 from graft_fed.broker.servicer import PRIVACY_CODES, manifest_from_pb, manifest_to_pb
 from graft_fed.core.records import GroupRecord, RecordError
+from graft_fed.errors import ConfigError
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
 from graft_fed.federation.manifest import Manifest
+from graft_fed.federation.signing import BundleSigner, ProvenanceVerifier, common_name, load_certificate_der
 from graft_fed.federation.transport import channel_credentials, check_plaintext
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
@@ -47,10 +50,20 @@ class Backoff:
         self.next_at = 0.0
 
 
+@dataclass(frozen=True)
+class FetchedBundle:
+    record: GroupRecord
+    signer: str  # the verified producer, "" when the bundle was not (or could not be) verified
+
+
 class BrokerClient:
     def __init__(self, address: str, node_id: str, max_message_mib: int = 16, rpc_timeout_s: float = 10.0,
                  chunk_kib: int = 1024, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, insecure: bool = False) -> None:
+                 tls_key: str | None = None, insecure: bool = False,
+                 require_signatures: bool | None = None) -> None:
+        """`require_signatures`: refuse peer bundles whose producer's signature cannot be
+        checked; None (the default) = required when this node uses mutual TLS (it has a
+        certificate and key). Verifying needs `tls_ca`, the federation CA."""
         self.address = address
         self.node_id = node_id
         self.timeout = rpc_timeout_s
@@ -67,6 +80,15 @@ class BrokerClient:
             check_plaintext(address, insecure, f"node {node_id}")
             self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.BrokerStub(self.channel)
+        # Provenance: sign what this node produces with its mTLS key; check what it receives
+        # against the federation CA (graft_fed/federation/signing.py).
+        self.signer = BundleSigner(tls_cert, tls_key) if tls_cert and tls_key else None
+        self.verifier = ProvenanceVerifier(tls_ca) if tls_ca else None
+        self.require_signatures = self.signer is not None if require_signatures is None else require_signatures
+        if self.require_signatures and self.verifier is None:
+            raise ConfigError(f"node {node_id}: federation.require_signatures needs federation.tls_ca (the "
+                              "federation CA that issued the nodes' certificates) to check signatures against")
+        self._warned_unsigned = False
         self.session = ""
         self.round = 0
         self._hb_stop = threading.Event()
@@ -166,11 +188,13 @@ class BrokerClient:
         return self._upload_bytes(data, digest_of(data), record.prompt_id, round)
 
     def _upload_bytes(self, data: bytes, digest: str, prompt_id: str, round: int) -> tuple[str, bool]:
+        signature = self.signer.sign(self.node_id, digest) if self.signer is not None else b""
+
         def chunks() -> Iterator[pb.BundleChunk]:
             for off in range(0, max(1, len(data)), self.chunk):
                 yield pb.BundleChunk(digest=digest, total_size=len(data), offset=off, data=data[off:off + self.chunk],
                                      node_id=self.node_id, session_id=self.session, prompt_id=prompt_id,
-                                     round=round)
+                                     round=round, signature=signature if off == 0 else b"")
 
         resp = self.stub.UploadBundle(chunks(), timeout=self.timeout * 3)
         return digest, resp.stored
@@ -190,16 +214,39 @@ class BrokerClient:
                 sent += 1
         return sent
 
-    def fetch(self, digest: str) -> GroupRecord:
-        parts, size = [], None
+    def fetch(self, digest: str, source: str | None = None) -> GroupRecord:
+        return self.fetch_bundle(digest, source).record
+
+    def fetch_bundle(self, digest: str, source: str | None = None) -> "FetchedBundle":
+        """Download a bundle and check it: size, digest, record, and its producer's signature
+        (`source`: the node the broker names as the producer; None = whoever signed it).
+        Raises RecordError, or its subclass ProvenanceError for a signature that fails, a
+        certificate not issued by this node's CA or naming another node, or an unsigned
+        bundle where signatures are required."""
+        parts, size, signature, cert = [], None, b"", b""
         for chunk in self.stub.FetchBundle(pb.FetchBundleRequest(node_id=self.node_id, session_id=self.session,
                                                                  digest=digest), timeout=self.timeout * 3):
+            if size is None:
+                signature, cert = chunk.signature, chunk.signer_cert
             size = chunk.total_size
             parts.append(chunk.data)
         data = b"".join(parts)
         if size is None or len(data) != size:
             raise RecordError(f"bundle {digest[:12]} arrived truncated ({len(data)} of {size} bytes)")
-        return decode_bundle(data, digest)
+        if digest_of(data) != digest:
+            raise RecordError(f"bundle digest mismatch: expected {digest}, got {digest_of(data)}")
+        signer = ""
+        if self.verifier is not None and (signature or cert or self.require_signatures):
+            # present signatures are always checked; absent ones are refused when required
+            if source is None:
+                source = common_name(load_certificate_der(cert)) if cert else ""
+            signer = self.verifier.verify(source, digest, signature, cert)
+        elif not self._warned_unsigned:
+            log.warning("node %s: a peer bundle arrived unsigned (or this node has no federation CA to check "
+                        "signatures), so it cannot verify who produced it; use mutual TLS (docs/security.md)",
+                        self.node_id)
+            self._warned_unsigned = True
+        return FetchedBundle(record=decode_bundle(data, digest), signer=signer)
 
     def report(self, round: int, entries: Sequence[ReportEntry | pb.CompatibilityReport.Entry]) -> None:
         msgs = [e if isinstance(e, pb.CompatibilityReport.Entry) else pb.CompatibilityReport.Entry(

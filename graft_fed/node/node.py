@@ -18,16 +18,17 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import grpc
 
-from graft_fed.broker.handlers import MatchResult, ReportEntry
+from graft_fed.broker.handlers import MatchResult, Offer, ReportEntry
 from graft_fed.broker.state import SummaryRow
 from graft_fed.configbase import load_config, require
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
+from graft_fed.federation.signing import ProvenanceError
 from graft_fed.node.client import Backoff, BrokerClient
 from graft_fed.trainer.config import TrainConfig
 from graft_fed.trainer.graft import offer_metrics, receive, to_record
@@ -64,6 +65,12 @@ class FederationSection:
     #: This node's certificate and key for mutual TLS (its identity is the certificate's name).
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: Refuse peer bundles whose producer's signature does not check out against tls_ca (the
+    #: certificate must be the CA's and name the source node; docs/security.md). null = yes
+    #: when this node uses mutual TLS (then it also signs its own bundles); false accepts
+    #: unsigned bundles (logged once, counted as federation/unsigned_bundles) but still
+    #: refuses a signature that fails.
+    require_signatures: bool | None = None
     #: Allow plaintext gRPC to a non-loopback broker (logged as a warning at every start).
     insecure: bool = False
     #: Longest single long-poll for matches, seconds.
@@ -92,6 +99,8 @@ class FederationSection:
         require((self.tls_cert is None) == (self.tls_key is None), "federation: give both tls_cert and tls_key")
         require(self.tls_cert is None or self.tls_ca is not None,
                 "federation.tls_cert needs federation.tls_ca (the CA that signed the broker's certificate)")
+        require(not self.require_signatures or self.tls_ca is not None,
+                "federation.require_signatures needs federation.tls_ca (the federation CA) to check signatures")
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,54 @@ def summary_of(group: Group, node_id: str, round: int, step: int) -> SummaryRow:
                       mean_logprobs=[c.mean_logprob for c in group.completions])
 
 
+@dataclass
+class FetchedOffers:
+    """The peer groups of one step's offers that passed the receiver's checks."""
+
+    records: dict[str, GroupRecord] = field(default_factory=dict)  # prompt id -> the source's group
+    bad: int = 0  # bundles refused, for any reason
+    bad_signatures: int = 0  # ... because their producer could not be established
+    unsigned: int = 0  # accepted without a signature (signatures not required)
+    #: Groups refused for their provenance, reported to the broker as rejected so that its
+    #: quarantine sees a source whose bundles do not check out.
+    rejections: list[ReportEntry] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        return {"federation/bad_signatures": float(self.bad_signatures),
+                "federation/unsigned_bundles": float(self.unsigned)}
+
+
+def fetch_offers(client: BrokerClient, offers: Sequence[Offer]) -> FetchedOffers:
+    """Download and check every offered bundle: digest, record, and who produced it (the
+    signature must be the offered source's, see graft_fed/federation/signing.py). A bundle
+    that fails is skipped, never trained on; a failed signature is also reported as a
+    rejected group of that source."""
+    out = FetchedOffers()
+    for o in offers:
+        if not o.digest:
+            continue
+        try:
+            got = client.fetch_bundle(o.digest, source=o.source_node)
+        except ProvenanceError as exc:
+            log.warning("bundle %s... offered as %s's rejected: %s", o.digest[:12], o.source_node, exc)
+            out.bad += 1
+            out.bad_signatures += 1
+            out.rejections.append(ReportEntry(source=o.source_node, prompt_id=o.prompt_id, mean_s=0.0,
+                                              admitted_fraction=0.0, rejected=True))
+            continue
+        except RecordError as exc:
+            log.warning("bundle from %s rejected: %s", o.source_node, exc)
+            out.bad += 1
+            continue
+        if got.record.prompt_id != o.prompt_id:
+            out.bad += 1
+            continue
+        out.unsigned += not got.signer
+        # Name the source by its node id, so reports and metrics key on it.
+        out.records[o.prompt_id] = dataclasses.replace(got.record, model_id=o.source_node)
+    return out
+
+
 class Node:
     def __init__(self, cfg: NodeConfig, resume: str | None = None, quiet: bool = False) -> None:
         self.cfg = cfg
@@ -130,7 +187,8 @@ class Node:
         f = cfg.federation
         self.client = BrokerClient(f.broker, cfg.node_id, max_message_mib=f.max_message_mib,
                                    rpc_timeout_s=f.rpc_timeout_s, chunk_kib=f.chunk_kib, tls_ca=f.tls_ca,
-                                   tls_cert=f.tls_cert, tls_key=f.tls_key, insecure=f.insecure)
+                                   tls_cert=f.tls_cert, tls_key=f.tls_key, insecure=f.insecure,
+                                   require_signatures=f.require_signatures)
         t = self.trainer
         self.manifest = Manifest(
             federation_id=f.federation_id or "", protocol_version=PROTOCOL_VERSION,
@@ -238,28 +296,14 @@ class Node:
                 time.sleep(0.05)
                 resp = self.client.get_matches(round, 0.5)
                 uploads_done += self._serve_uploads(resp, by_prompt)
-            offers: dict[str, GroupRecord] = {}
-            bad = 0
-            for o in resp.offers:
-                if not o.digest:
-                    continue
-                try:
-                    rec = self.client.fetch(o.digest)
-                except RecordError as exc:
-                    log.warning("bundle from %s rejected: %s", o.source_node, exc)
-                    bad += 1
-                    continue
-                if rec.prompt_id != o.prompt_id:
-                    bad += 1
-                    continue
-                # Name the source by its node id, so reports and metrics key on it.
-                offers[o.prompt_id] = dataclasses.replace(rec, model_id=o.source_node)
+            fetched = fetch_offers(self.client, resp.offers)
+            offers, bad = fetched.records, fetched.bad
+            metrics.update(fetched.metrics())
             result = receive(self.trainer, groups, offers)
             metrics.update(offer_metrics(groups, resp.candidates, resp.solved_by_peers, len(resp.offers)))
-            self.client.report(round, [ReportEntry(source=r.source, prompt_id=r.prompt_id,
-                                                   mean_s=0.0 if math.isnan(r.mean_s) else r.mean_s,
-                                                   admitted_fraction=r.admitted_fraction, rejected=r.rejected)
-                                       for r in result.reports])
+            self.client.report(round, fetched.rejections + [
+                ReportEntry(source=r.source, prompt_id=r.prompt_id, mean_s=0.0 if math.isnan(r.mean_s) else r.mean_s,
+                            admitted_fraction=r.admitted_fraction, rejected=r.rejected) for r in result.reports])
             flushed = self._flush_backlog()
         except grpc.RpcError as exc:
             if not published:

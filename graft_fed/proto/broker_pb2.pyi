@@ -208,7 +208,7 @@ class MatchResponse(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., offers: _Optional[_Iterable[_Union[MatchOffer, _Mapping]]] = ..., upload_requests: _Optional[_Iterable[_Union[UploadRequest, _Mapping]]] = ..., candidates: _Optional[int] = ..., solved_by_peers: _Optional[int] = ...) -> None: ...
 
 class BundleChunk(_message.Message):
-    __slots__ = ("digest", "total_size", "offset", "data", "node_id", "session_id", "prompt_id", "round")
+    __slots__ = ("digest", "total_size", "offset", "data", "node_id", "session_id", "prompt_id", "round", "signature", "signer_cert")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,8 @@ class BundleChunk(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_CERT_FIELD_NUMBER: _ClassVar[int]
     digest: str
     total_size: int
     offset: int
@@ -225,7 +227,9 @@ class BundleChunk(_message.Message):
     session_id: str
     prompt_id: str
     round: int
-    def __init__(self, digest: _Optional[str] = ..., total_size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    signer_cert: bytes
+    def __init__(self, digest: _Optional[str] = ..., total_size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ..., signer_cert: _Optional[bytes] = ...) -> None: ...
 
 class UploadResponse(_message.Message):
     __slots__ = ("digest", "stored")

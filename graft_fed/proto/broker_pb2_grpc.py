@@ -136,9 +136,10 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UploadBundle(self, request_iterator, context):
-        """Upload one bundle as a stream of chunks; the broker checks size and sha256.
+        """Upload one bundle as a stream of chunks; the broker checks size and sha256, and a
+        signature against the certificate of the upload's mTLS handshake.
         OK; INVALID_ARGUMENT (digest mismatch, inconsistent chunk fields, chunk too large,
-        offsets not contiguous); UNAUTHENTICATED; PERMISSION_DENIED (the node's privacy
+        offsets not contiguous, a signature that does not verify); UNAUTHENTICATED; PERMISSION_DENIED (the node's privacy
         setting forbids uploads); NOT_FOUND (no published summary for that prompt and round);
         RESOURCE_EXHAUSTED (bundle larger than the broker's limit).
         """
@@ -155,7 +156,8 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchBundle(self, request, context):
-        """Download a bundle the node was matched to, in chunks.
+        """Download a bundle the node was matched to, in chunks; the first carries the producer's
+        signature and certificate, which the receiver checks (the broker is not trusted with them).
         OK; UNAUTHENTICATED; NOT_FOUND (no such bundle); PERMISSION_DENIED (the node was not
         matched to it).
         """
