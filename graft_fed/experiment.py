@@ -175,20 +175,32 @@ class Experiment:
 
 # ----- the report -----------------------------------------------------------------------------
 
-def _final_pass1(out_dir: Path) -> float | None:
+def _final_eval(out_dir: Path) -> dict[str, Any] | None:
     path = out_dir / "summary.json"
     if not path.is_file():
         return None
-    return json.loads(path.read_text())["eval_after"]["pass@1"]
+    return json.loads(path.read_text())["eval_after"]
 
 
-def collect_results(cfg: ExperimentConfig) -> dict[tuple[str, str, str], list[float]]:
-    """(receiver, peer, arm) -> final pass@1 per seed. Baselines have peer '-'."""
+def _pass1(ev: dict[str, Any], family: str | None = None) -> float | None:
+    if family is None:
+        return ev["pass@1"]
+    return (ev.get("by_group") or {}).get(family)
+
+
+def collect_results(cfg: ExperimentConfig, family: str | dict[str, str] | None = None
+                    ) -> dict[tuple[str, str, str], list[float]]:
+    """(receiver, peer, arm) -> final pass@1 per seed. Baselines have peer '-'.
+
+    `family` restricts the score to one task family (the eval's per-family pass@1), either one
+    name for every receiver or a {receiver: family} map."""
     root = Path(cfg.output_dir)
     res: dict[tuple[str, str, str], list[float]] = {}
 
     def add(key: tuple[str, str, str], path: Path) -> None:
-        v = _final_pass1(path)
+        ev = _final_eval(path)
+        fam = family.get(key[0]) if isinstance(family, dict) else family
+        v = None if ev is None else _pass1(ev, fam)
         if v is not None:
             res.setdefault(key, []).append(v)
 
@@ -215,17 +227,26 @@ def _fmt(values: list[float] | None) -> str:
     return f"{mean:.1f} ± {sd:.1f}"
 
 
-def write_report(cfg: ExperimentConfig) -> Path:
+def weakest_families(cfg: ExperimentConfig) -> dict[str, str]:
+    """Per model: the task family with the lowest mean GRPO n=8 pass@1 over seeds ({} without
+    per-family scores)."""
     root = Path(cfg.output_dir)
-    res = collect_results(cfg)
-    arms = [a for a in cfg.arms if a not in BASELINES and a != "graft_all"]
-    lines = ["# GRAFT in miniature", "",
-             f"Held-out pass@1 (%, mean ± std over seeds {list(cfg.seeds)}) of each receiver after training.",
-             "Δ is against GRPO n=8 of the same receiver. Produced by `graft-fed experiment`; config in "
-             f"`{root / 'experiment.json'}`.", ""]
-    header = ["receiver", "peer", "GRPO n=8", "GRPO n=16"] + [a for a in arms] + [f"Δ {a}" for a in arms]
-    lines.append("| " + " | ".join(header) + " |")
-    lines.append("|" + "---|" * len(header))
+    out: dict[str, str] = {}
+    for m in {x for p in cfg.pairs for x in p}:
+        per: dict[str, list[float]] = {}
+        for seed in cfg.seeds:
+            ev = _final_eval(root / "grpo_n8" / f"seed{seed}" / m)
+            for fam, v in ((ev or {}).get("by_group") or {}).items():
+                per.setdefault(fam, []).append(v)
+        if per:
+            out[m] = min(sorted(per), key=lambda f: statistics.fmean(per[f]))
+    return out
+
+
+def _pair_table(cfg: ExperimentConfig, res: dict[tuple[str, str, str], list[float]],
+                arms: list[str]) -> list[str]:
+    header = ["receiver", "peer", "GRPO n=8", "GRPO n=16"] + list(arms) + [f"Δ {a}" for a in arms]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for a, b in cfg.pairs:
         for recv, peer in ((a, b), (b, a)):
             n8 = res.get((recv, "-", "grpo_n8"))
@@ -235,6 +256,68 @@ def write_report(cfg: ExperimentConfig) -> Path:
                 v = res.get((recv, peer, arm))
                 row.append(f"{100 * (statistics.fmean(v) - statistics.fmean(n8)):+.1f}" if v and n8 else "n/a")
             lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _prompts_per_step(cfg: ExperimentConfig) -> int:
+    from graft_fed.trainer.config import AlgorithmSection
+
+    default = {f.name: f.default for f in dataclasses.fields(AlgorithmSection)}["prompts_per_step"]
+    return int(cfg.base.get("algorithm", {}).get("prompts_per_step", default))
+
+
+def exchange_volume(cfg: ExperimentConfig) -> list[str]:
+    """Per receiver and peer of the co-trained arm: all-fail groups, candidates and replaced groups
+    per step and the admitted fraction of peer responses, averaged over steps and seeds."""
+    root = Path(cfg.output_dir)
+    keys = ("graft/all_fail", "graft/candidates", "graft/replaced", "graft/admitted_frac")
+    lines = ["| receiver | peer | all-fail / step | candidates / step | replaced / step | admitted |",
+             "|---|---|---|---|---|---|"]
+    for a, b in cfg.pairs:
+        for recv, peer in ((a, b), (b, a)):
+            vals: dict[str, list[float]] = {k: [] for k in keys}
+            for seed in cfg.seeds:
+                path = root / "graft" / f"seed{seed}" / f"{a}+{b}" / recv / "metrics.jsonl"
+                if not path.is_file():
+                    continue
+                for line in path.read_text(encoding="utf-8").splitlines():
+                    row = json.loads(line)
+                    for k in keys:
+                        v = row.get(k)
+                        if v is not None:
+                            vals[k].append(float(v))
+                        elif k != "graft/admitted_frac":
+                            vals[k].append(0.0)
+            if not vals["graft/all_fail"]:
+                continue
+            cells = [f"{statistics.fmean(vals[k]):.2f}" if vals[k] else "n/a" for k in keys[:3]]
+            adm = vals["graft/admitted_frac"]
+            cells.append(f"{100 * statistics.fmean(adm):.0f}%" if adm else "n/a")
+            lines.append(f"| {recv} | {peer} | " + " | ".join(cells) + " |")
+    return lines if len(lines) > 2 else []
+
+
+def write_report(cfg: ExperimentConfig) -> Path:
+    root = Path(cfg.output_dir)
+    res = collect_results(cfg)
+    arms = [a for a in cfg.arms if a not in BASELINES and a != "graft_all"]
+    lines = ["# GRAFT in miniature", "",
+             f"Held-out pass@1 (%, mean ± std over seeds {list(cfg.seeds)}) of each receiver after training.",
+             "Δ is against GRPO n=8 of the same receiver. Produced by `graft-fed experiment`; config in "
+             f"`{root / 'experiment.json'}`.", ""]
+    lines += _pair_table(cfg, res, arms)
+    weak = weakest_families(cfg)
+    if weak:
+        lines += ["", "## On each receiver's weak family", "",
+                  "The same runs scored on the receiver's weakest task family only (the family with the lowest "
+                  "GRPO n=8 pass@1 over seeds: " + ", ".join(f"{m}: {f}" for m, f in sorted(weak.items()))
+                  + "). These are the prompts GRAFT is for: the receiver's all-fail groups sit mostly here.", ""]
+        lines += _pair_table(cfg, collect_results(cfg, family=weak), arms)
+    volume = exchange_volume(cfg)
+    if volume:
+        lines += ["", "## Exchange volume (co-trained GRAFT arm)", "",
+                  "Per step, averaged over steps and seeds; the receiver's batch has "
+                  f"{_prompts_per_step(cfg)} prompts.", ""] + volume
     if "graft_all" in cfg.arms:
         lines += ["", "## Does a third model help?", "",
                   "Each receiver co-trained with all models at once (graft_all; the broker's selection) against "

@@ -43,3 +43,34 @@ def test_miniature_experiment_runs_every_arm_and_reports(tiny_llama, tiny_gpt2, 
     mtime = (tmp_path / "exp" / "graft" / "seed0" / "llama+gpt2" / "llama" / "summary.json").stat().st_mtime
     Experiment(conf).run()
     assert (tmp_path / "exp" / "graft" / "seed0" / "llama+gpt2" / "llama" / "summary.json").stat().st_mtime == mtime
+
+
+def _write_run(path, pass1, by_group, metrics=()):
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps({"eval_after": {"pass@1": pass1, "by_group": by_group}}))
+    if metrics:
+        (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+
+def test_report_scores_the_weak_family_and_the_exchange_volume(tmp_path):
+    from graft_fed.experiment import ExperimentConfig, exchange_volume, weakest_families, write_report
+
+    root = tmp_path / "exp"
+    conf = ExperimentConfig(output_dir=str(root), seeds=(0, 1), models={"a": "x", "b": "y"},
+                            pairs=(("a", "b"),), arms=("grpo_n8", "graft"))
+    for seed, (add, sub) in enumerate(((0.9, 0.1), (0.8, 0.3))):
+        _write_run(root / "grpo_n8" / f"seed{seed}" / "a", 0.5, {"add": add, "sub": sub})
+        _write_run(root / "grpo_n8" / f"seed{seed}" / "b", 0.5, {"add": 0.2, "sub": 0.7})
+        steps = [{"graft/all_fail": 4, "graft/candidates": 2, "graft/replaced": 1, "graft/admitted_frac": 0.5},
+                 {"graft/all_fail": 2}]  # a step without exchange logs no candidates: counts as 0
+        _write_run(root / "graft" / f"seed{seed}" / "a+b" / "a", 0.6, {"add": 0.9, "sub": 0.4}, steps)
+        _write_run(root / "graft" / f"seed{seed}" / "a+b" / "b", 0.5, {"add": 0.1, "sub": 0.7}, steps)
+    assert weakest_families(conf) == {"a": "sub", "b": "add"}
+    weak = collect_results(conf, family=weakest_families(conf))
+    assert weak[("a", "-", "grpo_n8")] == [0.1, 0.3] and weak[("a", "b", "graft")] == [0.4, 0.4]
+    assert weak[("b", "a", "graft")] == [0.1, 0.1]
+    volume = exchange_volume(conf)
+    assert "| a | b | 3.00 | 1.00 | 0.50 | 50% |" in volume
+    text = write_report(conf).read_text()
+    assert "## On each receiver's weak family" in text
+    assert "| a | b | 20.0 ± 14.1 | n/a | 40.0 ± 0.0 | +20.0 |" in text  # weak family: sub
