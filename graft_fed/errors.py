@@ -15,3 +15,7 @@ class DataError(GraftFedError, ValueError):
 
 class CheckpointError(GraftFedError):
     """A checkpoint is corrupt, incomplete or does not belong to this run."""
+
+
+class StorageError(GraftFedError):
+    """A local database could not be written or read back: disk full, I/O error, damaged file."""

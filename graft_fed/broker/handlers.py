@@ -24,7 +24,7 @@ from graft_fed.core.records import RecordError
 from graft_fed.data.config import load_prompts
 from graft_fed.federation.bundles import decode_bundle, digest_of, is_digest
 from graft_fed.federation.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-                                         ResourceExhausted, Unauthenticated)
+                                         ResourceExhausted, StorageFull, Unauthenticated, Unavailable)
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, differences, verifier_version
 from graft_fed.federation.signing import ProvenanceError, common_name, load_certificate_der, verify_signature
 
@@ -105,7 +105,10 @@ class Federation:
             raise Unauthenticated(f"node {node_id!r} has no live session {session_id[:8]!r}...; call Join again")
         if touch:
             node = replace(node, last_seen=self.clock(), state="online")
-            self.state.upsert_node(node)
+            try:
+                self.state.upsert_node(node)
+            except (StorageFull, Unavailable):
+                pass  # liveness is best effort: a full disk must not stop the broker serving reads
         return node
 
     def online_nodes(self) -> list[NodeRow]:

@@ -9,6 +9,11 @@
 - The schema is created on first open; a `meta` table holds `schema_version`. A file of
   an older version is migrated in place (one transaction); a file of a newer version, or a
   file that is not a SQLite database, raises `DataError` naming the file and what to do.
+- A file that SQLite opens but whose pages are damaged fails `PRAGMA quick_check` at open:
+  `DataError` naming the file and what to do, never a silently empty or partial state.
+  At run time, a write the disk cannot take (SQLITE_FULL) raises `StorageFull`
+  (RESOURCE_EXHAUSTED to the caller) and any other storage failure `Unavailable`; the
+  transaction is rolled back, so what was acknowledged before is intact, and reads go on.
 - Float columns carry no declared type (a `REAL` column turns -0.0 into 0.0) and NaN is
   stored as the text 'nan' (SQLite turns a NaN into NULL); lists are JSON text. So every
   float reads back bit for bit (NaN as a NaN).
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import sqlite3
@@ -34,6 +40,9 @@ from graft_fed.broker.state_memory import (
     prune_cutoff,
 )
 from graft_fed.errors import DataError
+from graft_fed.federation.errors import StorageFull, Unavailable
+
+log = logging.getLogger("graft_fed.broker")
 
 SCHEMA_VERSION = 2
 
@@ -89,6 +98,17 @@ _COMPAT_COLS = "source, receiver, groups, mean_s, admitted_fraction, rejected"
 _REPORT_COLS = "round, receiver, source, prompt_id, mean_s, admitted_fraction, rejected"
 
 
+# Primary result codes that mean the database itself failed (not the statement's input).
+_STORAGE_FAILURES = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB,
+                     sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED,
+                     sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_PROTOCOL}
+
+
+def _is_storage_failure(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and (code & 0xFF) in _STORAGE_FAILURES
+
+
 def _f2db(x: float):
     return "nan" if math.isnan(x) else x
 
@@ -116,6 +136,9 @@ class SqliteState(BrokerState):
         return DataError(f"broker state {path!r}: {what}")
 
     def _open(self, path: str) -> sqlite3.Connection:
+        existed = os.path.exists(path)
+        if existed and os.path.isfile(path) and os.path.getsize(path) == 0:
+            log.warning("broker state %s exists but is empty (0 bytes): starting a new, empty state in it", path)
         try:
             conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30.0)
         except sqlite3.Error as e:
@@ -123,6 +146,12 @@ class SqliteState(BrokerState):
                                    "writable, or point the broker at another state file") from None
         try:
             self._init_schema(conn, path)
+            problems = [r[0] for r in conn.execute("PRAGMA quick_check(5)").fetchall()]
+            if problems != ["ok"]:
+                conn.close()
+                raise self._fail(path, "is damaged: SQLite's quick_check found " + "; ".join(problems)[:400]
+                                 + ". Restore it from a backup, or move it (and its -wal file) aside to start "
+                                   "with an empty state; do not keep writing to it")
         except sqlite3.DatabaseError as e:
             conn.close()
             raise self._fail(path, f"is not a readable SQLite database ({e}). If it is not the broker's "
@@ -131,6 +160,8 @@ class SqliteState(BrokerState):
         except BaseException:
             conn.close()
             raise
+        if not existed:
+            log.info("broker state %s: new file, empty state", path)
         return conn
 
     def _init_schema(self, conn: sqlite3.Connection, path: str) -> None:
@@ -174,24 +205,47 @@ class SqliteState(BrokerState):
         conn.execute("COMMIT")
 
     # ----- transactions
+    def _storage_error(self, exc: sqlite3.Error, what: str) -> Exception:
+        """The domain error for a failure of the database itself (not of a statement's input)."""
+        if (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == sqlite3.SQLITE_FULL:
+            log.error("broker state %s is full (%s): %s refused, nothing of it stored. Free disk space, or set "
+                      "retention (keep_rounds, max_bundle_gib)", self.path, exc, what)
+            return StorageFull("the broker's storage is full: nothing of this request was stored; retry later "
+                               "(the operator must free disk space)")
+        log.error("broker state %s failed during a %s: %s (%s)", self.path, what, exc,
+                  getattr(exc, "sqlite_errorname", "?"))
+        return Unavailable(f"the broker's storage failed during a {what}: retry later (details in the "
+                           "broker's log)")
+
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         """One write transaction under the lock: committed when the block ends, rolled back
-        (and the exception re-raised) when it raises."""
+        (and the exception re-raised) when it raises. A failure of the database itself (disk
+        full, I/O error, corruption) is raised as StorageFull or Unavailable."""
         with self._lock:
             conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
             try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                if not _is_storage_failure(exc):
+                    raise
+                raise self._storage_error(exc, "write") from exc
 
     def _read(self, sql: str, params: Sequence = ()) -> list[tuple]:
         with self._lock:
-            return self._conn.execute(sql, params).fetchall()
+            try:
+                return self._conn.execute(sql, params).fetchall()
+            except sqlite3.Error as exc:
+                if not _is_storage_failure(exc):
+                    raise
+                raise self._storage_error(exc, "read") from exc
 
     def close(self) -> None:
         with self._lock:

@@ -43,9 +43,18 @@ class PermissionDenied(FederationError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Unavailable(FederationError):
+    """The broker cannot serve the request now (its storage failed); retrying later may work."""
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class StorageFull(ResourceExhausted):
+    """The broker's database could not grow (disk full): nothing of the request was stored."""
+
+
 STATUS_OF: dict[type[FederationError], grpc.StatusCode] = {
     cls: cls.code for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition,
-                              ResourceExhausted, Unauthenticated, PermissionDenied)
+                              ResourceExhausted, Unauthenticated, PermissionDenied, Unavailable)
 }
 
 

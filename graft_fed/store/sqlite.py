@@ -4,6 +4,10 @@ The store is the paper's "stored peer trajectories": a log of every group a run 
 (prompt, texts, generation log-probs, rewards, advantages, lengths), which another model
 can later train against (GRAFT.md section 2). WAL mode lets a reader (a receiver) open
 the file while its writer is still training.
+
+A damaged file is refused when it is opened (SQLite's quick_check), and a write the disk
+cannot take raises `StorageError` naming the file; the groups recorded before are intact
+(each `record` is one transaction).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from graft_fed.core.records import GroupRecord, RecordError
-from graft_fed.errors import DataError
+from graft_fed.errors import DataError, StorageError
 
 SCHEMA_VERSION = 1
 
@@ -52,8 +56,15 @@ class TrajectoryStore:
                 self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
                 self.db.commit()
             row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            problems = [r[0] for r in self.db.execute("PRAGMA quick_check(5)").fetchall()]
+            if problems != ["ok"]:
+                raise sqlite3.DatabaseError("; ".join(problems)[:400])
         except sqlite3.DatabaseError as exc:
-            raise DataError(f"{self.path} is not a readable trajectory store: {exc}") from None
+            if getattr(self, "db", None) is not None:
+                self.db.close()
+            raise DataError(f"{self.path} is not a readable trajectory store ({exc}). Restore it from a backup, "
+                            "or move it (and its -wal file) aside: a run then records into a new file, and "
+                            "the groups in the damaged one are lost to stored-peer training") from None
         if row is None or int(row[0]) != SCHEMA_VERSION:
             raise DataError(f"{self.path}: trajectory store schema {row[0] if row else '?'} is not "
                             f"{SCHEMA_VERSION}; re-export it with this graft-fed version")
@@ -71,8 +82,15 @@ class TrajectoryStore:
         """Insert (or replace: a resumed run re-records the steps after its checkpoint) groups."""
         rows = [(r.run_id, r.model_id, r.step, r.prompt_id, r.n, r.k, json.dumps(r.to_dict()))
                 for r in records]
-        with self.db:
-            self.db.executemany("INSERT OR REPLACE INTO groups VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+        try:
+            with self.db:
+                self.db.executemany("INSERT OR REPLACE INTO groups VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+        except sqlite3.OperationalError as exc:
+            full = (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == sqlite3.SQLITE_FULL
+            raise StorageError(
+                f"trajectory store {self.path}: " + ("the disk is full" if full else f"write failed ({exc})")
+                + f"; {len(rows)} groups were not recorded (those recorded before are intact). Free space and "
+                "resume the run from its last checkpoint (--resume auto), or set run.record_groups: false") from None
         return len(rows)
 
     def runs(self) -> list[tuple[str, str, int]]:

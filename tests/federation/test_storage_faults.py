@@ -1,0 +1,247 @@
+"""Full disks and damaged databases: the broker's SQLite state, a run's trajectory store and
+its checkpoints. A damaged file stops the start with an error that names it and says what
+to do (never a silently empty state); a full disk refuses the write that does not fit
+(RESOURCE_EXHAUSTED), keeps everything acknowledged before, and the broker goes on
+serving reads."""
+
+import errno
+import logging
+import os
+import sqlite3
+
+import grpc
+import pytest
+import torch
+
+from graft_fed.broker.server import BrokerServer
+from graft_fed.broker.state import NodeRow, SummaryRow
+from graft_fed.broker.state_sqlite import SqliteState
+from graft_fed.cli import main
+from graft_fed.core.records import GroupRecord
+from graft_fed.data.config import DataConfig, load_prompts
+from graft_fed.errors import CheckpointError, DataError, StorageError
+from graft_fed.store.sqlite import TrajectoryStore
+from graft_fed.trainer import checkpoint as ckpt
+from tests.federation.helpers import broker_config, start_broker
+from tests.federation.test_broker_rpc import client, code_of, record, summary
+
+PAGE = 4096
+
+
+@pytest.fixture()
+def prompts(prompt_file):
+    return load_prompts(DataConfig(source=str(prompt_file)))
+
+
+def damage(path, offset, length):
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(os.urandom(length))
+
+
+def filled_state(path):
+    st = SqliteState(path)
+    st.upsert_node(NodeRow("a", "m", "t", "share_all", "online", "s", 0, 0.0))
+    st.put_summaries([SummaryRow("a", r, f"p{i}", r, 8, 1, 0.125, 0.33, [5] * 8, [-0.5] * 8)
+                      for r in range(100) for i in range(20)])
+    st.close()
+    assert os.path.getsize(path) > 20 * PAGE
+    return path
+
+
+# ----- damaged files ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["pages", "truncated", "header"])
+def test_broker_refuses_a_damaged_state_file_at_start(how, prompt_file, tmp_path, capsys):
+    db = filled_state(tmp_path / "broker.sqlite")
+    if how == "pages":  # the header and schema are fine; data pages in the middle are not
+        damage(db, 8 * PAGE, 4 * PAGE)
+    elif how == "truncated":
+        with open(db, "r+b") as fh:
+            fh.truncate(os.path.getsize(db) // 2)
+    else:
+        damage(db, 0, 100)
+    cfg = broker_config(prompt_file, db=str(db))
+    with pytest.raises(DataError) as info:
+        BrokerServer(cfg)
+    message = str(info.value)
+    assert str(db) in message and ("restore it from a backup" in message.lower())
+    # the CLI says the same and exits non-zero, not with a traceback
+    cfg_file = tmp_path / "broker.yaml"
+    cfg_file.write_text(f"listen: 127.0.0.1:0\nhttp: ''\ndb: {db}\ndata: {{source: {prompt_file}}}\n"
+                        "verifier: {name: tests.plugins:odd_char_sum}\nseed: 3\nn: 2\nprompts_per_round: 8\n")
+    assert main(["broker", "--config", str(cfg_file)]) == 2
+    err = capsys.readouterr().err
+    assert "error: broker state" in err and str(db) in err and "Traceback" not in err
+
+
+def test_an_empty_state_file_is_never_taken_silently(tmp_path, caplog):
+    empty = tmp_path / "broker.sqlite"
+    empty.write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="graft_fed.broker"):
+        SqliteState(empty).close()
+    assert any("exists but is empty" in r.getMessage() and str(empty) in r.getMessage() for r in caplog.records)
+
+
+def test_trajectory_store_refuses_a_damaged_file(tmp_path):
+    path = tmp_path / "trajectories.sqlite"
+    with TrajectoryStore(path) as store:
+        store.record(group(i, step) for step in range(40) for i in range(12))
+    damage(path, 10 * PAGE, 3 * PAGE)
+    with pytest.raises(DataError, match="not a readable trajectory store.*Restore it from a backup"):
+        TrajectoryStore(path)
+    with pytest.raises(DataError, match=str(path)):
+        TrajectoryStore(path, readonly=True)
+
+
+def test_a_corrupt_checkpoint_is_refused_and_the_previous_one_stays(tiny_llama, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    root = tmp_path / "checkpoints"
+    first = ckpt.save_checkpoint(root, 1, model, tok, {"step": 1}, "fp", keep=2)
+    # a full disk while saving the next one: the save fails, the earlier checkpoint is untouched
+    real_save = torch.save
+
+    def full_disk(obj, f, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+
+    torch.save = full_disk
+    try:
+        with pytest.raises(OSError) as info:
+            ckpt.save_checkpoint(root, 2, model, tok, {"step": 2}, "fp", keep=2)
+        assert info.value.errno == errno.ENOSPC
+    finally:
+        torch.save = real_save
+    assert ckpt.latest_checkpoint(root) == first  # the half-written one is not taken for a checkpoint
+    assert ckpt.verify_checkpoint(first, "fp")["step"] == 1
+    # a damaged one is refused with the way out
+    weights = next(first.joinpath("model").glob("*.safetensors"))
+    damage(weights, 200, 16)
+    with pytest.raises(CheckpointError, match="corrupt.*resume from an earlier one"):
+        ckpt.verify_checkpoint(first, "fp")
+
+
+# ----- full disk ----------------------------------------------------------------------------------
+
+def group(i, step):
+    return GroupRecord(prompt_id=f"p{i}", step=step, model_id="m", tokenizer_id="t", problem="x" * 400, answer="1",
+                       rewards=(1.0, 0.0), advantages=(0.7071, -0.7071), texts=("a" * 300, "b" * 300),
+                       finish_reasons=("stop", "stop"), lengths=(3, 4), mean_logprobs=(-0.5, -0.25), run_id="r")
+
+
+def cap_pages(conn):
+    """Make the database 'full': it may not grow beyond the pages it has now (SQLITE_FULL)."""
+    (pages,), = conn.execute("PRAGMA page_count").fetchall()
+    conn.execute(f"PRAGMA max_page_count = {pages}")
+    return pages
+
+
+def test_broker_full_disk_refuses_the_write_keeps_the_acknowledged_and_serves_reads(prompt_file, prompts, tmp_path):
+    db = tmp_path / "broker.sqlite"
+    broker = start_broker(broker_config(prompt_file, db=str(db), max_publishes_per_s=0))
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    try:
+        # a solves prompts 0-3 and fails 4-7, b the other way round: b is offered a's groups of 0-3
+        assert a.publish(0, [summary(p, int(i < 4)) for i, p in enumerate(prompts[:8])]) == (8, 0)
+        assert b.publish(0, [summary(p, int(i >= 4)) for i, p in enumerate(prompts[:8])]) == (8, 0)
+        digest, stored = a.upload(record(prompts[0], 1), 0)
+        assert stored
+        assert b.get_matches(0, 5.0).ready
+        with broker.state._lock:
+            cap_pages(broker.state._conn)
+        # publish rounds until the database cannot grow
+        acked, failed = {0: 8}, None
+        for rnd in range(1, 200):
+            try:
+                assert a.publish(rnd, [summary(p, 1, round=rnd) for p in prompts[:8]]) == (8, 0)
+                acked[rnd] = 8
+            except grpc.RpcError as exc:
+                failed = (rnd, exc.code(), exc.details())
+                break
+        assert failed is not None, "the capped database never filled up"
+        rnd, code, details = failed
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "storage is full" in details
+        # nothing of the refused request was stored, everything acknowledged before is
+        assert broker.state.summaries(round=rnd) == []
+        by_round = {}
+        for s in broker.state.summaries(node_id="a"):
+            by_round[s.round] = by_round.get(s.round, 0) + 1
+        assert by_round == acked
+        # reads go on: status, bundle presence, fetching a matched bundle, matches of a matched round
+        st = a.status()
+        assert {n.node_id: n.published for n in st.nodes}["a"] == sum(acked.values())
+        assert b.has_bundles([digest]) == {digest}
+        assert b.fetch(digest).prompt_id == prompts[0].id
+        assert b.get_matches(0, 0.0).ready
+        # space comes back: the same publish now succeeds in full (it had left nothing behind)
+        with broker.state._lock:
+            broker.state._conn.execute("PRAGMA max_page_count = 1073741823")
+        assert a.publish(rnd, [summary(p, 1, round=rnd) for p in prompts[:8]]) == (8, 0)
+    finally:
+        a.close()
+        b.close()
+        broker.stop()
+
+
+class _NoSpace:
+    """The broker's SQLite connection on a disk where every write fails (ENOSPC as SQLite
+    reports it: SQLITE_FULL), reads still work."""
+
+    def __init__(self, conn):
+        self._conn = conn
+
+    def execute(self, sql, *args):
+        if sql.lstrip().split(None, 1)[0].upper() in ("INSERT", "UPDATE", "DELETE", "REPLACE"):
+            exc = sqlite3.OperationalError("database or disk is full")
+            exc.sqlite_errorcode = sqlite3.SQLITE_FULL
+            raise exc
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+def test_broker_with_no_space_at_all_still_serves_reads(prompt_file, prompts, tmp_path):
+    broker = start_broker(broker_config(prompt_file, db=str(tmp_path / "broker.sqlite")))
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    try:
+        assert a.publish(0, [summary(prompts[0], 1), summary(prompts[1], 0)]) == (2, 0)
+        assert b.publish(0, [summary(prompts[0], 0), summary(prompts[1], 1)]) == (2, 0)
+        digest, _ = a.upload(record(prompts[0], 1), 0)
+        assert b.get_matches(0, 5.0).ready
+        with broker.state._lock:
+            broker.state._conn = _NoSpace(broker.state._conn)
+        for call in (lambda: a.publish(1, [summary(prompts[0], 1, round=1)]),
+                     lambda: a.upload(record(prompts[1], 0), 0),
+                     lambda: client(broker, prompts, "c")):
+            code, details = code_of(call)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "storage is full" in details
+        # every read still answers (the liveness touch of each call is skipped, not fatal)
+        assert b.has_bundles([digest]) == {digest}
+        assert b.fetch(digest).prompt_id == prompts[0].id
+        assert [o.prompt_id for o in b.get_matches(0, 0.0).offers] == [prompts[0].id]
+        assert {n.node_id: n.published for n in a.status().nodes} == {"a": 2, "b": 2}
+        assert len(broker.state.summaries()) == 4
+    finally:
+        broker.state._conn = getattr(broker.state._conn, "_conn", broker.state._conn)
+        a.close()
+        b.close()
+        broker.stop()
+
+
+def test_trajectory_store_full_disk_is_a_clear_error_and_keeps_what_it_had(tmp_path):
+    path = tmp_path / "trajectories.sqlite"
+    with TrajectoryStore(path) as store:
+        assert store.record(group(i, 0) for i in range(12)) == 12
+        cap_pages(store.db)
+        with pytest.raises(StorageError) as info:
+            for step in range(1, 200):
+                store.record(group(i, step) for i in range(12))
+        assert str(path) in str(info.value) and "disk is full" in str(info.value)
+        assert "--resume auto" in str(info.value)
+        failed_step = step
+        steps = sorted({r.step for r in store.iter_records()})
+        assert steps == list(range(failed_step))  # every earlier step whole, nothing of the failed one
+        assert all(len(store.lookup([f"p{i}" for i in range(12)], step=s)) == 12 for s in steps)
