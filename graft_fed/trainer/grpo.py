@@ -135,8 +135,17 @@ class GRPOTrainer:
                                            weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(o.schedule, o.warmup_steps, cfg.run.steps, o.min_lr_ratio))
-        self.engine = HFRollout(self.model, self.tokenizer, batch_size=cfg.rollout.batch_size,
-                                seed=cfg.run.seed, add_special_tokens=cfg.model.encode_special_tokens)
+        self.engine: Any
+        if cfg.rollout.backend == "vllm":
+            from graft_fed.rollout.vllm import build_vllm_engine
+            from graft_fed.zoo import resolve_model_path
+
+            self.engine = build_vllm_engine(resolve_model_path(model_spec), self.tokenizer, self.model,
+                                            cfg.rollout.vllm, seed=cfg.run.seed, device=self.device,
+                                            add_special_tokens=cfg.model.encode_special_tokens)
+        else:
+            self.engine = HFRollout(self.model, self.tokenizer, batch_size=cfg.rollout.batch_size,
+                                    seed=cfg.run.seed, add_special_tokens=cfg.model.encode_special_tokens)
         self.sampling = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature,
                                        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                        max_new_tokens=cfg.rollout.max_new_tokens)
