@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graft_fed.configbase import require
-from graft_fed.data.loaders import BENCHMARKS, load_benchmark, load_hf_dataset, load_prompt_file
+from graft_fed.data.loaders import (ANSWER_FORMATS, BENCHMARKS, load_benchmark, load_hf_dataset,
+                                    load_prompt_file)
 from graft_fed.data.prompts import Prompt
 from graft_fed.errors import ConfigError
 
@@ -50,6 +51,14 @@ class DataConfig:
     id_field: str | None = None
     #: Keep only the first N prompts (in source order) after loading; None keeps all.
     max_prompts: int | None = None
+    #: How a file/hf row's answer field holds the gold answer: "plain" (the answer itself),
+    #: "boxed" (a worked solution whose last \boxed{} is the answer, as MATH's `solution`)
+    #: or "gsm8k" (the text after '####').
+    answer_format: str = "plain"
+    #: Dataset id that prompt ids hash (file/hf only); null = the file name without its
+    #: suffix, or the hub id. Nodes that exchange groups must use the same id for the same
+    #: data, however each of them loads it.
+    dataset_id: str | None = None
 
     def __post_init__(self) -> None:
         require(isinstance(self.source, str) and self.source.strip() != "",
@@ -81,6 +90,14 @@ class DataConfig:
         require(self.max_prompts is None or (isinstance(self.max_prompts, int) and not isinstance(self.max_prompts, bool)
                                              and self.max_prompts >= 1),
                 f"data.max_prompts must be a positive integer or null, got {self.max_prompts!r}")
+        require(self.answer_format in ANSWER_FORMATS,
+                f"data.answer_format must be one of {', '.join(ANSWER_FORMATS)}, got {self.answer_format!r}")
+        require(self.dataset_id is None or (isinstance(self.dataset_id, str) and self.dataset_id.strip() != ""),
+                "data.dataset_id must be a non-empty string or null")
+        if kind in ("embedded", "benchmark"):
+            require(self.answer_format == "plain" and self.dataset_id is None,
+                    f"data.answer_format and data.dataset_id only apply to files and hf sources; remove them for "
+                    f"{self.source!r}")
 
 
 def load_prompts(cfg: DataConfig, benchmarks_root: str | Path | None = None) -> list[Prompt]:
@@ -100,10 +117,11 @@ def load_prompts(cfg: DataConfig, benchmarks_root: str | Path | None = None) -> 
         prompts = load_benchmark(cfg.source, root=benchmarks_root)
     elif kind == "hf":
         hub_id, _, config_name = cfg.source[len(HF_PREFIX):].partition(":")
-        prompts = load_hf_dataset(hub_id, cfg.split, config_name=config_name or None,
+        prompts = load_hf_dataset(hub_id, cfg.split, config_name=config_name or None, dataset_id=cfg.dataset_id,
                                   problem_field=cfg.problem_field, answer_field=cfg.answer_field,
-                                  id_field=cfg.id_field)
+                                  id_field=cfg.id_field, answer_transform=ANSWER_FORMATS[cfg.answer_format])
     else:
-        prompts = load_prompt_file(cfg.source, problem_field=cfg.problem_field, answer_field=cfg.answer_field,
-                                   id_field=cfg.id_field)
+        prompts = load_prompt_file(cfg.source, dataset_id=cfg.dataset_id, problem_field=cfg.problem_field,
+                                   answer_field=cfg.answer_field, id_field=cfg.id_field,
+                                   answer_transform=ANSWER_FORMATS[cfg.answer_format])
     return prompts[: cfg.max_prompts] if cfg.max_prompts is not None else prompts

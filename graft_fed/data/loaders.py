@@ -52,6 +52,24 @@ def gsm8k_final_answer(solution: Any) -> str:
     return final
 
 
+def boxed_solution_answer(solution: Any) -> str:
+    """The final answer of a worked solution: the content of its last \\boxed{} (MATH's
+    `solution` field; nested braces kept)."""
+    from graft_fed.rewards.boxed import last_boxed
+
+    if not isinstance(solution, str):
+        raise ValueError(f"a worked solution must be a string, got {type(solution).__name__}")
+    answer = last_boxed(solution)
+    if answer is None or not answer.strip():
+        raise ValueError("the solution has no complete \\boxed{...} answer")
+    return answer.strip()
+
+
+#: data.answer_format -> how to turn the answer field into the gold answer (None: as it is).
+ANSWER_FORMATS: dict[str, AnswerTransform | None] = {
+    "plain": None, "boxed": boxed_solution_answer, "gsm8k": gsm8k_final_answer}
+
+
 def _answer_text(value: Any) -> str:
     if isinstance(value, str):
         return value.strip()

@@ -397,6 +397,9 @@ class TrainConfig:
             node.pop(key[-1], None)
         if self.rollout.backend != "vllm":
             d["rollout"].pop("vllm", None)  # unused: keeps earlier hf runs' fingerprints
+        for key, default in (("answer_format", "plain"), ("dataset_id", None)):
+            if d["data"].get(key, default) == default:
+                d["data"].pop(key, None)  # the defaults keep earlier runs' fingerprints
         if self.rollout.seeding == "stream":
             d["rollout"].pop("seeding")  # the default: keeps earlier runs' fingerprints
         return d

@@ -206,3 +206,53 @@ def test_data_config_embedded_source():
 def test_data_config_validation(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment):
         DataConfig(**kwargs)
+
+
+MATH_SAMPLE = FIXTURES.parent / "math_train_sample.jsonl"
+
+
+def test_math_train_rows_with_worked_solutions():
+    """MATH train as published ({problem, level, type, solution}): the gold answer is the
+    solution's last \\boxed{}; the dataset id is what every node sets, however it loads it."""
+    prompts = load_prompts(DataConfig(source=str(MATH_SAMPLE), answer_field="solution", answer_format="boxed",
+                                      dataset_id="math-train"))
+    assert [p.answer for p in prompts] == ["\\frac{5}{6}", "4", "6", "7"]
+    assert {p.dataset for p in prompts} == {"math-train"}
+    assert prompts[3].problem == "Evaluate $\\sqrt{49}$."  # the paper's suffix is stripped
+    assert prompts[1].id == stable_prompt_id("math-train", "Find $x$ if $2x + 3 = 11$.")
+    # The same rows through the hub give the same ids when the dataset id is the same.
+    rows = [json.loads(line) for line in MATH_SAMPLE.read_text().splitlines()]
+    module, calls = fake_datasets(rows)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "datasets", module)
+        hub = load_prompts(DataConfig(source="hf:someone/MATH", split="train", answer_field="solution",
+                                      answer_format="boxed", dataset_id="math-train"))
+    assert calls == [("someone/MATH", None, "train")]
+    assert [(p.id, p.answer) for p in hub] == [(p.id, p.answer) for p in prompts]
+
+
+def test_boxed_answers_missing_or_unclosed_name_the_line(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [{"problem": "a", "solution": "so \\boxed{3}"},
+                                             {"problem": "b", "solution": "no box here"}])
+    with pytest.raises(DataError, match=r"m.jsonl:2: bad field 'solution': .*no complete \\boxed"):
+        load_prompts(DataConfig(source=str(path), answer_field="solution", answer_format="boxed"))
+    path = write_jsonl(tmp_path / "n.jsonl", [{"problem": "a", "solution": "cut \\boxed{\\frac{1}{2"}])
+    with pytest.raises(DataError, match="n.jsonl:1"):
+        load_prompts(DataConfig(source=str(path), answer_field="solution", answer_format="boxed"))
+
+
+def test_gsm8k_answer_format_for_files(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", [{"question": "q", "answer": "work\n#### 1,250"}])
+    prompts = load_prompts(DataConfig(source=str(path), problem_field="question", answer_format="gsm8k"))
+    assert prompts[0].answer == "1250"
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"answer_format": "latex"}, "answer_format must be one of plain, boxed, gsm8k"),
+    ({"dataset_id": ""}, "dataset_id"),
+    ({"source": "math500", "answer_format": "boxed"}, "only apply to files and hf"),
+    ({"source": "embedded:arith-v1", "dataset_id": "x"}, "only apply to files and hf"),
+])
+def test_answer_format_and_dataset_id_validation(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        DataConfig(**kwargs)
