@@ -25,7 +25,7 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from graft_fed.trainer.config import load_train_config
-    from graft_fed.trainer.grpo import GRPOTrainer
+    from graft_fed.trainer.distributed import make_trainer, shutdown
 
     overrides = _parse_overrides(args.set)
     if args.peer_store:
@@ -33,9 +33,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.peer_run:
         overrides["graft.peer_run"] = args.peer_run
     cfg = load_train_config(args.config, overrides)
-    with GRPOTrainer(cfg, resume=args.resume, quiet=args.quiet) as trainer:
-        summary = trainer.train(evaluate_before_after=not args.no_eval)
-    _print_summary(cfg, trainer.step, summary)
+    try:
+        # under torchrun: one process of an FSDP2 run (graft_fed/trainer/distributed.py)
+        with make_trainer(cfg, resume=args.resume, quiet=args.quiet) as trainer:
+            summary = trainer.train(evaluate_before_after=not args.no_eval)
+    finally:
+        shutdown()
+    if trainer.is_main:
+        _print_summary(cfg, trainer.step, summary)
     return 0
 
 

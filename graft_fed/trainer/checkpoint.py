@@ -49,7 +49,6 @@ def save_checkpoint(root: str | Path, step: int, model: Any, tokenizer: Any, sta
                     fingerprint: str, keep: int) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -57,10 +56,21 @@ def save_checkpoint(root: str | Path, step: int, model: Any, tokenizer: Any, sta
     model.save_pretrained(tmp / "model", safe_serialization=True)
     tokenizer.save_pretrained(tmp / "model")
     torch.save(state, tmp / "trainer_state.pt")
+    write_manifest(tmp, step, fingerprint)
+    return commit(tmp, root, step, keep)
+
+
+def write_manifest(tmp: Path, step: int, fingerprint: str, **extra: Any) -> None:
+    """Record the sha256 of every file under `tmp` (a checkpoint being written)."""
     files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     manifest = {"step": step, "fingerprint": fingerprint, "graft_fed_version": __version__,
-                "torch_version": torch.__version__, "files": files}
+                "torch_version": torch.__version__, **extra, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+
+
+def commit(tmp: Path, root: Path, step: int, keep: int) -> Path:
+    """Rename a fully written checkpoint into place and delete all but the `keep` newest."""
+    final = root / f"step_{step:06d}"
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -97,6 +107,20 @@ def verify_checkpoint(path: str | Path, fingerprint: str | None = None) -> dict[
             "or start a new run in another output_dir")
     manifest["step"] = step
     return manifest
+
+
+def check_layout(path: str | Path, manifest: dict[str, Any], layout: str) -> None:
+    """Refuse a checkpoint written by the other kind of run: "single" (one process,
+    save_pretrained + trainer_state.pt) or "fsdp" (torchrun, sharded; see
+    graft_fed/trainer/distributed.py)."""
+    found = manifest.get("layout", "single")
+    if found != layout:
+        runs = {"single": "a single-process run (`graft-fed train`)", "fsdp": "a torchrun (FSDP2) run"}
+        size = f" of {manifest['world_size']} processes" if found == "fsdp" and "world_size" in manifest else ""
+        raise CheckpointError(
+            f"checkpoint {path} was written by {runs.get(found, repr(found))}{size} and this is "
+            f"{runs.get(layout, repr(layout))}: resume it the way it was trained, or start a new run "
+            f"from its weights (model.path: {Path(path) / 'model'})")
 
 
 def load_trainer_state(path: str | Path) -> dict[str, Any]:

@@ -33,11 +33,12 @@ from graft_fed.evaluation import EvalResult, evaluate, write_eval
 from graft_fed.modeling import load_model_and_tokenizer, pack, resolve_device, response_forward
 from graft_fed.rewards import build_verifier
 from graft_fed.rollout.base import Completion, SamplingParams
-from graft_fed.rollout.hf import HFRollout
+from graft_fed.rollout.hf import HFRollout, stream_seed
 from graft_fed.trainer import checkpoint as ckpt
 from graft_fed.trainer.config import TrainConfig
 from graft_fed.trainer.graft import complementarity, offer_metrics, receive, to_record, tokenizer_id
-from graft_fed.trainer.metrics import MetricsWriter
+from graft_fed.trainer.metrics import MetricsWriter, NullMetrics
+from graft_fed.trainer.packing import token_budget_batches
 from graft_fed.trainer.schedule import PromptSchedule
 
 log = logging.getLogger("graft_fed.trainer")
@@ -72,6 +73,17 @@ class Group:
 
     def peer_flags(self) -> list[bool]:
         return list(self.from_peer) if self.from_peer is not None else [self.is_peer] * self.n
+
+
+@dataclass
+class SampleStats:
+    """What sampling and verifying one prompt batch cost."""
+
+    rollout_s: float = 0.0
+    verify_s: float = 0.0
+    timeouts: int = 0
+    errors: int = 0
+    gen_tokens: int = 0
 
 
 @dataclass
@@ -112,22 +124,22 @@ class GRPOTrainer:
         self.out_dir = Path(cfg.run.output_dir)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.device = resolve_device(cfg.run.device)
+        self.device = self._resolve_device()
         self.autocast = (cfg.run.precision == "bf16" or
                          (cfg.run.precision == "auto" and self.device.type == "cuda"
                           and torch.cuda.is_bf16_supported()))
         self._seed_everything(cfg.run.seed)
 
         resume_dir = self._find_resume(resume)
-        manifest = ckpt.verify_checkpoint(resume_dir, cfg.fingerprint()) if resume_dir else None
+        manifest = self._verify_resume(resume_dir) if resume_dir else None
         model_spec = str(resume_dir / "model") if resume_dir else cfg.model.path
-        self.model, self.tokenizer = load_model_and_tokenizer(model_spec, self.device)
+        self.model, self.tokenizer = self._load_model(model_spec, trainable=True)
         # RL updates run without dropout: the ratio's denominator must be reproducible.
         self.model.eval()
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
             ref_spec = cfg.model.path
-            self.ref_model, _ = load_model_and_tokenizer(ref_spec, self.device)
+            self.ref_model, _ = self._load_model(ref_spec, trainable=False)
             self.ref_model.eval().requires_grad_(False)
 
         o = cfg.optim
@@ -155,16 +167,39 @@ class GRPOTrainer:
         self.model_id = cfg.run.name
         self.run_id = f"{cfg.run.name}-seed{cfg.run.seed}"
         self.tok_id = tokenizer_id(self.tokenizer)
-        self.store = TrajectoryStore(self.out_dir / "trajectories.sqlite") if cfg.run.record_groups else None
+        self.store = (TrajectoryStore(self.out_dir / "trajectories.sqlite")
+                      if cfg.run.record_groups and self.is_main else None)
         self.peer_store = self._open_peer_store(cfg)
         if resume_dir is not None:
             self._restore(resume_dir, manifest)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2), encoding="utf-8")
-        self.metrics = MetricsWriter(self.out_dir, tensorboard=cfg.run.tensorboard,
-                                     resume_step=self.step if resume_dir else 0)
+        self.metrics: MetricsWriter | NullMetrics = NullMetrics()
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2), encoding="utf-8")
+            self.metrics = MetricsWriter(self.out_dir, tensorboard=cfg.run.tensorboard,
+                                         resume_step=self.step if resume_dir else 0)
 
     # ----- setup helpers ---------------------------------------------------------------
+    # A torchrun run (graft_fed/trainer/distributed.py) overrides the hooks marked "hook".
+
+    #: Whether this process writes the run's files (metrics, checkpoints' shared parts, evals).
+    is_main = True
+    #: What a checkpoint of this trainer holds; resuming refuses another layout (hook).
+    checkpoint_layout = "single"
+
+    def _resolve_device(self) -> torch.device:
+        """hook"""
+        return resolve_device(self.cfg.run.device)
+
+    def _load_model(self, spec: str, trainable: bool) -> tuple[Any, Any]:
+        """hook: the policy (trainable) or the KL reference model, and its tokenizer."""
+        return load_model_and_tokenizer(spec, self.device)
+
+    def _verify_resume(self, path: Path) -> dict[str, Any]:
+        """hook: the checkpoint's manifest, after checking its files, config and layout."""
+        manifest = ckpt.verify_checkpoint(path, self.cfg.fingerprint())
+        ckpt.check_layout(path, manifest, self.checkpoint_layout)
+        return manifest
 
     @staticmethod
     def _open_peer_store(cfg: TrainConfig) -> TrajectoryStore | None:
@@ -278,19 +313,17 @@ class GRPOTrainer:
         timeouts = errors = gen_tokens = 0
         sampled_groups: list[Group] = []
         for attempt in range(1 + (ds.max_extra_batches if ds.enabled else 0)):
+            batch_index = self.schedule.cursor
             prompts = self.schedule.next_batch()
-            ta = time.perf_counter()
-            completions = self.engine.generate([self.render(p.problem) for p in prompts], self.sampling)
-            tb = time.perf_counter()
-            scored = self.verifier.score([c.text for g in completions for c in g],
-                                         [p.answer for p, g in zip(prompts, completions) for _ in g])
-            tc = time.perf_counter()
-            t_rollout += tb - ta
-            t_verify += tc - tb
-            timeouts += scored.timeouts
-            errors += scored.errors
-            gen_tokens += sum(len(c.token_ids) for g in completions for c in g)
-            new = self.make_groups(prompts, completions, scored.rewards)
+            seeds = None
+            if self.cfg.rollout.seeding == "prompt":
+                seeds = [stream_seed(self.cfg.run.seed, batch_index, i) for i in range(len(prompts))]
+            new, st = self._sample_groups(prompts, seeds)
+            t_rollout += st.rollout_s
+            t_verify += st.verify_s
+            timeouts += st.timeouts
+            errors += st.errors
+            gen_tokens += st.gen_tokens
             sampled_groups.extend(new)
             if not ds.enabled:
                 groups = new
@@ -309,6 +342,28 @@ class GRPOTrainer:
             "time/collect": time.perf_counter() - t0,
         })
         return StepData(groups=groups, metrics=m)
+
+    def _generate(self, texts: list[str], seeds: list[int] | None) -> list[list[Completion]]:
+        """hook: sample `self.sampling.n` responses per rendered prompt."""
+        if seeds is None:
+            return self.engine.generate(texts, self.sampling)
+        if not isinstance(self.engine, HFRollout):
+            raise ConfigError(f"rollout.seeding 'prompt' is implemented by the hf backend only, not "
+                              f"{self.cfg.rollout.backend!r}; use rollout.seeding: stream")
+        return self.engine.generate(texts, self.sampling, seeds=seeds)
+
+    def _sample_groups(self, prompts: Sequence[Prompt], seeds: list[int] | None) -> tuple[list[Group], SampleStats]:
+        """hook: sample, verify and score one batch of prompts (`seeds`: one per prompt, or
+        None for the engine's own stream)."""
+        ta = time.perf_counter()
+        completions = self._generate([self.render(p.problem) for p in prompts], seeds)
+        tb = time.perf_counter()
+        scored = self.verifier.score([c.text for g in completions for c in g],
+                                     [p.answer for p, g in zip(prompts, completions) for _ in g])
+        tc = time.perf_counter()
+        new = self.make_groups(prompts, completions, scored.rewards)
+        return new, SampleStats(rollout_s=tb - ta, verify_s=tc - tb, timeouts=scored.timeouts, errors=scored.errors,
+                                gen_tokens=sum(len(c.token_ids) for g in completions for c in g))
 
     @staticmethod
     def group_metrics(groups: Sequence[Group]) -> dict[str, float]:
@@ -357,16 +412,44 @@ class GRPOTrainer:
         return {"prompt_ids": prompt_ids, "resp_ids": resp_ids, "adv": torch.tensor(adv),
                 "weights": torch.tensor(weights), "keep": torch.tensor(keep), "peer": torch.tensor(peer)}
 
-    def _micro_batches(self, flat: dict[str, Any]) -> list[tuple[slice, Any]]:
-        size = self.cfg.algorithm.micro_batch_size
+    def _micro_batches(self, flat: dict[str, Any]) -> list[tuple[Any, Any]]:
+        """hook: the minibatch's micro-batches as (rows of `flat`, packed batch) pairs."""
+        a = self.cfg.algorithm
         n = len(flat["resp_ids"])
+        if a.micro_batch_tokens:
+            rows = token_budget_batches([len(p) for p in flat["prompt_ids"]], [len(r) for r in flat["resp_ids"]],
+                                        range(n), a.micro_batch_tokens, a.micro_batch_size)
+            return [self._pack_rows(flat, torch.tensor(r, dtype=torch.long)) for r in rows]
         out = []
-        for s in range(0, n, size):
-            sl = slice(s, min(n, s + size))
+        for s in range(0, n, a.micro_batch_size):
+            sl = slice(s, min(n, s + a.micro_batch_size))
             batch = pack(flat["prompt_ids"][sl], flat["resp_ids"][sl], self.tokenizer.pad_token_id, self.device)
             batch.response_mask = batch.response_mask * flat["keep"][sl].to(self.device).unsqueeze(-1)
             out.append((sl, batch))
         return out
+
+    def _pack_rows(self, flat: dict[str, Any], rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """One micro-batch of the given rows of `flat` (a LongTensor of row indices)."""
+        idx = rows.tolist()
+        batch = pack([flat["prompt_ids"][i] for i in idx], [flat["resp_ids"][i] for i in idx],
+                     self.tokenizer.pad_token_id, self.device)
+        batch.response_mask = batch.response_mask * flat["keep"][rows].to(self.device).unsqueeze(-1)
+        return rows, batch
+
+    def _normalizer(self, flat: dict[str, Any], micro: list[tuple[Any, Any]]) -> Normalizer:
+        """hook: one normaliser for the whole minibatch (Eq. 10's denominator), whatever
+        the micro-batch split; peer responses may be longer than our own cap."""
+        return Normalizer(tokens=sum(float(b.response_mask.sum()) for _, b in micro),
+                          sequences=sum(float((b.response_mask.sum(-1) > 0).sum()) for _, b in micro),
+                          max_response_len=self.sampling.max_new_tokens)
+
+    def _agree(self, groups: Sequence[Group]) -> Sequence[Group]:
+        """hook: the buffer every process trains on (under torchrun: the main process's)."""
+        return groups
+
+    def _sum_across_processes(self, stats: dict[str, float]) -> dict[str, float]:
+        """hook: per-process sums of the update's statistics -> the run's sums."""
+        return stats
 
     def _forward(self, model: Any, batch: Any, with_entropy: bool = False):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -381,7 +464,7 @@ class GRPOTrainer:
     def optimise(self, groups: Sequence[Group]) -> dict[str, float]:
         a = self.cfg.algorithm
         t0 = time.perf_counter()
-        minibatches = self.buffer_order(groups)
+        minibatches = self.buffer_order(self._agree(groups))
         prepared = []
         for mb in minibatches:
             flat = self._flatten(mb)
@@ -398,11 +481,7 @@ class GRPOTrainer:
         grad_norms = []
         for _epoch in range(a.epochs):
             for flat, micro, old, ref in prepared:
-                # One normaliser for the whole minibatch (Eq. 10's denominator), whatever
-                # the micro-batch split; peer responses may be longer than our own cap.
-                norm = Normalizer(tokens=sum(float(b.response_mask.sum()) for _, b in micro),
-                                  sequences=sum(float((b.response_mask.sum(-1) > 0).sum()) for _, b in micro),
-                                  max_response_len=self.sampling.max_new_tokens)
+                norm = self._normalizer(flat, micro)
                 self.optimizer.zero_grad(set_to_none=True)
                 for j, (sl, batch) in enumerate(micro):
                     fwd = self._forward(self.model, batch, with_entropy=True)
@@ -433,6 +512,7 @@ class GRPOTrainer:
                 gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
                 grad_norms.append(float(gn))
                 self.optimizer.step()
+        stats = self._sum_across_processes(stats)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.engine.sync_weights(self.model)
@@ -502,7 +582,8 @@ class GRPOTrainer:
                           temperature=e.temperature, top_p=e.top_p,
                           max_new_tokens=e.max_new_tokens or self.sampling.max_new_tokens, seed=e.seed,
                           batch_size=self.cfg.rollout.batch_size)
-        write_eval(result, self.out_dir / "eval", tag)
+        if self.is_main:
+            write_eval(result, self.out_dir / "eval", tag)
         return result
 
     def begin_train(self, evaluate_before_after: bool = True) -> dict[str, Any]:
@@ -531,7 +612,8 @@ class GRPOTrainer:
             after = self.evaluate(f"step_{self.step:06d}")
             summary["eval_after"] = after.summary()
             self.metrics.write({"step": self.step, "eval/pass@1": after.pass_at_1, "eval/stderr": after.stderr})
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+        if self.is_main:
+            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
         return summary
 
     def train(self, evaluate_before_after: bool = True,

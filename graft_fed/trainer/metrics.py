@@ -59,6 +59,16 @@ class MetricsWriter:
             self._tb.close()
 
 
+class NullMetrics:
+    """The metrics writer of a process that writes no files (every torchrun rank but 0)."""
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     rows = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):

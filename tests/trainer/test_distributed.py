@@ -1,0 +1,221 @@
+"""Training one model with torchrun + FSDP2 on CPU (gloo, 2 processes, the zoo's tiny Llama):
+the run must reproduce the single-process run (graft_fed/trainer/distributed.py).
+
+Tolerances. Both runs sample the same responses (keyed sampling, rollout.seeding: prompt)
+and compute the same float32 loss; they differ only in float summation order (different
+micro-batch shapes, two gradient shards summed by the reduce-scatter, the grad norm summed
+over shards), about 1e-7 relative. Metrics are compared at rtol 1e-5 / atol 1e-6 (the
+loss of the first minibatch is ~1e-4, hence the absolute part). Parameters are compared
+at atol 1e-4 after 6 AdamW steps of lr 1e-2: Adam divides each gradient entry by its own
+magnitude, so entries whose gradient is rounding noise (~1e-12, below eps 1e-8) move by
+up to ~lr * |g| / eps in either run; anything wrong with the gradient itself (a lost
+shard, a wrong normaliser) moves most entries by O(lr) = 1e-2 and shows in the loss and
+grad_norm metrics too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from graft_fed.errors import CheckpointError
+from graft_fed.trainer import checkpoint as ckpt
+from graft_fed.trainer.config import load_train_config
+from graft_fed.trainer.grpo import GRPOTrainer
+from graft_fed.trainer.metrics import read_metrics
+from graft_fed.trainer.packing import balance_shards, token_budget_batches
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+
+
+def write_cfg(tmp: Path, name: str, **over) -> Path:
+    prompts = tmp / "prompts.jsonl"
+    if not prompts.exists():
+        prompts.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                                   for i in range(12)))
+    base = {
+        "run": {"output_dir": str(tmp / name), "steps": STEPS, "seed": 7, "device": "cpu", "checkpoint_every": 1,
+                "keep_checkpoints": 5, "threads": 1, "eval_before": False},
+        "model": {"path": "zoo:tiny-llama-char", "template": "chat"},
+        "data": {"source": str(prompts)},
+        "rollout": {"n": 4, "max_new_tokens": 6, "batch_size": 16, "seeding": "prompt"},
+        "verifier": {"name": "tests.plugins:odd_char_sum"},
+        "algorithm": {"prompts_per_step": 4, "num_minibatches": 2, "micro_batch_size": 3, "micro_batch_tokens": 40},
+        "optim": {"lr": 1e-2},
+    }
+    for dotted, value in over.items():
+        node = base
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 -m ARGS` on this machine; the rendezvous binds a free
+    loopback port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def ok(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    return res
+
+
+def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step_{step:06d}" / "model" / "model.safetensors")
+
+
+def compared(row: dict) -> dict:
+    """The metrics that must agree (wall-clock times and rates never do)."""
+    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not k.startswith(("time/", "tokens_per"))}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[Path, Path]:
+    """One 2-process run of STEPS steps through the CLI, as a user launches it."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    cfg = write_cfg(tmp, "two")
+    ok(torchrun("graft_fed.cli", "train", "--config", str(cfg), "--no-eval", "--quiet"))
+    return tmp, tmp / "two"
+
+
+def test_two_processes_match_one_process(two_processes):
+    tmp, two = two_processes
+    cfg = load_train_config(write_cfg(tmp, "one"))
+    with GRPOTrainer(cfg, quiet=True) as tr:
+        tr.train(evaluate_before_after=False)
+    one_rows, two_rows = read_metrics(tmp / "one" / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["step"] for r in two_rows] == [1, 2, 3]
+    for a, b in zip(one_rows, two_rows):
+        a, b = compared(a), compared(b)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6, nan_ok=True), (a["step"], key)
+    assert sum(r["grad_norm"] > 0 for r in two_rows) >= 2 and any(0 < r["reward"] < 1 for r in two_rows)
+    want, got = weights(tmp / "one"), weights(two)
+    assert want.keys() == got.keys()  # the consolidated export saves tied weights once, as save_pretrained
+    start = weights_of_zoo()
+    moved = max((want[k] - start[k]).abs().max().item() for k in want)
+    assert moved > 1e-2  # the runs did train (6 AdamW steps of lr 1e-2)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0, msg=k)
+
+
+def weights_of_zoo() -> dict[str, torch.Tensor]:
+    from graft_fed.zoo import resolve_model_path
+
+    return load_file(Path(resolve_model_path("zoo:tiny-llama-char")) / "model.safetensors")
+
+
+def test_sharded_checkpoint_resume_matches_uninterrupted_run(two_processes):
+    tmp, two = two_processes
+    first = two / "checkpoints" / "step_000001"
+    manifest = json.loads((first / "manifest.json").read_text())
+    assert manifest["layout"] == "fsdp" and manifest["world_size"] == 2 and manifest["step"] == 1
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng/rank_00000.pt", "rng/rank_00001.pt",
+            "trainer_state.pt", "model/model.safetensors"} <= set(manifest["files"])
+    # Resume from step 1 in a fresh directory, with activation checkpointing on (it
+    # recomputes the same float ops, so the result must not move either).
+    out = tmp / "resumed"
+    cfg = write_cfg(tmp, "resumed", **{"distributed.activation_checkpointing": True})
+    ok(torchrun("graft_fed.cli", "train", "--config", str(cfg), "--no-eval", "--quiet", "--resume", str(first)))
+    rows, want = read_metrics(out / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [2, 3]
+    for a, b in zip(want[1:], rows):
+        assert compared(a) == compared(b)
+    got, ref = weights(out), weights(two)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_fsdp_checkpoints_are_verified_and_not_mistaken_for_single_process_ones(two_processes):
+    tmp, two = two_processes
+    path = tmp / "copied_step_2"
+    shutil.copytree(two / "checkpoints" / "step_000002", path)
+    cfg = load_train_config(write_cfg(tmp, "plain"))
+    with pytest.raises(CheckpointError, match=r"torchrun \(FSDP2\) run of 2 processes.*single-process run"):
+        GRPOTrainer(cfg, resume=str(path), quiet=True)
+    shard = path / "dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt: dcp/__1_0.distcp"):
+        ckpt.verify_checkpoint(path, cfg.fingerprint())  # what the main process checks before resuming
+
+
+def test_gradient_is_the_single_process_gradient_whatever_the_micro_batching(tmp_path):
+    """Two processes, three micro-batchings (token budget of 30 and 2 rows; 64 rows; a
+    budget of 1000 tokens), and one process: every minibatch's gradient is the same. Also
+    runs bf16 mixed precision with activation checkpointing (exercised on CPU: it must
+    train, not match fp32)."""
+    cfgs = [write_cfg(tmp_path, "budget", **{"algorithm.micro_batch_tokens": 30, "algorithm.micro_batch_size": 2}),
+            write_cfg(tmp_path, "rows", **{"algorithm.micro_batch_tokens": 0, "algorithm.micro_batch_size": 64}),
+            write_cfg(tmp_path, "big", **{"algorithm.micro_batch_tokens": 1000}),
+            write_cfg(tmp_path, "bf16", **{"run.precision": "bf16", "distributed.activation_checkpointing": True,
+                                           "distributed.reshard_after_forward": False})]
+    out = tmp_path / "grads.pt"
+    ok(torchrun("tests.trainer.dist_worker", str(out), *map(str, cfgs)))
+    got = torch.load(out, weights_only=False)
+    grads = got["grads"]
+    cfg = load_train_config(cfgs[1])
+    with GRPOTrainer(cfg, quiet=True) as tr:
+        seen = []
+        tr.optimizer.step = lambda: seen.append(torch.cat([p.grad.flatten() for p in tr.model.parameters()]))
+        tr.train_step()
+    single = torch.stack(seen)
+    assert single.shape[0] == 2 and single.abs().sum() > 0
+    for g in grads[:3]:
+        torch.testing.assert_close(g, single, atol=1e-6, rtol=1e-4)
+    bf16_row = got["rows"][3]
+    assert math.isfinite(bf16_row["loss"]) and bf16_row["grad_norm"] > 0
+    assert grads[3].shape == single.shape and torch.isfinite(grads[3]).all()
+
+
+def test_token_budget_micro_batches_do_not_change_the_single_process_gradient(tmp_path):
+    grads = []
+    for name, over in (("rows", {"algorithm.micro_batch_tokens": 0, "algorithm.micro_batch_size": 64}),
+                       ("budget", {"algorithm.micro_batch_tokens": 25})):
+        cfg = load_train_config(write_cfg(tmp_path, name, **over))
+        with GRPOTrainer(cfg, quiet=True) as tr:
+            seen, sizes = [], []
+            orig = tr._micro_batches
+            tr._micro_batches = lambda flat: sizes.append(len(m := orig(flat))) or m
+            tr.optimizer.step = lambda: seen.append(torch.cat([p.grad.flatten() for p in tr.model.parameters()]))
+            tr.train_step()
+            grads.append((torch.stack(seen), sizes))
+    (full, one_each), (packed, several) = grads
+    assert one_each == [1, 1] and min(several) >= 2  # the budget did split each minibatch
+    torch.testing.assert_close(packed, full, atol=1e-6, rtol=1e-4)
+
+
+def test_token_budget_packing_and_shards():
+    prompt = [5, 5, 9, 2, 5, 5, 1]
+    resp = [10, 3, 30, 4, 0, 7, 12]
+    batches = token_budget_batches(prompt, resp, range(7), budget=40, max_rows=3)
+    assert sorted(i for b in batches for i in b) == list(range(7))
+    for b in batches:
+        cost = len(b) * (max(prompt[i] for i in b) + max(max(1, resp[i]) for i in b))
+        assert len(b) <= 3 and (cost <= 40 or len(b) == 1)
+    assert [2] in batches  # 9 + 30 tokens fills the budget alone
+    assert token_budget_batches(prompt, resp, [1, 3], budget=5, max_rows=8) == [[1], [3]]  # longer than the budget
+    shards = balance_shards([10, 1, 7, 3, 3], 2)
+    assert sorted(shards[0] + shards[1]) == [0, 1, 2, 3, 4]
+    assert abs(sum([10, 1, 7, 3, 3][i] for i in shards[0]) - sum([10, 1, 7, 3, 3][i] for i in shards[1])) <= 2
+    assert balance_shards([1.0], 3) == [[0], [], []]
