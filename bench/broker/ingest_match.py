@@ -39,7 +39,7 @@ from _common import RAW_SERVICE, ChildServer, machine, percentile, run_threads, 
 from graft_fed.broker.server import grpc_options  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version  # noqa: E402
-from graft_fed.node.client import BrokerClient  # noqa: E402
+from graft_fed.node.client import BrokerClient, new_tag  # noqa: E402
 from graft_fed.proto import broker_pb2 as pb  # noqa: E402
 from graft_fed.rewards.config import VerifierConfig  # noqa: E402
 
@@ -95,6 +95,7 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
             for r in range(rounds):
                 req = requests[i][r]
                 req.session_id = c.session
+                req.tag.CopyFrom(new_tag())  # replay protection: fresh id and send time per request
                 barrier.wait()
                 t_send[r][i] = time.perf_counter()
                 resp = c.stub.PublishSummaries(req, timeout=cell_timeout_s)

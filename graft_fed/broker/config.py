@@ -78,6 +78,14 @@ class BrokerConfig:
     max_publishes_per_s: float = 20.0
     #: Per-node storage quota for uploaded bundles, MiB (0 = off).
     max_node_bundle_mib: int = 1024
+    #: Replay protection: every state-changing request carries a request id and the node's
+    #: send time. The broker refuses a request id it has already applied for that node
+    #: (ALREADY_EXISTS) and a send time more than this many seconds from its own clock
+    #: (FAILED_PRECONDITION: a stale request, or the node's clock is off; use NTP).
+    replay_window_s: float = 300.0
+    #: Refuse state-changing requests that carry no request id (INVALID_ARGUMENT). graft-fed
+    #: nodes always send one; false admits hand-written or older clients, unprotected.
+    require_request_ids: bool = True
     #: Largest gRPC message accepted or sent, MiB (both directions, set explicitly).
     max_message_mib: int = 16
     #: Bundle chunk size, KiB.
@@ -107,6 +115,8 @@ class BrokerConfig:
         require(self.quarantine_min_reports >= 1, "broker.quarantine_min_reports must be >= 1")
         require(self.max_publishes_per_s >= 0, "broker.max_publishes_per_s must be >= 0 (0 = off)")
         require(self.max_node_bundle_mib >= 0, "broker.max_node_bundle_mib must be >= 0 (0 = off)")
+        require(self.replay_window_s >= 1, "broker.replay_window_s must be >= 1 (seconds of clock skew and delay "
+                "tolerated between a node sending a request and the broker receiving it)")
         require(0 < self.heartbeat_interval_s < self.offline_after_s,
                 "broker.heartbeat_interval_s must be > 0 and below offline_after_s")
         require(1 <= self.max_message_mib <= 1024, "broker.max_message_mib must be in [1, 1024]")

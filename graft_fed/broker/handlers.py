@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 
 from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.config import BrokerConfig
+from graft_fed.broker.replay import ReplayGuard
 from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.core.exchange import classify, select_sources
 from graft_fed.core.records import RecordError
@@ -96,6 +97,8 @@ class Federation:
         # after a restart) so that waking long-polls do not re-read every summary of the round
         self._published: dict[int, set[str]] = {}
         self._warned_unverifiable = False
+        # request ids of applied state-changing requests, per node, within the replay window
+        self.replay = ReplayGuard(cfg.replay_window_s, cfg.require_request_ids, clock=clock)
 
     # ----- sessions -------------------------------------------------------------------------
 

@@ -77,6 +77,12 @@ def render_metrics(fed: Federation, servicer: BrokerServicer) -> str:
                        ("joins", "Joins."), ("rejected_join", "Joins refused for a manifest mismatch.")]:
         metric(f"{key}_total", "counter", help_, [("", c.get(key, 0))])
     stats = servicer.stats
+    replay = fed.replay.counters
+    metric("replay_refused_total", "counter", "State-changing requests refused by replay protection, by reason.",
+           [(f'{{reason="{r}"}}', replay.get(f"refused_{r}", 0)) for r in ("duplicate", "stale", "inflight",
+                                                                            "untagged")])
+    metric("replay_request_ids", "gauge", "Request ids remembered for replay protection.",
+           [("", fed.replay.remembered())])
     metric("rpc_total", "counter", "RPCs by method and status code.",
            [(f'{{method="{m}",code="{code}"}}', v) for (m, code), v in sorted(stats.calls.items())])
     samples = []
@@ -152,6 +158,7 @@ class BrokerServer:
         while not self._stop.wait(1.0):
             with self.fed.cond:
                 self.fed.cond.notify_all()  # wake long-polls whose round deadline passed
+            self.fed.replay.expire()
             if self.cfg.keep_rounds or self.cfg.max_bundle_gib:
                 try:
                     self.fed.prune()

@@ -41,6 +41,11 @@ def manifest_from_pb(m: pb.Manifest) -> Manifest:
                     staleness_rounds=m.staleness_rounds)
 
 
+def _tag(request: Any) -> tuple[str, int]:
+    """(request id, send time in ms) of a state-changing request, ("", 0) when it has no tag."""
+    return (request.tag.request_id, request.tag.sent_at_ms) if request.HasField("tag") else ("", 0)
+
+
 class RpcStats:
     """Per-RPC call counts, status codes and latencies for /metrics."""
 
@@ -95,20 +100,23 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinResponse:
         if not request.HasField("manifest"):
             raise InvalidArgument("JoinRequest.manifest is required")
-        session, current = self.fed.join(request.node_id, request.model_id, request.tokenizer_id,
-                                         manifest_from_pb(request.manifest), PRIVACY.get(request.privacy, ""),
-                                         request.resume_round)
+        with self.fed.replay.admit("Join", request.node_id, *_tag(request)):
+            session, current = self.fed.join(request.node_id, request.model_id, request.tokenizer_id,
+                                             manifest_from_pb(request.manifest), PRIVACY.get(request.privacy, ""),
+                                             request.resume_round)
         return pb.JoinResponse(session_id=session, manifest=manifest_to_pb(self.fed.manifest), current_round=current,
                                heartbeat_interval_ms=int(self.fed.cfg.heartbeat_interval_s * 1000))
 
     @_rpc
     def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
-        self.fed.leave(request.node_id, request.session_id)
+        with self.fed.replay.admit("Leave", request.node_id, *_tag(request)):
+            self.fed.leave(request.node_id, request.session_id)
         return pb.LeaveResponse()
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        current, online = self.fed.heartbeat(request.node_id, request.session_id, request.round)
+        with self.fed.replay.admit("Heartbeat", request.node_id, *_tag(request)):
+            current, online = self.fed.heartbeat(request.node_id, request.session_id, request.round)
         return pb.HeartbeatResponse(current_round=current, online_nodes=online)
 
     @_rpc
@@ -121,7 +129,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         for s in request.summaries:
             if s.round != request.round:
                 raise InvalidArgument("every summary's round must equal the request's round")
-        accepted, dups = self.fed.publish(request.node_id, request.session_id, request.round, rows)
+        with self.fed.replay.admit("PublishSummaries", request.node_id, *_tag(request)):
+            accepted, dups = self.fed.publish(request.node_id, request.session_id, request.round, rows)
         return pb.PublishResponse(accepted=accepted, duplicates=dups)
 
     @_rpc
@@ -140,33 +149,39 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         first: pb.BundleChunk | None = None
         parts: list[bytes] = []
         received = 0
-        for chunk in request_iterator:
+        ticket, applied = None, False
+        try:
+            for chunk in request_iterator:
+                if first is None:
+                    first = chunk
+                    if chunk.total_size > self.max_bundle:
+                        raise ResourceExhausted(f"bundle of {chunk.total_size} bytes exceeds the broker's limit "
+                                                f"of {self.max_bundle} bytes")
+                    ticket = self.fed.replay.begin("UploadBundle", chunk.node_id, *_tag(chunk))
+                    self.fed.upload_allowed(chunk.node_id, chunk.session_id)
+                elif (chunk.digest, chunk.total_size, chunk.node_id, chunk.prompt_id, chunk.round) != (
+                        first.digest, first.total_size, first.node_id, first.prompt_id, first.round):
+                    raise InvalidArgument("every chunk of one upload must carry the same digest, size, node, prompt "
+                                          "and round")
+                if len(chunk.data) > self.chunk:
+                    raise InvalidArgument(f"chunk of {len(chunk.data)} bytes exceeds the chunk size {self.chunk}")
+                if chunk.offset != received:
+                    raise InvalidArgument(f"chunk offset {chunk.offset} but {received} bytes received so far")
+                received += len(chunk.data)
+                if received > first.total_size:
+                    raise InvalidArgument("chunks exceed the declared total_size")
+                parts.append(chunk.data)
             if first is None:
-                first = chunk
-                if chunk.total_size > self.max_bundle:
-                    raise ResourceExhausted(f"bundle of {chunk.total_size} bytes exceeds the broker's limit "
-                                            f"of {self.max_bundle} bytes")
-                self.fed.upload_allowed(chunk.node_id, chunk.session_id)
-            elif (chunk.digest, chunk.total_size, chunk.node_id, chunk.prompt_id, chunk.round) != (
-                    first.digest, first.total_size, first.node_id, first.prompt_id, first.round):
-                raise InvalidArgument("every chunk of one upload must carry the same digest, size, node, prompt "
-                                      "and round")
-            if len(chunk.data) > self.chunk:
-                raise InvalidArgument(f"chunk of {len(chunk.data)} bytes exceeds the chunk size {self.chunk}")
-            if chunk.offset != received:
-                raise InvalidArgument(f"chunk offset {chunk.offset} but {received} bytes received so far")
-            received += len(chunk.data)
-            if received > first.total_size:
-                raise InvalidArgument("chunks exceed the declared total_size")
-            parts.append(chunk.data)
-        if first is None:
-            raise InvalidArgument("empty upload: send at least one chunk")
-        if received != first.total_size:
-            raise InvalidArgument(f"upload ended after {received} of {first.total_size} bytes")
-        pem = context.auth_context().get("x509_pem_cert") or []  # the mTLS client certificate, if any
-        stored = self.fed.put_bundle(first.node_id, first.session_id, first.prompt_id, first.round, first.digest,
-                                     b"".join(parts), signature=first.signature,
-                                     signer_cert=pem_to_der(pem[0]) if pem else b"")
+                raise InvalidArgument("empty upload: send at least one chunk")
+            if received != first.total_size:
+                raise InvalidArgument(f"upload ended after {received} of {first.total_size} bytes")
+            pem = context.auth_context().get("x509_pem_cert") or []  # the mTLS client certificate, if any
+            stored = self.fed.put_bundle(first.node_id, first.session_id, first.prompt_id, first.round, first.digest,
+                                         b"".join(parts), signature=first.signature,
+                                         signer_cert=pem_to_der(pem[0]) if pem else b"")
+            applied = True
+        finally:
+            self.fed.replay.end(ticket, applied)
         return pb.UploadResponse(digest=first.digest, stored=stored)
 
     @_rpc
@@ -190,9 +205,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_rpc
     def ReportCompatibility(self, request: pb.CompatibilityReport, context: Any) -> pb.ReportResponse:
-        accepted, dups = self.fed.report(request.node_id, request.session_id, request.round,
-                                         [ReportEntry(e.source_node_id, e.prompt_id, e.mean_s, e.admitted_fraction,
-                                                      e.rejected) for e in request.entries])
+        with self.fed.replay.admit("ReportCompatibility", request.node_id, *_tag(request)):
+            accepted, dups = self.fed.report(request.node_id, request.session_id, request.round,
+                                             [ReportEntry(e.source_node_id, e.prompt_id, e.mean_s, e.admitted_fraction,
+                                                          e.rejected) for e in request.entries])
         return pb.ReportResponse(accepted=accepted, duplicates=dups)
 
     @_rpc

@@ -43,6 +43,11 @@ class PermissionDenied(FederationError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Aborted(FederationError):
+    """A concurrent request got in the way (the same request is still being processed): retry."""
+    code = grpc.StatusCode.ABORTED
+
+
 class Unavailable(FederationError):
     """The broker cannot serve the request now (its storage failed); retrying later may work."""
     code = grpc.StatusCode.UNAVAILABLE
@@ -54,7 +59,7 @@ class StorageFull(ResourceExhausted):
 
 STATUS_OF: dict[type[FederationError], grpc.StatusCode] = {
     cls: cls.code for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition,
-                              ResourceExhausted, Unauthenticated, PermissionDenied, Unavailable)
+                              ResourceExhausted, Unauthenticated, PermissionDenied, Aborted, Unavailable)
 }
 
 

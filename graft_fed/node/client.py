@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import grpc
 
@@ -25,6 +26,16 @@ from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("graft_fed.node")
+
+#: Codes after which a state-changing call is retried with the same request tag: the broker
+#: was not reached or the reply was lost (UNAVAILABLE), or the same request is still being
+#: processed (ABORTED). A deadline that expired is not retried: the step goes on as GRPO.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+
+
+def new_tag() -> pb.RequestTag:
+    """A fresh replay-protection tag: 128 random bits and the send time (docs/security.md)."""
+    return pb.RequestTag(request_id=secrets.token_hex(16), sent_at_ms=int(time.time() * 1000))
 
 
 class Backoff:
@@ -60,11 +71,17 @@ class BrokerClient:
     def __init__(self, address: str, node_id: str, max_message_mib: int = 16, rpc_timeout_s: float = 10.0,
                  chunk_kib: int = 1024, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, insecure: bool = False,
-                 require_signatures: bool | None = None) -> None:
+                 require_signatures: bool | None = None, retries: int = 2) -> None:
         """`require_signatures`: refuse peer bundles whose producer's signature cannot be
         checked; None (the default) = required when this node uses mutual TLS (it has a
-        certificate and key). Verifying needs `tls_ca`, the federation CA."""
+        certificate and key). Verifying needs `tls_ca`, the federation CA.
+        `retries`: how often a publish, upload, report or leave is sent again, with the same
+        request tag, after UNAVAILABLE or ABORTED (short jittered backoff)."""
         self.address = address
+        self.retries = retries
+        self._retry_rng = random.Random()
+        #: retries the broker answered ALREADY_EXISTS: the first attempt was applied, its reply lost
+        self.applied_on_retry = 0
         self.node_id = node_id
         self.timeout = rpc_timeout_s
         self.chunk = chunk_kib * 1024
@@ -108,7 +125,7 @@ class BrokerClient:
              resume_round: int) -> tuple[Manifest, int, float]:
         resp = self.stub.Join(pb.JoinRequest(node_id=self.node_id, model_id=model_id, tokenizer_id=tokenizer_id,
                                              manifest=manifest_to_pb(manifest), privacy=PRIVACY_CODES[privacy],
-                                             resume_round=resume_round), timeout=self.timeout)
+                                             resume_round=resume_round, tag=new_tag()), timeout=self.timeout)
         self.session = resp.session_id
         self.session_lost.clear()
         interval = max(0.05, resp.heartbeat_interval_ms / 1000.0)
@@ -125,7 +142,7 @@ class BrokerClient:
             while not stop.wait(interval):
                 try:
                     self.stub.Heartbeat(pb.HeartbeatRequest(node_id=self.node_id, session_id=session,
-                                                            round=self.round), timeout=self.timeout)
+                                                            round=self.round, tag=new_tag()), timeout=self.timeout)
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                         self.session_lost.set()
@@ -145,7 +162,8 @@ class BrokerClient:
         self._stop_heartbeats()
         if self.session:
             try:
-                self.stub.Leave(pb.LeaveRequest(node_id=self.node_id, session_id=self.session), timeout=self.timeout)
+                req = pb.LeaveRequest(node_id=self.node_id, session_id=self.session, tag=new_tag())
+                self._call("Leave", lambda: req, self.timeout)
             except grpc.RpcError as exc:
                 log.info("leave failed (%s); the broker will see this node go offline", exc.code())
         self.session = ""
@@ -154,14 +172,36 @@ class BrokerClient:
         self._stop_heartbeats()
         self.channel.close()
 
+    def _call(self, rpc: str, request: Callable[[], Any], timeout: float) -> Any | None:
+        """One state-changing call, retried with the same request (and so the same tag) after
+        UNAVAILABLE or ABORTED. A retry answered ALREADY_EXISTS means the broker applied an
+        earlier attempt whose reply was lost: success, returned as None."""
+        for attempt in range(self.retries + 1):
+            try:
+                return getattr(self.stub, rpc)(request(), timeout=timeout)
+            except grpc.RpcError as exc:
+                if attempt and exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    log.info("%s of node %s: an earlier attempt was applied (its reply was lost)", rpc, self.node_id)
+                    self.applied_on_retry += 1
+                    return None
+                if exc.code() not in RETRYABLE or attempt == self.retries:
+                    raise
+                delay = self._retry_rng.uniform(0.05, min(2.0, 0.2 * 2 ** attempt))
+                log.debug("%s of node %s failed (%s); retrying in %.2fs", rpc, self.node_id, exc.code().name, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     # ----- rounds -------------------------------------------------------------------------------
     def publish(self, round: int, summaries: Sequence[SummaryRow | pb.GroupSummary]) -> tuple[int, int]:
         msgs = [s if isinstance(s, pb.GroupSummary) else pb.GroupSummary(
             prompt_id=s.prompt_id, round=s.round, policy_version=s.policy_version, n=s.n, k=s.k,
             reward_mean=s.reward_mean, reward_std=s.reward_std, lengths=s.lengths, mean_logprobs=s.mean_logprobs,
             bundle_digest=s.bundle_digest) for s in summaries]
-        resp = self.stub.PublishSummaries(pb.PublishRequest(node_id=self.node_id, session_id=self.session, round=round,
-                                                            summaries=msgs), timeout=self.timeout)
+        req = pb.PublishRequest(node_id=self.node_id, session_id=self.session, round=round, summaries=msgs,
+                                tag=new_tag())
+        resp = self._call("PublishSummaries", lambda: req, self.timeout)
+        if resp is None:  # applied by an attempt whose reply was lost: every summary is held
+            return 0, len(msgs)
         return resp.accepted, resp.duplicates
 
     def get_matches(self, round: int, wait_s: float) -> MatchResult:
@@ -189,15 +229,17 @@ class BrokerClient:
 
     def _upload_bytes(self, data: bytes, digest: str, prompt_id: str, round: int) -> tuple[str, bool]:
         signature = self.signer.sign(self.node_id, digest) if self.signer is not None else b""
+        tag = new_tag()
 
         def chunks() -> Iterator[pb.BundleChunk]:
             for off in range(0, max(1, len(data)), self.chunk):
+                first = off == 0
                 yield pb.BundleChunk(digest=digest, total_size=len(data), offset=off, data=data[off:off + self.chunk],
                                      node_id=self.node_id, session_id=self.session, prompt_id=prompt_id,
-                                     round=round, signature=signature if off == 0 else b"")
+                                     round=round, signature=signature if first else b"", tag=tag if first else None)
 
-        resp = self.stub.UploadBundle(chunks(), timeout=self.timeout * 3)
-        return digest, resp.stored
+        resp = self._call("UploadBundle", chunks, self.timeout * 3)
+        return digest, resp is not None and resp.stored
 
     def upload_missing(self, records: Iterable[tuple[GroupRecord, int]]) -> int:
         """Upload the bundles the broker does not hold yet; returns the number sent. Each
@@ -253,8 +295,9 @@ class BrokerClient:
             source_node_id=e.source, prompt_id=e.prompt_id, mean_s=e.mean_s, admitted_fraction=e.admitted_fraction,
             rejected=e.rejected) for e in entries]
         if msgs:
-            self.stub.ReportCompatibility(pb.CompatibilityReport(node_id=self.node_id, session_id=self.session,
-                                                                 round=round, entries=msgs), timeout=self.timeout)
+            req = pb.CompatibilityReport(node_id=self.node_id, session_id=self.session, round=round, entries=msgs,
+                                         tag=new_tag())
+            self._call("ReportCompatibility", lambda: req, self.timeout)
 
     def status(self) -> pb.StatusResponse:
         return self.stub.GetStatus(pb.StatusRequest(), timeout=self.timeout)

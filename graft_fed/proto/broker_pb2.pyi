@@ -53,21 +53,31 @@ class Manifest(_message.Message):
     staleness_rounds: int
     def __init__(self, federation_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., dataset_id: _Optional[str] = ..., dataset_hash: _Optional[str] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., prompts_per_round: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., verifier_name: _Optional[str] = ..., verifier_version: _Optional[str] = ..., staleness_rounds: _Optional[int] = ...) -> None: ...
 
+class RequestTag(_message.Message):
+    __slots__ = ("request_id", "sent_at_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sent_at_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., sent_at_ms: _Optional[int] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "model_id", "tokenizer_id", "manifest", "privacy", "resume_round")
+    __slots__ = ("node_id", "model_id", "tokenizer_id", "manifest", "privacy", "resume_round", "tag")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
     RESUME_ROUND_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     model_id: str
     tokenizer_id: str
     manifest: Manifest
     privacy: Privacy
     resume_round: int
-    def __init__(self, node_id: _Optional[str] = ..., model_id: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., privacy: _Optional[_Union[Privacy, str]] = ..., resume_round: _Optional[int] = ...) -> None: ...
+    tag: RequestTag
+    def __init__(self, node_id: _Optional[str] = ..., model_id: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., privacy: _Optional[_Union[Privacy, str]] = ..., resume_round: _Optional[int] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("session_id", "manifest", "current_round", "heartbeat_interval_ms")
@@ -82,26 +92,30 @@ class JoinResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., current_round: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("node_id", "session_id")
+    __slots__ = ("node_id", "session_id", "tag")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_id: str
-    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    tag: RequestTag
+    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "session_id", "round")
+    __slots__ = ("node_id", "session_id", "round", "tag")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_id: str
     round: int
-    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+    tag: RequestTag
+    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("current_round", "online_nodes")
@@ -136,16 +150,18 @@ class GroupSummary(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., round: _Optional[int] = ..., policy_version: _Optional[int] = ..., n: _Optional[int] = ..., k: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., lengths: _Optional[_Iterable[int]] = ..., mean_logprobs: _Optional[_Iterable[float]] = ..., bundle_digest: _Optional[str] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("node_id", "session_id", "round", "summaries")
+    __slots__ = ("node_id", "session_id", "round", "summaries", "tag")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SUMMARIES_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_id: str
     round: int
     summaries: _containers.RepeatedCompositeFieldContainer[GroupSummary]
-    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., summaries: _Optional[_Iterable[_Union[GroupSummary, _Mapping]]] = ...) -> None: ...
+    tag: RequestTag
+    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., summaries: _Optional[_Iterable[_Union[GroupSummary, _Mapping]]] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("accepted", "duplicates")
@@ -208,7 +224,7 @@ class MatchResponse(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., offers: _Optional[_Iterable[_Union[MatchOffer, _Mapping]]] = ..., upload_requests: _Optional[_Iterable[_Union[UploadRequest, _Mapping]]] = ..., candidates: _Optional[int] = ..., solved_by_peers: _Optional[int] = ...) -> None: ...
 
 class BundleChunk(_message.Message):
-    __slots__ = ("digest", "total_size", "offset", "data", "node_id", "session_id", "prompt_id", "round", "signature", "signer_cert")
+    __slots__ = ("digest", "total_size", "offset", "data", "node_id", "session_id", "prompt_id", "round", "signature", "signer_cert", "tag")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +235,7 @@ class BundleChunk(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIGNER_CERT_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     digest: str
     total_size: int
     offset: int
@@ -229,7 +246,8 @@ class BundleChunk(_message.Message):
     round: int
     signature: bytes
     signer_cert: bytes
-    def __init__(self, digest: _Optional[str] = ..., total_size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ..., signer_cert: _Optional[bytes] = ...) -> None: ...
+    tag: RequestTag
+    def __init__(self, digest: _Optional[str] = ..., total_size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ..., signer_cert: _Optional[bytes] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ...) -> None: ...
 
 class UploadResponse(_message.Message):
     __slots__ = ("digest", "stored")
@@ -266,7 +284,7 @@ class FetchBundleRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class CompatibilityReport(_message.Message):
-    __slots__ = ("node_id", "session_id", "round", "entries")
+    __slots__ = ("node_id", "session_id", "round", "entries", "tag")
     class Entry(_message.Message):
         __slots__ = ("source_node_id", "prompt_id", "mean_s", "admitted_fraction", "rejected")
         SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -284,11 +302,13 @@ class CompatibilityReport(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_id: str
     round: int
     entries: _containers.RepeatedCompositeFieldContainer[CompatibilityReport.Entry]
-    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[CompatibilityReport.Entry, _Mapping]]] = ...) -> None: ...
+    tag: RequestTag
+    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[CompatibilityReport.Entry, _Mapping]]] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ...) -> None: ...
 
 class ReportResponse(_message.Message):
     __slots__ = ("accepted", "duplicates")

@@ -27,6 +27,12 @@ if _version_not_supported:
 
 class BrokerStub:
     """---------------------------------------------------------------------------------------
+    Every state-changing RPC (Join, Leave, Heartbeat, PublishSummaries, UploadBundle,
+    ReportCompatibility) also answers: INVALID_ARGUMENT (no tag where the broker requires
+    one, malformed request id); FAILED_PRECONDITION (send time outside the broker's replay
+    window: a stale request or a node clock that is off); ALREADY_EXISTS (this request id
+    was already applied: a replay, or a retry whose first attempt's reply was lost);
+    ABORTED (the same request id is still being processed: retry shortly).
     """
 
     def __init__(self, channel):
@@ -89,6 +95,12 @@ class BrokerStub:
 
 class BrokerServicer:
     """---------------------------------------------------------------------------------------
+    Every state-changing RPC (Join, Leave, Heartbeat, PublishSummaries, UploadBundle,
+    ReportCompatibility) also answers: INVALID_ARGUMENT (no tag where the broker requires
+    one, malformed request id); FAILED_PRECONDITION (send time outside the broker's replay
+    window: a stale request or a node clock that is off); ALREADY_EXISTS (this request id
+    was already applied: a replay, or a retry whose first attempt's reply was lost);
+    ABORTED (the same request id is still being processed: retry shortly).
     """
 
     def Join(self, request, context):
@@ -246,6 +258,12 @@ def add_BrokerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Broker:
     """---------------------------------------------------------------------------------------
+    Every state-changing RPC (Join, Leave, Heartbeat, PublishSummaries, UploadBundle,
+    ReportCompatibility) also answers: INVALID_ARGUMENT (no tag where the broker requires
+    one, malformed request id); FAILED_PRECONDITION (send time outside the broker's replay
+    window: a stale request or a node clock that is off); ALREADY_EXISTS (this request id
+    was already applied: a replay, or a retry whose first attempt's reply was lost);
+    ABORTED (the same request id is still being processed: retry shortly).
     """
 
     @staticmethod

@@ -10,7 +10,7 @@ from graft_fed.core.records import GroupRecord
 from graft_fed.data.config import DataConfig, load_prompts
 from graft_fed.federation.bundles import digest_of, encode_bundle
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
-from graft_fed.node.client import BrokerClient
+from graft_fed.node.client import BrokerClient, new_tag
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.rewards.config import VerifierConfig
 from tests.federation.helpers import broker_config, start_broker
@@ -150,7 +150,7 @@ def test_upload_chunk_checks(broker, prompts):
         return a.stub.UploadBundle(iter(chunks), timeout=5)
 
     good = dict(digest=digest_of(data), total_size=len(data), node_id="a", session_id=a.session,
-                prompt_id=prompts[0].id, round=0)
+                prompt_id=prompts[0].id, round=0, tag=new_tag())  # refused uploads may be retried with one tag
     assert code_of(lambda: send([pb.BundleChunk(offset=0, data=data[:-1], **{**good, "total_size": len(data) - 1})]))[
         0] == grpc.StatusCode.INVALID_ARGUMENT  # bytes do not hash to the digest
     assert code_of(lambda: send([pb.BundleChunk(offset=5, data=data, **good)]))[0] == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,6 +1,9 @@
 """Property-based fuzzing of every RPC of a real broker: random and mutated messages never
 crash it, never get INTERNAL for a client's mistake, and a rejected call leaves the state
-exactly as it was."""
+exactly as it was; an accepted state-changing call sent again verbatim is refused as a
+replay (ALREADY_EXISTS) and changes nothing."""
+
+import time
 
 import grpc
 import pytest
@@ -18,6 +21,19 @@ text = st.one_of(st.text(max_size=40), st.sampled_from(["", "a", "n0", "x" * 300
 u64 = st.one_of(st.integers(0, 10), st.integers(0, 2**64 - 1))
 u32 = st.one_of(st.integers(0, 10), st.integers(0, 2**32 - 1))
 f64 = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.5, 0.5, 1.0]))
+
+
+def _fresh(key: bytes, skew_ms: int = 0) -> pb.RequestTag:
+    return pb.RequestTag(request_id=key.hex(), sent_at_ms=max(0, int(time.time() * 1000) + skew_ms))
+
+
+keys = st.binary(min_size=8, max_size=32)
+# mostly a valid fresh tag (so the fuzz reaches the handlers), else none, a malformed one or a
+# send time far from the broker's clock
+tags = st.one_of(st.builds(_fresh, keys), st.builds(_fresh, keys), st.builds(_fresh, keys), st.none(),
+                 st.builds(pb.RequestTag, request_id=text, sent_at_ms=u64),
+                 st.builds(_fresh, keys, st.sampled_from([-10**9, -400_000, 400_000, 10**9])))
+STATE_CHANGING = {"Join", "Heartbeat", "PublishSummaries", "ReportCompatibility", "Leave"}
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +114,20 @@ def test_fuzz_unary_rpcs(fed, data):
         req = pb.LeaveRequest(node_id=node, session_id=data.draw(st.sampled_from(["", "bogus"])))
     else:
         req = pb.StatusRequest()
+    if rpc in STATE_CHANGING:
+        tag = data.draw(tags)
+        if tag is not None:
+            req.tag.CopyFrom(tag)
     before = snapshot(broker)
     code = call(lambda: getattr(c.stub, rpc)(req, timeout=10))
     event(f"{rpc}: {code.name}")
     assert code not in SERVER_FAULTS, (rpc, req)
     if code != grpc.StatusCode.OK:
         assert snapshot(broker) == before, f"{rpc} was rejected ({code}) but changed the state"
+    elif rpc in STATE_CHANGING:
+        after = snapshot(broker)
+        assert call(lambda: getattr(c.stub, rpc)(req, timeout=10)) == grpc.StatusCode.ALREADY_EXISTS, (rpc, req)
+        assert snapshot(broker) == after, f"a replayed {rpc} changed the state"
 
 
 @FUZZ
@@ -114,7 +138,7 @@ def test_fuzz_bundle_streams(fed, data):
         pb.BundleChunk, digest=st.one_of(text, st.just("0" * 64)), total_size=u64, offset=u64,
         data=st.binary(max_size=64), node_id=st.sampled_from(["fuzzer", "other"]),
         session_id=st.sampled_from([c.session, "bogus"]), prompt_id=st.sampled_from([prompts[0].id, "nope"]),
-        round=st.integers(0, 2)), max_size=4))
+        round=st.integers(0, 2), tag=tags), max_size=4))
     before = snapshot(broker)
     code = call(lambda: c.stub.UploadBundle(iter(chunks), timeout=10))
     assert code not in SERVER_FAULTS

@@ -1,0 +1,281 @@
+"""Replay protection: a state-changing request sent twice is applied once. A verbatim replay
+is refused (ALREADY_EXISTS), so is a stale one (FAILED_PRECONDITION), an untagged one where
+tags are required (INVALID_ARGUMENT); a node retrying after a lost reply still succeeds; and
+a replay that reaches a restarted broker (which has forgotten its request ids) changes
+nothing, because every state change those RPCs make is idempotent."""
+
+import time
+
+import grpc
+import pytest
+
+from graft_fed.broker.replay import ReplayGuard
+from graft_fed.broker.servicer import manifest_to_pb
+from graft_fed.federation.bundles import digest_of, encode_bundle
+from graft_fed.federation.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument
+from graft_fed.node.client import BrokerClient, new_tag
+from graft_fed.proto import broker_pb2 as pb
+from graft_fed.proto import broker_pb2_grpc as pb_grpc
+from tests.federation.helpers import broker_config, start_broker
+from tests.federation.test_broker_rpc import client, code_of, manifest, prompts, record, summary  # noqa: F401
+
+ID = "0123456789abcdef0123456789abcdef"
+
+
+class Clock:
+    def __init__(self, t=1_000_000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def test_guard_refuses_duplicates_stale_and_untagged_requests():
+    clock = Clock()
+    g = ReplayGuard(window_s=300, clock=clock)
+    ms = int(clock.t * 1000)
+    with g.admit("Publish", "a", ID, ms):
+        pass
+    with pytest.raises(AlreadyExists, match="already applied"):
+        g.begin("Publish", "a", ID, ms)
+    with g.admit("Publish", "b", ID, ms):  # ids are per node
+        pass
+    with pytest.raises(FailedPrecondition, match="sent 301 s ago.*synchronise"):
+        g.begin("Publish", "a", "x" * 32, ms - 301_000)
+    with pytest.raises(FailedPrecondition, match="in the future"):
+        g.begin("Publish", "a", "x" * 32, ms + 301_000)
+    with pytest.raises(InvalidArgument, match="carries no tag.*require_request_ids"):
+        g.begin("Publish", "a", "", 0)
+    for bad in ("short", "x" * 65, "has space 0123456789", "ünïcode-0123456789"):
+        with pytest.raises(InvalidArgument, match="16-64 characters"):
+            g.begin("Publish", "a", bad, ms)
+    assert ReplayGuard(required=False, clock=clock).begin("Publish", "a", "", 0) is None  # admitted, untracked
+
+    # a request that fails is not remembered: its retry is applied
+    with pytest.raises(RuntimeError):
+        with g.admit("Report", "a", "f" * 32, ms):
+            raise RuntimeError("refused by the handler")
+    with g.admit("Report", "a", "f" * 32, ms):
+        pass
+    # the same request while the first is still being processed
+    t = g.begin("Upload", "a", "e" * 32, ms)
+    with pytest.raises(Aborted, match="still being processed"):
+        g.begin("Upload", "a", "e" * 32, ms)
+    g.end(t, applied=True)
+    with pytest.raises(AlreadyExists):
+        g.begin("Upload", "a", "e" * 32, ms)
+
+    # ids are forgotten once their send time leaves the window (a replay is then stale)
+    assert g.remembered() == 4
+    clock.t += 301
+    assert g.expire() == 4 and g.remembered() == 0
+    with pytest.raises(FailedPrecondition):
+        g.begin("Publish", "a", ID, ms)
+    assert dict(g.counters) == {"admitted": 4, "refused_duplicate": 2, "refused_stale": 3, "refused_untagged": 1,
+                                "refused_inflight": 1}
+
+    # bounded memory: at most max_per_node ids per node, the oldest forgotten first
+    small = ReplayGuard(window_s=300, max_per_node=3, clock=clock)
+    now = int(clock.t * 1000)
+    for i in range(5):
+        with small.admit("Heartbeat", "a", f"{i:032d}", now):
+            pass
+    assert small.remembered() == 3 and small.counters["evicted"] == 2
+    with pytest.raises(AlreadyExists):
+        small.begin("Heartbeat", "a", f"{4:032d}", now)
+    small.end(small.begin("Heartbeat", "a", f"{0:032d}", now), applied=False)  # forgotten early: admitted
+
+
+@pytest.fixture()
+def broker(prompt_file):
+    server = start_broker(broker_config(prompt_file))
+    yield server
+    server.stop()
+
+
+def snapshot(broker):
+    s = broker.state
+    return (s.summaries(), [(n.node_id, n.session_id, n.state, n.round) for n in s.list_nodes()],
+            s.bundle_stats(), s.compat(), s.reports())
+
+
+def test_every_state_changing_rpc_refuses_a_verbatim_replay(broker, prompts):
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    p0 = prompts[0]
+    b.publish(0, [summary(p0, 1)])
+    requests = {
+        "Join": pb.JoinRequest(node_id="c", model_id="c", tokenizer_id="tok", privacy=pb.PRIVACY_SHARE_ALL,
+                               manifest=manifest_to_pb(manifest(prompts)), tag=new_tag()),
+        "Heartbeat": pb.HeartbeatRequest(node_id="a", session_id=a.session, round=3, tag=new_tag()),
+        "PublishSummaries": pb.PublishRequest(node_id="a", session_id=a.session, round=0,
+                                              summaries=[summary(p0, 0)], tag=new_tag()),
+        "ReportCompatibility": pb.CompatibilityReport(node_id="a", session_id=a.session, round=0, tag=new_tag(),
+                                                      entries=[pb.CompatibilityReport.Entry(
+                                                          source_node_id="b", prompt_id=p0.id, mean_s=0.5,
+                                                          admitted_fraction=1.0)]),
+    }
+    first = {}
+    for rpc, req in requests.items():
+        first[rpc] = getattr(a.stub, rpc)(req, timeout=5)
+        before = snapshot(broker)
+        code, details = code_of(lambda: getattr(a.stub, rpc)(req, timeout=5))
+        assert code == grpc.StatusCode.ALREADY_EXISTS and "already applied" in details, rpc
+        assert snapshot(broker) == before, rpc
+    # the replayed Join did not open a new session: the first one is still c's live session
+    assert broker.state.get_node("c").session_id == first["Join"].session_id
+    assert first["PublishSummaries"].accepted == 1 and first["ReportCompatibility"].accepted == 1
+
+    data = encode_bundle(record(p0, 1, model="b"))
+    chunks = [pb.BundleChunk(digest=digest_of(data), total_size=len(data), offset=0, data=data, node_id="b",
+                             session_id=b.session, prompt_id=p0.id, round=0, tag=new_tag())]
+    assert b.stub.UploadBundle(iter(chunks), timeout=5).stored
+    assert code_of(lambda: b.stub.UploadBundle(iter(chunks), timeout=5))[0] == grpc.StatusCode.ALREADY_EXISTS
+
+    leave = pb.LeaveRequest(node_id="a", session_id=a.session, tag=new_tag())
+    a.stub.Leave(leave, timeout=5)
+    assert code_of(lambda: a.stub.Leave(leave, timeout=5))[0] == grpc.StatusCode.ALREADY_EXISTS
+
+    # what the broker counted, and what /metrics shows
+    assert broker.fed.replay.counters["refused_duplicate"] == 6
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{broker.http_port}/metrics", timeout=5).read().decode()
+    assert 'graft_fed_replay_refused_total{reason="duplicate"} 6' in text
+    assert 'graft_fed_rpc_total{method="Heartbeat",code="ALREADY_EXISTS"} 1' in text
+    for c in (a, b):
+        c.close()
+
+
+def test_stale_future_and_untagged_requests_are_refused(broker, prompts):
+    a = client(broker, prompts, "a")
+    p0 = prompts[0]
+    stale = pb.PublishRequest(node_id="a", session_id=a.session, round=0, summaries=[summary(p0, 1)],
+                              tag=pb.RequestTag(request_id=ID, sent_at_ms=int((time.time() - 600) * 1000)))
+    code, details = code_of(lambda: a.stub.PublishSummaries(stale, timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "sent 600 s ago" in details and "NTP" in details
+    stale.tag.sent_at_ms = int((time.time() + 3600) * 1000)
+    code, details = code_of(lambda: a.stub.PublishSummaries(stale, timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "in the future" in details
+    stale.ClearField("tag")
+    code, details = code_of(lambda: a.stub.PublishSummaries(stale, timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "carries no tag" in details
+    assert broker.state.summaries() == []
+    a.close()
+
+
+def test_untagged_requests_pass_where_tags_are_not_required(prompt_file, prompts):
+    broker = start_broker(broker_config(prompt_file, require_request_ids=False))
+    try:
+        a = client(broker, prompts, "a")
+        req = pb.PublishRequest(node_id="a", session_id=a.session, round=0, summaries=[summary(prompts[0], 1)])
+        assert a.stub.PublishSummaries(req, timeout=5).accepted == 1
+        assert a.stub.PublishSummaries(req, timeout=5).duplicates == 1  # unprotected, but idempotent
+        a.close()
+    finally:
+        broker.stop()
+
+
+class LostReply(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection reset after the broker answered (test)"
+
+
+class LoseFirstReply(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor):
+    """The request reaches the broker and is applied; the node never sees the answer."""
+
+    def __init__(self, methods):
+        self.pending = set(methods)
+
+    def _intercept(self, continuation, details, request):
+        call = continuation(details, request)
+        method = details.method.rsplit("/", 1)[-1]
+        if method in self.pending and call.code() == grpc.StatusCode.OK:
+            self.pending.discard(method)
+            raise LostReply()
+        return call
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return self._intercept(continuation, details, request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return self._intercept(continuation, details, request_iterator)
+
+
+def test_a_retry_after_a_lost_reply_succeeds_and_is_applied_once(broker, prompts):
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    p0, p1 = prompts[0], prompts[1]
+    b.publish(0, [summary(p0, 1)])
+    lossy = LoseFirstReply({"PublishSummaries", "UploadBundle", "ReportCompatibility", "Leave"})
+    for c in (a, b):
+        c.stub = pb_grpc.BrokerStub(grpc.intercept_channel(c.channel, lossy))
+    assert a.publish(0, [summary(p0, 0), summary(p1, 1)]) == (0, 2)  # applied by the attempt whose reply was lost
+    assert len(broker.state.summaries(node_id="a")) == 2
+    assert b.upload(record(p0, 1, model="b"), 0)[1] is False  # stored by the first attempt
+    assert broker.state.bundle_stats()[0] == 1
+    entry = pb.CompatibilityReport.Entry(source_node_id="b", prompt_id=p0.id, mean_s=0.5, admitted_fraction=1.0)
+    a.report(0, [entry])
+    assert [(c.source, c.receiver, c.groups) for c in broker.state.compat()] == [("b", "a", 1)]
+    a.leave()
+    assert broker.state.get_node("a").state == "left"
+    assert lossy.pending == set() and a.applied_on_retry == 3 and b.applied_on_retry == 1
+    calls = broker.servicer.stats.calls
+    for rpc in ("PublishSummaries", "UploadBundle", "ReportCompatibility", "Leave"):
+        assert calls[(rpc, "OK")] >= 1 and calls[(rpc, "ALREADY_EXISTS")] == 1, rpc
+    for c in (a, b):
+        c.close()
+
+
+class Count(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self):
+        self.tags = []
+
+    def intercept_unary_unary(self, continuation, details, request):
+        self.tags.append(request.tag.request_id)
+        return continuation(details, request)
+
+
+def test_a_broker_that_is_down_is_retried_twice_with_the_same_tag_then_reported(prompts):
+    c = BrokerClient("127.0.0.1:1", "a", rpc_timeout_s=2, retries=2)  # nothing listens there
+    count = Count()
+    c.stub = pb_grpc.BrokerStub(grpc.intercept_channel(c.channel, count))
+    c.session = "s"
+    code, _ = code_of(lambda: c.publish(0, [summary(prompts[0], 1)]))
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert len(count.tags) == 3 and len(set(count.tags)) == 1  # one request, three attempts
+    code_of(lambda: c.publish(1, [summary(prompts[0], 1, round=1)]))
+    assert len(set(count.tags)) == 2  # the next request has a tag of its own
+    c.close()
+
+
+def test_a_replay_after_a_broker_restart_changes_nothing(prompt_file, prompts, tmp_path):
+    db = str(tmp_path / "broker.sqlite")
+    broker = start_broker(broker_config(prompt_file, db=db))
+    try:
+        a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+        p0 = prompts[0]
+        b.publish(0, [summary(p0, 1)])
+        publish = pb.PublishRequest(node_id="a", session_id=a.session, round=0, summaries=[summary(p0, 0)],
+                                    tag=new_tag())
+        report = pb.CompatibilityReport(node_id="a", session_id=a.session, round=0, tag=new_tag(), entries=[
+            pb.CompatibilityReport.Entry(source_node_id="b", prompt_id=p0.id, rejected=True)])
+        a.stub.PublishSummaries(publish, timeout=5)
+        a.stub.ReportCompatibility(report, timeout=5)
+        for c in (a, b):
+            c.close()
+    finally:
+        broker.stop()
+    broker = start_broker(broker_config(prompt_file, db=db))  # the request ids are gone with the process
+    try:
+        before = snapshot(broker)
+        replayer = BrokerClient(broker.address, "a")
+        assert replayer.stub.PublishSummaries(publish, timeout=5).duplicates == 1  # admitted, but idempotent
+        assert replayer.stub.ReportCompatibility(report, timeout=5).duplicates == 1
+        after = snapshot(broker)
+        assert after[0] == before[0] and after[2:] == before[2:]  # summaries, bundles, compat, reports unchanged
+        assert after[3][0].rejected == 1  # the rejection still counts once
+        replayer.close()
+    finally:
+        broker.stop()
