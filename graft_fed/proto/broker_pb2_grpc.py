@@ -151,8 +151,8 @@ class BrokerServicer:
         """Upload one bundle as a stream of chunks; the broker checks size and sha256, and a
         signature against the certificate of the upload's mTLS handshake.
         OK; INVALID_ARGUMENT (digest mismatch, inconsistent chunk fields, chunk too large,
-        offsets not contiguous, a signature that does not verify); UNAUTHENTICATED; PERMISSION_DENIED (the node's privacy
-        setting forbids uploads); NOT_FOUND (no published summary for that prompt and round);
+        offsets not contiguous, a signature that does not verify); UNAUTHENTICATED;
+        PERMISSION_DENIED (the node's privacy setting forbids uploads); NOT_FOUND (no published summary for that prompt and round);
         RESOURCE_EXHAUSTED (bundle larger than the broker's limit).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
