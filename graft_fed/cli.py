@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any, Sequence
 
@@ -59,12 +60,17 @@ def _print_summary(cfg, steps: int, summary: dict) -> None:
 
 def cmd_cotrain(args: argparse.Namespace) -> int:
     from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config
+    from graft_fed.trainer.distributed import shutdown
 
     cfg = load_cotrain_config(args.config, _parse_overrides(args.set))
-    with CoTrainer(cfg, resume=args.resume, quiet=args.quiet) as co:
-        summaries = co.train(evaluate_before_after=not args.no_eval)
-        for i, summary in enumerate(summaries):
-            _print_summary(cfg.member_config(i), co.step, summary)
+    try:
+        with CoTrainer(cfg, resume=args.resume, quiet=args.quiet) as co:
+            summaries = co.train(evaluate_before_after=not args.no_eval)
+            for i, summary in enumerate(summaries):
+                if co.trainers[i].is_main:
+                    _print_summary(cfg.member_config(i), co.step, summary)
+    finally:
+        shutdown()
     return 0
 
 
@@ -411,6 +417,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command not in ("train", "cotrain") and "WORLD_SIZE" in os.environ:
+            from graft_fed.trainer.distributed import launched_by_torchrun
+
+            if launched_by_torchrun():
+                raise GraftFedError("only train and cotrain run under torchrun (each model sharded over the "
+                                    f"processes); run {args.command} as one process")
         return int(args.func(args) or 0)
     except GraftFedError as exc:
         print(f"graft-fed {args.command}: error: {exc}", file=sys.stderr)

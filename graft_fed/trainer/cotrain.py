@@ -20,6 +20,7 @@ from graft_fed.core.exchange import select_sources
 from graft_fed.errors import ConfigError
 from graft_fed.trainer.config import ModelSection, OptimSection, TrainConfig
 from graft_fed.trainer.graft import complementarity, offer_metrics, receive, to_record
+from graft_fed.trainer.distributed import make_trainer
 from graft_fed.trainer.grpo import GRPOTrainer
 
 log = logging.getLogger("graft_fed.cotrain")
@@ -76,7 +77,9 @@ class CoTrainer:
         if resume not in (None, "auto"):
             raise ConfigError("cotrain resumes every member from its own latest checkpoint: use --resume "
                               "without a path")
-        self.trainers = [GRPOTrainer(cfg.member_config(i), resume=resume, quiet=True)
+        # Under torchrun every member is sharded over all the processes (distributed.py);
+        # the exchange below then runs identically on every process.
+        self.trainers = [make_trainer(cfg.member_config(i), resume=resume, quiet=True)
                          for i in range(len(cfg.members))]
         steps = {t.step for t in self.trainers}
         if len(steps) != 1:
@@ -148,7 +151,8 @@ class CoTrainer:
 
         summaries = [t.begin_train(evaluate_before_after) for t in self.trainers]
         rows: list[dict[str, Any]] = [{} for _ in self.trainers]
-        bar = tqdm(total=self.cfg.run.steps, initial=self.step, desc="cotrain", disable=self.quiet,
+        bar = tqdm(total=self.cfg.run.steps, initial=self.step, desc="cotrain",
+                   disable=self.quiet or not self.trainers[0].is_main,
                    dynamic_ncols=True)
         while self.step < self.cfg.run.steps:
             rows = self.train_step()

@@ -347,9 +347,6 @@ class GRPOTrainer:
         """hook: sample `self.sampling.n` responses per rendered prompt."""
         if seeds is None:
             return self.engine.generate(texts, self.sampling)
-        if not isinstance(self.engine, HFRollout):
-            raise ConfigError(f"rollout.seeding 'prompt' is implemented by the hf backend only, not "
-                              f"{self.cfg.rollout.backend!r}; use rollout.seeding: stream")
         return self.engine.generate(texts, self.sampling, seeds=seeds)
 
     def _sample_groups(self, prompts: Sequence[Prompt], seeds: list[int] | None) -> tuple[list[Group], SampleStats]:

@@ -6,11 +6,14 @@ and compute the same float32 loss; they differ only in float summation order (di
 micro-batch shapes, two gradient shards summed by the reduce-scatter, the grad norm summed
 over shards), about 1e-7 relative. Metrics are compared at rtol 1e-5 / atol 1e-6 (the
 loss of the first minibatch is ~1e-4, hence the absolute part). Parameters are compared
-at atol 1e-4 after 6 AdamW steps of lr 1e-2: Adam divides each gradient entry by its own
-magnitude, so entries whose gradient is rounding noise (~1e-12, below eps 1e-8) move by
-up to ~lr * |g| / eps in either run; anything wrong with the gradient itself (a lost
-shard, a wrong normaliser) moves most entries by O(lr) = 1e-2 and shows in the loss and
-grad_norm metrics too.
+at atol 1e-5 after 6 AdamW steps of lr 1e-2 that move them by ~3e-2 (measured difference:
+~2e-7). These runs use AdamW eps 1e-3 instead of 1e-8: Adam divides each gradient entry by
+its own magnitude, so an entry whose true gradient is zero (GPT-2's key biases: softmax
+ignores a shift shared by all keys) but whose computed gradient is rounding noise gets a
+step of up to lr, of random sign, in either run; with eps 1e-3 noise moves nothing while
+real gradients (1e-3 and up here) still take lr-sized steps. A wrong gradient (a lost
+shard, a wrong normaliser) would show in the loss and grad_norm metrics and move most
+entries by O(lr).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def write_cfg(tmp: Path, name: str, **over) -> Path:
         "rollout": {"n": 4, "max_new_tokens": 6, "batch_size": 16, "seeding": "prompt"},
         "verifier": {"name": "tests.plugins:odd_char_sum"},
         "algorithm": {"prompts_per_step": 4, "num_minibatches": 2, "micro_batch_size": 3, "micro_batch_tokens": 40},
-        "optim": {"lr": 1e-2},
+        "optim": {"lr": 1e-2, "eps": 1e-3},
     }
     for dotted, value in over.items():
         node = base
@@ -116,7 +119,7 @@ def test_two_processes_match_one_process(two_processes):
     moved = max((want[k] - start[k]).abs().max().item() for k in want)
     assert moved > 1e-2  # the runs did train (6 AdamW steps of lr 1e-2)
     for k in want:
-        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0, msg=k)
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=k)
 
 
 def weights_of_zoo() -> dict[str, torch.Tensor]:
@@ -161,13 +164,12 @@ def test_fsdp_checkpoints_are_verified_and_not_mistaken_for_single_process_ones(
 
 
 def test_gradient_is_the_single_process_gradient_whatever_the_micro_batching(tmp_path):
-    """Two processes, three micro-batchings (token budget of 30 and 2 rows; 64 rows; a
-    budget of 1000 tokens), and one process: every minibatch's gradient is the same. Also
+    """Two processes with two micro-batchings (a token budget of 30 and at most 2 rows;
+    64 rows) and one process: every minibatch's gradient is the same. Also
     runs bf16 mixed precision with activation checkpointing (exercised on CPU: it must
     train, not match fp32)."""
     cfgs = [write_cfg(tmp_path, "budget", **{"algorithm.micro_batch_tokens": 30, "algorithm.micro_batch_size": 2}),
             write_cfg(tmp_path, "rows", **{"algorithm.micro_batch_tokens": 0, "algorithm.micro_batch_size": 64}),
-            write_cfg(tmp_path, "big", **{"algorithm.micro_batch_tokens": 1000}),
             write_cfg(tmp_path, "bf16", **{"run.precision": "bf16", "distributed.activation_checkpointing": True,
                                            "distributed.reshard_after_forward": False})]
     out = tmp_path / "grads.pt"
@@ -181,11 +183,11 @@ def test_gradient_is_the_single_process_gradient_whatever_the_micro_batching(tmp
         tr.train_step()
     single = torch.stack(seen)
     assert single.shape[0] == 2 and single.abs().sum() > 0
-    for g in grads[:3]:
+    for g in grads[:2]:
         torch.testing.assert_close(g, single, atol=1e-6, rtol=1e-4)
-    bf16_row = got["rows"][3]
+    bf16_row = got["rows"][2]
     assert math.isfinite(bf16_row["loss"]) and bf16_row["grad_norm"] > 0
-    assert grads[3].shape == single.shape and torch.isfinite(grads[3]).all()
+    assert grads[2].shape == single.shape and torch.isfinite(grads[2]).all()
 
 
 def test_token_budget_micro_batches_do_not_change_the_single_process_gradient(tmp_path):
@@ -219,3 +221,38 @@ def test_token_budget_packing_and_shards():
     assert sorted(shards[0] + shards[1]) == [0, 1, 2, 3, 4]
     assert abs(sum([10, 1, 7, 3, 3][i] for i in shards[0]) - sum([10, 1, 7, 3, 3][i] for i in shards[1])) <= 2
     assert balance_shards([1.0], 3) == [[0], [], []]
+
+
+def test_cotrain_under_torchrun_matches_one_process(tmp_path):
+    """Two models co-trained by 2 processes (each sharded over both) exchange and train as
+    in one process: the receive path's likelihood passes run on the sharded models."""
+    from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config
+
+    def cotrain_cfg(name: str) -> Path:
+        path = write_cfg(tmp_path, name, **{"run.seed": 5, "run.steps": 2, "run.checkpoint_every": 0,
+                                            "rollout.n": 4, "algorithm.micro_batch_tokens": 0})
+        cfg = yaml.safe_load(path.read_text())
+        del cfg["model"]
+        cfg["members"] = [{"name": "llama", "model": {"path": "zoo:tiny-llama-char"}},
+                          {"name": "gpt2", "model": {"path": "zoo:tiny-gpt2-bpe"}}]
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    ok(torchrun("graft_fed.cli", "cotrain", "--config", str(cotrain_cfg("co2")), "--no-eval", "--quiet"))
+    with CoTrainer(load_cotrain_config(cotrain_cfg("co1")), quiet=True) as co:
+        co.train(evaluate_before_after=False)
+    replaced = 0.0
+    for member in ("llama", "gpt2"):
+        one = read_metrics(tmp_path / "co1" / member / "metrics.jsonl")
+        two = read_metrics(tmp_path / "co2" / member / "metrics.jsonl")
+        assert len(one) == len(two) == 2
+        for a, b in zip(one, two):
+            a, b = compared(a), compared(b)
+            assert a.keys() == b.keys()
+            for key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6, nan_ok=True), (member, a["step"], key)
+        replaced += sum(r.get("graft/replaced", 0) for r in two)
+        want, got = weights(tmp_path / "co1" / member, 2), weights(tmp_path / "co2" / member, 2)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=k)
+    assert replaced >= 3  # peer groups were received, in both directions at this seed
