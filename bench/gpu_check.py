@@ -264,7 +264,7 @@ def run_backend(backend: str, models: dict[str, Path], n_params: dict[str, int],
     members = {}
     for row, (name, sink) in zip(rows, sinks.items()):
         n = n_params[name]
-        gen_tokens = row["tokens_per_second/rollout"] * row["time/rollout"]
+        gen_tokens = float(round(row["tokens_per_second/rollout"] * row["time/rollout"]))  # a count: undo float error
         train_tokens = sink["train_tokens"]
         members[name] = {
             "params": n,
