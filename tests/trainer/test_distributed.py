@@ -256,3 +256,20 @@ def test_cotrain_under_torchrun_matches_one_process(tmp_path):
         for k in want:
             torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=k)
     assert replaced >= 3  # peer groups were received, in both directions at this seed
+
+
+def test_resume_with_another_process_count(two_processes):
+    """DCP reshards: the 2-process checkpoint of step 2 resumed by one process gives the
+    2-process run's step 3 (keyed samples do not depend on the process count)."""
+    tmp, two = two_processes
+    cfg = write_cfg(tmp, "one_proc_resumed")
+    ok(torchrun("graft_fed.cli", "train", "--config", str(cfg), "--no-eval", "--quiet", "--resume",
+                str(two / "checkpoints" / "step_000002"), nproc=1))
+    (row,) = read_metrics(tmp / "one_proc_resumed" / "metrics.jsonl")
+    want = compared(read_metrics(two / "metrics.jsonl")[2])
+    assert row["step"] == 3
+    for key, value in want.items():
+        assert compared(row)[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
+    got, ref = weights(tmp / "one_proc_resumed"), weights(two)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0, msg=k)
