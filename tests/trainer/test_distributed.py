@@ -166,12 +166,12 @@ def test_fsdp_checkpoints_are_verified_and_not_mistaken_for_single_process_ones(
 def test_gradient_is_the_single_process_gradient_whatever_the_micro_batching(tmp_path):
     """Two processes with two micro-batchings (a token budget of 30 and at most 2 rows;
     64 rows) and one process: every minibatch's gradient is the same. Also
-    runs bf16 mixed precision with activation checkpointing (exercised on CPU: it must
-    train, not match fp32)."""
+    runs bf16 mixed precision with activation checkpointing and a sharded KL reference
+    model (exercised on CPU: it must train, not match fp32)."""
     cfgs = [write_cfg(tmp_path, "budget", **{"algorithm.micro_batch_tokens": 30, "algorithm.micro_batch_size": 2}),
             write_cfg(tmp_path, "rows", **{"algorithm.micro_batch_tokens": 0, "algorithm.micro_batch_size": 64}),
             write_cfg(tmp_path, "bf16", **{"run.precision": "bf16", "distributed.activation_checkpointing": True,
-                                           "distributed.reshard_after_forward": False})]
+                                           "distributed.reshard_after_forward": False, "algorithm.kl_coef": 0.1})]
     out = tmp_path / "grads.pt"
     ok(torchrun("tests.trainer.dist_worker", str(out), *map(str, cfgs)))
     got = torch.load(out, weights_only=False)
@@ -186,7 +186,7 @@ def test_gradient_is_the_single_process_gradient_whatever_the_micro_batching(tmp
     for g in grads[:2]:
         torch.testing.assert_close(g, single, atol=1e-6, rtol=1e-4)
     bf16_row = got["rows"][2]
-    assert math.isfinite(bf16_row["loss"]) and bf16_row["grad_norm"] > 0
+    assert math.isfinite(bf16_row["loss"]) and bf16_row["grad_norm"] > 0 and bf16_row["kl"] >= 0
     assert grads[2].shape == single.shape and torch.isfinite(grads[2]).all()
 
 
@@ -273,3 +273,18 @@ def test_resume_with_another_process_count(two_processes):
     got, ref = weights(tmp / "one_proc_resumed"), weights(two)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=0, msg=k)
+
+
+def test_torchrun_runs_refuse_what_they_cannot_do(tmp_path, monkeypatch, capsys):
+    from graft_fed import cli
+    from graft_fed.errors import ConfigError
+    from graft_fed.trainer.distributed import DistributedGRPOTrainer
+
+    cfg = load_train_config(write_cfg(tmp_path, "stream", **{"rollout.seeding": "stream"}))
+    with pytest.raises(ConfigError, match="set rollout.seeding: prompt"):
+        DistributedGRPOTrainer(cfg)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert cli.main(["eval", "--model", "zoo:tiny-llama-char", "--benchmark", "embedded:arith-v1"]) == 2
+    assert "only train and cotrain run under torchrun" in capsys.readouterr().err
