@@ -249,8 +249,9 @@ class DistributedGRPOTrainer(GRPOTrainer):
                  d.activation_checkpointing and trainable)
         return model, tokenizer
 
-    def _weights(self, model: Any = None) -> contextlib.AbstractContextManager[None]:
-        return full_weights(model if model is not None else self.model, self.cfg.distributed.reshard_after_forward)
+    def _weights(self) -> contextlib.AbstractContextManager[None]:
+        """The policy on full weights (collective; for sampling and evaluation)."""
+        return full_weights(self.model, self.cfg.distributed.reshard_after_forward)
 
     def _generate(self, texts: list[str], seeds: list[int] | None) -> list:
         with self._weights():
@@ -400,7 +401,7 @@ class DistributedGRPOTrainer(GRPOTrainer):
             self.scheduler.load_state_dict(state["scheduler"])
             self.step = int(state["step"])
             self.schedule.cursor = int(state["schedule_cursor"])
-        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        except (KeyError, ValueError, RuntimeError, TypeError, dcp.CheckpointException) as exc:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {exc}") from None
         saved = int(manifest.get("world_size", 0)) if manifest else 0
         rng_file = path / "rng" / f"rank_{self.ctx.rank:05d}.pt"
