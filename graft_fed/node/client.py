@@ -89,7 +89,7 @@ class BrokerClient:
         # backoff short so a broker that is back is seen at the node's next attempt.
         options = grpc_options(max_message_mib) + [
             ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 5000)]
+            ("grpc.max_reconnect_backoff_ms", 2000)]
         if tls_ca is not None:
             self.channel = grpc.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key),
                                                options=options)

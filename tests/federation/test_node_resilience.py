@@ -19,6 +19,9 @@ def test_node_trains_without_broker_and_reconnects(tiny_llama, prompt_file, tmp_
         broker = start_broker(broker_config(prompt_file, listen=f"127.0.0.1:{port}"))
         try:
             node.backoff.succeeded()  # the next attempt is due now rather than after the jittered delay
+            # gRPC's channel retries the connection on its own backoff (at most 2 s apart); wait for it
+            # here rather than inside the node's rpc timeout, so a loaded machine cannot fail the test
+            assert node.client.wait_ready(30.0), "the node's channel never reconnected to the broker"
             rows += [node.train_step() for _ in range(2)]
         finally:
             broker.stop()
