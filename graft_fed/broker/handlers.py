@@ -93,6 +93,7 @@ class Federation:
         # bundle digest -> receivers allowed to fetch it; most recent grants last, bounded (a
         # receiver whose old grant was evicted gets it back by asking for its matches again)
         self._granted: OrderedDict[str, set[str]] = OrderedDict()
+        self._grants_lock = threading.Lock()  # guards _granted (GetMatches answers outside self.cond)
         # round -> nodes that published in it; a cache of the state (rebuilt on a miss, e.g.
         # after a restart) so that waking long-polls do not re-read every summary of the round
         self._published: dict[int, set[str]] = {}
@@ -332,7 +333,7 @@ class Federation:
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
         with self.cond:
             self._node(node_id, session_id)
-            if not self.state.summaries(round=round, node_id=node_id):
+            if node_id not in self._published_in(round):
                 raise FailedPrecondition(f"node {node_id!r} has published nothing for round {round}; "
                                          "publish its summaries before asking for matches")
             while True:
@@ -355,11 +356,14 @@ class Federation:
                 rnd = self.state.get_round(round)
                 until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
                 self.cond.wait(timeout=max(0.01, min(remaining, until_deadline, 1.0)))
-            lo = round - self.cfg.staleness_rounds if self.cfg.mode == "async" else round
-            cands, solved = self._complementarity(node_id, round, lo)
-            return MatchResult(ready=True, offers=self._offers(node_id, round),
-                               upload_requests=self._upload_requests(node_id), candidates=cands,
-                               solved_by_peers=solved)
+        # The answer only reads what matching has written, so it is built outside the lock:
+        # with many nodes, publishes and heartbeats no longer queue behind every waiting
+        # node's answer (bench/broker/load.py measured heartbeats at seconds).
+        lo = round - self.cfg.staleness_rounds if self.cfg.mode == "async" else round
+        cands, solved = self._complementarity(node_id, round, lo)
+        return MatchResult(ready=True, offers=self._offers(node_id, round),
+                           upload_requests=self._upload_requests(node_id), candidates=cands,
+                           solved_by_peers=solved)
 
     def _complementarity(self, receiver: str, round: int, min_round: int) -> tuple[int, int]:
         fails = [s.prompt_id for s in self.state.summaries(round=round, node_id=receiver) if s.k == 0]
@@ -379,27 +383,37 @@ class Federation:
 
     def _source_summaries(self, matches: Sequence[MatchRow],
                           node_id: str | None = None) -> dict[tuple[str, int, str], SummaryRow]:
-        """The source summary of every match, in one query, keyed by (node, round, prompt)."""
-        if not matches:
-            return {}
-        rows = self.state.summaries(prompt_ids={m.prompt_id for m in matches}, node_id=node_id,
-                                    min_round=min(m.source_round for m in matches))
-        return {(s.node_id, s.round, s.prompt_id): s for s in rows}
+        """The source summary of every match, keyed by (node, round, prompt): one indexed query
+        per (source, round), which reads exactly the matched rows (not every node's rows for
+        the matched prompts)."""
+        wanted: dict[tuple[str, int], set[str]] = {}
+        for m in matches:
+            if node_id is None or m.source == node_id:
+                wanted.setdefault((m.source, m.source_round), set()).add(m.prompt_id)
+        out = {}
+        for (source, rnd), prompt_ids in wanted.items():
+            for s in self.state.summaries(round=rnd, node_id=source, prompt_ids=prompt_ids):
+                out[(s.node_id, s.round, s.prompt_id)] = s
+        return out
 
     def _offers(self, receiver: str, round: int) -> list[Offer]:
         offers = []
         matches = self.state.matches(round=round, receiver=receiver)
         summaries = self._source_summaries(matches)
+        sources: dict[str, NodeRow | None] = {}
         for m in matches:
             s = summaries.get((m.source, m.source_round, m.prompt_id))
-            src = self.state.get_node(m.source)
+            if m.source not in sources:
+                sources[m.source] = self.state.get_node(m.source)
+            src = sources[m.source]
             if s is None or src is None:
                 continue
             if s.bundle_digest:
-                self._granted.setdefault(s.bundle_digest, set()).add(receiver)
-                self._granted.move_to_end(s.bundle_digest)
-                while len(self._granted) > MAX_GRANTS:
-                    self._granted.popitem(last=False)
+                with self._grants_lock:
+                    self._granted.setdefault(s.bundle_digest, set()).add(receiver)
+                    self._granted.move_to_end(s.bundle_digest)
+                    while len(self._granted) > MAX_GRANTS:
+                        self._granted.popitem(last=False)
             offers.append(Offer(prompt_id=m.prompt_id, source_node=m.source, source_model=src.model_id,
                                 source_round=m.source_round, k=s.k, n=s.n, digest=s.bundle_digest))
         return offers
@@ -501,7 +515,9 @@ class Federation:
             raise InvalidArgument("digest must be 64 lowercase hex digits")
         with self.cond:
             self._node(node_id, session_id)
-            if node_id not in self._granted.get(digest, set()):
+            with self._grants_lock:
+                granted = node_id in self._granted.get(digest, ())
+            if not granted:
                 if self.state.get_bundle(digest) is None:
                     raise NotFound(f"no bundle {digest[:12]}...")
                 raise PermissionDenied(f"node {node_id!r} was not matched to bundle {digest[:12]}...; ask for "
