@@ -1,0 +1,462 @@
+"""Load: N simulated nodes x P summaries per round over mutual TLS on loopback, for a set
+duration, with the broker SIGKILLed and restarted on the same SQLite file in the middle.
+
+    .venv/bin/python bench/broker/load.py                      # 64 nodes x 256 summaries, 600 s
+    .venv/bin/python bench/broker/load.py --duration 60        # a shorter run
+    .venv/bin/python bench/broker/load.py --nodes 4 --prompts 16 --duration 4 --out-dir /tmp/x   # smoke
+
+What runs:
+
+- A federation CA, a broker certificate (127.0.0.1) and one certificate per node, made by
+  graft_fed/federation/certs.py in a temporary directory; the broker requires them (mTLS).
+- The broker: `graft-fed broker` in a subprocess (its defaults: sync rounds, pairwise
+  balance, SqliteState with WAL and synchronous=FULL, 2 s heartbeats, 15 s offline cut-off).
+  At `--restart-at` seconds (default: half the duration) it is SIGKILLed and started again
+  on the same file and port.
+- The nodes: `--procs` worker processes, each running its share of the N nodes as threads.
+  A node is a real BrokerClient (its own TLS channel and certificate, its heartbeat thread)
+  and no model: per round it publishes P summaries (random k in 0..8 of n = 8, random
+  lengths and mean log-probs) and long-polls GetMatches until the round is matched, then
+  goes to the next round. Any failed call is retried after a jittered exponential backoff
+  (0.2 s doubling to `--backoff-cap-s`, 5 s); a node that lost its session joins again; a publish is
+  repeated until acknowledged (publishing is idempotent).
+- Every `--sample-s` seconds the broker's VmRSS (/proc/PID/status) and the 1-minute load
+  average are sampled.
+
+At the end the broker is stopped and its SQLite file read directly: every acknowledged
+(node, round) must hold exactly its P summaries (none lost), no (node, round, prompt) may
+appear twice, and each node's `published` count must equal the rows it holds (a retried
+publish counted as new would show here). Results: `<out-dir>/<name>.json` and `.md`
+(default bench/broker/results/load.*). Exit status 1 when anything acknowledged was lost or
+duplicated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS, ROOT, machine, percentile, write_prompts  # noqa: E402
+
+GROUP_N = 8
+VERIFIER = "math_verify"
+
+
+# ----- the simulated nodes (worker processes) -------------------------------------------------------
+
+def make_summaries(rng: random.Random, prompt_ids: list[str], round: int) -> list:
+    from graft_fed.proto import broker_pb2 as pb
+
+    out = []
+    for pid in prompt_ids:
+        k = rng.randint(0, GROUP_N)
+        p = k / GROUP_N
+        out.append(pb.GroupSummary(prompt_id=pid, round=round, policy_version=round, n=GROUP_N, k=k, reward_mean=p,
+                                   reward_std=math.sqrt(p * (1 - p)),
+                                   lengths=[rng.randint(1, 1024) for _ in range(GROUP_N)],
+                                   mean_logprobs=[-rng.uniform(0.0, 3.0) for _ in range(GROUP_N)]))
+    return out
+
+
+def run_node(i: int, ctx: dict, out: dict) -> None:
+    import grpc
+
+    from graft_fed.node.client import Backoff, BrokerClient
+
+    name = f"node{i:02d}"
+    rng = random.Random(ctx["seed"] * 7919 + i)
+    lat: dict[str, list[float]] = defaultdict(list)
+    errors: Counter[str] = Counter()
+    # round -> (accepted, duplicates, unix time) of the publish that was acknowledged
+    acked: dict[int, tuple[int, int, float]] = {}
+    ready_wait: list[float] = []
+    certs = Path(ctx["certs"])
+    client = BrokerClient(ctx["address"], name, rpc_timeout_s=ctx["rpc_timeout_s"], tls_ca=str(certs / "ca.pem"),
+                          tls_cert=str(certs / f"{name}.pem"), tls_key=str(certs / f"{name}.key"))
+    heartbeat = client.stub.Heartbeat
+
+    def timed_heartbeat(*args, **kwargs):  # the client's own heartbeat thread calls this
+        t0 = time.perf_counter()
+        try:
+            resp = heartbeat(*args, **kwargs)
+        except grpc.RpcError as exc:
+            errors[f"Heartbeat {exc.code().name}"] += 1
+            raise
+        lat["Heartbeat"].append(time.perf_counter() - t0)
+        return resp
+
+    client.stub.Heartbeat = timed_heartbeat
+
+    def call(rpc: str, fn):
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+        except grpc.RpcError as exc:
+            errors[f"{rpc} {exc.code().name}"] += 1
+            raise
+        lat[rpc].append(time.perf_counter() - t0)
+        return result
+
+    backoff = Backoff(0.2, ctx["backoff_cap_s"], rng)
+    end = ctx["end"]
+    joined, rnd, published, t_ack = False, 0, False, 0.0
+    summaries = make_summaries(rng, ctx["prompt_ids"], rnd)
+    joins = retries = 0
+    try:
+        while time.time() < end:
+            try:
+                if not joined or client.session_lost.is_set():
+                    call("Join", lambda: client.join(f"model-{name}", "tok", ctx["manifest"], "share_all", rnd))
+                    joined, joins = True, joins + 1
+                if not published:
+                    accepted, dups = call("PublishSummaries", lambda: client.publish(rnd, summaries))
+                    acked[rnd] = (accepted, dups, time.time())
+                    published, t_ack = True, time.perf_counter()
+                while time.time() < end:
+                    res = call("GetMatches", lambda: client.get_matches(rnd, ctx["match_wait_s"]))
+                    if res.ready:
+                        ready_wait.append(time.perf_counter() - t_ack)
+                        rnd, published = rnd + 1, False
+                        summaries = make_summaries(rng, ctx["prompt_ids"], rnd)
+                        break
+                backoff.succeeded()
+            except grpc.RpcError as exc:
+                retries += 1
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    joined = False
+                time.sleep(min(backoff.failed(), max(0.0, end - time.time())))
+        try:
+            client.leave()
+        except grpc.RpcError:
+            pass
+    finally:
+        client.close()
+    out[name] = {"acked": acked, "lat": dict(lat), "errors": dict(errors), "ready_wait": ready_wait,
+                 "rounds_ready": len(ready_wait), "joins": joins, "retries": retries}
+
+
+def worker(node_ids: list[int], ctx: dict, queue, go, end) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.ERROR)
+    import graft_fed.node.client  # noqa: F401 - the imports take seconds: before the clock starts
+    from graft_fed.federation.manifest import Manifest
+
+    queue.put("ready")
+    go.wait()
+    ctx = dict(ctx, manifest=Manifest(**ctx["manifest"]), end=end.value)
+    out: dict = {}
+    threads = [threading.Thread(target=run_node, args=(i, ctx, out), daemon=True) for i in node_ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=ctx["end"] - time.time() + 4 * ctx["rpc_timeout_s"] + 60)
+    queue.put(out)
+
+
+# ----- the broker (subprocess) --------------------------------------------------------------------
+
+class Broker:
+    def __init__(self, cfg_path: Path, work: Path) -> None:
+        self.cfg_path, self.work = cfg_path, work
+        self.proc: subprocess.Popen | None = None
+        self.lives: list[dict] = []
+        self.log = open(work / "broker.log", "ab")
+
+    def start(self) -> float:
+        port_file = self.work / "port"
+        port_file.unlink(missing_ok=True)
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "graft_fed.cli", "broker", "--config", str(self.cfg_path),
+                                      "--port-file", str(port_file)], cwd=ROOT, stdout=self.log, stderr=self.log)
+        self.lives.append({"pid": self.proc.pid})
+        while not port_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the broker exited at start (code {self.proc.returncode}); see "
+                                   f"{self.work / 'broker.log'}")
+            if time.monotonic() - t0 > 120:
+                raise RuntimeError("the broker did not start within 120 s")
+            time.sleep(0.02)
+        up = time.monotonic() - t0
+        self.lives[-1]["started_s"] = up
+        return up
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
+
+
+def rss_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----- verification -------------------------------------------------------------------------------
+
+def verify(db: Path, nodes: dict, n_prompts: int) -> dict:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = Counter({(n, r): c for n, r, c in con.execute(
+            "SELECT node_id, round, COUNT(*) FROM summaries GROUP BY node_id, round")})
+        dup_keys = con.execute("SELECT COUNT(*) FROM (SELECT 1 FROM summaries GROUP BY node_id, round, prompt_id "
+                               "HAVING COUNT(*) > 1)").fetchone()[0]
+        published = dict(con.execute("SELECT node_id, published FROM nodes").fetchall())
+        rounds_matched = con.execute("SELECT COUNT(*) FROM rounds WHERE state = 'matched'").fetchone()[0]
+        total_rows = con.execute("SELECT COUNT(*) FROM summaries").fetchone()[0]
+    finally:
+        con.close()
+    lost = extra = acked_summaries = 0
+    lost_where: list[str] = []
+    unacked_rows = 0
+    for name, res in nodes.items():
+        acked = {int(r) for r in res["acked"]}
+        for r in acked:
+            acked_summaries += n_prompts
+            held = rows.get((name, r), 0)
+            if held < n_prompts:
+                lost += n_prompts - held
+                lost_where.append(f"{name} round {r}: {held}/{n_prompts}")
+            extra += max(0, held - n_prompts)
+        unacked_rows += sum(c for (n, r), c in rows.items() if n == name and r not in acked)
+    per_node_rows = Counter()
+    for (n, _), c in rows.items():
+        per_node_rows[n] += c
+    count_mismatch = {n: (published.get(n, 0), per_node_rows[n]) for n in nodes
+                      if published.get(n, 0) != per_node_rows[n]}
+    return {"acknowledged_summaries": acked_summaries, "rows": total_rows, "lost": lost, "lost_where": lost_where[:20],
+            "extra_rows_in_acknowledged_rounds": extra, "duplicate_keys": dup_keys,
+            "rows_never_acknowledged": unacked_rows, "published_count_mismatch": count_mismatch,
+            "rounds_matched": rounds_matched}
+
+
+# ----- main ---------------------------------------------------------------------------------------
+
+def summarise_latencies(nodes: dict) -> dict:
+    pooled: dict[str, list[float]] = defaultdict(list)
+    for res in nodes.values():
+        for rpc, xs in res["lat"].items():
+            pooled[rpc].extend(xs)
+        pooled["round ready (publish ack .. matches ready)"].extend(res["ready_wait"])
+    return {rpc: {"count": len(xs), "p50_ms": 1e3 * percentile(xs, 50), "p99_ms": 1e3 * percentile(xs, 99),
+                  "max_ms": 1e3 * max(xs) if xs else float("nan")} for rpc, xs in sorted(pooled.items())}
+
+
+def markdown(payload: dict) -> str:
+    a, info, v = payload["args"], payload["machine"], payload["verify"]
+    lines = [f"### Broker load: {a['nodes']} nodes x {a['prompts']} summaries per round, {a['duration']:.0f} s, "
+             f"restart at {a['restart_at']:.0f} s ({info['date']})", "",
+             f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
+             f"git {info['git']}. Command: `{payload['command']}`.", "",
+             f"- mutual TLS on 127.0.0.1, {a['procs']} node processes, broker defaults (sync, pairwise, SQLite "
+             "WAL + synchronous=FULL)",
+             f"- load average (1 min) during the run: min {payload['load']['min']:.2f}, median "
+             f"{payload['load']['median']:.2f}, max {payload['load']['max']:.2f}",
+             f"- broker restart: SIGKILL at {payload['restart']['killed_at_s']:.1f} s, listening again after "
+             f"{payload['restart']['start_s']:.2f} s (process start + state open + quick_check on a "
+             f"{payload['restart']['db_mib_at_restart']:.0f} MiB file); "
+             f"{payload['restart']['publishes_acknowledged_after']:,} publishes acknowledged after it",
+             f"- rounds matched: {v['rounds_matched']}; rounds completed per node: min {payload['rounds']['min']}, "
+             f"median {payload['rounds']['median']}, max {payload['rounds']['max']}",
+             f"- summaries acknowledged: {v['acknowledged_summaries']:,}; held by the broker: {v['rows']:,} "
+             f"({v['rows_never_acknowledged']:,} applied but never acknowledged: the publish in flight when "
+             "the run ended)",
+             f"- **lost: {v['lost']}**, **duplicated: {v['duplicate_keys'] + v['extra_rows_in_acknowledged_rounds']}**, "
+             f"nodes whose `published` count differs from the rows held: {len(v['published_count_mismatch'])}",
+             f"- node retries after a failed call: {payload['retries']}; joins: {payload['joins']}", "",
+             "| RPC (client side) | calls | p50 ms | p99 ms | max ms |", "|---|---:|---:|---:|---:|"]
+    for rpc, s in payload["latency"].items():
+        lines.append(f"| {rpc} | {s['count']:,} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['max_ms']:.1f} |")
+    lines += ["", "Failed calls by RPC and status: " + (", ".join(f"{k} {v}" for k, v in
+                                                               sorted(payload["errors"].items())) or "none") + ".",
+              "", "Broker RSS (MiB) over time:", "", "| t (s) | broker life | RSS MiB | load avg |",
+              "|---:|---:|---:|---:|"]
+    samples = payload["rss"]
+    step = max(1, len(samples) // 40)
+    for s in samples[::step] + ([samples[-1]] if samples and (len(samples) - 1) % step else []):
+        lines.append(f"| {s['t']:.1f} | {s['life']} | {s['rss_kib'] / 1024:.1f} | {s['load1']:.2f} |")
+    lines += ["", "Per broker life: " + "; ".join(
+        f"life {i}: RSS first {l['first_mib']:.1f} MiB, max {l['max_mib']:.1f}, last {l['last_mib']:.1f}"
+        for i, l in enumerate(payload["rss_per_life"])) + ".", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=256, help="summaries per node and round")
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    ap.add_argument("--restart-at", type=float, default=None, help="SIGKILL + restart the broker at this second "
+                                                                     "(default: half the duration; < 0 = never)")
+    ap.add_argument("--procs", type=int, default=4, help="node worker processes (nodes are threads in them)")
+    ap.add_argument("--sample-s", type=float, default=2.0, help="RSS / load sampling interval")
+    ap.add_argument("--rpc-timeout-s", type=float, default=30.0)
+    ap.add_argument("--match-wait-s", type=float, default=10.0)
+    ap.add_argument("--backoff-cap-s", type=float, default=5.0, help="longest wait between a node's retries")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default="load", help="results file stem")
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (certs, db, broker.log)")
+    args = ap.parse_args(argv)
+    restart_at = args.duration / 2 if args.restart_at is None else args.restart_at
+    info = machine()
+    from graft_fed.data.config import DataConfig, load_prompts
+    from graft_fed.federation import certs
+    from graft_fed.federation.manifest import PROTOCOL_VERSION, dataset_hash, verifier_version
+    from graft_fed.rewards.config import VerifierConfig
+
+    work = Path(tempfile.mkdtemp(prefix="graft-load-"))
+    print(f"work directory {work}", flush=True)
+    certs.init_ca(work / "certs", "load")
+    certs.issue(work / "certs", "broker", ["127.0.0.1", "localhost"])
+    for i in range(args.nodes):
+        certs.issue(work / "certs", f"node{i:02d}")
+    prompts_path = write_prompts(work / "prompts.jsonl", args.prompts)
+    prompts = load_prompts(DataConfig(source=str(prompts_path)))
+    port = free_port()
+    db = work / "broker.sqlite"
+    c = work / "certs"
+    cfg = {"listen": f"127.0.0.1:{port}", "http": "", "db": str(db), "data": {"source": str(prompts_path)},
+           "verifier": {"name": VERIFIER}, "seed": args.seed, "n": GROUP_N, "prompts_per_round": args.prompts,
+           "tls_cert": str(c / "broker.pem"), "tls_key": str(c / "broker.key"), "client_ca": str(c / "ca.pem")}
+    cfg_path = work / "broker.yaml"
+    cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
+    manifest = {"federation_id": "graft-fed", "protocol_version": PROTOCOL_VERSION,
+                "dataset_id": prompts[0].dataset, "dataset_hash": dataset_hash(prompts), "seed": args.seed,
+                "n": GROUP_N, "prompts_per_round": args.prompts, "mode": "sync", "verifier_name": VERIFIER,
+                "verifier_version": verifier_version(VerifierConfig(name=VERIFIER)), "staleness_rounds": 4}
+
+    broker = Broker(cfg_path, work)
+    broker.start()
+    samples: list[dict] = []
+    stop_sampling = threading.Event()
+
+    def sample() -> None:
+        while not stop_sampling.is_set():
+            proc = broker.proc
+            if proc is not None and proc.poll() is None:
+                kib = rss_kib(proc.pid)
+                if kib is not None:
+                    samples.append({"t": time.monotonic() - t_start, "life": len(broker.lives) - 1, "rss_kib": kib,
+                                    "load1": os.getloadavg()[0]})
+            stop_sampling.wait(args.sample_s)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    ctx = {"address": f"127.0.0.1:{port}", "certs": str(c), "prompt_ids": [p.id for p in prompts],
+           "manifest": manifest, "rpc_timeout_s": args.rpc_timeout_s, "match_wait_s": args.match_wait_s,
+           "backoff_cap_s": args.backoff_cap_s, "seed": args.seed}
+    mpctx = mp.get_context("spawn")
+    queue, go, end = mpctx.Queue(), mpctx.Event(), mpctx.Value("d", 0.0)
+    shares = [list(range(args.nodes))[k::args.procs] for k in range(args.procs)]
+    procs = [mpctx.Process(target=worker, args=(share, ctx, queue, go, end), daemon=True) for share in shares if share]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        assert queue.get(timeout=300) == "ready"
+    t_start = time.monotonic()  # the clock starts when every node process is ready
+    end.value = time.time() + args.duration
+    go.set()
+    sampler.start()
+    restart = {"killed_at_s": float("nan"), "start_s": float("nan"), "db_mib_at_restart": float("nan"),
+               "killed_at_unix": float("nan")}
+    if 0 <= restart_at < args.duration:
+        time.sleep(max(0.0, restart_at - (time.monotonic() - t_start)))
+        restart["killed_at_s"] = time.monotonic() - t_start
+        restart["killed_at_unix"] = time.time()
+        broker.kill()
+        restart["db_mib_at_restart"] = sum(os.path.getsize(p) for p in work.glob("broker.sqlite*")) / 2**20
+        restart["start_s"] = broker.start()
+        print(f"broker SIGKILLed at {restart['killed_at_s']:.1f} s, listening again after "
+              f"{restart['start_s']:.2f} s", flush=True)
+    nodes: dict = {}
+    deadline = time.monotonic() + args.duration + 4 * args.rpc_timeout_s + 120
+    for _ in procs:
+        nodes.update(queue.get(timeout=max(1.0, deadline - time.monotonic())))
+    for p in procs:
+        p.join(timeout=30)
+    stop_sampling.set()
+    sampler.join(timeout=10)
+    code = broker.stop()
+    broker.log.close()
+    v = verify(db, nodes, args.prompts)
+    restart["publishes_acknowledged_after"] = sum(1 for r in nodes.values() for a in r["acked"].values()
+                                                  if a[2] > restart["killed_at_unix"])
+    lives = []
+    for life in range(len(broker.lives)):
+        xs = [s["rss_kib"] / 1024 for s in samples if s["life"] == life]
+        if xs:
+            lives.append({"first_mib": xs[0], "max_mib": max(xs), "last_mib": xs[-1], "samples": len(xs)})
+    loads = sorted(s["load1"] for s in samples) or [float("nan")]
+    rounds = sorted(r["rounds_ready"] for r in nodes.values()) or [0]
+    errors: Counter[str] = Counter()
+    for r in nodes.values():
+        errors.update(r["errors"])
+    payload = {
+        "machine": info, "command": " ".join(["bench/broker/load.py", *(argv if argv is not None else sys.argv[1:])]),
+        "args": {**vars(args), "restart_at": restart_at}, "broker_exit_code": code, "restart": restart,
+        "verify": v, "latency": summarise_latencies(nodes), "errors": dict(errors),
+        "rounds": {"min": rounds[0], "median": rounds[len(rounds) // 2], "max": rounds[-1]},
+        "retries": sum(r["retries"] for r in nodes.values()), "joins": sum(r["joins"] for r in nodes.values()),
+        "load": {"min": loads[0], "median": loads[len(loads) // 2], "max": loads[-1]},
+        "rss": samples, "rss_per_life": lives, "nodes_reporting": len(nodes),
+        "wall_s": time.monotonic() - t_start,
+    }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = markdown(payload)
+    (out_dir / f"{args.name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+    (out_dir / f"{args.name}.md").write_text(md, encoding="utf-8")
+    print(md)
+    print(f"wrote {out_dir / args.name}.json and .md")
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    ok = (v["lost"] == 0 and v["duplicate_keys"] == 0 and v["extra_rows_in_acknowledged_rounds"] == 0
+          and len(nodes) == args.nodes)
+    if not ok:
+        print("FAILED: " + json.dumps({k: v[k] for k in ("lost", "lost_where", "duplicate_keys")}) +
+              f", {len(nodes)} of {args.nodes} nodes reported", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
