@@ -422,8 +422,17 @@ class Federation:
         node = self.state.get_node(source)
         if node is None or node.privacy == "summaries_only":
             return []
+        # Only a receiver still at the round it was matched in fetches (it waits for uploads
+        # during its own step), so look at the rounds online nodes are at rather than at the
+        # whole history: the answer stays the same size however long the federation runs
+        # (bench/broker/load.py saw it, and the broker's memory, grow with every round).
+        waiting: dict[int, set[str]] = {}
+        for n in self.online_nodes():
+            if n.node_id != source:
+                waiting.setdefault(n.round, set()).add(n.node_id)
+        matches = [m for r, receivers in sorted(waiting.items())
+                   for m in self.state.matches(round=r, source=source) if m.receiver in receivers]
         out = []
-        matches = self.state.matches(source=source)
         summaries = self._source_summaries(matches, node_id=source)
         for m in matches:
             s = summaries.get((source, m.source_round, m.prompt_id))

@@ -69,3 +69,29 @@ def test_a_node_that_stops_publishing_goes_offline_and_is_not_waited_for(prompt_
     finally:
         a.close()
         broker.stop()
+
+
+def test_upload_requests_are_for_receivers_still_at_their_round(prompt_file, prompts):
+    """A source is asked to upload a matched group only while its receiver still works on the
+    round it was matched in (a late joiner at an old round included), not for every match in
+    the federation's history."""
+    broker = start_broker(broker_config(prompt_file))
+    a, b = client(broker, prompts, "a", privacy="matched_only"), client(broker, prompts, "b")
+    c = None
+    try:
+        p0, p1 = prompts[0], prompts[1]
+        assert a.publish(0, [summary(p0, 1), summary(p1, 0)]) == (2, 0)
+        assert b.publish(0, [summary(p0, 0), summary(p1, 1)]) == (2, 0)
+        assert a.get_matches(0, 5.0).upload_requests == [(p0.id, 0)]  # b waits for a's group of p0
+        assert b.get_matches(0, 0.0).offers[0].prompt_id == p0.id
+        assert b.publish(1, [summary(p0, 1, round=1)]) == (1, 0)  # b has moved on
+        assert a.get_matches(0, 0.0).upload_requests == []
+        c = client(broker, prompts, "c")  # a late joiner replaying round 0 is matched to a's stored group
+        assert c.publish(0, [summary(p0, 0)]) == (1, 0)
+        assert [(o.prompt_id, o.source_node) for o in c.get_matches(0, 0.0).offers] == [(p0.id, "a")]
+        assert a.get_matches(0, 0.0).upload_requests == [(p0.id, 0)]
+    finally:
+        for x in (a, b, c):
+            if x is not None:
+                x.close()
+        broker.stop()
