@@ -13,6 +13,7 @@ often solved by a peer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -86,6 +87,23 @@ SPECS: dict[str, ZooSpec] = {s.name: s for s in (
     ),
 )}
 assert tuple(SPECS) == ZOO_NAMES
+
+# Alternative SFT recipes, built into a folder of their own (`--recipe NAME --out DIR`); the
+# shipped zoo is `default`. `learnable` leaves each model's weak family at about 15-25% sampled
+# accuracy instead of 2-9%, so GRPO can still move it within tens of steps (see
+# docs/results/miniature.md: with the default zoo the weak families barely move in 20-30 RL
+# steps, with or without peers).
+RECIPES: dict[str, dict[str, ZooSpec]] = {
+    "default": SPECS,
+    "learnable": {
+        "tiny-llama-char": dataclasses.replace(SPECS["tiny-llama-char"],
+                                               mix={"add": 0.40, "sub": 0.16, "mul": 0.44}),
+        "tiny-gpt2-bpe": dataclasses.replace(SPECS["tiny-gpt2-bpe"],
+                                             mix={"add": 0.35, "sub": 0.35, "mul": 0.30}),
+        "tiny-qwen3-unigram": dataclasses.replace(SPECS["tiny-qwen3-unigram"],
+                                                  mix={"add": 0.05, "sub": 0.25, "mul": 0.70}),
+    },
+}
 
 
 # --- tokenizers -----------------------------------------------------------------------
@@ -278,8 +296,13 @@ def build_one(spec: ZooSpec, out_dir: Path, seed: int, steps: int | None = None,
 
 def build_zoo(out_dir: str | Path | None = None, seed: int = 0, names: Sequence[str] | None = None,
               steps: int | None = None, threads: int | None = None,
-              log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+              log: Callable[[str], None] | None = None, recipe: str = "default") -> list[dict[str, Any]]:
     """Build (train and save) the zoo models `names` (default all) under `out_dir`."""
+    if recipe not in RECIPES:
+        raise ConfigError(f"unknown zoo recipe {recipe!r}; choose one of: {', '.join(RECIPES)}")
+    if recipe != "default" and out_dir is None:
+        raise ConfigError(f"recipe {recipe!r} would overwrite the shipped zoo; give it a folder with --out DIR")
+    specs = RECIPES[recipe]
     out = Path(out_dir) if out_dir is not None else zoo_dir()
     names = list(ZOO_NAMES if names is None else names)
     for n in names:
@@ -290,7 +313,7 @@ def build_zoo(out_dir: str | Path | None = None, seed: int = 0, names: Sequence[
     if log is None:
         def log(msg: str) -> None:
             print(msg, flush=True)
-    return [build_one(SPECS[n], out, seed, steps, log) for n in names]
+    return [build_one(specs[n], out, seed, steps, log) for n in names]
 
 
 def add_build_arguments(p: argparse.ArgumentParser) -> None:
@@ -299,12 +322,16 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", action="append", choices=ZOO_NAMES, metavar="NAME",
                    help=f"build only this model (repeatable): {', '.join(ZOO_NAMES)}")
     p.add_argument("--steps", type=int, default=None, help="override the SFT steps of every model")
+    p.add_argument("--recipe", default="default", choices=sorted(RECIPES),
+                   help="SFT family mixes: default (the shipped zoo) or learnable (weak families at "
+                        "15-25%%; needs --out)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
 def run_build(args: argparse.Namespace) -> int:
     t0 = time.time()
-    build_zoo(args.out, seed=args.seed, names=args.only, steps=args.steps, threads=args.threads)
+    build_zoo(args.out, seed=args.seed, names=args.only, steps=args.steps, threads=args.threads,
+              recipe=args.recipe)
     print(f"zoo built in {time.time() - t0:.0f}s")
     return 0
 

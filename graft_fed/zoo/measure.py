@@ -109,6 +109,16 @@ def _cell(text: str) -> str:
     return "`" + text.replace("|", "\\|") + "`"
 
 
+RECIPE_NOTE = [
+    'Another SFT recipe, `learnable`, builds the same three models with other family mixes into',
+    'a folder of its own (`graft-fed zoo build --recipe learnable --out runs/zoo-learnable`): each',
+    "model's weak family is left at about 15-25% sampled accuracy instead of 2-9%, so that RL",
+    "can still move it within tens of steps. The miniature experiment's second table uses it;",
+    'its measurement is in [results/miniature.md](results/miniature.md).',
+    '',
+]
+
+
 def render_doc(result: dict[str, Any], cards: dict[str, dict[str, Any]], command: str) -> str:
     fams = result["families"]
     names = list(result["accuracy"])
@@ -168,7 +178,7 @@ def render_doc(result: dict[str, Any], cards: dict[str, dict[str, Any]], command
               "the three models trained in parallel with one thread each on a shared 2-core machine:",
               ""] + build + [
               "", "Bit-for-bit identical weights need the same torch build and thread count; the",
-              "measured behaviour does not depend on it.", ""]
+              "measured behaviour does not depend on it.", ""] + RECIPE_NOTE
     lines += [
         "## Measurements",
         "",

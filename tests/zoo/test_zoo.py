@@ -118,3 +118,23 @@ def test_boxed_scoring():
     assert score("\\boxed{1} then \\boxed{861}", "861") == 1
     assert score("The answer is \\boxed{86}.", "861") == 0
     assert score("no box", "861") == 0
+
+
+def test_recipes_differ_only_in_the_family_mix_and_never_overwrite_the_shipped_zoo(tmp_path):
+    import dataclasses
+
+    from graft_fed.errors import ConfigError
+    from graft_fed.zoo.build import RECIPES, SPECS, build_zoo
+    from graft_fed.zoo.cli import add_zoo_subparser
+
+    assert RECIPES["default"] is SPECS
+    for name, spec in RECIPES["learnable"].items():
+        assert dataclasses.replace(spec, mix=SPECS[name].mix) == SPECS[name]
+        assert spec.mix != SPECS[name].mix and abs(sum(spec.mix.values()) - 1.0) < 1e-9
+    with pytest.raises(ConfigError, match="overwrite the shipped zoo"):
+        build_zoo(None, recipe="learnable")
+    with pytest.raises(ConfigError, match="unknown zoo recipe"):
+        build_zoo(tmp_path, recipe="nope")
+    parser = argparse.ArgumentParser()
+    add_zoo_subparser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["zoo", "build", "--recipe", "learnable", "--out", "x"]).recipe == "learnable"
