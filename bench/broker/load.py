@@ -299,7 +299,8 @@ def markdown(payload: dict) -> str:
              f"- summaries acknowledged: {v['acknowledged_summaries']:,}; held by the broker: {v['rows']:,} "
              f"({v['rows_never_acknowledged']:,} applied but never acknowledged: the publish in flight when "
              "the run ended)",
-             f"- **lost: {v['lost']}**, **duplicated: {v['duplicate_keys'] + v['extra_rows_in_acknowledged_rounds']}**, "
+             f"- **lost: {v['lost']}**, "
+             f"**duplicated: {v['duplicate_keys'] + v['extra_rows_in_acknowledged_rounds']}**, "
              f"nodes whose `published` count differs from the rows held: {len(v['published_count_mismatch'])}",
              f"- node retries after a failed call: {payload['retries']}; joins: {payload['joins']}", "",
              "| RPC (client side) | calls | p50 ms | p99 ms | max ms |", "|---|---:|---:|---:|---:|"]
@@ -365,57 +366,65 @@ def main(argv: list[str] | None = None) -> int:
                 "verifier_version": verifier_version(VerifierConfig(name=VERIFIER)), "staleness_rounds": 4}
 
     broker = Broker(cfg_path, work)
-    broker.start()
     samples: list[dict] = []
     stop_sampling = threading.Event()
+    procs: list = []
+    try:
+        broker.start()
 
-    def sample() -> None:
-        while not stop_sampling.is_set():
-            proc = broker.proc
-            if proc is not None and proc.poll() is None:
-                kib = rss_kib(proc.pid)
-                if kib is not None:
-                    samples.append({"t": time.monotonic() - t_start, "life": len(broker.lives) - 1, "rss_kib": kib,
-                                    "load1": os.getloadavg()[0]})
-            stop_sampling.wait(args.sample_s)
+        def sample() -> None:
+            while not stop_sampling.is_set():
+                proc = broker.proc
+                if proc is not None and proc.poll() is None:
+                    kib = rss_kib(proc.pid)
+                    if kib is not None:
+                        samples.append({"t": time.monotonic() - t_start, "life": len(broker.lives) - 1,
+                                        "rss_kib": kib, "load1": os.getloadavg()[0]})
+                stop_sampling.wait(args.sample_s)
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    ctx = {"address": f"127.0.0.1:{port}", "certs": str(c), "prompt_ids": [p.id for p in prompts],
-           "manifest": manifest, "rpc_timeout_s": args.rpc_timeout_s, "match_wait_s": args.match_wait_s,
-           "backoff_cap_s": args.backoff_cap_s, "seed": args.seed}
-    mpctx = mp.get_context("spawn")
-    queue, go, end = mpctx.Queue(), mpctx.Event(), mpctx.Value("d", 0.0)
-    shares = [list(range(args.nodes))[k::args.procs] for k in range(args.procs)]
-    procs = [mpctx.Process(target=worker, args=(share, ctx, queue, go, end), daemon=True) for share in shares if share]
-    for p in procs:
-        p.start()
-    for _ in procs:
-        assert queue.get(timeout=300) == "ready"
-    t_start = time.monotonic()  # the clock starts when every node process is ready
-    end.value = time.time() + args.duration
-    go.set()
-    sampler.start()
-    restart = {"killed_at_s": float("nan"), "start_s": float("nan"), "db_mib_at_restart": float("nan"),
-               "killed_at_unix": float("nan")}
-    if 0 <= restart_at < args.duration:
-        time.sleep(max(0.0, restart_at - (time.monotonic() - t_start)))
-        restart["killed_at_s"] = time.monotonic() - t_start
-        restart["killed_at_unix"] = time.time()
-        broker.kill()
-        restart["db_mib_at_restart"] = sum(os.path.getsize(p) for p in work.glob("broker.sqlite*")) / 2**20
-        restart["start_s"] = broker.start()
-        print(f"broker SIGKILLed at {restart['killed_at_s']:.1f} s, listening again after "
-              f"{restart['start_s']:.2f} s", flush=True)
-    nodes: dict = {}
-    deadline = time.monotonic() + args.duration + 4 * args.rpc_timeout_s + 120
-    for _ in procs:
-        nodes.update(queue.get(timeout=max(1.0, deadline - time.monotonic())))
-    for p in procs:
-        p.join(timeout=30)
-    stop_sampling.set()
-    sampler.join(timeout=10)
-    code = broker.stop()
-    broker.log.close()
+        sampler = threading.Thread(target=sample, daemon=True)
+        ctx = {"address": f"127.0.0.1:{port}", "certs": str(c), "prompt_ids": [p.id for p in prompts],
+               "manifest": manifest, "rpc_timeout_s": args.rpc_timeout_s, "match_wait_s": args.match_wait_s,
+               "backoff_cap_s": args.backoff_cap_s, "seed": args.seed}
+        mpctx = mp.get_context("spawn")
+        queue, go, end = mpctx.Queue(), mpctx.Event(), mpctx.Value("d", 0.0)
+        shares = [list(range(args.nodes))[k::args.procs] for k in range(args.procs)]
+        procs += [mpctx.Process(target=worker, args=(share, ctx, queue, go, end), daemon=True)
+                  for share in shares if share]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            assert queue.get(timeout=300) == "ready"
+        t_start = time.monotonic()  # the clock starts when every node process is ready
+        end.value = time.time() + args.duration
+        go.set()
+        sampler.start()
+        restart = {"killed_at_s": float("nan"), "start_s": float("nan"), "db_mib_at_restart": float("nan"),
+                   "killed_at_unix": float("nan")}
+        if 0 <= restart_at < args.duration:
+            time.sleep(max(0.0, restart_at - (time.monotonic() - t_start)))
+            restart["killed_at_s"] = time.monotonic() - t_start
+            restart["killed_at_unix"] = time.time()
+            broker.kill()
+            restart["db_mib_at_restart"] = sum(os.path.getsize(p) for p in work.glob("broker.sqlite*")) / 2**20
+            restart["start_s"] = broker.start()
+            print(f"broker SIGKILLed at {restart['killed_at_s']:.1f} s, listening again after "
+                  f"{restart['start_s']:.2f} s", flush=True)
+        nodes: dict = {}
+        deadline = time.monotonic() + args.duration + 4 * args.rpc_timeout_s + 120
+        for _ in procs:
+            nodes.update(queue.get(timeout=max(1.0, deadline - time.monotonic())))
+        for p in procs:
+            p.join(timeout=30)
+        stop_sampling.set()
+        sampler.join(timeout=10)
+    finally:  # whatever happened, no broker or node process outlives the run
+        stop_sampling.set()
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        code = broker.stop()
+        broker.log.close()
     v = verify(db, nodes, args.prompts)
     restart["publishes_acknowledged_after"] = sum(1 for r in nodes.values() for a in r["acked"].values()
                                                   if a[2] > restart["killed_at_unix"])

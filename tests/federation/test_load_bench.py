@@ -11,10 +11,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_load_bench_survives_a_broker_restart_with_nothing_lost(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "load.py"), "--nodes", "4", "--prompts", "16",
-                           "--duration", "5", "--restart-at", "1.5", "--procs", "1", "--sample-s", "0.5",
-                           "--rpc-timeout-s", "5", "--match-wait-s", "1", "--backoff-cap-s", "0.5",
-                           "--out-dir", str(tmp_path), "--name", "tiny"],
+    args = ["--nodes", "4", "--prompts", "16", "--duration", "5", "--restart-at", "1.5", "--procs", "1",
+            "--sample-s", "0.5", "--rpc-timeout-s", "5", "--match-wait-s", "1", "--backoff-cap-s", "0.5",
+            "--out-dir", str(tmp_path), "--name", "tiny"]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "load.py"), *args],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "tiny.json").read_text())
