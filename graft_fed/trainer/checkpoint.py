@@ -52,12 +52,28 @@ def save_checkpoint(root: str | Path, step: int, model: Any, tokenizer: Any, sta
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    (tmp / "model").mkdir(parents=True)
-    model.save_pretrained(tmp / "model", safe_serialization=True)
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save(state, tmp / "trainer_state.pt")
-    write_manifest(tmp, step, fingerprint)
+    try:
+        (tmp / "model").mkdir(parents=True)
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(state, tmp / "trainer_state.pt")
+        write_manifest(tmp, step, fingerprint)
+    except OSError as exc:
+        raise save_failed(tmp, root, step, exc) from exc
     return commit(tmp, root, step, keep)
+
+
+def save_failed(tmp: Path, root: Path, step: int, exc: OSError) -> CheckpointError:
+    """Remove the half-written `tmp` and say what failed and what is still there to resume from."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    previous = checkpoint_dirs(root)
+    where = f"the latest complete checkpoint, {previous[-1]}, is untouched" if previous else \
+        "there is no earlier checkpoint"
+    err = CheckpointError(f"could not write the checkpoint of step {step} under {root}: "
+                          f"{exc.strerror or exc} ({exc.filename or tmp}); nothing half-written was kept and "
+                          f"{where}. Free disk space (or lower run.keep_checkpoints) and resume.")
+    err.errno = exc.errno  # type: ignore[attr-defined]
+    return err
 
 
 def write_manifest(tmp: Path, step: int, fingerprint: str, **extra: Any) -> None:

@@ -109,11 +109,12 @@ def test_a_corrupt_checkpoint_is_refused_and_the_previous_one_stays(tiny_llama, 
 
     torch.save = full_disk
     try:
-        with pytest.raises(OSError) as info:
+        with pytest.raises(CheckpointError, match="step 2.*No space left.*step_000001.*is untouched") as info:
             ckpt.save_checkpoint(root, 2, model, tok, {"step": 2}, "fp", keep=2)
         assert info.value.errno == errno.ENOSPC
     finally:
         torch.save = real_save
+    assert [p.name for p in root.iterdir()] == ["step_000001"]  # no half-written folder left behind
     assert ckpt.latest_checkpoint(root) == first  # the half-written one is not taken for a checkpoint
     assert ckpt.verify_checkpoint(first, "fp")["step"] == 1
     # a damaged one is refused with the way out
