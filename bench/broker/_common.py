@@ -4,6 +4,8 @@ real broker has), a raw-bytes gRPC baseline server, percentiles, machine facts."
 from __future__ import annotations
 
 import json
+import math
+import random
 import threading
 import multiprocessing as mp
 import os
@@ -20,6 +22,22 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # Raw baseline service: bytes in, bytes out, no protobuf, no handler work.
 RAW_SERVICE = "graftbench.Raw"
+
+
+def make_summaries(rng: random.Random, prompt_ids: list[str], round: int, n: int) -> list:
+    """Random but well-formed group summaries (k of n correct, per-response lengths and
+    mean log-probs) for one round: the load the broker benches publish."""
+    from graft_fed.proto import broker_pb2 as pb
+
+    out = []
+    for pid in prompt_ids:
+        k = rng.randint(0, n)
+        p = k / n
+        out.append(pb.GroupSummary(prompt_id=pid, round=round, policy_version=round, n=n, k=k, reward_mean=p,
+                                   reward_std=math.sqrt(p * (1 - p)),
+                                   lengths=[rng.randint(1, 1024) for _ in range(n)],
+                                   mean_logprobs=[-rng.uniform(0.0, 3.0) for _ in range(n)]))
+    return out
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

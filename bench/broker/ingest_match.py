@@ -22,7 +22,6 @@ the round is ready.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
 import tempfile
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from _common import RAW_SERVICE, ChildServer, machine, percentile, run_threads, write_prompts, write_results  # noqa: E402
+from _common import RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, write_prompts, write_results  # noqa: E402
 from graft_fed.broker.server import grpc_options  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version  # noqa: E402
@@ -46,18 +45,6 @@ from graft_fed.rewards.config import VerifierConfig  # noqa: E402
 GROUP_N = 8
 FIXED_S = 8.0  # two child servers started and stopped, joins, request building
 VERIFIER = "math_verify"
-
-
-def make_summaries(rng: random.Random, prompt_ids: list[str], round: int) -> list[pb.GroupSummary]:
-    out = []
-    for pid in prompt_ids:
-        k = rng.randint(0, GROUP_N)
-        p = k / GROUP_N
-        out.append(pb.GroupSummary(prompt_id=pid, round=round, policy_version=round, n=GROUP_N, k=k, reward_mean=p,
-                                   reward_std=math.sqrt(p * (1 - p)),
-                                   lengths=[rng.randint(1, 1024) for _ in range(GROUP_N)],
-                                   mean_logprobs=[-rng.uniform(0.0, 3.0) for _ in range(GROUP_N)]))
-    return out
 
 
 class Barrier:
@@ -197,7 +184,7 @@ def main() -> int:
             ids = [p.id for p in load_prompts(DataConfig(source=str(prompts_path)))]
             rng = random.Random(args.seed * 1000003 + n_nodes * 7919 + n_prompts)
             requests = [[pb.PublishRequest(node_id=f"node{i:02d}", session_id="x" * 32, round=r,
-                                           summaries=make_summaries(rng, ids, r)) for r in range(rounds)]
+                                           summaries=make_summaries(rng, ids, r, GROUP_N)) for r in range(rounds)]
                         for i in range(n_nodes)]
             payloads = [[req.SerializeToString() for req in per] for per in requests]
             cell: dict = {"nodes": n_nodes, "prompts": n_prompts, "rounds": rounds,

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import random
@@ -53,26 +52,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, ROOT, machine, percentile, write_prompts  # noqa: E402
+from _common import RESULTS, ROOT, machine, make_summaries, percentile, write_prompts  # noqa: E402
 
 GROUP_N = 8
 VERIFIER = "math_verify"
 
 
 # ----- the simulated nodes (worker processes) -------------------------------------------------------
-
-def make_summaries(rng: random.Random, prompt_ids: list[str], round: int) -> list:
-    from graft_fed.proto import broker_pb2 as pb
-
-    out = []
-    for pid in prompt_ids:
-        k = rng.randint(0, GROUP_N)
-        p = k / GROUP_N
-        out.append(pb.GroupSummary(prompt_id=pid, round=round, policy_version=round, n=GROUP_N, k=k, reward_mean=p,
-                                   reward_std=math.sqrt(p * (1 - p)),
-                                   lengths=[rng.randint(1, 1024) for _ in range(GROUP_N)],
-                                   mean_logprobs=[-rng.uniform(0.0, 3.0) for _ in range(GROUP_N)]))
-    return out
 
 
 def run_node(i: int, ctx: dict, out: dict) -> None:
@@ -117,7 +103,7 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
     backoff = Backoff(0.2, ctx["backoff_cap_s"], rng)
     end = ctx["end"]
     joined, rnd, published, t_ack = False, 0, False, 0.0
-    summaries = make_summaries(rng, ctx["prompt_ids"], rnd)
+    summaries = make_summaries(rng, ctx["prompt_ids"], rnd, GROUP_N)
     joins = retries = 0
     try:
         while time.time() < end:
@@ -134,7 +120,7 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
                     if res.ready:
                         ready_wait.append(time.perf_counter() - t_ack)
                         rnd, published = rnd + 1, False
-                        summaries = make_summaries(rng, ctx["prompt_ids"], rnd)
+                        summaries = make_summaries(rng, ctx["prompt_ids"], rnd, GROUP_N)
                         break
                 backoff.succeeded()
             except grpc.RpcError as exc:

@@ -31,7 +31,7 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_memory import (
@@ -119,6 +119,17 @@ def _db2f(v) -> float:
 
 def _json(values: list) -> str:
     return json.dumps(values, separators=(",", ":"))  # repr of a float round-trips exactly
+
+
+def _filter(round: int | None, receiver: str | None, source: str | None) -> tuple[str, list[Any]]:
+    """` WHERE ...` (or '') and its parameters for the optional round / receiver / source."""
+    where, params = [], []
+    for column, value in (("round", opt_int(round, "round")), ("receiver", opt_str(receiver, "receiver")),
+                          ("source", opt_str(source, "source"))):
+        if value is not None:
+            where.append(f"{column} = ?")
+            params.append(value)
+    return (" WHERE " + " AND ".join(where) if where else ""), params
 
 
 class SqliteState(BrokerState):
@@ -355,16 +366,9 @@ class SqliteState(BrokerState):
 
     def matches(self, round: int | None = None, receiver: str | None = None,
                 source: str | None = None) -> list[MatchRow]:
-        where, params = [], []
-        for column, value in (("round", opt_int(round, "round")), ("receiver", opt_str(receiver, "receiver")),
-                              ("source", opt_str(source, "source"))):
-            if value is not None:
-                where.append(f"{column} = ?")
-                params.append(value)
-        sql = f"SELECT {_MATCH_COLS} FROM matches"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        return [MatchRow(*r) for r in self._read(sql + " ORDER BY round, receiver, prompt_id", params)]
+        where, params = _filter(round, receiver, source)
+        return [MatchRow(*r) for r in self._read(f"SELECT {_MATCH_COLS} FROM matches{where} "
+                                                 "ORDER BY round, receiver, prompt_id", params)]
 
     # ----- bundles
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
@@ -440,18 +444,11 @@ class SqliteState(BrokerState):
 
     def reports(self, round: int | None = None, receiver: str | None = None,
                 source: str | None = None) -> list[ReportRow]:
-        where, params = [], []
-        for column, value in (("round", opt_int(round, "round")), ("receiver", opt_str(receiver, "receiver")),
-                              ("source", opt_str(source, "source"))):
-            if value is not None:
-                where.append(f"{column} = ?")
-                params.append(value)
-        sql = f"SELECT {_REPORT_COLS} FROM reports"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
+        where, params = _filter(round, receiver, source)
         return [ReportRow(round=r[0], receiver=r[1], source=r[2], prompt_id=r[3], mean_s=_db2f(r[4]),
                           admitted_fraction=_db2f(r[5]), rejected=bool(r[6]))
-                for r in self._read(sql + " ORDER BY round, receiver, source, prompt_id", params)]
+                for r in self._read(f"SELECT {_REPORT_COLS} FROM reports{where} "
+                                    "ORDER BY round, receiver, source, prompt_id", params)]
 
     # ----- retention
     def prune(self, keep_rounds: int | None = None, max_bundle_bytes: int | None = None) -> int:
