@@ -564,6 +564,14 @@ class Federation:
             for e in entries:
                 if self.state.get_node(e.source) is None or e.source == node_id:
                     raise InvalidArgument(f"unknown source node {e.source!r}")
+            # a receiver reports only on groups it was matched to: otherwise one node could
+            # invent rejections of an honest source's groups and push it into quarantine
+            matched = {(m.source, m.prompt_id) for m in self.state.matches(round=round, receiver=node_id)}
+            for e in entries:
+                if (e.source, e.prompt_id) not in matched:
+                    raise FailedPrecondition(f"{node_id} was not matched to {e.source[:40]!r}'s group for prompt "
+                                             f"{e.prompt_id[:40]!r} in round {round}; report only the groups "
+                                             "the broker offered you, with the round they were offered in")
             accepted, dups = self.state.put_reports([
                 ReportRow(round=round, receiver=node_id, source=e.source, prompt_id=e.prompt_id,
                           mean_s=e.mean_s if not e.rejected else 0.0, admitted_fraction=e.admitted_fraction,

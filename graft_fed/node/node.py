@@ -301,9 +301,19 @@ class Node:
             metrics.update(fetched.metrics())
             result = receive(self.trainer, groups, offers)
             metrics.update(offer_metrics(groups, resp.candidates, resp.solved_by_peers, len(resp.offers)))
-            self.client.report(round, fetched.rejections + [
-                ReportEntry(source=r.source, prompt_id=r.prompt_id, mean_s=0.0 if math.isnan(r.mean_s) else r.mean_s,
-                            admitted_fraction=r.admitted_fraction, rejected=r.rejected) for r in result.reports])
+            try:
+                self.client.report(round, fetched.rejections + [
+                    ReportEntry(source=r.source, prompt_id=r.prompt_id,
+                                mean_s=0.0 if math.isnan(r.mean_s) else r.mean_s,
+                                admitted_fraction=r.admitted_fraction, rejected=r.rejected) for r in result.reports])
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                    raise
+                # the broker refused the report itself (not the connection): train on what was
+                # received and say so, rather than dropping the step's exchange
+                log.warning("node %s: the broker refused the compatibility report of round %d: %s",
+                            self.cfg.node_id, round, exc.details())
+                metrics["federation/report_refused"] = 1.0
             flushed = self._flush_backlog()
         except grpc.RpcError as exc:
             if not published:

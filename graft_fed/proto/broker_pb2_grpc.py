@@ -181,7 +181,8 @@ class BrokerServicer:
         """Report the receiver's compatibility with the sources of its last round. Idempotent on
         (round, receiver, source, prompt id): a retried or replayed report changes nothing.
         OK; UNAUTHENTICATED; INVALID_ARGUMENT (non-finite or out-of-range values, unknown source,
-        one group twice in a report).
+        one group twice in a report); FAILED_PRECONDITION (a group the receiver was not matched
+        to in that round: nobody can report on groups it never received).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

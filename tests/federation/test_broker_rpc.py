@@ -199,17 +199,30 @@ def test_a_lying_source_is_quarantined_and_the_operator_can_release_it(prompt_fi
     Allowlist.edit(allow, "add", "a")
     Allowlist.edit(allow, "add", "liar")
     broker = start_broker(broker_config(prompt_file, allowlist=str(allow), quarantine_min_reports=4,
-                                        quarantine_rejection_rate=0.5))
+                                        quarantine_rejection_rate=0.5, balance="none"))
     try:
         a, liar = client(broker, prompts, "a"), client(broker, prompts, "liar")
+        liar.publish(0, [summary(p, 1) for p in prompts[:4]])
+        a.publish(0, [summary(p, 0) for p in prompts[:4]])
+        offered = a.get_matches(0, 5.0).offers
+        assert sorted((o.source_node, o.prompt_id) for o in offered) == sorted(("liar", p.id) for p in prompts[:4])
+        # nobody can report on a group it was not matched to (e.g. invent rejections of an honest source)
+        made_up = [pb.CompatibilityReport.Entry(source_node_id="liar", prompt_id=p.id, rejected=True)
+                   for p in prompts[4:8]]
+        code, details = code_of(lambda: a.report(0, made_up))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "was not matched" in details
+        wrong_round = [pb.CompatibilityReport.Entry(source_node_id="liar", prompt_id=prompts[0].id, rejected=True)]
+        code, _ = code_of(lambda: a.report(1, wrong_round))  # the right group, in another round
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert {n.node_id: n.state for n in a.status().nodes}["liar"] == "online"
         bad = [pb.CompatibilityReport.Entry(source_node_id="liar", prompt_id=p.id, rejected=True) for p in prompts[:3]]
         good = [pb.CompatibilityReport.Entry(source_node_id="liar", prompt_id=prompts[3].id, mean_s=0.9,
                                              admitted_fraction=1.0)]
-        a.report(0, bad + good)  # 3 of 4 groups failed re-verification
+        a.report(0, bad + good)  # 3 of the 4 groups it received failed re-verification
         assert {n.node_id: n.state for n in a.status().nodes}["liar"] == "quarantined"
-        liar.publish(0, [summary(prompts[0], 1), summary(prompts[1], 0)])
-        a.publish(0, [summary(prompts[0], 0), summary(prompts[1], 1)])
-        assert list(a.get_matches(0, 5.0).offers) == []  # never matched as a source
+        liar.publish(1, [summary(prompts[0], 1, round=1), summary(prompts[1], 0, round=1)])
+        a.publish(1, [summary(prompts[0], 0, round=1), summary(prompts[1], 1, round=1)])
+        assert list(a.get_matches(1, 5.0).offers) == []  # never matched as a source
         code, details = code_of(lambda: liar.upload(record(prompts[0], 1, "liar"), 0))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "quarantined" in details
         Allowlist.edit(allow, "release", "liar")

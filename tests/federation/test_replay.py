@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 
+from graft_fed.broker.state import MatchRow
 from graft_fed.broker.replay import ReplayGuard
 from graft_fed.broker.servicer import manifest_to_pb
 from graft_fed.federation.bundles import digest_of, encode_bundle
@@ -103,6 +104,8 @@ def test_every_state_changing_rpc_refuses_a_verbatim_replay(broker, prompts):
     a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
     p0 = prompts[0]
     b.publish(0, [summary(p0, 1)])
+    # a report is accepted only about a group the receiver was matched to: record that match
+    broker.state.put_matches([MatchRow(round=0, receiver="a", prompt_id=p0.id, source="b", source_round=0)])
     requests = {
         "Join": pb.JoinRequest(node_id="c", model_id="c", tokenizer_id="tok", privacy=pb.PRIVACY_SHARE_ALL,
                                manifest=manifest_to_pb(manifest(prompts)), tag=new_tag()),
@@ -215,6 +218,7 @@ def test_a_retry_after_a_lost_reply_succeeds_and_is_applied_once(broker, prompts
     assert len(broker.state.summaries(node_id="a")) == 2
     assert b.upload(record(p0, 1, model="b"), 0)[1] is False  # stored by the first attempt
     assert broker.state.bundle_stats()[0] == 1
+    broker.state.put_matches([MatchRow(round=0, receiver="a", prompt_id=p0.id, source="b", source_round=0)])
     entry = pb.CompatibilityReport.Entry(source_node_id="b", prompt_id=p0.id, mean_s=0.5, admitted_fraction=1.0)
     a.report(0, [entry])
     assert [(c.source, c.receiver, c.groups) for c in broker.state.compat()] == [("b", "a", 1)]
@@ -262,6 +266,7 @@ def test_a_replay_after_a_broker_restart_changes_nothing(prompt_file, prompts, t
         report = pb.CompatibilityReport(node_id="a", session_id=a.session, round=0, tag=new_tag(), entries=[
             pb.CompatibilityReport.Entry(source_node_id="b", prompt_id=p0.id, rejected=True)])
         a.stub.PublishSummaries(publish, timeout=5)
+        broker.state.put_matches([MatchRow(round=0, receiver="a", prompt_id=p0.id, source="b", source_round=0)])
         a.stub.ReportCompatibility(report, timeout=5)
         for c in (a, b):
             c.close()

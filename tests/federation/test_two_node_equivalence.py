@@ -21,6 +21,9 @@ def test_two_node_federation_equals_cotraining(tiny_llama, tiny_gpt2, prompt_fil
         cfgs = [node_config("llama", tiny_llama, prompt_file, tmp_path / "fed", broker.address, steps=steps),
                 node_config("gpt2", tiny_gpt2, prompt_file, tmp_path / "fed", broker.address, steps=steps)]
         run_nodes(cfgs)
+        # every received group was reported, and the broker accepted every report (it takes
+        # reports only about groups it matched to that receiver in that round)
+        reported = sum(c.groups for c in broker.state.compat())
     finally:
         broker.stop()
 
@@ -45,7 +48,7 @@ def test_two_node_federation_equals_cotraining(tiny_llama, tiny_gpt2, prompt_fil
         fed_rows, co_rows = _rows(tmp_path / "fed" / name / "metrics.jsonl"), _rows(tmp_path / "co" / name / "metrics.jsonl")
         assert [r["step"] for r in fed_rows] == [r["step"] for r in co_rows] == list(range(1, steps + 1))
         for f, c in zip(fed_rows, co_rows):
-            assert f["federation/connected"] == 1.0
+            assert f["federation/connected"] == 1.0 and "federation/report_refused" not in f
             for key in ("graft/selected", "graft/candidates", "graft/all_fail", "reward", "loss"):
                 assert f.get(key) == c.get(key), (name, f["step"], key)
             assert f.get("graft/replaced", 0) == c.get("graft/replaced", 0)
@@ -60,3 +63,4 @@ def test_two_node_federation_equals_cotraining(tiny_llama, tiny_gpt2, prompt_fil
         for key in a:
             torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5)
     assert exchanged > 0, "the fixture produced no exchange; the equivalence would be vacuous"
+    assert reported == exchanged
