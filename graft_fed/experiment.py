@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from graft_fed.configbase import deep_merge, from_mapping, load_yaml, require, to_dict
 from graft_fed.errors import ConfigError
-from graft_fed.trainer.config import GraftSection, ModelSection, TrainConfig
+from graft_fed.trainer.config import AlgorithmSection, GraftSection, ModelSection, TrainConfig
 
 log = logging.getLogger("graft_fed.experiment")
 
@@ -260,8 +260,6 @@ def _pair_table(cfg: ExperimentConfig, res: dict[tuple[str, str, str], list[floa
 
 
 def _prompts_per_step(cfg: ExperimentConfig) -> int:
-    from graft_fed.trainer.config import AlgorithmSection
-
     default = {f.name: f.default for f in dataclasses.fields(AlgorithmSection)}["prompts_per_step"]
     return int(cfg.base.get("algorithm", {}).get("prompts_per_step", default))
 

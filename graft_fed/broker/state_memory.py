@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import threading
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 
@@ -202,6 +202,15 @@ def _copy_summary(row: SummaryRow) -> SummaryRow:
     return dataclasses.replace(row, lengths=list(row.lengths), mean_logprobs=list(row.mean_logprobs))
 
 
+def _filtered(rows: Iterable[Any], round: int | None, receiver: str | None, source: str | None) -> list[Any]:
+    """Copies of the match or report rows with the given round / receiver / source (each optional)."""
+    round, receiver, source = opt_int(round, "round"), opt_str(receiver, "receiver"), opt_str(source, "source")
+    return [dataclasses.replace(r) for r in rows
+            if (round is None or r.round == round)
+            and (receiver is None or r.receiver == receiver)
+            and (source is None or r.source == source)]
+
+
 # ---------------------------------------------------------------- the implementation
 
 class InMemoryState(BrokerState):
@@ -300,12 +309,8 @@ class InMemoryState(BrokerState):
 
     def matches(self, round: int | None = None, receiver: str | None = None,
                 source: str | None = None) -> list[MatchRow]:
-        round, receiver, source = opt_int(round, "round"), opt_str(receiver, "receiver"), opt_str(source, "source")
         with self._lock:
-            out = [dataclasses.replace(r) for r in self._matches.values()
-                   if (round is None or r.round == round)
-                   and (receiver is None or r.receiver == receiver)
-                   and (source is None or r.source == source)]
+            out = _filtered(self._matches.values(), round, receiver, source)
         out.sort(key=match_key)
         return out
 
@@ -370,12 +375,8 @@ class InMemoryState(BrokerState):
 
     def reports(self, round: int | None = None, receiver: str | None = None,
                 source: str | None = None) -> list[ReportRow]:
-        round, receiver, source = opt_int(round, "round"), opt_str(receiver, "receiver"), opt_str(source, "source")
         with self._lock:
-            out = [dataclasses.replace(r) for r in self._reports.values()
-                   if (round is None or r.round == round)
-                   and (receiver is None or r.receiver == receiver)
-                   and (source is None or r.source == source)]
+            out = _filtered(self._reports.values(), round, receiver, source)
         out.sort(key=report_key)
         return out
 
