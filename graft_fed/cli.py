@@ -82,7 +82,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     cfg = load_experiment_config(args.config, quick=args.quick)
     if args.output_dir:
         cfg = dataclasses.replace(cfg, output_dir=args.output_dir)
-    if args.seeds or args.pairs:
+    if args.seeds or args.pairs or args.arms:
         # run a subset (e.g. one seed per process, or one pair when time is short); the
         # report still covers every seed and pair of the config that has finished runs
         run_cfg = cfg
@@ -94,6 +94,11 @@ def cmd_experiment(args: argparse.Namespace) -> int:
             if unknown:
                 raise GraftFedError(f"--pairs {unknown} are not pairs of {args.config}: {list(cfg.pairs)}")
             run_cfg = dataclasses.replace(run_cfg, pairs=pairs)
+        if args.arms:
+            unknown = [a for a in args.arms if a not in cfg.arms]
+            if unknown:
+                raise GraftFedError(f"--arms {unknown} are not arms of {args.config}: {list(cfg.arms)}")
+            run_cfg = dataclasses.replace(run_cfg, arms=tuple(a for a in cfg.arms if a in args.arms))
         if not args.report_only:
             Experiment(run_cfg, quiet=args.quiet).run()
         report = write_report(cfg)
@@ -249,7 +254,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = evaluate(model, tok, prompts, verifier, template=template,
                           add_special_tokens=template != "chat", k=args.k, temperature=args.temperature,
                           top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                          batch_size=args.batch_size)
+                          batch_size=args.batch_size, seeding=args.seeding)
     name = Path(bench).stem if Path(bench).suffix else bench.replace(":", "_")
     path = write_eval(result, args.out, name)
     print(json.dumps(result.summary(), indent=2))
@@ -309,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     x.add_argument("--seeds", type=int, nargs="+", help="run only these seeds of the config (e.g. one per process)")
     x.add_argument("--pairs", nargs="+", metavar="A+B", help="run only these pairs of the config, e.g. llama+qwen3")
+    x.add_argument("--arms", nargs="+", metavar="ARM",
+                   help="run only these arms of the config, e.g. grpo_n8 graft (the report covers them all)")
     x.add_argument("--quiet", action="store_true")
     x.set_defaults(func=cmd_experiment)
 
@@ -396,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=4096 // 16)
     e.add_argument("--batch-size", type=int, default=64)
     e.add_argument("--seed", type=int, default=1234)
+    e.add_argument("--seeding", choices=("stream", "prompt"), default="stream",
+                   help="prompt: key each prompt's samples by (seed, prompt id), so two models are scored on "
+                        "the same random numbers and batch size does not matter (default: stream)")
     e.add_argument("--workers", type=int, default=2, help="verifier processes")
     e.add_argument("--device", default="auto")
     e.add_argument("--out", default="runs/eval", help="output folder (default: runs/eval)")

@@ -7,6 +7,7 @@ which is the uncertainty that matters when comparing two models on the same benc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections import defaultdict
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 from graft_fed.data.prompts import Prompt
 from graft_fed.data.templates import render_prompt
 from graft_fed.rollout.base import SamplingParams
-from graft_fed.rollout.hf import HFRollout
+from graft_fed.rollout.hf import HFRollout, stream_seed
 
 
 @dataclass
@@ -47,15 +48,29 @@ def mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    """The sampling key of one evaluation prompt: its id and the evaluation seed, nothing else."""
+    digest = hashlib.sha256(prompt_id.encode("utf-8")).digest()
+    return stream_seed(seed, int.from_bytes(digest[:8], "little"))
+
+
 def evaluate(model: Any, tokenizer: Any, prompts: Sequence[Prompt], verifier: Any, *, template: str,
              add_special_tokens: bool, k: int = 8, temperature: float = 0.6, top_p: float = 0.95,
              max_new_tokens: int = 256, seed: int = 1234, batch_size: int = 128,
-             group_key: str = "family") -> EvalResult:
-    """Sample k responses per prompt and score them; never touches the caller's RNG streams."""
+             group_key: str = "family", seeding: str = "stream") -> EvalResult:
+    """Sample k responses per prompt and score them; never touches the caller's RNG streams.
+
+    seeding "prompt" keys each prompt's samples by (seed, prompt id) (see EvalSection.seeding);
+    "stream" draws every token from one generator seeded with `seed`."""
+    if seeding not in ("stream", "prompt"):
+        raise ValueError(f"seeding must be stream or prompt, got {seeding!r}")
     engine = HFRollout(model, tokenizer, batch_size=batch_size, seed=seed, add_special_tokens=add_special_tokens)
     texts = [render_prompt(p.problem, template, tokenizer) for p in prompts]
-    groups = engine.generate(texts, SamplingParams(n=k, temperature=temperature, top_p=top_p,
-                                                   max_new_tokens=max_new_tokens))
+    sampling = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+    if seeding == "prompt":
+        groups = engine.generate(texts, sampling, seeds=[prompt_seed(seed, p.id) for p in prompts])
+    else:
+        groups = engine.generate(texts, sampling)
     responses = [c.text for g in groups for c in g]
     answers = [p.answer for p, g in zip(prompts, groups) for _ in g]
     scored = verifier.score(responses, answers)

@@ -145,6 +145,9 @@ class Experiment:
         """The paper's stored mode: the receiver learns from the peer's own GRPO n=8 run of the
         same seed (hence the same prompt schedule), every candidate, one direction."""
         store = self.root / "grpo_n8" / f"seed{seed}" / peer / "trajectories.sqlite"
+        if not store.is_file():
+            raise ConfigError(f"the stored arm needs {peer}'s GRPO n=8 run of seed {seed} ({store} is missing): "
+                                f"run the grpo_n8 arm first (--arms grpo_n8 stored)")
         self.run_single("stored", f"{receiver}<-{peer}", receiver, seed,
                         graft={"peer_store": str(store), "balance": "none"})
 

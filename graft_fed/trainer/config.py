@@ -290,9 +290,16 @@ class EvalSection:
     max_new_tokens: int | None = None
     #: Seed of the evaluation sampler (kept apart from training randomness).
     seed: int = 1234
+    #: "stream": one sampler stream for the whole evaluation (a response depends on the batch
+    #: it is sampled in). "prompt": response j of a prompt draws from a stream keyed by (seed,
+    #: prompt id, j) alone, so the result does not depend on batch size or order, and two
+    #: models are scored on the same random numbers prompt by prompt (common random numbers:
+    #: a difference between two runs loses most of the evaluation's sampling noise).
+    seeding: str = "stream"
 
     def __post_init__(self) -> None:
         require(self.k >= 1, "eval.k must be >= 1")
+        require(self.seeding in ("stream", "prompt"), f"eval.seeding must be stream or prompt, got {self.seeding!r}")
         require(self.temperature > 0, "eval.temperature must be > 0")
         require(0 < self.top_p <= 1, "eval.top_p must be in (0, 1]")
 

@@ -578,7 +578,7 @@ class GRPOTrainer:
                           add_special_tokens=self.cfg.model.encode_special_tokens, k=e.k,
                           temperature=e.temperature, top_p=e.top_p,
                           max_new_tokens=e.max_new_tokens or self.sampling.max_new_tokens, seed=e.seed,
-                          batch_size=self.cfg.rollout.batch_size)
+                          batch_size=self.cfg.rollout.batch_size, seeding=e.seeding)
         if self.is_main:
             write_eval(result, self.out_dir / "eval", tag)
         return result
