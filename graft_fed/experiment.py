@@ -191,35 +191,95 @@ def _pass1(ev: dict[str, Any], family: str | None = None) -> float | None:
     return (ev.get("by_group") or {}).get(family)
 
 
-def collect_results(cfg: ExperimentConfig, family: str | dict[str, str] | None = None
-                    ) -> dict[tuple[str, str, str], list[float]]:
-    """(receiver, peer, arm) -> final pass@1 per seed. Baselines have peer '-'.
+def collect_by_seed(cfg: ExperimentConfig, family: str | dict[str, str] | None = None
+                    ) -> dict[tuple[str, str, str], dict[int, float]]:
+    """(receiver, peer, arm) -> {seed: final pass@1}. Baselines have peer '-'.
 
     `family` restricts the score to one task family (the eval's per-family pass@1), either one
     name for every receiver or a {receiver: family} map."""
     root = Path(cfg.output_dir)
-    res: dict[tuple[str, str, str], list[float]] = {}
+    res: dict[tuple[str, str, str], dict[int, float]] = {}
 
-    def add(key: tuple[str, str, str], path: Path) -> None:
+    def add(key: tuple[str, str, str], seed: int, path: Path) -> None:
         ev = _final_eval(path)
         fam = family.get(key[0]) if isinstance(family, dict) else family
         v = None if ev is None else _pass1(ev, fam)
         if v is not None:
-            res.setdefault(key, []).append(v)
+            res.setdefault(key, {})[seed] = v
 
     for seed in cfg.seeds:
         s = f"seed{seed}"
         for m in {x for p in cfg.pairs for x in p}:
             for arm in BASELINES:
-                add((m, "-", arm), root / arm / s / m)
+                add((m, "-", arm), seed, root / arm / s / m)
         for a, b in cfg.pairs:
             for recv, peer in ((a, b), (b, a)):
                 for arm in ABLATIONS:
-                    add((recv, peer, arm), root / arm / s / f"{a}+{b}" / recv)
-                add((recv, peer, "stored"), root / "stored" / s / f"{recv}<-{peer}")
+                    add((recv, peer, arm), seed, root / arm / s / f"{a}+{b}" / recv)
+                add((recv, peer, "stored"), seed, root / "stored" / s / f"{recv}<-{peer}")
         for m in cfg.models:
-            add((m, "all", "graft_all"), root / "graft_all" / s / "all" / m)
+            add((m, "all", "graft_all"), seed, root / "graft_all" / s / "all" / m)
     return res
+
+
+def collect_results(cfg: ExperimentConfig, family: str | dict[str, str] | None = None
+                    ) -> dict[tuple[str, str, str], list[float]]:
+    """(receiver, peer, arm) -> final pass@1 per finished seed, in seed order (see collect_by_seed)."""
+    return {k: [v[s] for s in sorted(v)] for k, v in collect_by_seed(cfg, family).items()}
+
+
+def paired_deltas(by_seed: dict[tuple[str, str, str], dict[int, float]], receiver: str, peer: str,
+                  arm: str) -> dict[int, float]:
+    """{seed: pass@1 of the arm minus GRPO n=8 of the same receiver and seed}, over the seeds both
+    finished. With keyed rollouts and evaluation (rollout/eval seeding: prompt) the two runs of
+    a seed share their randomness, so this difference is far less noisy than a difference of
+    means over seeds."""
+    base = by_seed.get((receiver, "-", "grpo_n8"), {})
+    key = (receiver, "-", arm) if arm in BASELINES else (receiver, peer, arm)
+    other = by_seed.get(key, {})
+    return {s: other[s] - base[s] for s in sorted(set(base) & set(other))}
+
+
+def _fmt_delta(deltas: list[float]) -> str:
+    """'+1.2 ± 0.5 (3/4)': mean paired difference in points ± its standard error over seeds, and
+    how many seeds are above GRPO n=8."""
+    if not deltas:
+        return "n/a"
+    mean = 100 * statistics.fmean(deltas)
+    se = 100 * statistics.stdev(deltas) / len(deltas) ** 0.5 if len(deltas) > 1 else float("nan")
+    wins = sum(d > 0 for d in deltas)
+    return f"{mean:+.1f} ± {se:.1f} ({wins}/{len(deltas)})"
+
+
+def _paired_tables(cfg: ExperimentConfig, by_seed: dict[tuple[str, str, str], dict[int, float]],
+                   arms: list[str]) -> list[str]:
+    """Per receiver and peer, then per receiver over its peers: arm minus GRPO n=8, seed by seed."""
+    cols = [a for a in ["grpo_n16"] if a in cfg.arms] + arms
+    lines = ["| receiver | peer | " + " | ".join(f"Δ {a}" for a in cols) + " |", "|---|---|" + "---|" * len(cols)]
+    per_recv: dict[tuple[str, str], dict[int, list[float]]] = {}
+    for a, b in cfg.pairs:
+        for recv, peer in ((a, b), (b, a)):
+            cells = []
+            for arm in cols:
+                d = paired_deltas(by_seed, recv, peer, arm)
+                cells.append(_fmt_delta(list(d.values())))
+                if arm not in BASELINES:
+                    for seed, v in d.items():
+                        per_recv.setdefault((recv, arm), {}).setdefault(seed, []).append(v)
+            lines.append(f"| {recv} | {peer} | " + " | ".join(cells) + " |")
+    lines += ["", "Per receiver, averaged over its peers (a seed's difference is the mean over the peers "
+              "whose runs of that seed finished):", "",
+              "| receiver | " + " | ".join(f"Δ {a}" for a in cols) + " |", "|---|" + "---|" * len(cols)]
+    for recv in sorted({m for p in cfg.pairs for m in p}):
+        cells = []
+        for arm in cols:
+            if arm in BASELINES:
+                d = list(paired_deltas(by_seed, recv, "-", arm).values())
+            else:
+                d = [statistics.fmean(v) for _, v in sorted(per_recv.get((recv, arm), {}).items())]
+            cells.append(_fmt_delta(d))
+        lines.append(f"| {recv} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _fmt(values: list[float] | None) -> str:
@@ -307,6 +367,14 @@ def write_report(cfg: ExperimentConfig) -> Path:
              "Δ is against GRPO n=8 of the same receiver. Produced by `graft-fed experiment`; config in "
              f"`{root / 'experiment.json'}`.", ""]
     lines += _pair_table(cfg, res, arms)
+    by_seed = collect_by_seed(cfg)
+    if any(paired_deltas(by_seed, r, p, a) for (r, p, a) in by_seed if a != "grpo_n8"):
+        lines += ["", "## Paired differences", "",
+                  "Arm minus GRPO n=8 of the same receiver and seed, in points: mean ± standard error over "
+                  "seeds (seeds above GRPO n=8 / seeds). Paired by seed, so with keyed rollouts and "
+                  "evaluation (`rollout.seeding: prompt`, `eval.seeding: prompt`) the comparison shares "
+                  "the randomness of each seed; read these rather than the Δ of means above.", ""]
+        lines += _paired_tables(cfg, by_seed, arms)
     weak = weakest_families(cfg)
     if weak:
         lines += ["", "## On each receiver's weak family", "",

@@ -74,3 +74,35 @@ def test_report_scores_the_weak_family_and_the_exchange_volume(tmp_path):
     text = write_report(conf).read_text()
     assert "## On each receiver's weak family" in text
     assert "| a | b | 20.0 ± 14.1 | n/a | 40.0 ± 0.0 | +20.0 |" in text  # weak family: sub
+
+
+def test_paired_differences_pair_runs_by_seed(tmp_path):
+    """Δ is taken seed by seed and only over seeds where both runs finished; the standard error
+    is over seeds, and the per-receiver row averages a seed's peers first."""
+    from graft_fed.experiment import ExperimentConfig, collect_by_seed, paired_deltas, write_report
+
+    root = tmp_path / "exp"
+    conf = ExperimentConfig(output_dir=str(root), seeds=(0, 1, 2), models={"a": "x", "b": "y", "c": "z"},
+                            pairs=(("a", "b"), ("a", "c")), arms=("grpo_n8", "graft"))
+    base = {0: 0.50, 1: 0.40, 2: 0.60}
+    graft_ab = {0: 0.52, 1: 0.43}          # seed 2 unfinished: it must not pair with anything
+    graft_ac = {0: 0.49, 1: 0.45, 2: 0.61}
+    for s, v in base.items():
+        for m in "abc":
+            _write_run(root / "grpo_n8" / f"seed{s}" / m, v, {})
+    for s, v in graft_ab.items():
+        _write_run(root / "graft" / f"seed{s}" / "a+b" / "a", v, {})
+        _write_run(root / "graft" / f"seed{s}" / "a+b" / "b", v, {})
+    for s, v in graft_ac.items():
+        _write_run(root / "graft" / f"seed{s}" / "a+c" / "a", v, {})
+    by_seed = collect_by_seed(conf)
+    d = paired_deltas(by_seed, "a", "b", "graft")
+    assert list(d) == [0, 1] and abs(d[0] - 0.02) < 1e-12 and abs(d[1] - 0.03) < 1e-12
+    assert list(paired_deltas(by_seed, "a", "c", "graft")) == [0, 1, 2]
+    assert paired_deltas(by_seed, "c", "a", "graft") == {}          # c's side of a+c never ran
+    text = write_report(conf).read_text()
+    # a <- b: +2.5 ± 0.5 (2/2)
+    assert "| a | b | +2.5 ± 0.5 (2/2) |" in text
+    # a over its peers: seed 0 mean(+2, -1) = +0.5, seed 1 mean(+3, +5) = +4, seed 2 +1 (c only):
+    # mean 1.833, sd 1.893, se 1.093
+    assert "| a | +1.8 ± 1.1 (3/3) |" in text
