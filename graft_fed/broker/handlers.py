@@ -212,10 +212,10 @@ class Federation:
                     raise FailedPrecondition(f"round {round} is implausibly far ahead of the federation "
                                              f"(current {self.current_round()})")
                 self.state.put_round(RoundRow(round=round, state="open", opened_at=self.clock()))
-            accepted, dups = self.state.put_summaries(summaries)
+            # the summaries and the node's count and round in one transaction
+            accepted, dups = self.state.put_summaries(
+                summaries, node=replace(node, round=max(node.round, round), last_seen=self.clock(), state="online"))
             self._published_in(round).add(node_id)
-            self.state.upsert_node(replace(node, round=max(node.round, round), published=node.published + accepted,
-                                           last_seen=self.clock(), state="online"))
             self.counters["summaries"] += accepted
             self.counters["duplicate_summaries"] += dups
             self.cond.notify_all()

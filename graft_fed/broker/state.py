@@ -125,8 +125,11 @@ class BrokerState(abc.ABC):
 
     # ----- summaries
     @abc.abstractmethod
-    def put_summaries(self, rows: Sequence[SummaryRow]) -> tuple[int, int]:
-        """Store summaries; returns (accepted, duplicates). Idempotent on (node, round, prompt)."""
+    def put_summaries(self, rows: Sequence[SummaryRow], node: NodeRow | None = None) -> tuple[int, int]:
+        """Store summaries; returns (accepted, duplicates). Idempotent on (node, round, prompt).
+
+        `node`, when given, is stored in the same transaction with `published` increased by the
+        number accepted, so a crash never leaves the count out of step with the summaries."""
 
     @abc.abstractmethod
     def summaries(self, round: int | None = None, node_id: str | None = None,

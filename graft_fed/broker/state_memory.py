@@ -262,8 +262,9 @@ class InMemoryState(BrokerState):
             return max(self._rounds, default=-1)
 
     # ----- summaries
-    def put_summaries(self, rows: Sequence[SummaryRow]) -> tuple[int, int]:
+    def put_summaries(self, rows: Sequence[SummaryRow], node: NodeRow | None = None) -> tuple[int, int]:
         batch = [norm_summary(r) for r in rows]  # all validated before anything is written
+        n = None if node is None else norm_node(node)
         accepted = duplicates = 0
         with self._lock:
             for row in batch:
@@ -273,6 +274,8 @@ class InMemoryState(BrokerState):
                 else:
                     self._summaries[key] = row
                     accepted += 1
+            if n is not None:
+                self._nodes[n.node_id] = dataclasses.replace(n, published=n.published + accepted)
         return accepted, duplicates
 
     def summaries(self, round: int | None = None, node_id: str | None = None,

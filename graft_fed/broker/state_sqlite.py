@@ -24,6 +24,7 @@ See docs/broker-state.md for the schema and the contract.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -268,12 +269,16 @@ class SqliteState(BrokerState):
         return NodeRow(node_id=r[0], model_id=r[1], tokenizer_id=r[2], privacy=r[3], state=r[4],
                        session_id=r[5], round=r[6], last_seen=_db2f(r[7]), published=r[8])
 
+    @staticmethod
+    def _write_node(conn: sqlite3.Connection, n: NodeRow) -> None:
+        conn.execute(f"INSERT OR REPLACE INTO nodes ({_NODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
+                     (n.node_id, n.model_id, n.tokenizer_id, n.privacy, n.state, n.session_id, n.round,
+                      _f2db(n.last_seen), n.published))
+
     def upsert_node(self, node: NodeRow) -> None:
         n = norm_node(node)
         with self._tx() as conn:
-            conn.execute(f"INSERT OR REPLACE INTO nodes ({_NODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
-                         (n.node_id, n.model_id, n.tokenizer_id, n.privacy, n.state, n.session_id, n.round,
-                          _f2db(n.last_seen), n.published))
+            self._write_node(conn, n)
 
     def get_node(self, node_id: str) -> NodeRow | None:
         rows = self._read(f"SELECT {_NODE_COLS} FROM nodes WHERE node_id = ?", (as_str(node_id, "node_id"),))
@@ -316,14 +321,17 @@ class SqliteState(BrokerState):
                           reward_mean=_db2f(r[6]), reward_std=_db2f(r[7]), lengths=json.loads(r[8]),
                           mean_logprobs=[float(x) for x in json.loads(r[9])], bundle_digest=r[10])
 
-    def put_summaries(self, rows: Sequence[SummaryRow]) -> tuple[int, int]:
+    def put_summaries(self, rows: Sequence[SummaryRow], node: NodeRow | None = None) -> tuple[int, int]:
         batch = [norm_summary(r) for r in rows]
+        n = None if node is None else norm_node(node)
         accepted = 0
         with self._tx() as conn:
             for s in batch:
                 cur = conn.execute(f"INSERT INTO summaries ({_SUMMARY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
                                    "ON CONFLICT (node_id, round, prompt_id) DO NOTHING", self._encode_summary(s))
                 accepted += cur.rowcount
+            if n is not None:
+                self._write_node(conn, dataclasses.replace(n, published=n.published + accepted))
         return accepted, len(batch) - accepted
 
     def summaries(self, round: int | None = None, node_id: str | None = None,

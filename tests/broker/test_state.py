@@ -330,6 +330,21 @@ def test_prune_bundles_budget_zero(state):
 
 # ---------------------------------------------------------------- atomicity, threads
 
+def test_put_summaries_credits_the_node_in_the_same_write(state):
+    state.upsert_node(node("a", published=2))
+    batch = [summ(prompt_id=f"p{i}") for i in range(3)]
+    assert state.put_summaries(batch, node=node("a", published=2, round=4, last_seen=7.0)) == (3, 0)
+    got = state.get_node("a")
+    assert (got.published, got.round, got.last_seen) == (5, 4, 7.0)
+    # a retried publish credits nothing more
+    assert state.put_summaries(batch, node=node("a", published=got.published, round=4)) == (0, 3)
+    assert state.get_node("a").published == 5
+    # a bad node row writes none of the summaries either
+    with pytest.raises((TypeError, ValueError)):
+        state.put_summaries([summ(prompt_id="p9")], node=node("a", published="five"))
+    assert state.summaries(prompt_ids=["p9"]) == [] and state.get_node("a").published == 5
+
+
 def test_a_bad_row_writes_nothing_of_its_batch(state):
     state.put_summaries([summ(prompt_id="old")])
     bad = [summ(prompt_id="p0"), summ(prompt_id="p1"), summ(prompt_id="p2", lengths=[1, object()])]
@@ -416,9 +431,13 @@ class SameBehaviour(RuleBasedStateMachine):
                                         opened_at=1.0, matched_at=matched))
 
     @rule(rows=st.lists(st.builds(summ, _ids, _rounds, _prompts, reward_mean=_floats, k=st.integers(0, 4),
-                                  mean_logprobs=st.lists(_floats, max_size=3)), max_size=4))
-    def put_summaries(self, rows):
-        self.both("put_summaries", rows)
+                                  mean_logprobs=st.lists(_floats, max_size=3)), max_size=4),
+          credit=st.none() | _ids, base=st.integers(0, 5))
+    def put_summaries(self, rows, credit, base):
+        if credit is None:
+            self.both("put_summaries", rows)
+        else:  # the node's row (published += accepted) in the same transaction
+            self.both("put_summaries", rows, node=node(credit, published=base))
 
     @rule(n=_ids, r=_rounds, p=_prompts, d=st.sampled_from(["d0", "d1", "d2"]))
     def set_bundle_digest(self, n, r, p, d):
