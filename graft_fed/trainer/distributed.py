@@ -336,6 +336,11 @@ class DistributedGRPOTrainer(GRPOTrainer):
                 "rollout": self.engine.rng_state()}
 
     def save_checkpoint(self) -> Path:
+        """Write a sharded checkpoint (every process) plus the consolidated model (main).
+
+        A write that fails on any process (a full disk, an I/O error) becomes the same
+        CheckpointError on every process, after every process has reached the same point, so
+        no process is left waiting in a collective; the half-written folder is removed."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -343,34 +348,75 @@ class DistributedGRPOTrainer(GRPOTrainer):
 
         root = self.out_dir / "checkpoints"
         tmp = root / f".tmp_step_{self.step:06d}"
+        failure: str | None = None
         if self.is_main:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            (tmp / "rng").mkdir(parents=True)
-        dist.barrier()
-        dcp.save({"model": get_model_state_dict(self.model),
-                  "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=tmp / "dcp")
-        torch.save(self._rng_state(), tmp / "rng" / f"rank_{self.ctx.rank:05d}.pt")
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                (tmp / "rng").mkdir(parents=True)
+            except OSError as exc:
+                failure = _describe(exc)
+        self._agree_saved(failure, tmp, root)
+        try:
+            # collective: a write failing on any process raises CheckpointException on all of them
+            dcp.save({"model": get_model_state_dict(self.model),
+                      "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=tmp / "dcp")
+        except dcp.CheckpointException as exc:
+            failure = f"the sharded state could not be written ({exc})"
+        self._agree_saved(failure, tmp, root)
+        try:
+            torch.save(self._rng_state(), tmp / "rng" / f"rank_{self.ctx.rank:05d}.pt")
+        except OSError as exc:
+            failure = _describe(exc)
+        self._agree_saved(failure, tmp, root)  # every process's own files are on disk
         # The consolidated export (for evaluation, serving, or a new run's model.path):
-        # gathered one tensor at a time into the main process's CPU memory.
+        # gathered one tensor at a time into the main process's CPU memory; then the main
+        # process hashes every file into the manifest.
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.is_main:
-            for target, source in (getattr(self.model, "all_tied_weights_keys", None) or {}).items():
-                if target in full and source in full and torch.equal(full[target], full[source]):
-                    del full[target]  # tied (e.g. lm_head = embeddings): saved once, as save_pretrained does
-            self.model.save_pretrained(tmp / "model", state_dict=full, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp / "model")
-            torch.save({"step": self.step, "schedule_cursor": self.schedule.cursor,
-                        "scheduler": self.scheduler.state_dict()}, tmp / "trainer_state.pt")
+            try:
+                for target, source in (getattr(self.model, "all_tied_weights_keys", None) or {}).items():
+                    if target in full and source in full and torch.equal(full[target], full[source]):
+                        del full[target]  # tied (e.g. lm_head = embeddings): saved once, as save_pretrained does
+                self.model.save_pretrained(tmp / "model", state_dict=full, safe_serialization=True)
+                self.tokenizer.save_pretrained(tmp / "model")
+                torch.save({"step": self.step, "schedule_cursor": self.schedule.cursor,
+                            "scheduler": self.scheduler.state_dict()}, tmp / "trainer_state.pt")
+                ckpt.write_manifest(tmp, self.step, self.cfg.fingerprint(), layout=self.checkpoint_layout,
+                                    world_size=self.ctx.world_size)
+            except OSError as exc:
+                failure = _describe(exc)
         del full
-        dist.barrier()  # every process's files are on disk
+        self._agree_saved(failure, tmp, root)
         final = root / f"step_{self.step:06d}"
         if self.is_main:
-            ckpt.write_manifest(tmp, self.step, self.cfg.fingerprint(), layout=self.checkpoint_layout,
-                                world_size=self.ctx.world_size)
-            final = ckpt.commit(tmp, root, self.step, self.cfg.run.keep_checkpoints)
-        dist.barrier()
+            try:
+                final = ckpt.commit(tmp, root, self.step, self.cfg.run.keep_checkpoints)
+            except OSError as exc:
+                failure = _describe(exc)
+        self._agree_saved(failure, tmp, root)
         return final
+
+    def _agree_saved(self, failure: str | None, tmp: Path, root: Path) -> None:
+        """All processes exchange how their part of the save went; if any failed, the main
+        process removes `tmp` and every process raises the same CheckpointError."""
+        import torch.distributed as dist
+
+        reports: list[str | None] = [None] * self.ctx.world_size
+        dist.all_gather_object(reports, failure)
+        failed = [(rank, msg) for rank, msg in enumerate(reports) if msg]
+        if not failed:
+            return
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()  # tmp is gone before anyone reports it gone
+        previous = ckpt.checkpoint_dirs(root)
+        where = (f"the latest complete checkpoint, {previous[-1]}, is untouched" if previous
+                 else "there is no earlier checkpoint")
+        what = "; ".join(f"process {rank}: {msg}" for rank, msg in failed)
+        raise CheckpointError(f"could not write the checkpoint of step {self.step} under {root} ({what}); "
+                              f"nothing half-written was kept and {where}. Free disk space (or lower "
+                              "run.keep_checkpoints) and resume.")
 
     def _verify_resume(self, path: Path) -> dict[str, Any]:
         import torch.distributed as dist
@@ -429,3 +475,7 @@ def make_trainer(cfg: TrainConfig, resume: str | None = None, quiet: bool = Fals
     if launched_by_torchrun():
         return DistributedGRPOTrainer(cfg, resume=resume, quiet=quiet)
     return GRPOTrainer(cfg, resume=resume, quiet=quiet)
+
+
+def _describe(exc: OSError) -> str:
+    return f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc.strerror or exc)

@@ -288,3 +288,23 @@ def test_torchrun_runs_refuse_what_they_cannot_do(tmp_path, monkeypatch, capsys)
         monkeypatch.setenv(key, value)
     assert cli.main(["eval", "--model", "zoo:tiny-llama-char", "--benchmark", "embedded:arith-v1"]) == 2
     assert "only train and cotrain run under torchrun" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fault", ["rng@1", "model@0"])
+def test_a_save_failing_on_one_process_fails_cleanly_on_all(tmp_path, fault):
+    """A full disk on one process during a sharded save: every process raises the same
+    CheckpointError (none is left waiting in a collective), nothing half-written is kept, and
+    the previous checkpoint stays complete and resumable."""
+    cfg = write_cfg(tmp_path, "faulty")
+    prefix = tmp_path / "outcome"
+    ok(torchrun("tests.trainer.dist_ckpt_worker", str(prefix), str(cfg), fault))
+    outcomes = [json.loads((tmp_path / f"outcome.{r}.json").read_text()) for r in range(2)]
+    failing = int(fault.split("@")[1])
+    for o in outcomes:
+        assert o["raised"] and "could not write the checkpoint of step 1" in o["raised"]
+        assert f"process {failing}: No space left on device" in o["raised"]
+        assert "step_000000" in o["raised"] and "is untouched" in o["raised"]
+    assert outcomes[0]["raised"] == outcomes[1]["raised"]
+    ckpts = tmp_path / "faulty" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000"]
+    ckpt.verify_checkpoint(ckpts / "step_000000")
