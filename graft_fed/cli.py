@@ -82,28 +82,28 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     cfg = load_experiment_config(args.config, quick=args.quick)
     if args.output_dir:
         cfg = dataclasses.replace(cfg, output_dir=args.output_dir)
-    if args.seeds or args.pairs or args.arms:
-        # run a subset (e.g. one seed per process, or one pair when time is short); the
-        # report still covers every seed and pair of the config that has finished runs
-        run_cfg = cfg
-        if args.seeds:
-            run_cfg = dataclasses.replace(run_cfg, seeds=tuple(args.seeds))
-        if args.pairs:
-            pairs = tuple(tuple(p.split("+")) for p in args.pairs)
-            unknown = [p for p in pairs if p not in cfg.pairs]
-            if unknown:
-                raise GraftFedError(f"--pairs {unknown} are not pairs of {args.config}: {list(cfg.pairs)}")
-            run_cfg = dataclasses.replace(run_cfg, pairs=pairs)
-        if args.arms:
-            unknown = [a for a in args.arms if a not in cfg.arms]
-            if unknown:
-                raise GraftFedError(f"--arms {unknown} are not arms of {args.config}: {list(cfg.arms)}")
-            run_cfg = dataclasses.replace(run_cfg, arms=tuple(a for a in cfg.arms if a in args.arms))
-        if not args.report_only:
-            Experiment(run_cfg, quiet=args.quiet).run()
-        report = write_report(cfg)
-    else:
-        report = write_report(cfg) if args.report_only else Experiment(cfg, quiet=args.quiet).run()
+    # a subset (e.g. one seed per process, or one pair when time is short); the report still
+    # covers every seed, pair and arm of the config that has finished runs
+    run_cfg = cfg
+    if args.seeds:
+        run_cfg = dataclasses.replace(run_cfg, seeds=tuple(args.seeds))
+    if args.pairs:
+        pairs = tuple(tuple(p.split("+")) for p in args.pairs)
+        unknown = [p for p in pairs if p not in cfg.pairs]
+        if unknown:
+            raise GraftFedError(f"--pairs {unknown} are not pairs of {args.config}: {list(cfg.pairs)}")
+        run_cfg = dataclasses.replace(run_cfg, pairs=pairs)
+    if args.arms:
+        unknown = [a for a in args.arms if a not in cfg.arms]
+        if unknown:
+            raise GraftFedError(f"--arms {unknown} are not arms of {args.config}: {list(cfg.arms)}")
+        run_cfg = dataclasses.replace(run_cfg, arms=tuple(a for a in cfg.arms if a in args.arms))
+    if args.reevaluate:
+        n = Experiment(run_cfg, quiet=args.quiet).reevaluate()
+        print(f"re-evaluated {n} finished run(s) with the config's eval section", file=sys.stderr)
+    elif not args.report_only:
+        Experiment(run_cfg, quiet=args.quiet).run()
+    report = write_report(cfg)
     print(report.read_text(encoding="utf-8"))
     print(f"report: {report}")
     return 0
@@ -312,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--quick", action="store_true", help="apply the config's `quick` overrides (minutes, not hours)")
     x.add_argument("--output-dir", help="override the config's output_dir")
     x.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
+    x.add_argument("--reevaluate", action="store_true",
+                   help="no training: score finished runs' final checkpoints again where they were evaluated "
+                        "with other eval settings than the config's (then write the report)")
     x.add_argument("--seeds", type=int, nargs="+", help="run only these seeds of the config (e.g. one per process)")
     x.add_argument("--pairs", nargs="+", metavar="A+B", help="run only these pairs of the config, e.g. llama+qwen3")
     x.add_argument("--arms", nargs="+", metavar="ARM",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -150,6 +151,68 @@ class Experiment:
                                 f"run the grpo_n8 arm first (--arms grpo_n8 stored)")
         self.run_single("stored", f"{receiver}<-{peer}", receiver, seed,
                         graft={"peer_store": str(store), "balance": "none"})
+
+    def run_dirs(self) -> list[Path]:
+        """Every run folder of this config's seeds, pairs and arms (finished or not)."""
+        out: list[Path] = []
+        arms = self.cfg.arms
+        for seed in self.cfg.seeds:
+            s = f"seed{seed}"
+            for m in self.models_in_pairs():
+                out += [self.root / arm / s / m for arm in BASELINES if arm in arms]
+            for a, b in self.cfg.pairs:
+                out += [self.root / arm / s / f"{a}+{b}" / m for arm in arms if arm in ABLATIONS for m in (a, b)]
+                if "stored" in arms:
+                    out += [self.root / "stored" / s / f"{a}<-{b}", self.root / "stored" / s / f"{b}<-{a}"]
+            if "graft_all" in arms:
+                out += [self.root / "graft_all" / s / "all" / m for m in sorted(self.cfg.models)]
+        return out
+
+    def reevaluate(self) -> int:
+        """Score every finished run's final checkpoint again with the config's `eval` section
+        where the run was evaluated otherwise (e.g. a larger test split, keyed sampling),
+        without retraining; returns the number of runs re-scored. The run's own model
+        template, verifier and rollout batch size are kept. Re-scoring with the settings a
+        run was evaluated with gives the same result (keyed sampling) or an equivalent draw."""
+        from graft_fed.data.config import load_prompts
+        from graft_fed.evaluation import evaluate, write_eval
+        from graft_fed.modeling import load_model_and_tokenizer
+        from graft_fed.rewards import build_verifier
+        from graft_fed.trainer import checkpoint as ckpt
+        from graft_fed.trainer.config import EvalSection, load_train_config
+
+        want = from_mapping(EvalSection, self.cfg.base.get("eval", {}))
+        want_dict = to_dict(want)
+        done = 0
+        for run in self.run_dirs():
+            path = run / "summary.json"
+            if not path.is_file():
+                continue
+            summary = json.loads(path.read_text(encoding="utf-8"))
+            run_cfg = load_train_config(run / "config.json")
+            if summary.get("eval_config", to_dict(run_cfg.eval)) == want_dict:
+                continue
+            checkpoints = ckpt.checkpoint_dirs(run / "checkpoints")
+            if not checkpoints:
+                raise ConfigError(f"{run} has no checkpoint to evaluate again (its checkpoints were deleted)")
+            final = checkpoints[-1]
+            ckpt.verify_checkpoint(final)
+            log.info("re-evaluating %s", final)
+            model, tok = load_model_and_tokenizer(str(final / "model"), "cpu")
+            with build_verifier(run_cfg.verifier) as verifier:
+                result = evaluate(model, tok, load_prompts(want.data), verifier, template=run_cfg.model.template,
+                                  add_special_tokens=run_cfg.model.encode_special_tokens, k=want.k,
+                                  temperature=want.temperature, top_p=want.top_p,
+                                  max_new_tokens=want.max_new_tokens or run_cfg.rollout.max_new_tokens,
+                                  seed=want.seed, batch_size=run_cfg.rollout.batch_size, seeding=want.seeding)
+            write_eval(result, run / "eval", final.name)
+            summary["eval_after"] = result.summary()
+            summary["eval_config"] = want_dict
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+            os.replace(tmp, path)
+            done += 1
+        return done
 
     def models_in_pairs(self) -> list[str]:
         return sorted({m for p in self.cfg.pairs for m in p})

@@ -106,3 +106,42 @@ def test_paired_differences_pair_runs_by_seed(tmp_path):
     # a over its peers: seed 0 mean(+2, -1) = +0.5, seed 1 mean(+3, +5) = +4, seed 2 +1 (c only):
     # mean 1.833, sd 1.893, se 1.093
     assert "| a | +1.8 ± 1.1 (3/3) |" in text
+
+
+def test_reevaluate_rescores_finished_runs_without_training(tiny_llama, prompt_file, tmp_path):
+    """--reevaluate scores a finished run's final checkpoint with the config's eval section
+    where the run was evaluated otherwise; with keyed evaluation, the same settings reproduce
+    the in-training evaluation exactly (the checkpoint holds the weights that were scored)."""
+    import dataclasses
+
+    from graft_fed.experiment import ExperimentConfig
+
+    eval_sec = {"data": {"source": str(prompt_file), "max_prompts": 3}, "k": 2, "seeding": "prompt",
+                "temperature": 1.0}
+    conf = ExperimentConfig(output_dir=str(tmp_path / "exp"), seeds=(0,), models={"llama": str(tiny_llama),
+                            "other": str(tiny_llama)}, pairs=(("llama", "other"),), arms=("grpo_n8",),
+                            base={"run": {"steps": 1, "device": "cpu", "threads": 1, "checkpoint_every": 0},
+                                  "data": {"source": str(prompt_file)}, "rollout": {"max_new_tokens": 6},
+                                  "verifier": {"name": "tests.plugins:odd_char_sum"},
+                                  "algorithm": {"prompts_per_step": 4, "num_minibatches": 2}, "eval": eval_sec})
+    exp = Experiment(conf)
+    exp.run()
+    run = tmp_path / "exp" / "grpo_n8" / "seed0" / "llama"
+    summary_path = run / "summary.json"
+    trained = json.loads(summary_path.read_text())
+    rows = (run / "eval" / "step_000001.jsonl").read_text()
+    assert trained["eval_config"]["seeding"] == "prompt"
+    assert exp.reevaluate() == 0  # evaluated as the config says: nothing to do
+    # a run whose record says it was scored otherwise is scored again: same settings, same numbers
+    stale = dict(trained, eval_config=dict(trained["eval_config"], k=1))
+    summary_path.write_text(json.dumps(stale))
+    assert exp.reevaluate() == 1
+    again = json.loads(summary_path.read_text())
+    assert again["eval_after"] == trained["eval_after"] and again["eval_config"] == trained["eval_config"]
+    assert (run / "eval" / "step_000001.jsonl").read_text() == rows
+    # a larger test split: every finished run is scored on it
+    bigger = dataclasses.replace(conf, base={**conf.base, "eval": {**eval_sec, "data": {"source": str(prompt_file),
+                                                                                        "max_prompts": 5}}})
+    assert Experiment(bigger).reevaluate() == 2
+    assert json.loads(summary_path.read_text())["eval_after"]["n_prompts"] == 5
+    assert Experiment(bigger).reevaluate() == 0

@@ -341,7 +341,6 @@ class DistributedGRPOTrainer(GRPOTrainer):
         A write that fails on any process (a full disk, an I/O error) becomes the same
         CheckpointError on every process, after every process has reached the same point, so
         no process is left waiting in a collective; the half-written folder is removed."""
-        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)

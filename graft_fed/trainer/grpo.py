@@ -608,6 +608,7 @@ class GRPOTrainer:
         if evaluate_before_after:
             after = self.evaluate(f"step_{self.step:06d}")
             summary["eval_after"] = after.summary()
+            summary["eval_config"] = to_dict(self.cfg.eval)
             self.metrics.write({"step": self.step, "eval/pass@1": after.pass_at_1, "eval/stderr": after.stderr})
         if self.is_main:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
