@@ -198,6 +198,10 @@ class Experiment:
             final = checkpoints[-1]
             ckpt.verify_checkpoint(final)
             log.info("re-evaluating %s", final)
+            if run_cfg.run.threads:
+                import torch
+
+                torch.set_num_threads(run_cfg.run.threads)
             model, tok = load_model_and_tokenizer(str(final / "model"), "cpu")
             with build_verifier(run_cfg.verifier) as verifier:
                 result = evaluate(model, tok, load_prompts(want.data), verifier, template=run_cfg.model.template,
