@@ -97,7 +97,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         unknown = [a for a in args.arms if a not in cfg.arms]
         if unknown:
             raise GraftFedError(f"--arms {unknown} are not arms of {args.config}: {list(cfg.arms)}")
-        run_cfg = dataclasses.replace(run_cfg, arms=tuple(a for a in cfg.arms if a in args.arms))
+        wanted = set(args.arms) | ({"grpo_n8"} if "stored" in args.arms else set())  # stored learns from them
+        run_cfg = dataclasses.replace(run_cfg, arms=tuple(a for a in cfg.arms if a in wanted))
     if args.reevaluate:
         n = Experiment(run_cfg, quiet=args.quiet).reevaluate()
         print(f"re-evaluated {n} finished run(s) with the config's eval section", file=sys.stderr)

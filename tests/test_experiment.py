@@ -145,3 +145,23 @@ def test_reevaluate_rescores_finished_runs_without_training(tiny_llama, prompt_f
     assert Experiment(bigger).reevaluate() == 2
     assert json.loads(summary_path.read_text())["eval_after"]["n_prompts"] == 5
     assert Experiment(bigger).reevaluate() == 0
+
+
+def test_cli_runs_a_subset_of_arms(tmp_path, monkeypatch, capsys):
+    from graft_fed import cli
+    from graft_fed import experiment as ex
+
+    cfg = {"output_dir": str(tmp_path / "exp"), "seeds": [0, 1], "models": {"a": "x", "b": "y"},
+           "pairs": [["a", "b"]], "arms": ["grpo_n8", "graft", "stored", "no_gate"], "base": {}}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    ran = []
+    monkeypatch.setattr(ex.Experiment, "__init__", lambda self, c, quiet=True: setattr(self, "cfg", c))
+    monkeypatch.setattr(ex.Experiment, "run", lambda self: ran.append((self.cfg.seeds, self.cfg.arms)))
+    monkeypatch.setattr(ex, "write_report", lambda c: (tmp_path / "r.md", (tmp_path / "r.md").write_text("r"))[0])
+    assert cli.main(["experiment", "--config", str(path), "--seeds", "1", "--arms", "no_gate"]) == 0
+    # stored learns from the grpo_n8 runs: they come with it (and are skipped where finished)
+    assert cli.main(["experiment", "--config", str(path), "--arms", "stored"]) == 0
+    assert ran == [((1,), ("no_gate",)), ((0, 1), ("grpo_n8", "stored"))]
+    assert cli.main(["experiment", "--config", str(path), "--arms", "pooled"]) == 2
+    assert "--arms ['pooled'] are not arms of" in capsys.readouterr().err
