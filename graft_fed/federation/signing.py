@@ -13,7 +13,9 @@ handshake of the upload, and relays both with the bundle. A receiver accepts the
 only if
 
 1. the certificate was issued by the federation CA the receiver itself trusts (its
-   `tls_ca`) and is within its validity period,
+   `tls_ca`), is within its validity period and, when the receiver has the CA's list of
+   revocations (`federation.revoked_certs`, the `revoked.json` that `graft-fed certs
+   revoke` writes), is not on it (whenever the bundle was signed),
 2. the certificate's common name is the node the broker names as the group's source, and
 3. the signature verifies with the certificate's key over (that node, the digest of the
    bytes received).
@@ -27,6 +29,9 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
+import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,8 @@ from graft_fed.core.records import RecordError
 from graft_fed.errors import ConfigError
 
 CONTEXT = b"graft-fed/bundle/v1"
+
+log = logging.getLogger("graft_fed.federation")
 
 
 class ProvenanceError(RecordError):
@@ -129,7 +136,7 @@ class ProvenanceVerifier:
     root: the CA that issued the broker's and every node's certificate). Certificates are
     issued directly by the CA (`graft-fed certs`); intermediates are not followed."""
 
-    def __init__(self, ca_path: str | Path) -> None:
+    def __init__(self, ca_path: str | Path, revoked_path: str | Path | None = None) -> None:
         try:
             self.roots = x509.load_pem_x509_certificates(Path(ca_path).read_bytes())
         except OSError as exc:
@@ -138,6 +145,36 @@ class ProvenanceVerifier:
             raise ConfigError(f"{ca_path} holds no PEM certificate ({exc})") from None
         self._trusted: dict[bytes, x509.Certificate] = {}  # sha256 of DER -> issuer-checked certificate
         self._lock = threading.Lock()
+        self.revoked_path = None if revoked_path is None else Path(revoked_path)
+        self._revoked: dict[int, str] = {}  # serial -> name
+        self._revoked_stamp: tuple[int, int] | None = None
+        if self.revoked_path is not None:
+            self._revoked, self._revoked_stamp = _read_revoked(self.revoked_path)  # a bad file stops the start
+
+    def revoked_serials(self) -> dict[int, str]:
+        """The revoked certificates (serial -> name), re-read when the file changes. A file that
+        became unreadable or malformed keeps the last good list in force (logged), so a bad
+        edit never lifts a revocation."""
+        if self.revoked_path is None:
+            return {}
+        try:
+            st = os.stat(self.revoked_path)
+            stamp = (st.st_mtime_ns, st.st_size)
+        except OSError as exc:
+            log.error("cannot read the revocation list %s (%s): keeping the %d revocations read before",
+                      self.revoked_path, exc, len(self._revoked))
+            return self._revoked
+        with self._lock:
+            if stamp == self._revoked_stamp:
+                return self._revoked
+        try:
+            revoked, stamp = _read_revoked(self.revoked_path)
+        except ConfigError as exc:
+            log.error("%s: keeping the %d revocations read before", exc, len(self._revoked))
+            return self._revoked
+        with self._lock:
+            self._revoked, self._revoked_stamp = revoked, stamp
+        return revoked
 
     def _issued_by_ca(self, der: bytes) -> x509.Certificate:
         key = hashlib.sha256(der).digest()
@@ -170,6 +207,10 @@ class ProvenanceVerifier:
         if not signature or not cert_der:
             raise ProvenanceError(f"bundle {digest[:12]} from {producer!r} is unsigned")
         cert = self._issued_by_ca(cert_der)
+        revoked = self.revoked_serials().get(cert.serial_number)
+        if revoked is not None:
+            raise ProvenanceError(f"the signer's certificate ({common_name(cert)!r}, serial {cert.serial_number}) "
+                                  f"was revoked (listed as {revoked!r} in {self.revoked_path})")
         now = now or dt.datetime.now(dt.timezone.utc)
         if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
             raise ProvenanceError(f"the signer's certificate ({common_name(cert)!r}) is not valid now (valid "
@@ -180,3 +221,27 @@ class ProvenanceVerifier:
                                   f"{name!r}")
         verify_signature(cert, producer, digest, signature)
         return name
+
+
+def _read_revoked(path: Path) -> tuple[dict[int, str], tuple[int, int]]:
+    """Parse a CA's revoked.json (`graft-fed certs revoke`): a list of {name, serial, ...}."""
+    try:
+        st = os.stat(path)
+        data = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"cannot read the revocation list {path} ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ConfigError(f"the revocation list {path} is not JSON ({exc}); it is the revoked.json that "
+                          "`graft-fed certs revoke` writes") from None
+    if not isinstance(data, list):
+        raise ConfigError(f"the revocation list {path} must be a JSON list of {{name, serial}} entries")
+    out: dict[int, str] = {}
+    for i, entry in enumerate(data):
+        try:
+            serial = int(str(entry["serial"]))
+            name = str(entry.get("name", ""))
+        except (TypeError, KeyError, ValueError, AttributeError):
+            raise ConfigError(f"the revocation list {path}, entry {i}: need {{\"name\": ..., \"serial\": "
+                              f"\"<decimal serial>\"}}, got {entry!r}") from None
+        out[serial] = name
+    return out, (st.st_mtime_ns, st.st_size)

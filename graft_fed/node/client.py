@@ -71,10 +71,13 @@ class BrokerClient:
     def __init__(self, address: str, node_id: str, max_message_mib: int = 16, rpc_timeout_s: float = 10.0,
                  chunk_kib: int = 1024, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, insecure: bool = False,
-                 require_signatures: bool | None = None, retries: int = 2) -> None:
+                 require_signatures: bool | None = None, retries: int = 2,
+                 revoked_certs: str | None = None) -> None:
         """`require_signatures`: refuse peer bundles whose producer's signature cannot be
         checked; None (the default) = required when this node uses mutual TLS (it has a
         certificate and key). Verifying needs `tls_ca`, the federation CA.
+        `revoked_certs`: the CA's revoked.json; bundles signed with a listed certificate are
+        refused, however long ago they were signed.
         `retries`: how often a publish, upload, report or leave is sent again, with the same
         request tag, after UNAVAILABLE or ABORTED (short jittered backoff)."""
         self.address = address
@@ -100,7 +103,10 @@ class BrokerClient:
         # Provenance: sign what this node produces with its mTLS key; check what it receives
         # against the federation CA (graft_fed/federation/signing.py).
         self.signer = BundleSigner(tls_cert, tls_key) if tls_cert and tls_key else None
-        self.verifier = ProvenanceVerifier(tls_ca) if tls_ca else None
+        if revoked_certs and not tls_ca:
+            raise ConfigError(f"node {node_id}: a revocation list needs federation.tls_ca (revocations are "
+                              "checked on signatures, which are checked against the CA)")
+        self.verifier = ProvenanceVerifier(tls_ca, revoked_certs) if tls_ca else None
         self.require_signatures = self.signer is not None if require_signatures is None else require_signatures
         if self.require_signatures and self.verifier is None:
             raise ConfigError(f"node {node_id}: federation.require_signatures needs federation.tls_ca (the "

@@ -71,6 +71,11 @@ class FederationSection:
     #: unsigned bundles (logged once, counted as federation/unsigned_bundles) but still
     #: refuses a signature that fails.
     require_signatures: bool | None = None
+    #: The federation CA's list of revoked certificates (the revoked.json `graft-fed certs
+    #: revoke` writes, copied here as the CA is): a peer bundle signed with a listed
+    #: certificate is refused and reported, even one signed before the revocation. Re-read
+    #: when the file changes; a file that turns bad keeps the last good list. Needs tls_ca.
+    revoked_certs: str | None = None
     #: Allow plaintext gRPC to a non-loopback broker (logged as a warning at every start).
     insecure: bool = False
     #: Longest single long-poll for matches, seconds.
@@ -101,6 +106,8 @@ class FederationSection:
                 "federation.tls_cert needs federation.tls_ca (the CA that signed the broker's certificate)")
         require(not self.require_signatures or self.tls_ca is not None,
                 "federation.require_signatures needs federation.tls_ca (the federation CA) to check signatures")
+        require(self.revoked_certs is None or self.tls_ca is not None,
+                "federation.revoked_certs needs federation.tls_ca: revocations are checked on bundle signatures")
 
 
 @dataclass(frozen=True)
@@ -188,7 +195,7 @@ class Node:
         self.client = BrokerClient(f.broker, cfg.node_id, max_message_mib=f.max_message_mib,
                                    rpc_timeout_s=f.rpc_timeout_s, chunk_kib=f.chunk_kib, tls_ca=f.tls_ca,
                                    tls_cert=f.tls_cert, tls_key=f.tls_key, insecure=f.insecure,
-                                   require_signatures=f.require_signatures)
+                                   require_signatures=f.require_signatures, revoked_certs=f.revoked_certs)
         t = self.trainer
         self.manifest = Manifest(
             federation_id=f.federation_id or "", protocol_version=PROTOCOL_VERSION,

@@ -247,3 +247,69 @@ def test_two_nodes_over_mutual_tls_sign_and_verify_every_bundle(tiny_llama, tiny
             assert row["federation/bad_signatures"] == 0.0 and row["federation/unsigned_bundles"] == 0.0
             received += row.get("graft/replaced", 0)
     assert received > 0, "no bundle was exchanged: the test would show nothing"
+
+
+def serial_of(path):
+    return str(x509.load_pem_x509_certificate(path.read_bytes()).serial_number)
+
+
+def test_a_revoked_signer_is_refused_even_for_bundles_signed_before(pki, tmp_path, caplog):
+    import json
+    import os
+
+    d = pki[0]
+    listing = tmp_path / "revoked.json"
+    listing.write_text("[]")
+    v = ProvenanceVerifier(d / "ca.pem", listing)
+    digest = "ef" * 32
+    alice_sig, bob_sig = signer(d, "alice").sign("alice", digest), signer(d, "bob").sign("bob", digest)
+    assert v.verify("alice", digest, alice_sig, der(d / "alice.pem")) == "alice"
+    # the CA revokes alice; the list reaches this node; the signature made before is now refused
+    listing.write_text(json.dumps([{"name": "alice", "serial": serial_of(d / "alice.pem"),
+                                    "revoked_at": "2026-11-30T10:00:00+00:00"}]))
+    os.utime(listing, ns=(1, 10**18))  # a new stamp even on a coarse-clock file system
+    with pytest.raises(ProvenanceError, match=r"'alice', serial \d+\) was revoked \(listed as 'alice'"):
+        v.verify("alice", digest, alice_sig, der(d / "alice.pem"))
+    assert v.verify("bob", digest, bob_sig, der(d / "bob.pem")) == "bob"
+    # a bad edit of the list never lifts a revocation: the last good list stays in force
+    listing.write_text("[{not json")
+    with pytest.raises(ProvenanceError, match="was revoked"):
+        v.verify("alice", digest, alice_sig, der(d / "alice.pem"))
+    assert "keeping the 1 revocations read before" in caplog.text
+    listing.unlink()
+    with pytest.raises(ProvenanceError, match="was revoked"):
+        v.verify("alice", digest, alice_sig, der(d / "alice.pem"))
+    # at start a bad list is a configuration error naming the file
+    bad = tmp_path / "bad.json"
+    for text, message in (("{}", "must be a JSON list"), ('[{"name": "x"}]', "entry 0"), ("nope", "not JSON")):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            ProvenanceVerifier(d / "ca.pem", bad)
+    with pytest.raises(ConfigError, match="cannot read the revocation list"):
+        ProvenanceVerifier(d / "ca.pem", tmp_path / "missing.json")
+    # certs revoke writes exactly the file a node reads
+    ca = tmp_path / "ca"
+    certs.init_ca(ca, "t")
+    certs.issue(ca, "carol")
+    certs.revoke(ca, "carol")
+    assert ProvenanceVerifier(ca / "ca.pem", ca / "revoked.json").revoked_serials() == {
+        int(serial_of(ca / "carol.pem")): "carol"}
+
+
+def test_a_node_with_the_revocation_list_refuses_and_reports_the_bundle(mtls_broker, pki, prompts, tmp_path):
+    import json
+
+    from graft_fed.node.node import FederationSection
+
+    listing = tmp_path / "revoked.json"
+    listing.write_text(json.dumps([{"name": "alice", "serial": serial_of(pki[0] / "alice.pem")}]))
+    alice, bob, rec, digest = matched(mtls_broker, pki, prompts, revoked_certs=str(listing))
+    got = fetch_offers(bob, bob.get_matches(0, 5.0).offers)
+    assert got.records == {} and got.bad_signatures == 1
+    assert [r.source for r in got.rejections] == ["alice"]
+    for c in (alice, bob):
+        c.close()
+    with pytest.raises(ConfigError, match="revoked_certs needs federation.tls_ca"):
+        FederationSection(revoked_certs=str(listing))
+    with pytest.raises(ConfigError, match="needs federation.tls_ca"):
+        BrokerClient("127.0.0.1:1", "x", revoked_certs=str(listing))
