@@ -449,6 +449,10 @@ def write_report(cfg: ExperimentConfig) -> Path:
                   "GRPO n=8 pass@1 over seeds: " + ", ".join(f"{m}: {f}" for m, f in sorted(weak.items()))
                   + "). These are the prompts GRAFT is for: the receiver's all-fail groups sit mostly here.", ""]
         lines += _pair_table(cfg, collect_results(cfg, family=weak), arms)
+        weak_by_seed = collect_by_seed(cfg, family=weak)
+        if any(paired_deltas(weak_by_seed, r, p, a) for (r, p, a) in weak_by_seed if a != "grpo_n8"):
+            lines += ["", "Paired differences on the weak family (as above: arm minus GRPO n=8, same seed):", ""]
+            lines += _paired_tables(cfg, weak_by_seed, arms)
     volume = exchange_volume(cfg)
     if volume:
         lines += ["", "## Exchange volume (co-trained GRAFT arm)", "",
