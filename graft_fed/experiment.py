@@ -497,11 +497,14 @@ def plot_experiment(cfg: ExperimentConfig) -> list[Path]:
     out: list[Path] = []
 
     def runs_for(recv: str, arm: str) -> list[Path]:
+        """The arm's finished runs of `recv` (a run still training would cut every curve short)."""
         if arm in BASELINES:
-            return [root / arm / f"seed{s}" / recv for s in cfg.seeds]
-        if arm == "stored":
-            return [p for s in cfg.seeds for p in (root / "stored" / f"seed{s}").glob(f"{recv}<-*")]
-        return [p for s in cfg.seeds for p in (root / arm / f"seed{s}").glob(f"*/{recv}") if "+" in p.parent.name]
+            runs = [root / arm / f"seed{s}" / recv for s in cfg.seeds]
+        elif arm == "stored":
+            runs = [p for s in cfg.seeds for p in (root / "stored" / f"seed{s}").glob(f"{recv}<-*")]
+        else:
+            runs = [p for s in cfg.seeds for p in (root / arm / f"seed{s}").glob(f"*/{recv}") if "+" in p.parent.name]
+        return [r for r in runs if (r / "summary.json").is_file()]
 
     fig, axes = plt.subplots(1, len(receivers), figsize=(5 * len(receivers), 3.6), squeeze=False)
     for ax, recv in zip(axes[0], receivers):
