@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -318,6 +319,24 @@ def _fmt_delta(deltas: list[float]) -> str:
     return f"{mean:+.1f} ± {se:.1f} ({wins}/{len(deltas)})"
 
 
+def pairing_gain(by_seed: dict[tuple[str, str, str], dict[int, float]]) -> tuple[float, int] | None:
+    """Median over cells (receiver, peer, arm with >= 3 paired seeds) of the standard deviation
+    of the seed-by-seed differences divided by the one independent runs would give
+    (sqrt(var(arm) + var(GRPO n=8)) over the same seeds): below 1 when pairing removes noise."""
+    ratios = []
+    for (recv, peer, arm), values in by_seed.items():
+        if arm == "grpo_n8" or (peer == "-" and arm not in BASELINES):
+            continue
+        d = paired_deltas(by_seed, recv, peer, arm)
+        if len(d) < 3:
+            continue
+        base = by_seed[(recv, "-", "grpo_n8")]
+        independent = math.sqrt(statistics.variance([base[s] for s in d]) + statistics.variance([values[s] for s in d]))
+        if independent > 0:
+            ratios.append(statistics.stdev(d.values()) / independent)
+    return (statistics.median(ratios), len(ratios)) if ratios else None
+
+
 def _paired_tables(cfg: ExperimentConfig, by_seed: dict[tuple[str, str, str], dict[int, float]],
                    arms: list[str]) -> list[str]:
     """Per receiver and peer, then per receiver over its peers: arm minus GRPO n=8, seed by seed."""
@@ -442,6 +461,10 @@ def write_report(cfg: ExperimentConfig) -> Path:
                   "evaluation (`rollout.seeding: prompt`, `eval.seeding: prompt`) the comparison shares "
                   "the randomness of each seed; read these rather than the Δ of means above.", ""]
         lines += _paired_tables(cfg, by_seed, arms)
+        gain = pairing_gain(by_seed)
+        if gain:
+            lines += ["", f"Spread of the paired differences relative to independent runs (median over {gain[1]} "
+                      f"cells with >= 3 seeds): {gain[0]:.2f}."]
     weak = weakest_families(cfg)
     if weak:
         lines += ["", "## On each receiver's weak family", "",

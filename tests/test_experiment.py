@@ -106,6 +106,13 @@ def test_paired_differences_pair_runs_by_seed(tmp_path):
     # a over its peers: seed 0 mean(+2, -1) = +0.5, seed 1 mean(+3, +5) = +4, seed 2 +1 (c only):
     # mean 1.833, sd 1.893, se 1.093
     assert "| a | +1.8 ± 1.1 (3/3) |" in text
+    # one cell has >= 3 paired seeds (a <- c): sd of its differences 0.0306 against
+    # sqrt(var(base) + var(graft)) = 0.1301 for independent runs
+    from graft_fed.experiment import pairing_gain
+
+    ratio, cells = pairing_gain(by_seed)
+    assert cells == 1 and abs(ratio - 0.2349) < 1e-3
+    assert "(median over 1 cells with >= 3 seeds): 0.23." in text
 
 
 def test_reevaluate_rescores_finished_runs_without_training(tiny_llama, prompt_file, tmp_path):
