@@ -153,22 +153,6 @@ class Experiment:
         self.run_single("stored", f"{receiver}<-{peer}", receiver, seed,
                         graft={"peer_store": str(store), "balance": "none"})
 
-    def run_dirs(self) -> list[Path]:
-        """Every run folder of this config's seeds, pairs and arms (finished or not)."""
-        out: list[Path] = []
-        arms = self.cfg.arms
-        for seed in self.cfg.seeds:
-            s = f"seed{seed}"
-            for m in self.models_in_pairs():
-                out += [self.root / arm / s / m for arm in BASELINES if arm in arms]
-            for a, b in self.cfg.pairs:
-                out += [self.root / arm / s / f"{a}+{b}" / m for arm in arms if arm in ABLATIONS for m in (a, b)]
-                if "stored" in arms:
-                    out += [self.root / "stored" / s / f"{a}<-{b}", self.root / "stored" / s / f"{b}<-{a}"]
-            if "graft_all" in arms:
-                out += [self.root / "graft_all" / s / "all" / m for m in sorted(self.cfg.models)]
-        return out
-
     def reevaluate(self) -> int:
         """Score every finished run's final checkpoint again with the config's `eval` section
         where the run was evaluated otherwise (e.g. a larger test split, keyed sampling),
@@ -185,7 +169,7 @@ class Experiment:
         want = from_mapping(EvalSection, self.cfg.base.get("eval", {}))
         want_dict = to_dict(want)
         done = 0
-        for run in self.run_dirs():
+        for _, _, run in run_paths(self.cfg, self.cfg.arms):
             path = run / "summary.json"
             if not path.is_file():
                 continue
@@ -259,34 +243,41 @@ def _pass1(ev: dict[str, Any], family: str | None = None) -> float | None:
     return (ev.get("by_group") or {}).get(family)
 
 
+def run_paths(cfg: ExperimentConfig, arms: tuple[str, ...] | None = None
+              ) -> list[tuple[tuple[str, str, str], int, Path]]:
+    """Every run folder of the config as ((receiver, peer, arm), seed, path), for `arms` (default:
+    every arm there is). Baselines have peer '-', graft_all has peer 'all'."""
+    root = Path(cfg.output_dir)
+    wanted = set(ARMS if arms is None else arms)
+    out: list[tuple[tuple[str, str, str], int, Path]] = []
+    for seed in cfg.seeds:
+        s = f"seed{seed}"
+        for m in sorted({x for p in cfg.pairs for x in p}):
+            out += [((m, "-", arm), seed, root / arm / s / m) for arm in BASELINES if arm in wanted]
+        for a, b in cfg.pairs:
+            for recv, peer in ((a, b), (b, a)):
+                out += [((recv, peer, arm), seed, root / arm / s / f"{a}+{b}" / recv)
+                        for arm in ABLATIONS if arm in wanted]
+                if "stored" in wanted:
+                    out.append(((recv, peer, "stored"), seed, root / "stored" / s / f"{recv}<-{peer}"))
+        if "graft_all" in wanted:
+            out += [((m, "all", "graft_all"), seed, root / "graft_all" / s / "all" / m) for m in sorted(cfg.models)]
+    return out
+
+
 def collect_by_seed(cfg: ExperimentConfig, family: str | dict[str, str] | None = None
                     ) -> dict[tuple[str, str, str], dict[int, float]]:
     """(receiver, peer, arm) -> {seed: final pass@1}. Baselines have peer '-'.
 
     `family` restricts the score to one task family (the eval's per-family pass@1), either one
     name for every receiver or a {receiver: family} map."""
-    root = Path(cfg.output_dir)
     res: dict[tuple[str, str, str], dict[int, float]] = {}
-
-    def add(key: tuple[str, str, str], seed: int, path: Path) -> None:
+    for key, seed, path in run_paths(cfg):
         ev = _final_eval(path)
         fam = family.get(key[0]) if isinstance(family, dict) else family
         v = None if ev is None else _pass1(ev, fam)
         if v is not None:
             res.setdefault(key, {})[seed] = v
-
-    for seed in cfg.seeds:
-        s = f"seed{seed}"
-        for m in {x for p in cfg.pairs for x in p}:
-            for arm in BASELINES:
-                add((m, "-", arm), seed, root / arm / s / m)
-        for a, b in cfg.pairs:
-            for recv, peer in ((a, b), (b, a)):
-                for arm in ABLATIONS:
-                    add((recv, peer, arm), seed, root / arm / s / f"{a}+{b}" / recv)
-                add((recv, peer, "stored"), seed, root / "stored" / s / f"{recv}<-{peer}")
-        for m in cfg.models:
-            add((m, "all", "graft_all"), seed, root / "graft_all" / s / "all" / m)
     return res
 
 
