@@ -149,7 +149,7 @@ class Experiment:
         store = self.root / "grpo_n8" / f"seed{seed}" / peer / "trajectories.sqlite"
         if not store.is_file():
             raise ConfigError(f"the stored arm needs {peer}'s GRPO n=8 run of seed {seed} ({store} is missing): "
-                                f"run the grpo_n8 arm first (--arms grpo_n8 stored)")
+                              "run the grpo_n8 arm first (`--arms stored` runs it where it is missing)")
         self.run_single("stored", f"{receiver}<-{peer}", receiver, seed,
                         graft={"peer_store": str(store), "balance": "none"})
 
@@ -281,10 +281,18 @@ def collect_by_seed(cfg: ExperimentConfig, family: str | dict[str, str] | None =
     return res
 
 
+def _in_seed_order(by_seed: dict[tuple[str, str, str], dict[int, float]]) -> dict[tuple[str, str, str], list[float]]:
+    return {k: [v[s] for s in sorted(v)] for k, v in by_seed.items()}
+
+
 def collect_results(cfg: ExperimentConfig, family: str | dict[str, str] | None = None
                     ) -> dict[tuple[str, str, str], list[float]]:
     """(receiver, peer, arm) -> final pass@1 per finished seed, in seed order (see collect_by_seed)."""
-    return {k: [v[s] for s in sorted(v)] for k, v in collect_by_seed(cfg, family).items()}
+    return _in_seed_order(collect_by_seed(cfg, family))
+
+
+def _has_pairs(by_seed: dict[tuple[str, str, str], dict[int, float]]) -> bool:
+    return any(paired_deltas(by_seed, r, p, a) for (r, p, a) in by_seed if a != "grpo_n8")
 
 
 def paired_deltas(by_seed: dict[tuple[str, str, str], dict[int, float]], receiver: str, peer: str,
@@ -316,7 +324,7 @@ def pairing_gain(by_seed: dict[tuple[str, str, str], dict[int, float]]) -> tuple
     (sqrt(var(arm) + var(GRPO n=8)) over the same seeds): below 1 when pairing removes noise."""
     ratios = []
     for (recv, peer, arm), values in by_seed.items():
-        if arm == "grpo_n8" or (peer == "-" and arm not in BASELINES):
+        if arm == "grpo_n8":
             continue
         d = paired_deltas(by_seed, recv, peer, arm)
         if len(d) < 3:
@@ -437,15 +445,15 @@ def exchange_volume(cfg: ExperimentConfig) -> list[str]:
 
 def write_report(cfg: ExperimentConfig) -> Path:
     root = Path(cfg.output_dir)
-    res = collect_results(cfg)
+    by_seed = collect_by_seed(cfg)
+    res = _in_seed_order(by_seed)
     arms = [a for a in cfg.arms if a not in BASELINES and a != "graft_all"]
     lines = ["# GRAFT in miniature", "",
              f"Held-out pass@1 (%, mean ± std over seeds {list(cfg.seeds)}) of each receiver after training.",
              "Δ is against GRPO n=8 of the same receiver. Produced by `graft-fed experiment`; config in "
              f"`{root / 'experiment.json'}`.", ""]
     lines += _pair_table(cfg, res, arms)
-    by_seed = collect_by_seed(cfg)
-    if any(paired_deltas(by_seed, r, p, a) for (r, p, a) in by_seed if a != "grpo_n8"):
+    if _has_pairs(by_seed):
         lines += ["", "## Paired differences", "",
                   "Arm minus GRPO n=8 of the same receiver and seed, in points: mean ± standard error over "
                   "seeds (seeds above GRPO n=8 / seeds). Paired by seed, so with keyed rollouts and "
@@ -462,9 +470,9 @@ def write_report(cfg: ExperimentConfig) -> Path:
                   "The same runs scored on the receiver's weakest task family only (the family with the lowest "
                   "GRPO n=8 pass@1 over seeds: " + ", ".join(f"{m}: {f}" for m, f in sorted(weak.items()))
                   + "). These are the prompts GRAFT is for: the receiver's all-fail groups sit mostly here.", ""]
-        lines += _pair_table(cfg, collect_results(cfg, family=weak), arms)
         weak_by_seed = collect_by_seed(cfg, family=weak)
-        if any(paired_deltas(weak_by_seed, r, p, a) for (r, p, a) in weak_by_seed if a != "grpo_n8"):
+        lines += _pair_table(cfg, _in_seed_order(weak_by_seed), arms)
+        if _has_pairs(weak_by_seed):
             lines += ["", "Paired differences on the weak family (as above: arm minus GRPO n=8, same seed):", ""]
             lines += _paired_tables(cfg, weak_by_seed, arms)
     volume = exchange_volume(cfg)
@@ -512,13 +520,8 @@ def plot_experiment(cfg: ExperimentConfig) -> list[Path]:
 
     def runs_for(recv: str, arm: str) -> list[Path]:
         """The arm's finished runs of `recv` (a run still training would cut every curve short)."""
-        if arm in BASELINES:
-            runs = [root / arm / f"seed{s}" / recv for s in cfg.seeds]
-        elif arm == "stored":
-            runs = [p for s in cfg.seeds for p in (root / "stored" / f"seed{s}").glob(f"{recv}<-*")]
-        else:
-            runs = [p for s in cfg.seeds for p in (root / arm / f"seed{s}").glob(f"*/{recv}") if "+" in p.parent.name]
-        return [r for r in runs if (r / "summary.json").is_file()]
+        return [path for (r, _, _), _, path in run_paths(cfg, (arm,))
+                if r == recv and (path / "summary.json").is_file()]
 
     fig, axes = plt.subplots(1, len(receivers), figsize=(5 * len(receivers), 3.6), squeeze=False)
     for ax, recv in zip(axes[0], receivers):
