@@ -177,16 +177,15 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import grpc
-
+    from graft_fed.federation.errors import FederationError
     from graft_fed.node.client import BrokerClient
 
     client = BrokerClient(args.broker, node_id="status", tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                           tls_key=args.tls_key, insecure=args.insecure)
     try:
         st = client.status()
-    except grpc.RpcError as exc:
-        raise GraftFedError(f"cannot reach the broker at {args.broker}: {exc.code().name} {exc.details()}") from None
+    except FederationError as exc:
+        raise GraftFedError(f"cannot reach the broker at {args.broker}: {exc.status} {exc}") from None
     finally:
         client.close()
     m = st.manifest

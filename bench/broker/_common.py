@@ -80,7 +80,7 @@ def machine() -> dict[str, Any]:
 def _raw_server(conn, max_message_mib: int, chunk: int) -> None:
     import grpc
 
-    from graft_fed.broker.server import grpc_options
+    from graft_fed.federation.transport import grpc_options
 
     store: dict[bytes, bytes] = {}
     ack = b"\x08\x01"  # the size of a PublishResponse(accepted=...) on the wire, roughly

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpc  # noqa: E402
 
 from _common import RAW_SERVICE, ChildServer, machine, median, write_prompts, write_results  # noqa: E402
-from graft_fed.broker.server import grpc_options  # noqa: E402
+from graft_fed.federation.transport import grpc_options  # noqa: E402
 from graft_fed.core.records import GroupRecord  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle  # noqa: E402

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpc  # noqa: E402
 
 from _common import RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, write_prompts, write_results  # noqa: E402
-from graft_fed.broker.server import grpc_options  # noqa: E402
+from graft_fed.federation.transport import grpc_options  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version  # noqa: E402
 from graft_fed.node.client import BrokerClient, new_tag  # noqa: E402

@@ -64,6 +64,7 @@ VERIFIER = "math_verify"
 def run_node(i: int, ctx: dict, out: dict) -> None:
     import grpc
 
+    from graft_fed.federation.errors import FederationError, Unauthenticated
     from graft_fed.node.client import Backoff, BrokerClient
 
     name = f"node{i:02d}"
@@ -94,8 +95,8 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
         t0 = time.perf_counter()
         try:
             result = fn()
-        except grpc.RpcError as exc:
-            errors[f"{rpc} {exc.code().name}"] += 1
+        except FederationError as exc:
+            errors[f"{rpc} {exc.status}"] += 1
             raise
         lat[rpc].append(time.perf_counter() - t0)
         return result
@@ -123,14 +124,14 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
                         summaries = make_summaries(rng, ctx["prompt_ids"], rnd, GROUP_N)
                         break
                 backoff.succeeded()
-            except grpc.RpcError as exc:
+            except FederationError as exc:
                 retries += 1
-                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                if isinstance(exc, Unauthenticated):
                     joined = False
                 time.sleep(min(backoff.failed(), max(0.0, end - time.time())))
         try:
             client.leave()
-        except grpc.RpcError:
+        except FederationError:
             pass
     finally:
         client.close()

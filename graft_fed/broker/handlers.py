@@ -13,13 +13,13 @@ import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
 from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.replay import ReplayGuard
-from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
+from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow
 from graft_fed.core.exchange import classify, select_sources
 from graft_fed.core.records import RecordError
 from graft_fed.data.config import load_prompts
@@ -27,43 +27,15 @@ from graft_fed.federation.bundles import decode_bundle, digest_of, is_digest
 from graft_fed.federation.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                          ResourceExhausted, StorageFull, Unauthenticated, Unavailable)
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, differences, verifier_version
+from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
 from graft_fed.federation.signing import ProvenanceError, common_name, load_certificate_der, verify_signature
 
 log = logging.getLogger("graft_fed.broker")
 
-PRIVACY = ("share_all", "matched_only", "summaries_only")
+PRIVACY = Privacy.names()
 MAX_ID_LEN = 256
 MAX_SUMMARIES_FACTOR = 4  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
 MAX_GRANTS = 200_000  # bundle digests whose fetch permissions are remembered
-
-
-@dataclass(frozen=True)
-class Offer:
-    prompt_id: str
-    source_node: str
-    source_model: str
-    source_round: int
-    k: int
-    n: int
-    digest: str
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    ready: bool
-    offers: list[Offer]
-    upload_requests: list[tuple[str, int]]  # (prompt id, round) of the caller's own groups
-    candidates: int = 0  # the caller's all-fail prompts with an informative peer group
-    solved_by_peers: int = 0  # the caller's all-fail prompts some peer solved at least once
-
-
-@dataclass(frozen=True)
-class ReportEntry:
-    source: str
-    prompt_id: str
-    mean_s: float
-    admitted_fraction: float
-    rejected: bool
 
 
 def _check_id(value: str, what: str) -> None:

@@ -15,7 +15,7 @@ from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
 from graft_fed.broker.servicer import BrokerServicer
 from graft_fed.broker.state import BrokerState
-from graft_fed.federation.transport import check_plaintext, server_credentials
+from graft_fed.federation.transport import check_plaintext, grpc_options, server_credentials
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("graft_fed.broker")
@@ -30,21 +30,6 @@ def open_state(db: str) -> BrokerState:
 
     Path(db).parent.mkdir(parents=True, exist_ok=True)
     return SqliteState(db)
-
-
-def grpc_options(max_message_mib: int) -> list[tuple[str, int]]:
-    """Message limits set explicitly (both directions) and keepalive under 4 minutes, shared
-    by server and client so the two sides agree."""
-    limit = max_message_mib * 2**20
-    return [
-        ("grpc.max_send_message_length", limit),
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.keepalive_time_ms", 60_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
-    ]
 
 
 def render_metrics(fed: Federation, servicer: BrokerServicer) -> str:

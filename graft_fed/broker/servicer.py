@@ -10,35 +10,16 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from graft_fed.broker.handlers import Federation, ReportEntry
-from graft_fed.broker.state import SummaryRow
-from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted, status_of
-from graft_fed.federation.manifest import Manifest
+from graft_fed.broker.handlers import Federation
+from graft_fed.federation.codec import (manifest_from_pb, manifest_to_pb, match_result_to_pb, privacy_from_pb,
+                                        report_entries_from_pb, summaries_from_pb)
+from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted
+from graft_fed.federation.status import INTERNAL_MESSAGE, to_status
 from graft_fed.federation.signing import pem_to_der
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("graft_fed.broker")
-
-MODES = {pb.MODE_SYNC: "sync", pb.MODE_ASYNC: "async"}
-MODE_CODES = {v: k for k, v in MODES.items()}
-PRIVACY = {pb.PRIVACY_SHARE_ALL: "share_all", pb.PRIVACY_MATCHED_ONLY: "matched_only",
-           pb.PRIVACY_SUMMARIES_ONLY: "summaries_only"}
-PRIVACY_CODES = {v: k for k, v in PRIVACY.items()}
-
-
-def manifest_to_pb(m: Manifest) -> pb.Manifest:
-    return pb.Manifest(federation_id=m.federation_id, protocol_version=m.protocol_version, dataset_id=m.dataset_id,
-                       dataset_hash=m.dataset_hash, seed=m.seed, n=m.n, prompts_per_round=m.prompts_per_round,
-                       mode=MODE_CODES.get(m.mode, pb.MODE_UNSPECIFIED), verifier_name=m.verifier_name,
-                       verifier_version=m.verifier_version, staleness_rounds=m.staleness_rounds)
-
-
-def manifest_from_pb(m: pb.Manifest) -> Manifest:
-    return Manifest(federation_id=m.federation_id, protocol_version=m.protocol_version, dataset_id=m.dataset_id,
-                    dataset_hash=m.dataset_hash, seed=m.seed, n=m.n, prompts_per_round=m.prompts_per_round,
-                    mode=MODES.get(m.mode, ""), verifier_name=m.verifier_name, verifier_version=m.verifier_version,
-                    staleness_rounds=m.staleness_rounds)
 
 
 def _tag(request: Any) -> tuple[str, int]:
@@ -75,14 +56,14 @@ def _rpc(method: Callable) -> Callable:
         try:
             return method(self, request, context)
         except FederationError as exc:
-            code, message = status_of(exc)
+            code, message = to_status(exc)
             self.stats.observe(name, code, time.perf_counter() - t0)
             context.abort(code, message)
         except Exception:  # noqa: BLE001 - the last line of defence: never leak internals
             log.exception("%s failed", name)
             code = grpc.StatusCode.INTERNAL
             self.stats.observe(name, code, time.perf_counter() - t0)
-            context.abort(code, "internal broker error (see the broker's log)")
+            context.abort(code, INTERNAL_MESSAGE)
         finally:
             if code == grpc.StatusCode.OK:
                 self.stats.observe(name, code, time.perf_counter() - t0)
@@ -102,7 +83,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             raise InvalidArgument("JoinRequest.manifest is required")
         with self.fed.replay.admit("Join", request.node_id, *_tag(request)):
             session, current = self.fed.join(request.node_id, request.model_id, request.tokenizer_id,
-                                             manifest_from_pb(request.manifest), PRIVACY.get(request.privacy, ""),
+                                             manifest_from_pb(request.manifest), privacy_from_pb(request.privacy),
                                              request.resume_round)
         return pb.JoinResponse(session_id=session, manifest=manifest_to_pb(self.fed.manifest), current_round=current,
                                heartbeat_interval_ms=int(self.fed.cfg.heartbeat_interval_s * 1000))
@@ -121,11 +102,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_rpc
     def PublishSummaries(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
-        rows = [SummaryRow(node_id=request.node_id, round=request.round, prompt_id=s.prompt_id,
-                           policy_version=s.policy_version, n=s.n, k=s.k, reward_mean=s.reward_mean,
-                           reward_std=s.reward_std, lengths=list(s.lengths), mean_logprobs=list(s.mean_logprobs),
-                           bundle_digest=s.bundle_digest)
-                for s in request.summaries]
+        rows = summaries_from_pb(request)
         for s in request.summaries:
             if s.round != request.round:
                 raise InvalidArgument("every summary's round must equal the request's round")
@@ -136,13 +113,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     @_rpc
     def GetMatches(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
         res = self.fed.get_matches(request.node_id, request.session_id, request.round, request.wait_ms / 1000.0)
-        return pb.MatchResponse(
-            ready=res.ready,
-            offers=[pb.MatchOffer(prompt_id=o.prompt_id, source_node_id=o.source_node, source_model_id=o.source_model,
-                                  source_round=o.source_round, source_k=o.k, source_n=o.n, bundle_digest=o.digest)
-                    for o in res.offers],
-            upload_requests=[pb.UploadRequest(prompt_id=p, round=r) for p, r in res.upload_requests],
-            candidates=res.candidates, solved_by_peers=res.solved_by_peers)
+        return match_result_to_pb(res)
 
     @_rpc
     def UploadBundle(self, request_iterator: Iterator[pb.BundleChunk], context: Any) -> pb.UploadResponse:
@@ -194,7 +165,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         try:
             data, signature, cert = self.fed.fetch_bundle(request.node_id, request.session_id, request.digest)
         except FederationError as exc:
-            code, message = status_of(exc)
+            code, message = to_status(exc)
             self.stats.observe("FetchBundle", code, time.perf_counter() - t0)
             context.abort(code, message)
         self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
@@ -207,8 +178,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def ReportCompatibility(self, request: pb.CompatibilityReport, context: Any) -> pb.ReportResponse:
         with self.fed.replay.admit("ReportCompatibility", request.node_id, *_tag(request)):
             accepted, dups = self.fed.report(request.node_id, request.session_id, request.round,
-                                             [ReportEntry(e.source_node_id, e.prompt_id, e.mean_s, e.admitted_fraction,
-                                                          e.rejected) for e in request.entries])
+                                             report_entries_from_pb(request))
         return pb.ReportResponse(accepted=accepted, duplicates=dups)
 
     @_rpc

@@ -26,6 +26,8 @@ import abc
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from graft_fed.federation.messages import SummaryRow
+
 NODE_STATES = ("registered", "online", "offline", "left")
 
 
@@ -40,21 +42,6 @@ class NodeRow:
     round: int  # the node's last reported round
     last_seen: float  # unix time of the last call
     published: int = 0
-
-
-@dataclass
-class SummaryRow:
-    node_id: str
-    round: int
-    prompt_id: str
-    policy_version: int
-    n: int
-    k: int
-    reward_mean: float
-    reward_std: float
-    lengths: list[int] = field(default_factory=list)
-    mean_logprobs: list[float] = field(default_factory=list)
-    bundle_digest: str = ""
 
 
 @dataclass

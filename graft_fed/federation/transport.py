@@ -58,3 +58,18 @@ def channel_credentials(ca: str, cert: str | None, key: str | None) -> grpc.Chan
     return grpc.ssl_channel_credentials(root_certificates=read_pem(ca, "CA certificate"),
                                         private_key=read_pem(key, "TLS key"),
                                         certificate_chain=read_pem(cert, "TLS certificate"))
+
+
+def grpc_options(max_message_mib: int) -> list[tuple[str, int]]:
+    """Message limits set explicitly (both directions) and keepalive under 4 minutes, shared
+    by server and client so the two sides agree."""
+    limit = max_message_mib * 2**20
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+    ]

@@ -1,4 +1,7 @@
-"""The node's side of the wire: a gRPC client of the broker, heartbeats on their own thread."""
+"""The node's side of the wire: a gRPC client of the broker, heartbeats on their own thread.
+
+Every failed call comes out as a domain error of graft_fed.federation.errors (the status
+code mapped by graft_fed.federation.status), so the node's logic never sees grpc."""
 
 from __future__ import annotations
 
@@ -12,16 +15,17 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import grpc
 
-from graft_fed.broker.handlers import MatchResult, Offer, ReportEntry
-from graft_fed.broker.server import grpc_options
-from graft_fed.broker.state import SummaryRow
-from graft_fed.broker.servicer import PRIVACY_CODES, manifest_from_pb, manifest_to_pb
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
+from graft_fed.federation.errors import FederationError
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
+from graft_fed.federation.codec import (PRIVACY_CODES, manifest_from_pb, manifest_to_pb, match_result_from_pb,
+                                        report_entries_to_pb, summary_to_pb)
 from graft_fed.federation.manifest import Manifest
+from graft_fed.federation.messages import MatchResult, ReportEntry, SummaryRow
 from graft_fed.federation.signing import BundleSigner, ProvenanceVerifier, common_name, load_certificate_der
-from graft_fed.federation.transport import channel_credentials, check_plaintext
+from graft_fed.federation.status import from_rpc_error
+from graft_fed.federation.transport import channel_credentials, check_plaintext, grpc_options
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
@@ -129,9 +133,9 @@ class BrokerClient:
     # ----- session ------------------------------------------------------------------------------
     def join(self, model_id: str, tokenizer_id: str, manifest: Manifest, privacy: str,
              resume_round: int) -> tuple[Manifest, int, float]:
-        resp = self.stub.Join(pb.JoinRequest(node_id=self.node_id, model_id=model_id, tokenizer_id=tokenizer_id,
-                                             manifest=manifest_to_pb(manifest), privacy=PRIVACY_CODES[privacy],
-                                             resume_round=resume_round, tag=new_tag()), timeout=self.timeout)
+        resp = self._once("Join", pb.JoinRequest(node_id=self.node_id, model_id=model_id, tokenizer_id=tokenizer_id,
+                                                 manifest=manifest_to_pb(manifest), privacy=PRIVACY_CODES[privacy],
+                                                 resume_round=resume_round, tag=new_tag()), self.timeout)
         self.session = resp.session_id
         self.session_lost.clear()
         interval = max(0.05, resp.heartbeat_interval_ms / 1000.0)
@@ -170,13 +174,20 @@ class BrokerClient:
             try:
                 req = pb.LeaveRequest(node_id=self.node_id, session_id=self.session, tag=new_tag())
                 self._call("Leave", lambda: req, self.timeout)
-            except grpc.RpcError as exc:
-                log.info("leave failed (%s); the broker will see this node go offline", exc.code())
+            except FederationError as exc:
+                log.info("leave failed (%s); the broker will see this node go offline", exc.status)
         self.session = ""
 
     def close(self) -> None:
         self._stop_heartbeats()
         self.channel.close()
+
+    def _once(self, rpc: str, request: Any, timeout: float) -> Any:
+        """One unary call; a failure comes out as the matching domain error."""
+        try:
+            return getattr(self.stub, rpc)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, rpc) from None
 
     def _call(self, rpc: str, request: Callable[[], Any], timeout: float) -> Any | None:
         """One state-changing call, retried with the same request (and so the same tag) after
@@ -191,7 +202,7 @@ class BrokerClient:
                     self.applied_on_retry += 1
                     return None
                 if exc.code() not in RETRYABLE or attempt == self.retries:
-                    raise
+                    raise from_rpc_error(exc, rpc) from None
                 delay = self._retry_rng.uniform(0.05, min(2.0, 0.2 * 2 ** attempt))
                 log.debug("%s of node %s failed (%s); retrying in %.2fs", rpc, self.node_id, exc.code().name, delay)
                 time.sleep(delay)
@@ -199,10 +210,7 @@ class BrokerClient:
 
     # ----- rounds -------------------------------------------------------------------------------
     def publish(self, round: int, summaries: Sequence[SummaryRow | pb.GroupSummary]) -> tuple[int, int]:
-        msgs = [s if isinstance(s, pb.GroupSummary) else pb.GroupSummary(
-            prompt_id=s.prompt_id, round=s.round, policy_version=s.policy_version, n=s.n, k=s.k,
-            reward_mean=s.reward_mean, reward_std=s.reward_std, lengths=s.lengths, mean_logprobs=s.mean_logprobs,
-            bundle_digest=s.bundle_digest) for s in summaries]
+        msgs = [s if isinstance(s, pb.GroupSummary) else summary_to_pb(s) for s in summaries]
         req = pb.PublishRequest(node_id=self.node_id, session_id=self.session, round=round, summaries=msgs,
                                 tag=new_tag())
         resp = self._call("PublishSummaries", lambda: req, self.timeout)
@@ -211,22 +219,16 @@ class BrokerClient:
         return resp.accepted, resp.duplicates
 
     def get_matches(self, round: int, wait_s: float) -> MatchResult:
-        resp = self.stub.GetMatches(pb.MatchRequest(node_id=self.node_id, session_id=self.session, round=round,
-                                                    wait_ms=int(wait_s * 1000)), timeout=wait_s + self.timeout)
-        return MatchResult(
-            ready=resp.ready,
-            offers=[Offer(prompt_id=o.prompt_id, source_node=o.source_node_id, source_model=o.source_model_id,
-                          source_round=o.source_round, k=o.source_k, n=o.source_n, digest=o.bundle_digest)
-                    for o in resp.offers],
-            upload_requests=[(u.prompt_id, u.round) for u in resp.upload_requests],
-            candidates=resp.candidates, solved_by_peers=resp.solved_by_peers)
+        resp = self._once("GetMatches", pb.MatchRequest(node_id=self.node_id, session_id=self.session, round=round,
+                                                        wait_ms=int(wait_s * 1000)), wait_s + self.timeout)
+        return match_result_from_pb(resp)
 
     # ----- bundles ------------------------------------------------------------------------------
     def has_bundles(self, digests: Sequence[str]) -> set[str]:
         if not digests:
             return set()
-        resp = self.stub.HasBundles(pb.HasBundlesRequest(node_id=self.node_id, session_id=self.session,
-                                                         digests=list(digests)), timeout=self.timeout)
+        resp = self._once("HasBundles", pb.HasBundlesRequest(node_id=self.node_id, session_id=self.session,
+                                                             digests=list(digests)), self.timeout)
         return set(resp.present)
 
     def upload(self, record: GroupRecord, round: int) -> tuple[str, bool]:
@@ -272,12 +274,15 @@ class BrokerClient:
         certificate not issued by this node's CA or naming another node, or an unsigned
         bundle where signatures are required."""
         parts, size, signature, cert = [], None, b"", b""
-        for chunk in self.stub.FetchBundle(pb.FetchBundleRequest(node_id=self.node_id, session_id=self.session,
-                                                                 digest=digest), timeout=self.timeout * 3):
-            if size is None:
-                signature, cert = chunk.signature, chunk.signer_cert
-            size = chunk.total_size
-            parts.append(chunk.data)
+        try:
+            for chunk in self.stub.FetchBundle(pb.FetchBundleRequest(node_id=self.node_id, session_id=self.session,
+                                                                     digest=digest), timeout=self.timeout * 3):
+                if size is None:
+                    signature, cert = chunk.signature, chunk.signer_cert
+                size = chunk.total_size
+                parts.append(chunk.data)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, "FetchBundle") from None
         data = b"".join(parts)
         if size is None or len(data) != size:
             raise RecordError(f"bundle {digest[:12]} arrived truncated ({len(data)} of {size} bytes)")
@@ -297,13 +302,11 @@ class BrokerClient:
         return FetchedBundle(record=decode_bundle(data, digest), signer=signer)
 
     def report(self, round: int, entries: Sequence[ReportEntry | pb.CompatibilityReport.Entry]) -> None:
-        msgs = [e if isinstance(e, pb.CompatibilityReport.Entry) else pb.CompatibilityReport.Entry(
-            source_node_id=e.source, prompt_id=e.prompt_id, mean_s=e.mean_s, admitted_fraction=e.admitted_fraction,
-            rejected=e.rejected) for e in entries]
+        msgs = [e if isinstance(e, pb.CompatibilityReport.Entry) else report_entries_to_pb([e])[0] for e in entries]
         if msgs:
             req = pb.CompatibilityReport(node_id=self.node_id, session_id=self.session, round=round, entries=msgs,
                                          tag=new_tag())
             self._call("ReportCompatibility", lambda: req, self.timeout)
 
     def status(self) -> pb.StatusResponse:
-        return self.stub.GetStatus(pb.StatusRequest(), timeout=self.timeout)
+        return self._once("GetStatus", pb.StatusRequest(), self.timeout)

@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import grpc
-
-from graft_fed.broker.handlers import MatchResult, Offer, ReportEntry
-from graft_fed.broker.state import SummaryRow
 from graft_fed.configbase import load_config, require
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
+from graft_fed.federation.errors import PERMANENT, FailedPrecondition, FederationError, InvalidArgument, \
+    ResourceExhausted
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
+from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow, summarise
 from graft_fed.federation.signing import ProvenanceError
 from graft_fed.node.client import Backoff, BrokerClient
 from graft_fed.trainer.config import TrainConfig
@@ -41,9 +40,6 @@ MAX_BACKLOG_ROUNDS = 1024
 #: Backlog rounds published per step once the broker is back (bounded so a long outage
 #: does not turn one step into a burst the broker's rate limit refuses).
 BACKLOG_ROUNDS_PER_STEP = 16
-#: Codes that say a publish will never succeed as it is (retrying cannot help).
-_PERMANENT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-              grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND)
 
 
 @dataclass(frozen=True)
@@ -96,8 +92,7 @@ class FederationSection:
 
     def __post_init__(self) -> None:
         require(":" in self.broker, f"federation.broker must be HOST:PORT, got {self.broker!r}")
-        require(self.privacy in ("share_all", "matched_only", "summaries_only"),
-                "federation.privacy must be share_all, matched_only or summaries_only")
+        require(self.privacy in Privacy.names(), f"federation.privacy must be one of {', '.join(Privacy.names())}")
         require(self.match_wait_s > 0 and self.round_timeout_s > 0 and self.fetch_timeout_s >= 0,
                 "federation timeouts must be positive")
         require(0 < self.reconnect_min_s <= self.reconnect_max_s, "need 0 < reconnect_min_s <= reconnect_max_s")
@@ -130,12 +125,8 @@ def load_node_config(path: str | Path | None, overrides: Mapping[str, Any] | Non
 
 def summary_of(group: Group, node_id: str, round: int, step: int) -> SummaryRow:
     """What leaves the site about a group whatever the privacy setting: no text."""
-    rewards = group.rewards.tolist()
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / max(1, len(rewards) - 1))
-    return SummaryRow(node_id=node_id, round=round, prompt_id=group.prompt.id, policy_version=step, n=group.n,
-                      k=group.k, reward_mean=mean, reward_std=std, lengths=[len(c.token_ids) for c in group.completions],
-                      mean_logprobs=[c.mean_logprob for c in group.completions])
+    return summarise(node_id, round, step, group.prompt.id, group.rewards.tolist(),
+                     [len(c.token_ids) for c in group.completions], [c.mean_logprob for c in group.completions])
 
 
 @dataclass
@@ -232,11 +223,10 @@ class Node:
         try:
             manifest, current, _ = self.client.join(self.trainer.model_id, self.trainer.tok_id, self.manifest,
                                                     self.cfg.federation.privacy, self.trainer.step)
-        except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
-                              grpc.StatusCode.PERMISSION_DENIED):
-                raise ConfigError(f"the broker at {self.cfg.federation.broker} refused node "
-                                  f"{self.cfg.node_id!r}: {exc.details()}") from None
+        except PERMANENT as exc:
+            raise ConfigError(f"the broker at {self.cfg.federation.broker} refused node "
+                              f"{self.cfg.node_id!r}: {exc}") from None
+        except FederationError as exc:
             self._lost(exc)
             return False
         pin = self.cfg.federation.federation_id
@@ -249,11 +239,11 @@ class Node:
         log.info("node %s joined federation %s at round %d", self.cfg.node_id, manifest.federation_id, current)
         return True
 
-    def _lost(self, exc: grpc.RpcError) -> None:
+    def _lost(self, exc: FederationError) -> None:
         self.connected = False
         delay = self.backoff.failed()
         log.warning("exchange with broker %s failed (%s: %s); training plain GRPO, next attempt in %.1fs",
-                    self.cfg.federation.broker, exc.code().name, exc.details(), delay)
+                    self.cfg.federation.broker, exc.status, exc, delay)
 
     # ----- one step -------------------------------------------------------------------------------
     def _record(self, group: Group) -> GroupRecord:
@@ -313,16 +303,14 @@ class Node:
                     ReportEntry(source=r.source, prompt_id=r.prompt_id,
                                 mean_s=0.0 if math.isnan(r.mean_s) else r.mean_s,
                                 admitted_fraction=r.admitted_fraction, rejected=r.rejected) for r in result.reports])
-            except grpc.RpcError as exc:
-                if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
-                    raise
+            except (FailedPrecondition, InvalidArgument) as exc:
                 # the broker refused the report itself (not the connection): train on what was
                 # received and say so, rather than dropping the step's exchange
                 log.warning("node %s: the broker refused the compatibility report of round %d: %s",
-                            self.cfg.node_id, round, exc.details())
+                            self.cfg.node_id, round, exc)
                 metrics["federation/report_refused"] = 1.0
             flushed = self._flush_backlog()
-        except grpc.RpcError as exc:
+        except FederationError as exc:
             if not published:
                 self._defer(round, summaries)
             self._lost(exc)
@@ -357,13 +345,11 @@ class Node:
             rnd, rows = next(iter(self.backlog.items()))
             try:
                 self.client.publish(rnd, rows)
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    break  # rate limited: the rest waits for the next step
-                if exc.code() not in _PERMANENT:
-                    raise
+            except ResourceExhausted:
+                break  # rate limited: the rest waits for the next step
+            except PERMANENT as exc:
                 log.warning("node %s: the broker refused round %d's summaries from the backlog (%s: %s); "
-                            "dropping them", self.cfg.node_id, rnd, exc.code().name, exc.details())
+                            "dropping them", self.cfg.node_id, rnd, exc.status, exc)
                 self.backlog.pop(rnd, None)
                 continue
             self.backlog.pop(rnd, None)
@@ -374,11 +360,9 @@ class Node:
                 recs = store.lookup(informative, step=rnd, run_id=self.trainer.run_id)
                 try:
                     self.client.upload_missing((rec, rnd) for rec in recs.values())
-                except grpc.RpcError as exc:
-                    if exc.code() not in _PERMANENT and exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise
+                except (*PERMANENT, ResourceExhausted) as exc:
                     log.warning("node %s: bundles of backlog round %d refused (%s: %s)", self.cfg.node_id, rnd,
-                                exc.code().name, exc.details())
+                                exc.status, exc)
         return done
 
     def _serve_uploads(self, resp: MatchResult, current: dict[str, Group]) -> int:

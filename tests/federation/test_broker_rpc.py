@@ -10,6 +10,7 @@ from graft_fed.core.records import GroupRecord
 from graft_fed.data.config import DataConfig, load_prompts
 from graft_fed.federation.bundles import digest_of, encode_bundle
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
+from graft_fed.federation.errors import FederationError
 from graft_fed.node.client import BrokerClient, new_tag
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.rewards.config import VerifierConfig
@@ -57,8 +58,12 @@ def record(p, k, model="a"):
 
 
 def code_of(call):
-    with pytest.raises(grpc.RpcError) as info:
+    """(status code, message) of a call that must fail, through the client (a domain error)
+    or a raw stub (grpc.RpcError)."""
+    with pytest.raises((grpc.RpcError, FederationError)) as info:
         call()
+    if isinstance(info.value, FederationError):
+        return grpc.StatusCode[info.value.status], str(info.value).split(": ", 1)[-1]
     return info.value.code(), info.value.details()
 
 
@@ -243,8 +248,8 @@ def test_rate_limit_and_storage_quota(prompt_file, prompts):
             try:
                 a.publish(i, [summary(prompts[0], 1, round=i)])
                 codes.append("ok")
-            except grpc.RpcError as exc:
-                codes.append(exc.code())
+            except FederationError as exc:
+                codes.append(grpc.StatusCode[exc.status])
         assert codes[:4] == ["ok"] * 4 and grpc.StatusCode.RESOURCE_EXHAUSTED in codes[4:]
         a.close()
     finally:

@@ -93,7 +93,7 @@ def test_fuzz_unary_rpcs(fed, data):
         req = pb.JoinRequest(node_id=data.draw(text), model_id=data.draw(text), tokenizer_id=data.draw(text),
                              privacy=data.draw(st.integers(0, 5)), resume_round=data.draw(u64))
         if data.draw(st.booleans()):
-            from graft_fed.broker.servicer import manifest_to_pb
+            from graft_fed.federation.codec import manifest_to_pb
 
             req.manifest.CopyFrom(manifest_to_pb(manifest(prompts, seed=data.draw(st.integers(0, 5)))))
     elif rpc == "Heartbeat":

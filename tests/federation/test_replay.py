@@ -11,7 +11,7 @@ import pytest
 
 from graft_fed.broker.state import MatchRow
 from graft_fed.broker.replay import ReplayGuard
-from graft_fed.broker.servicer import manifest_to_pb
+from graft_fed.federation.codec import manifest_to_pb
 from graft_fed.federation.bundles import digest_of, encode_bundle
 from graft_fed.federation.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument
 from graft_fed.node.client import BrokerClient, new_tag

@@ -20,6 +20,7 @@ from graft_fed.cli import main
 from graft_fed.core.records import GroupRecord
 from graft_fed.data.config import DataConfig, load_prompts
 from graft_fed.errors import CheckpointError, DataError, StorageError
+from graft_fed.federation.errors import FederationError
 from graft_fed.store.sqlite import TrajectoryStore
 from graft_fed.trainer import checkpoint as ckpt
 from tests.federation.helpers import broker_config, start_broker
@@ -158,8 +159,8 @@ def test_broker_full_disk_refuses_the_write_keeps_the_acknowledged_and_serves_re
             try:
                 assert a.publish(rnd, [summary(p, 1, round=rnd) for p in prompts[:8]]) == (8, 0)
                 acked[rnd] = 8
-            except grpc.RpcError as exc:
-                failed = (rnd, exc.code(), exc.details())
+            except FederationError as exc:
+                failed = (rnd, grpc.StatusCode[exc.status], str(exc))
                 break
         assert failed is not None, "the capped database never filled up"
         rnd, code, details = failed
