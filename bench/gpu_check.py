@@ -19,7 +19,7 @@ What it does, all offline:
    emit). The shipped zoo tokenizers were not used because a 99-entry vocabulary would make
    the LM head, the largest single matmul of a 1.7 B model, nearly free.
 3. Co-trains them for one warm-up step (short responses) and one timed step with the
-   transformers rollout backend through `graft_fed.trainer.cotrain.CoTrainer`, on the
+   transformers rollout backend through `graft_fed.graft.cotrain.CoTrainer`, on the
    embedded task's prompts. A random model never solves a problem, so the reward is a
    plugin (`complementary_reward` below) that makes each model informative on half of the
    prompts and all-fail on the other half: every step then exchanges groups in both
@@ -194,7 +194,7 @@ def matmul_rate(device: torch.device, size: int, seconds: float) -> dict[str, An
 
 
 def cotrain_config(out: Path, models: dict[str, Path], args: argparse.Namespace, backend: str) -> Any:
-    from graft_fed.trainer.cotrain import load_cotrain_config
+    from graft_fed.graft.cotrain import load_cotrain_config
 
     import yaml
 
@@ -228,7 +228,7 @@ def _count_training_tokens(trainer: Any, sink: dict[str, float]) -> None:
 
 def run_backend(backend: str, models: dict[str, Path], n_params: dict[str, int], rate: float,
                 args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    from graft_fed.trainer.cotrain import CoTrainer
+    from graft_fed.graft.cotrain import CoTrainer
 
     device = torch.device(args.device)
     cfg = cotrain_config(out, models, args, backend)

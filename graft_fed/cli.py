@@ -37,7 +37,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         # under torchrun: one process of an FSDP2 run (graft_fed/trainer/distributed.py)
         with make_trainer(cfg, resume=args.resume, quiet=args.quiet) as trainer:
-            summary = trainer.train(evaluate_before_after=not args.no_eval)
+            if cfg.graft.peer_store is None:
+                summary = trainer.train(evaluate_before_after=not args.no_eval)
+            else:  # GRAFT against a stored run's trajectories
+                from graft_fed.graft import step as graft_step
+                from graft_fed.graft.stored import StoredPeers
+
+                peers = StoredPeers(cfg.graft)
+                try:
+                    summary = trainer.train(evaluate_before_after=not args.no_eval,
+                                            step_fn=lambda: graft_step.step(trainer, peers))
+                finally:
+                    peers.close()
     finally:
         shutdown()
     if trainer.is_main:
@@ -59,7 +70,7 @@ def _print_summary(cfg, steps: int, summary: dict) -> None:
 
 
 def cmd_cotrain(args: argparse.Namespace) -> int:
-    from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config
+    from graft_fed.graft.cotrain import CoTrainer, load_cotrain_config
     from graft_fed.trainer.distributed import shutdown
 
     cfg = load_cotrain_config(args.config, _parse_overrides(args.set))
@@ -169,10 +180,17 @@ def cmd_broker(args: argparse.Namespace) -> int:
 def cmd_node(args: argparse.Namespace) -> int:
     from graft_fed.node.node import Node, load_node_config
 
+    from graft_fed.trainer.distributed import shutdown
+
     cfg = load_node_config(args.config, _parse_overrides(args.set))
-    with Node(cfg, resume=args.resume, quiet=args.quiet) as node:
-        summary = node.train(evaluate_before_after=not args.no_eval)
-    _print_summary(cfg, node.trainer.step, summary)
+    try:
+        # under torchrun: one node sharded over the processes; the main one talks to the broker
+        with Node(cfg, resume=args.resume, quiet=args.quiet) as node:
+            summary = node.train(evaluate_before_after=not args.no_eval)
+    finally:
+        shutdown()
+    if node.trainer.is_main:
+        _print_summary(cfg, node.trainer.step, summary)
     return 0
 
 
@@ -430,12 +448,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.command not in ("train", "cotrain") and "WORLD_SIZE" in os.environ:
+        if args.command not in ("train", "cotrain", "node") and "WORLD_SIZE" in os.environ:
             from graft_fed.trainer.distributed import launched_by_torchrun
 
             if launched_by_torchrun():
-                raise GraftFedError("only train and cotrain run under torchrun (each model sharded over the "
-                                    f"processes); run {args.command} as one process")
+                raise GraftFedError("only train, cotrain and node run under torchrun (each model sharded over "
+                                    f"the processes); run {args.command} as one process")
         return int(args.func(args) or 0)
     except GraftFedError as exc:
         print(f"graft-fed {args.command}: error: {exc}", file=sys.stderr)

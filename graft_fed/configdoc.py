@@ -98,7 +98,7 @@ def render() -> str:
            "be overridden on the command line: `--set section.key=value`.", ""]
     section_markdown(TrainConfig, "", out)
     from graft_fed.experiment import ExperimentConfig
-    from graft_fed.trainer.cotrain import CotrainConfig
+    from graft_fed.graft.cotrain import CotrainConfig
 
     out += ["# Co-training (`graft-fed cotrain`)", "",
             "A cotrain config has every section above, shared by all members, plus these keys.", ""]

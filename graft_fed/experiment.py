@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from graft_fed.configbase import deep_merge, from_mapping, load_yaml, require, to_dict
 from graft_fed.errors import ConfigError
-from graft_fed.trainer.config import AlgorithmSection, GraftSection, ModelSection, TrainConfig
+from graft_fed.trainer.config import AlgorithmSection, GraftSection, ModelSection, TrainConfig, member_seed
 
 log = logging.getLogger("graft_fed.experiment")
 
@@ -101,9 +101,16 @@ class Experiment:
         # Validate the base config once, up front, with a placeholder model.
         self._train_cfg("validate", "x", next(iter(cfg.models)), 0)
 
-    def _train_cfg(self, arm: str, run_name: str, model: str, seed: int, **over: Any) -> TrainConfig:
+    def _train_cfg(self, arm: str, run_name: str, model: str, seed: int, group: bool = False,
+                   **over: Any) -> TrainConfig:
+        """A run of experiment seed `seed`: the prompt schedule's seed is `seed`, and model
+        `model` samples with member_seed(seed, model) whether it trains alone or co-trained
+        (a co-training run derives its members' seeds itself: `group`), so every arm of a
+        seed shares the same random numbers per model."""
+        own = seed if group else member_seed(seed, model)
         base = deep_merge(self.cfg.base, {
-            "run": {"name": run_name, "output_dir": str(self.root / arm / f"seed{seed}" / run_name), "seed": seed},
+            "run": {"name": run_name, "output_dir": str(self.root / arm / f"seed{seed}" / run_name), "seed": own,
+                    "schedule_seed": seed},
             "model": _model_section(self.cfg.models[model]),
         })
         base = deep_merge(base, over)
@@ -113,6 +120,8 @@ class Experiment:
         return (out_dir / "summary.json").is_file()
 
     def run_single(self, arm: str, run_name: str, model: str, seed: int, **over: Any) -> None:
+        from graft_fed.graft import step as graft_step
+        from graft_fed.graft.stored import StoredPeers
         from graft_fed.trainer.grpo import GRPOTrainer
 
         cfg = self._train_cfg(arm, run_name, model, seed, **over)
@@ -122,20 +131,27 @@ class Experiment:
             return
         log.info("%s seed %d: %s", arm, seed, run_name)
         with GRPOTrainer(cfg, resume="auto", quiet=self.quiet) as t:
-            t.train()
+            if cfg.graft.peer_store is None:
+                t.train()
+            else:
+                peers = StoredPeers(cfg.graft)
+                try:
+                    t.train(step_fn=lambda: graft_step.step(t, peers))
+                finally:
+                    peers.close()
 
     def run_pair(self, arm: str, a: str, b: str, seed: int) -> None:
         self.run_group(arm, (a, b), f"{a}+{b}", seed)
 
     def run_group(self, arm: str, names: tuple[str, ...], folder: str, seed: int) -> None:
-        from graft_fed.trainer.cotrain import CoTrainer, CotrainConfig, MemberSection
+        from graft_fed.graft.cotrain import CoTrainer, CotrainConfig, MemberSection
 
         g_over, alg_over = ABLATIONS.get(arm, ({}, {}))
         out = self.root / arm / f"seed{seed}" / folder
         if all(self._done(out / m) for m in names):
             return
         log.info("%s seed %d: %s", arm, seed, folder)
-        base = self._train_cfg(arm, folder, names[0], seed, graft=g_over, algorithm=alg_over)
+        base = self._train_cfg(arm, folder, names[0], seed, group=True, graft=g_over, algorithm=alg_over)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(TrainConfig)}
         fields["run"] = dataclasses.replace(base.run, output_dir=str(out))
         members = tuple(MemberSection(name=m, model=from_mapping(ModelSection, _model_section(self.cfg.models[m])))

@@ -137,3 +137,12 @@ def eos_token_ids(tokenizer: Any, model: Any | None = None) -> list[int]:
     elif isinstance(extra, (list, tuple)):
         ids.update(int(x) for x in extra)
     return sorted(ids)
+
+
+def tokenizer_id(tokenizer: Any) -> str:
+    """A short fingerprint of a tokenizer's vocabulary: equal ids mean equal tokenisations."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items())
+    digest = hashlib.sha256(repr(vocab).encode()).hexdigest()[:12]
+    return f"{type(tokenizer).__name__}:{len(vocab)}:{digest}"

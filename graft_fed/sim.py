@@ -24,6 +24,7 @@ import yaml
 
 from graft_fed.configbase import deep_merge, from_mapping, load_yaml, require
 from graft_fed.errors import ConfigError, GraftFedError
+from graft_fed.trainer.config import member_seed
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,13 @@ class Simulation:
     def start_nodes(self, address: str) -> None:
         gpus = _gpus()
         threads = max(1, (os.cpu_count() or 1) // len(self.nodes))
+        base_run = dict(self.cfg.base.get("run") or {})
+        seed = int(base_run.get("seed", 0))
         for i, node in enumerate(self.nodes):
-            run = {"name": node.name, "output_dir": str(self.root / node.name)}
+            # Each node samples with its own seed, as independently trained models do; all share
+            # the prompt schedule's seed (the broker's).
+            run = {"name": node.name, "output_dir": str(self.root / node.name), "seed": member_seed(seed, node.name),
+                   "schedule_seed": base_run.get("schedule_seed", seed)}
             env = dict(os.environ)
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)

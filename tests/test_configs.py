@@ -9,7 +9,7 @@ from graft_fed.experiment import load_experiment_config
 from graft_fed.node.node import load_node_config
 from graft_fed.sim import load_sim_config
 from graft_fed.trainer.config import load_train_config
-from graft_fed.trainer.cotrain import load_cotrain_config
+from graft_fed.graft.cotrain import load_cotrain_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LOADERS = {"configs/tiny-grpo.yaml": load_train_config, "configs/tiny-cotrain.yaml": load_cotrain_config,

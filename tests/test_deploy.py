@@ -110,7 +110,7 @@ def test_three_node_configs_one_per_zoo_model_all_matching_the_manifest(broker):
         # The checked manifest fields (graft_fed/federation/manifest.py CHECKED_FIELDS):
         # equal data configs give equal dataset ids and hashes.
         assert cfg.data == broker.data, path
-        assert cfg.run.seed == broker.seed, path
+        assert cfg.run.prompt_schedule_seed == broker.seed, path  # the shared prompt schedule
         assert cfg.rollout.n == broker.n, path
         assert cfg.algorithm.prompts_per_step == broker.prompts_per_round, path
         assert cfg.verifier.name == broker.verifier.name, path

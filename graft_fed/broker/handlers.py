@@ -20,7 +20,7 @@ from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.replay import ReplayGuard
 from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow
-from graft_fed.core.exchange import classify, select_sources
+from graft_fed.core.exchange import SourceGroup, complementarity, select_for_receiver, select_sources
 from graft_fed.core.records import RecordError
 from graft_fed.data.config import load_prompts
 from graft_fed.federation.bundles import decode_bundle, digest_of, is_digest
@@ -107,7 +107,8 @@ class Federation:
         if diff:
             self.counters["rejected_join"] += 1
             raise FailedPrecondition("the node's settings differ from the federation manifest: " + "; ".join(diff)
-                                     + ". Use the broker's dataset, seed, n, prompts per round and verifier.")
+                                     + ". Use the broker's dataset, seed (the node's run.schedule_seed, or run.seed "
+                                     "when that is unset), n, prompts per round and verifier.")
         session = secrets.token_hex(16)
         with self.cond:
             prev = self.state.get_node(node_id)
@@ -278,30 +279,32 @@ class Federation:
     def _match_one(self, receiver: str, round: int, min_round: int, max_round: int) -> None:
         """Match one receiver on its own against every other node's groups in [min_round,
         max_round]: the stored mode (a late joiner) and asynchronous mode. Every candidate
-        in this one direction; per prompt the most compatible source, then the highest k,
-        then the freshest group."""
-        mine = {s.prompt_id: s for s in self.state.summaries(round=round, node_id=receiver)}
-        fails = [pid for pid, s in mine.items() if s.k == 0]
+        in this one direction; per prompt the source core.exchange.source_rank prefers (the
+        most compatible, then the highest k, then the freshest group)."""
+        mine = {s.prompt_id: (s.k, s.n) for s in self.state.summaries(round=round, node_id=receiver)}
+        fails = [pid for pid, (k, _) in mine.items() if k == 0]
         if not fails:
             return
         compat = {c.source: c.mean_s for c in self.state.compat() if c.receiver == receiver and c.groups > 0}
         rows = [s for s in self.state.summaries(prompt_ids=fails, min_round=min_round)
-                if s.node_id != receiver and s.round <= max_round and classify(s.k, s.n) == "informative"]
+                if s.node_id != receiver and s.round <= max_round]
         nodes = sorted({s.node_id for s in rows})
         sources_ok = dict(zip(nodes, self._can_source(nodes)))
-        best: dict[str, SummaryRow] = {}
-        for s in rows:
-            if not sources_ok[s.node_id]:
-                continue
-            key = (compat.get(s.node_id, math.inf), s.k, s.round)
-            cur = best.get(s.prompt_id)
-            if cur is None or key > (compat.get(cur.node_id, math.inf), cur.k, cur.round):
-                best[s.prompt_id] = s
-        self.state.put_matches([MatchRow(round=round, receiver=receiver, prompt_id=pid, source=s.node_id,
-                                         source_round=s.round) for pid, s in sorted(best.items())])
+        offers: dict[str, list[tuple[SourceGroup, int]]] = {}
+        for i, s in enumerate(rows):
+            if sources_ok[s.node_id]:
+                offers.setdefault(s.prompt_id, []).append((SourceGroup(source=s.node_id, k=s.k, round=s.round,
+                                                                       order=i), s.n))
+        best = select_for_receiver(mine, offers, compat)
+        self.state.put_matches([MatchRow(round=round, receiver=receiver, prompt_id=pid, source=str(g.source),
+                                         source_round=g.round) for pid, g in sorted(best.items())])
         self.counters["matches"] += len(best)
 
-    def get_matches(self, node_id: str, session_id: str, round: int, wait_s: float) -> MatchResult:
+    def get_matches(self, node_id: str, session_id: str, round: int, wait_s: float,
+                    wait_for_bundles: bool = False) -> MatchResult:
+        """The round's matches for `node_id`, waiting up to `wait_s` for the round to be
+        matched and, with `wait_for_bundles`, then for every offered bundle to be uploaded
+        (a receiver waiting for its sources: woken by each upload, never polling)."""
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
         with self.cond:
             self._node(node_id, session_id)
@@ -331,23 +334,29 @@ class Federation:
         # The answer only reads what matching has written, so it is built outside the lock:
         # with many nodes, publishes and heartbeats no longer queue behind every waiting
         # node's answer (bench/broker/load.py measured heartbeats at seconds).
+        if wait_for_bundles:
+            with self.cond:
+                while self._missing_bundles(node_id, round) and time.monotonic() < deadline:
+                    self.cond.wait(timeout=max(0.01, min(deadline - time.monotonic(), 1.0)))
         lo = round - self.cfg.staleness_rounds if self.cfg.mode == "async" else round
         cands, solved = self._complementarity(node_id, round, lo)
         return MatchResult(ready=True, offers=self._offers(node_id, round),
                            upload_requests=self._upload_requests(node_id), candidates=cands,
                            solved_by_peers=solved)
 
+    def _missing_bundles(self, receiver: str, round: int) -> bool:
+        """Whether some group the receiver was matched to in `round` has no bundle yet."""
+        matches = self.state.matches(round=round, receiver=receiver)
+        summaries = self._source_summaries(matches)
+        return any(not (s := summaries.get((m.source, m.source_round, m.prompt_id))) or not s.bundle_digest
+                   for m in matches)
+
     def _complementarity(self, receiver: str, round: int, min_round: int) -> tuple[int, int]:
-        fails = [s.prompt_id for s in self.state.summaries(round=round, node_id=receiver) if s.k == 0]
-        informative, solved = set(), set()
-        for s in self.state.summaries(prompt_ids=fails, min_round=min_round):
-            if s.node_id == receiver or s.round > round:
-                continue
-            if s.k >= 1:
-                solved.add(s.prompt_id)
-            if classify(s.k, s.n) == "informative":
-                informative.add(s.prompt_id)
-        return len(informative), len(solved)
+        mine = {s.prompt_id: (s.k, s.n) for s in self.state.summaries(round=round, node_id=receiver)}
+        fails = [pid for pid, (k, _) in mine.items() if k == 0]
+        return complementarity(mine, ((s.prompt_id, s.k, s.n)
+                                      for s in self.state.summaries(prompt_ids=fails, min_round=min_round)
+                                      if s.node_id != receiver and s.round <= round))
 
     def _summary(self, node: str, round: int, prompt_id: str) -> SummaryRow | None:
         rows = self.state.summaries(round=round, node_id=node, prompt_ids=[prompt_id])

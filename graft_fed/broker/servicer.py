@@ -112,7 +112,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_rpc
     def GetMatches(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
-        res = self.fed.get_matches(request.node_id, request.session_id, request.round, request.wait_ms / 1000.0)
+        res = self.fed.get_matches(request.node_id, request.session_id, request.round, request.wait_ms / 1000.0,
+                                   wait_for_bundles=request.wait_for_bundles)
         return match_result_to_pb(res)
 
     @_rpc

@@ -15,6 +15,7 @@ import threading
 from typing import Any, Iterable, Sequence
 
 from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
+from graft_fed.core.exchange import CompatEstimate
 
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1  # what SQLite's INTEGER holds
 
@@ -164,16 +165,13 @@ def bundles_to_drop(oldest_first: Sequence[tuple[str, int]], max_bundle_bytes: i
 
 def fold_compat(row: CompatRow | None, source: str, receiver: str, mean_s: float, admitted_fraction: float,
                 rejected: bool) -> CompatRow:
-    """The pair's row after one more report. A rejected report only increments `rejected`;
-    otherwise `groups` counts the report and both means become plain running means."""
-    if row is None:
-        row = CompatRow(source=source, receiver=receiver, groups=0, mean_s=0.0, admitted_fraction=0.0, rejected=0)
-    if rejected:
-        return dataclasses.replace(row, rejected=row.rejected + 1)
-    groups = row.groups + 1
-    return dataclasses.replace(row, groups=groups, mean_s=row.mean_s + (mean_s - row.mean_s) / groups,
-                               admitted_fraction=row.admitted_fraction
-                               + (admitted_fraction - row.admitted_fraction) / groups)
+    """The pair's row after one more report (core.exchange.CompatEstimate: a rejected report
+    only increments `rejected`; otherwise both means are plain running means over groups)."""
+    est = CompatEstimate() if row is None else CompatEstimate(row.groups, row.mean_s, row.admitted_fraction,
+                                                              row.rejected)
+    est = est.add(mean_s, admitted_fraction, rejected)
+    return CompatRow(source=source, receiver=receiver, groups=est.groups, mean_s=est.mean_s,
+                     admitted_fraction=est.admitted_fraction, rejected=est.rejected)
 
 
 def norm_compat_args(source, receiver, mean_s, admitted_fraction, rejected) -> tuple[str, str, float, float, bool]:

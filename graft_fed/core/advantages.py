@@ -1,4 +1,4 @@
-"""Group-relative advantages (GRAFT.md section 1, step 4)."""
+"""Group-relative advantages (docs/algorithm.md step 4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GRAFT's exchange as pure functions (GRAFT.md section 1, steps 5-10 and 13).
+"""GRAFT's exchange as pure functions (docs/algorithm.md steps 5-10 and 13, and "N models").
 
 Nothing here touches a model or a tokenizer: the caller computes mean log-likelihoods
 and hands in plain numbers; these functions decide which groups move, which responses
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Hashable, Literal, Mapping, Sequence, TypeVar
+from typing import Hashable, Iterable, Literal, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -43,6 +43,23 @@ def candidates(receiver: Mapping[K, tuple[int, int]], source: Mapping[K, tuple[i
     return out
 
 
+def complementarity(receiver: Mapping[K, tuple[int, int]], peers: Iterable[tuple[K, int, int]]) -> tuple[int, int]:
+    """(candidates, solved) of the receiver's all-fail prompts: how many have an informative
+    peer group, and how many some peer solved at least once (the paper's complementarity:
+    47.9% / 18.7% of all-fail prompts). receiver: prompt id -> (k, n); peers: (prompt id,
+    k_S, n_S) of the peers' groups."""
+    fails = {pid for pid, (k, n) in receiver.items() if classify(k, n) == "all_fail"}
+    informative, solved = set(), set()
+    for pid, k, n in peers:
+        if pid not in fails:
+            continue
+        if k >= 1:
+            solved.add(pid)
+        if classify(k, n) == "informative":
+            informative.add(pid)
+    return len(informative), len(solved)
+
+
 def select_with_ties(cands: Sequence[tuple[K, int]], m: int) -> list[K]:
     """SelectWithTies: rank by k_S descending, keep the first m plus every candidate tied
     with the m-th. m = 0 keeps nothing. Stable: equal k keep their input order."""
@@ -66,21 +83,60 @@ def balanced_pair(c_ab: Sequence[tuple[K, int]], c_ba: Sequence[tuple[K, int]],
     return select_with_ties(c_ab, m), select_with_ties(c_ba, m)
 
 
+@dataclass(frozen=True)
+class SourceGroup:
+    """One informative group a source could give a receiver for one prompt."""
+
+    source: Hashable
+    k: int  # the source's successes out of n
+    round: int = 0  # when the source sampled it (freshness)
+    order: int = 0  # the source's place among the candidates (the last tie-breaker)
+
+
+def source_rank(group: SourceGroup, compat: float | None) -> tuple[float, int, int, int]:
+    """THE rule that picks one source for a prompt, wherever a choice is made (co-training,
+    synchronous and asynchronous federation rounds, late joiners, stored peers): the larger
+    key wins. Highest compatibility estimate with this receiver first (a pair with no
+    history yet counts as +inf, so every pair gets tried: explicit exploration), then the
+    highest k_S, then the freshest group, then the first candidate."""
+    return (math.inf if compat is None else compat, group.k, group.round, -group.order)
+
+
+def best_source(groups: Sequence[SourceGroup], compat: Mapping[Hashable, float]) -> SourceGroup:
+    """The winner of `source_rank` among one prompt's candidate groups (`compat`: source ->
+    its estimate with this receiver)."""
+    return max(groups, key=lambda g: source_rank(g, compat.get(g.source)))
+
+
+def select_for_receiver(receiver: Mapping[K, tuple[int, int]], offers: Mapping[K, Sequence[tuple[SourceGroup, int]]],
+                        compat: Mapping[Hashable, float]) -> dict[K, SourceGroup]:
+    """One direction, every candidate (stored peers, asynchronous rounds, late joiners): for
+    each prompt the receiver failed entirely, the best of the sources' informative groups.
+
+    receiver: prompt id -> (k, n); offers: prompt id -> [(source group, n_S)]."""
+    out: dict[K, SourceGroup] = {}
+    for pid, (k_r, n_r) in receiver.items():
+        if classify(k_r, n_r) != "all_fail":
+            continue
+        usable = [g for g, n_s in offers.get(pid, ()) if classify(g.k, n_s) == "informative"]
+        if usable:
+            out[pid] = best_source(usable, compat)
+    return out
+
+
 def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
                    compat: Mapping[tuple[int, int], float],
                    can_source: Sequence[bool] | None = None, cap: int | None = None) -> list[dict[K, int]]:
-    """For every receiver r: prompt id -> source index.
+    """For every receiver r: prompt id -> source index (co-training and synchronous rounds).
 
     N = 2 is exactly the paper's rule (balanced_pair). For N > 2 each ordered pair is
     first selected as the paper does for two models (pairwise-balanced, or all candidates
-    when balance is off); a prompt that several sources could serve goes to the source
-    with the highest running compatibility with this receiver, then the highest k_S, then
-    the lowest index. A pair with no history yet counts as +inf compatibility, so every
-    pair gets tried (explicit exploration). A model with can_source False (it shares no
-    trajectories) offers no candidates; balancing then sees its direction as empty.
-    `cap` (the per-receiver-cap policy) keeps at most that many prompts per receiver, those
-    with the most compatible source first, then the highest k_S (ties with the last kept
-    k_S are kept, as in SelectWithTies)."""
+    when balance is off); a prompt that several sources could serve goes to the winner of
+    `source_rank` (compatibility with this receiver, then k_S, then the lowest index). A
+    model with can_source False (it shares no trajectories) offers no candidates;
+    balancing then sees its direction as empty. `cap` (the per-receiver-cap policy) keeps
+    at most that many prompts per receiver, those with the most compatible source first,
+    then the highest k_S (ties with the last kept k_S are kept, as in SelectWithTies)."""
     n_models = len(kn)
     chosen: list[dict[K, list[int]]] = [dict() for _ in range(n_models)]
     for a in range(n_models):
@@ -94,8 +150,10 @@ def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
                 chosen[a].setdefault(pid, []).append(b)
     out: list[dict[K, int]] = []
     for r, per_prompt in enumerate(chosen):
-        best = {pid: min(srcs, key=lambda s: (-compat.get((s, r), math.inf), -kn[s][pid][0], s))
-                for pid, srcs in per_prompt.items()}
+        mine = {s: v for (s, rr), v in compat.items() if rr == r}
+        best: dict[K, int] = {
+            pid: int(best_source([SourceGroup(source=s, k=kn[s][pid][0], order=s) for s in srcs], mine).source)
+            for pid, srcs in per_prompt.items()}
         if cap is not None and len(best) > cap:
             ranked = sorted(best.items(), key=lambda kv: (-compat.get((kv[1], r), math.inf), -kn[kv[1]][kv[0]][0]))
             keep = select_with_ties([(pid, kn[s][pid][0]) for pid, s in ranked], cap)
@@ -105,6 +163,37 @@ def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
 
 
 # ----- compatibility (Eq. 6-8) -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CompatEstimate:
+    """What receivers have learnt about one (source, receiver) pair: the running mean, over
+    every group received, of the group's mean s and of its admitted fraction, and how many
+    groups were rejected by re-verification. The one estimate every source choice uses.
+
+    A plain running mean rather than an exponential one: it does not depend on the order in
+    which reports arrive (a federation receives them late, retried, after restarts, from a
+    node's backlog), so a broker's durable table and an in-process co-trainer reach the same
+    number from the same reports, and it needs no smoothing constant to tune."""
+
+    groups: int = 0
+    mean_s: float = 0.0
+    admitted_fraction: float = 0.0
+    rejected: int = 0
+
+    def add(self, mean_s: float, admitted_fraction: float, rejected: bool) -> "CompatEstimate":
+        """The estimate after one more group report. A rejected group counts only as rejected."""
+        if rejected:
+            return CompatEstimate(self.groups, self.mean_s, self.admitted_fraction, self.rejected + 1)
+        g = self.groups + 1
+        return CompatEstimate(g, self.mean_s + (mean_s - self.mean_s) / g,
+                              self.admitted_fraction + (admitted_fraction - self.admitted_fraction) / g,
+                              self.rejected)
+
+    @property
+    def known(self) -> bool:
+        """At least one group was received and scored (otherwise the pair is unexplored)."""
+        return self.groups > 0
+
 
 def mean_token_logprob(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """lbar(pi, o) = mean over the response's tokens of log pi(token | prefix) (Eq. 6). (B, T) -> (B,)"""

@@ -1,4 +1,4 @@
-"""Policy-gradient surrogates and their aggregation (GRAFT.md section 1, steps 11-12).
+"""Policy-gradient surrogates and their aggregation (docs/algorithm.md steps 11-12).
 
 The paper's objective (Eq. 10), maximised:
 

@@ -4,7 +4,7 @@ Dataset id ``embedded:arith-v1``. Every problem has one integer answer and a
 deterministic digit-by-digit scratchpad that ends in ``The answer is \\boxed{N}.``.
 Tiny models only learn multi-digit arithmetic with such a scratchpad, and because every
 model of the zoo is taught the same scratchpad their correct solutions look alike, which
-is what GRAFT's compatibility gate (GRAFT.md step 9) needs to admit peer responses.
+is what GRAFT's compatibility gate (docs/algorithm.md step 9) needs to admit peer responses.
 
 Families (the names are API):
 

@@ -1,7 +1,7 @@
 """Prompt templates: how a bare problem becomes the text a given model is prompted with.
 
 A template belongs to the receiving model, never to the data: GRAFT re-renders peer
-prompts with the receiver's own template (GRAFT.md step 8).
+prompts with the receiver's own template (docs/algorithm.md step 8).
 
 Template names:
 - ``chat``: the tokenizer's own chat template, one user turn, generation prompt added

@@ -218,9 +218,12 @@ class BrokerClient:
             return 0, len(msgs)
         return resp.accepted, resp.duplicates
 
-    def get_matches(self, round: int, wait_s: float) -> MatchResult:
+    def get_matches(self, round: int, wait_s: float, wait_for_bundles: bool = False) -> MatchResult:
+        """The round's matches, long-polling up to `wait_s` (and, with `wait_for_bundles`, until
+        every offered bundle is uploaded)."""
         resp = self._once("GetMatches", pb.MatchRequest(node_id=self.node_id, session_id=self.session, round=round,
-                                                        wait_ms=int(wait_s * 1000)), wait_s + self.timeout)
+                                                        wait_ms=int(wait_s * 1000), wait_for_bundles=wait_for_bundles),
+                          wait_s + self.timeout)
         return match_result_from_pb(resp)
 
     # ----- bundles ------------------------------------------------------------------------------

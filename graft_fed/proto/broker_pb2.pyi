@@ -190,16 +190,18 @@ class MatchOffer(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., source_node_id: _Optional[str] = ..., source_model_id: _Optional[str] = ..., source_round: _Optional[int] = ..., source_k: _Optional[int] = ..., source_n: _Optional[int] = ..., bundle_digest: _Optional[str] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("node_id", "session_id", "round", "wait_ms")
+    __slots__ = ("node_id", "session_id", "round", "wait_ms", "wait_for_bundles")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_BUNDLES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_id: str
     round: int
     wait_ms: int
-    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    wait_for_bundles: bool
+    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_ms: _Optional[int] = ..., wait_for_bundles: _Optional[bool] = ...) -> None: ...
 
 class UploadRequest(_message.Message):
     __slots__ = ("prompt_id", "round")

@@ -140,7 +140,8 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetMatches(self, request, context):
-        """The round's matches for this node (long-poll up to wait_ms).
+        """The round's matches for this node (long-poll up to wait_ms; with wait_for_bundles, also
+        until every offered bundle is uploaded).
         OK (ready=false while the round is open); UNAUTHENTICATED; INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

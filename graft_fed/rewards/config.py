@@ -15,7 +15,7 @@ _PLUGIN_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 @dataclass(frozen=True)
 class VerifierConfig:
-    """How responses are scored against gold answers (binary reward, GRAFT.md step 3)."""
+    """How responses are scored against gold answers (binary reward, docs/algorithm.md step 3)."""
 
     #: "math_verify" (math-verify on the last \boxed{} answer, run in a killable process
     #: pool), or "package.module:function" naming a plugin `(response, answer) -> float`

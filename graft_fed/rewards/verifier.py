@@ -1,4 +1,4 @@
-"""Verifiers: binary rewards for responses against gold answers (GRAFT.md step 3).
+"""Verifiers: binary rewards for responses against gold answers (docs/algorithm.md step 3).
 
 A verification that times out, crashes or errors scores 0 and is counted in the
 ScoreResult; it is never raised into the caller.

@@ -2,7 +2,7 @@
 
 The store is the paper's "stored peer trajectories": a log of every group a run sampled
 (prompt, texts, generation log-probs, rewards, advantages, lengths), which another model
-can later train against (GRAFT.md section 2). WAL mode lets a reader (a receiver) open
+can later train against (docs/algorithm.md, "Stored peers"). WAL mode lets a reader (a receiver) open
 the file while its writer is still training.
 
 A damaged file is refused when it is opened (SQLite's quick_check), and a write the disk

@@ -18,7 +18,15 @@ from graft_fed.configbase import load_config, require, to_dict
 from graft_fed.core.losses import AGGREGATIONS, RATIOS
 from graft_fed.data.config import DataConfig
 from graft_fed.data.templates import validate_template
+from graft_fed.errors import ConfigError
 from graft_fed.rewards.config import VerifierConfig
+from graft_fed.rollout.base import SamplingParams
+
+
+def member_seed(seed: int, name: str) -> int:
+    """The sampling and initialisation seed of the co-trained model `name` in a run seeded
+    `seed`: stable across processes and Python versions, different for every member."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:4], "little")
 
 
 @dataclass(frozen=True)
@@ -29,8 +37,13 @@ class RunSection:
     name: str = "grpo"
     #: Directory for metrics.jsonl, checkpoints/, eval/ and the resolved config.
     output_dir: str = "runs/grpo"
-    #: Seed of everything random in the run: prompt order, sampling, initialisation.
+    #: This model's own seed: initialisation, sampling, minibatch shuffles (and the prompt
+    #: order unless schedule_seed is set).
     seed: int = 0
+    #: Seed of the prompt schedule alone (which prompts make up step r's batch). Models that
+    #: exchange groups must share it (co-training members do; federation nodes use the
+    #: broker's), while each samples with its own `seed`. null = `seed`.
+    schedule_seed: int | None = None
     #: Number of training steps (one step = one prompt batch, rollout, update).
     steps: int = 100
     #: "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:1", ...
@@ -65,6 +78,11 @@ class RunSection:
         require(self.precision in ("auto", "fp32", "bf16"),
                 f"run.precision must be auto, fp32 or bf16, got {self.precision!r}")
         require(self.threads >= 0, "run.threads must be >= 0")
+
+    @property
+    def prompt_schedule_seed(self) -> int:
+        """The seed the prompt schedule uses."""
+        return self.seed if self.schedule_seed is None else self.schedule_seed
 
 
 @dataclass(frozen=True)
@@ -141,7 +159,7 @@ class RolloutSection:
     n: int = 8
     #: Sampling temperature (the paper: 1.0).
     temperature: float = 1.0
-    #: Nucleus mass. Keep 1.0 so recorded log-probs are full-vocabulary log-probs (GRAFT.md step 2).
+    #: Nucleus mass. Keep 1.0 so recorded log-probs are full-vocabulary log-probs (docs/algorithm.md step 2).
     top_p: float = 1.0
     #: Top-k truncation (0 = off); same caveat as top_p.
     top_k: int = 0
@@ -157,13 +175,17 @@ class RolloutSection:
     seeding: str = "stream"
     vllm: VllmSection = field(default_factory=VllmSection)
 
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens)
+
     def __post_init__(self) -> None:
         require(self.backend in ("hf", "vllm"), f"rollout.backend must be 'hf' or 'vllm', got {self.backend!r}")
         require(self.n >= 2, f"rollout.n must be >= 2 for group-relative advantages, got {self.n}")
-        require(self.temperature > 0, "rollout.temperature must be > 0")
-        require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
-        require(self.top_k >= 0, "rollout.top_k must be >= 0")
-        require(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+        try:
+            self.sampling_params()  # the sampling fields' rules live in SamplingParams alone
+        except ConfigError as exc:
+            raise ConfigError(f"rollout.{exc}") from None
         require(self.batch_size >= 1, "rollout.batch_size must be >= 1")
         require(self.seeding in ("stream", "prompt"), f"rollout.seeding must be stream or prompt, got {self.seeding!r}")
         if self.top_p < 1 or self.top_k:
@@ -188,7 +210,7 @@ class DynamicSamplingSection:
 
 @dataclass(frozen=True)
 class AlgorithmSection:
-    """The GRPO update (GRAFT.md section 1, steps 4 and 11-13)."""
+    """The GRPO update (docs/algorithm.md steps 4 and 11-13)."""
 
     #: Prompts per training step (the paper: 128).
     prompts_per_step: int = 16
@@ -306,7 +328,7 @@ class EvalSection:
 
 @dataclass(frozen=True)
 class GraftSection:
-    """GRAFT's exchange (GRAFT.md sections 1-2). Every ablation of the paper is one switch here
+    """GRAFT's exchange (docs/algorithm.md steps 1-13 and "Stored peers"). Every ablation of the paper is one switch here
     (plus algorithm.ratio for the sequence-level ratio and rollout.n for larger-n GRPO)."""
 
     #: Compatibility floor delta of Eq. 8: peer responses with s <= delta are dropped (paper: 0.8).
@@ -409,6 +431,8 @@ class TrainConfig:
                 d["data"].pop(key, None)  # the defaults keep earlier runs' fingerprints
         if self.rollout.seeding == "stream":
             d["rollout"].pop("seeding")  # the default: keeps earlier runs' fingerprints
+        if self.run.schedule_seed is None:
+            d["run"].pop("schedule_seed")  # the default: keeps earlier runs' fingerprints
         return d
 
     def fingerprint(self) -> str:

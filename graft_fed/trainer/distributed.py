@@ -55,8 +55,8 @@ import torch
 from graft_fed.errors import CheckpointError, ConfigError, GraftFedError
 from graft_fed.trainer import checkpoint as ckpt
 from graft_fed.trainer.config import TrainConfig
-from graft_fed.trainer.grpo import (GRPOTrainer, Group, SampleStats, _numpy_state_from_plain,
-                                    _numpy_state_to_plain)
+from graft_fed.trainer.group import Group
+from graft_fed.trainer.grpo import GRPOTrainer, SampleStats, _numpy_state_from_plain, _numpy_state_to_plain
 from graft_fed.trainer.packing import balance_shards, token_budget_batches
 
 log = logging.getLogger("graft_fed.distributed")
@@ -276,11 +276,14 @@ class DistributedGRPOTrainer(GRPOTrainer):
             gen_tokens=sum(s.gen_tokens for s in every))
 
     def _agree(self, groups: Sequence[Group]) -> Sequence[Group]:
+        return self.from_main(list(groups) if self.is_main else None)
+
+    def from_main(self, obj: Any) -> Any:
         import torch.distributed as dist
 
-        box = [list(groups) if self.is_main else None]
+        box = [obj if self.is_main else None]
         dist.broadcast_object_list(box, src=0)
-        return box[0]  # type: ignore[return-value]
+        return box[0]
 
     def _micro_batches(self, flat: dict[str, Any]) -> list[tuple[Any, Any]]:
         a = self.cfg.algorithm

@@ -140,7 +140,7 @@ def render_doc(result: dict[str, Any], cards: dict[str, dict[str, Any]], command
         "`Fuse` decoder); `tiny-gpt2-bpe` is a BPE without byte-level mapping (Metaspace `\u2581`",
         "for spaces), trained on the task corpus; `tiny-qwen3-unigram` is a Unigram model trained",
         "on the same corpus. Digits are one token each everywhere, so numbers tokenise alike but",
-        "everything around them does not: a peer response must be re-tokenised (GRAFT.md step 8).",
+        "everything around them does not: a peer response must be re-tokenised (docs/algorithm.md step 8).",
         "`tokenizer.decode(ids, skip_special_tokens=True)` gives back the exact text.",
         "",
         "Why Qwen3 and not Qwen2: transformers 5 forces `AutoTokenizer` to rebuild a byte-level",

@@ -107,3 +107,65 @@ def test_transfer_plans():
     assert pooled.peer_index == (None,) * 4 + (0, 1, 2, 3)
     expected = group_advantages(torch.tensor([[0.0] * 4 + rewards]))[0].tolist()
     assert list(pooled.advantages) == pytest.approx(expected)
+
+
+# ----- one source-selection rule, one compatibility estimate ----------------------------------
+
+from graft_fed.core.exchange import (CompatEstimate, SourceGroup, best_source, complementarity,  # noqa: E402
+                                     select_for_receiver, select_sources)
+
+
+def test_source_rank_compatibility_then_k_then_freshness_then_first():
+    a, b, c = SourceGroup("a", k=3, round=1, order=0), SourceGroup("b", k=1, round=2, order=1), \
+        SourceGroup("c", k=1, round=3, order=2)
+    assert best_source([a, b], {"a": 0.9, "b": 0.95}).source == "b"  # most compatible, despite a's k
+    assert best_source([a, b], {"a": 0.9}).source == "b"  # b untried: explored first (+inf)
+    assert best_source([a, b], {}).source == "a"  # both untried: the higher k
+    assert best_source([b, c], {}).source == "c"  # equal k: the fresher group
+    assert best_source([SourceGroup("x", 1, order=0), SourceGroup("y", 1, order=1)], {}).source == "x"
+
+
+def test_one_direction_selection_takes_every_all_fail_prompt_with_an_informative_group():
+    receiver = {"p0": (0, 4), "p1": (0, 4), "p2": (2, 4), "p3": (0, 4)}
+    offers = {"p0": [(SourceGroup("a", 4), 4), (SourceGroup("b", 1), 4)],  # a's group is all-pass
+              "p1": [(SourceGroup("a", 0), 4)],  # all-fail too: nothing to learn
+              "p2": [(SourceGroup("a", 2), 4)],  # the receiver did not fail p2
+              "p3": [(SourceGroup("a", 2), 4), (SourceGroup("b", 3), 4)]}
+    got = select_for_receiver(receiver, offers, {"a": 0.99, "b": 0.5})
+    assert {pid: g.source for pid, g in got.items()} == {"p0": "b", "p3": "a"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from([f"p{i}" for i in range(6)]), st.integers(0, 4), min_size=6, max_size=6),
+       st.dictionaries(st.sampled_from([f"p{i}" for i in range(6)]), st.integers(0, 4), min_size=6, max_size=6))
+def test_two_models_one_direction_selection_agrees_with_the_unbalanced_pair_rule(ka, kb):
+    kn = [{p: (k, 4) for p, k in ka.items()}, {p: (k, 4) for p, k in kb.items()}]
+    synchronous = select_sources(kn, False, {})[0]
+    one_way = select_for_receiver(kn[0], {p: [(SourceGroup(1, k, order=1), n)] for p, (k, n) in kn[1].items()}, {})
+    assert synchronous == {p: g.source for p, g in one_way.items()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 3), st.floats(0, 1), st.booleans()), min_size=1, max_size=20),
+       st.randoms(use_true_random=False))
+def test_the_compatibility_estimate_does_not_depend_on_report_order(reports, rnd):
+    def fold(rs):
+        est = CompatEstimate()
+        for r in rs:
+            est = est.add(*r)
+        return est
+
+    shuffled = list(reports)
+    rnd.shuffle(shuffled)
+    a, b = fold(reports), fold(shuffled)
+    assert (a.groups, a.rejected) == (b.groups, b.rejected) == (sum(not r[2] for r in reports),
+                                                                sum(r[2] for r in reports))
+    assert a.mean_s == pytest.approx(b.mean_s, abs=1e-9) and a.known == (a.groups > 0)
+    kept = [r[0] for r in reports if not r[2]]
+    assert a.mean_s == pytest.approx(sum(kept) / len(kept) if kept else 0.0, abs=1e-9)
+
+
+def test_complementarity_counts_the_receivers_all_fail_prompts_peers_can_fill():
+    receiver = {"p0": (0, 4), "p1": (0, 4), "p2": (0, 4), "p3": (1, 4)}
+    peers = [("p0", 2, 4), ("p0", 4, 4), ("p1", 4, 4), ("p3", 2, 4), ("p9", 2, 4)]
+    assert complementarity(receiver, peers) == (1, 2)  # p0 informative; p0 and p1 solved

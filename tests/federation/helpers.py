@@ -10,6 +10,7 @@ from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.server import BrokerServer
 from graft_fed.configbase import from_mapping
 from graft_fed.node.node import Node, NodeConfig
+from graft_fed.trainer.config import member_seed
 
 
 def broker_config(prompt_file: Path, db: str = ":memory:", **over: Any) -> BrokerConfig:
@@ -23,7 +24,10 @@ def broker_config(prompt_file: Path, db: str = ":memory:", **over: Any) -> Broke
 def node_config(name: str, model_dir: Path, prompt_file: Path, out: Path, address: str, steps: int = 2,
                 **fed: Any) -> NodeConfig:
     cfg = {
-        "run": {"name": name, "output_dir": str(out / name), "steps": steps, "seed": 3, "device": "cpu",
+        # each node samples with its own seed (as a co-training member named alike would), all
+        # share the broker's prompt schedule (seed 3)
+        "run": {"name": name, "output_dir": str(out / name), "steps": steps, "seed": member_seed(3, name),
+                "schedule_seed": 3, "device": "cpu",
                 "threads": 1, "checkpoint_every": 0},
         "model": {"path": str(model_dir)},
         "data": {"source": str(prompt_file)},

@@ -264,3 +264,30 @@ def test_rate_limit_and_storage_quota(prompt_file, prompts):
     fed._bundle_bytes["a"] = 2**20  # as if it had already uploaded its whole quota
     with pytest.raises(ResourceExhausted, match="quota"):
         fed.put_bundle("a", session, prompts[0].id, 0, "0" * 64, b"x")
+
+
+def test_a_receiver_waiting_for_bundles_is_woken_by_the_upload_not_by_polling(broker, prompts):
+    """GetMatches with wait_for_bundles answers as soon as the offered bundle arrives (the
+    source uploads it while the receiver waits), and at the deadline without it."""
+    import threading
+    import time
+
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    p0, p1 = prompts[0], prompts[1]
+    a.publish(0, [summary(p0, 0), summary(p1, 1)])
+    b.publish(0, [summary(p0, 1), summary(p1, 0)])
+    first = a.get_matches(0, 5.0)
+    assert first.ready and [o.digest for o in first.offers] == [""]  # b has not uploaded yet
+    t0 = time.monotonic()
+    assert not a.get_matches(0, 0.5, wait_for_bundles=True).offers[0].digest  # the wait ends empty-handed
+    assert time.monotonic() - t0 >= 0.45
+    uploader = threading.Timer(0.5, lambda: b.upload(record(p0, 1, model="b"), 0))
+    uploader.start()
+    t0 = time.monotonic()
+    got = a.get_matches(0, 20.0, wait_for_bundles=True)
+    waited = time.monotonic() - t0
+    uploader.join()
+    assert got.offers[0].digest and 0.4 <= waited < 10.0  # woken by the upload, long before 20 s
+    assert a.fetch(got.offers[0].digest).prompt_id == p0.id
+    a.close()
+    b.close()

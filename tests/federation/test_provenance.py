@@ -16,7 +16,7 @@ from graft_fed.federation import certs
 from graft_fed.federation.bundles import digest_of, encode_bundle
 from graft_fed.federation.signing import BundleSigner, ProvenanceError, ProvenanceVerifier, signed_message
 from graft_fed.node.client import BrokerClient
-from graft_fed.node.node import fetch_offers
+from graft_fed.node.peers import fetch_offers
 from tests.federation.helpers import broker_config, node_config, run_nodes, start_broker
 from tests.federation.test_broker_rpc import code_of, manifest, record, summary
 
@@ -230,8 +230,8 @@ def test_two_nodes_over_mutual_tls_sign_and_verify_every_bundle(tiny_llama, tiny
     try:
         tls = lambda name: {"tls_ca": str(d / "ca.pem"), "tls_cert": str(d / f"{name}.pem"),  # noqa: E731
                             "tls_key": str(d / f"{name}.key")}
-        run_nodes([node_config("llama", tiny_llama, prompt_file, tmp_path, broker.address, steps=2, **tls("llama")),
-                   node_config("gpt2", tiny_gpt2, prompt_file, tmp_path, broker.address, steps=2, **tls("gpt2"))])
+        run_nodes([node_config("llama", tiny_llama, prompt_file, tmp_path, broker.address, steps=3, **tls("llama")),
+                   node_config("gpt2", tiny_gpt2, prompt_file, tmp_path, broker.address, steps=3, **tls("gpt2"))])
         digests = {s.bundle_digest for s in broker.state.summaries() if s.bundle_digest}
         producers = {s.bundle_digest: s.node_id for s in broker.state.summaries() if s.bundle_digest}
         assert digests and broker.fed.counters["bundles_unsigned"] == 0

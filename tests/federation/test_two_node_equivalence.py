@@ -6,7 +6,7 @@ import json
 import torch
 import yaml
 
-from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config
+from graft_fed.graft.cotrain import CoTrainer, load_cotrain_config
 from tests.federation.helpers import broker_config, node_config, run_nodes, start_broker
 
 

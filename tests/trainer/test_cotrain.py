@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from graft_fed.core.exchange import balanced_pair, candidates
 from graft_fed.core.exchange import select_sources
-from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config
+from graft_fed.graft.cotrain import CoTrainer, load_cotrain_config
 
 ks = st.dictionaries(st.sampled_from([f"p{i}" for i in range(16)]), st.integers(0, 4), min_size=16, max_size=16)
 
@@ -71,3 +71,18 @@ def test_per_receiver_cap_keeps_the_best_ranked_with_ties():
     got = select_sources(kn, False, {}, cap=2)
     assert got[0] == {"p0": 1, "p2": 1, "p3": 1}  # k 3, then the tie at k 2 with the cap's last
     assert select_sources(kn, False, {}, cap=10)[0] == {f"p{i}": 1 for i in range(5)}
+
+
+def test_members_sample_with_seeds_of_their_own_and_share_the_prompt_schedule(tmp_path):
+    from graft_fed.trainer.config import member_seed
+
+    cfg = {"run": {"output_dir": str(tmp_path / "co"), "seed": 3},
+           "members": [{"name": "llama"}, {"name": "gpt2"}, {"name": "qwen3", "seed": 11}]}
+    path = tmp_path / "co.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    conf = load_cotrain_config(path)
+    runs = [conf.member_config(i).run for i in range(3)]
+    assert [r.seed for r in runs] == [member_seed(3, "llama"), member_seed(3, "gpt2"), 11]
+    assert len({r.seed for r in runs}) == 3
+    assert {r.prompt_schedule_seed for r in runs} == {3}
+    assert member_seed(3, "llama") == member_seed(3, "llama") != member_seed(4, "llama")

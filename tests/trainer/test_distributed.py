@@ -226,11 +226,12 @@ def test_token_budget_packing_and_shards():
 def test_cotrain_under_torchrun_matches_one_process(tmp_path):
     """Two models co-trained by 2 processes (each sharded over both) exchange and train as
     in one process: the receive path's likelihood passes run on the sharded models."""
-    from graft_fed.trainer.cotrain import CoTrainer, load_cotrain_config
+    from graft_fed.graft.cotrain import CoTrainer, load_cotrain_config
 
     def cotrain_cfg(name: str) -> Path:
         path = write_cfg(tmp_path, name, **{"run.seed": 5, "run.steps": 2, "run.checkpoint_every": 0,
-                                            "rollout.n": 4, "algorithm.micro_batch_tokens": 0})
+                                            "rollout.n": 4, "algorithm.micro_batch_tokens": 0,
+                                            "graft.balance": "none"})  # 4 prompts: the paired rule often moves nothing
         cfg = yaml.safe_load(path.read_text())
         del cfg["model"]
         cfg["members"] = [{"name": "llama", "model": {"path": "zoo:tiny-llama-char"}},
@@ -249,8 +250,12 @@ def test_cotrain_under_torchrun_matches_one_process(tmp_path):
         for a, b in zip(one, two):
             a, b = compared(a), compared(b)
             assert a.keys() == b.keys()
-            for key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6, nan_ok=True), (member, a["step"], key)
+            # the loss sums terms of both signs (advantages +-), so its float32 rounding is
+            # relative to the terms, not to the small sum (measured: 2.5e-6 on a loss of 0.058
+            # whose grad_norm and weights agree at 1e-5)
+            bad = {key: (a[key], b[key]) for key in a
+                   if b[key] != pytest.approx(a[key], rel=1e-5, abs=1e-5 if key == "loss" else 1e-6, nan_ok=True)}
+            assert not bad, (member, a["step"], bad)
         replaced += sum(r.get("graft/replaced", 0) for r in two)
         want, got = weights(tmp_path / "co1" / member, 2), weights(tmp_path / "co2" / member, 2)
         for k in want:
@@ -287,7 +292,7 @@ def test_torchrun_runs_refuse_what_they_cannot_do(tmp_path, monkeypatch, capsys)
                        "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
     assert cli.main(["eval", "--model", "zoo:tiny-llama-char", "--benchmark", "embedded:arith-v1"]) == 2
-    assert "only train and cotrain run under torchrun" in capsys.readouterr().err
+    assert "only train, cotrain and node run under torchrun" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fault", ["rng@1", "model@0"])

@@ -10,7 +10,10 @@ from graft_fed.modeling import pack, response_forward
 from graft_fed.rollout.base import SamplingParams
 from graft_fed.rollout.hf import HFRollout
 from graft_fed.store import TrajectoryStore
-from graft_fed.trainer.graft import receive
+from graft_fed.graft import step as graft_step
+from graft_fed.graft.receive import receive
+from graft_fed.graft.step import receiver_of
+from graft_fed.graft.stored import StoredPeers
 from graft_fed.trainer.grpo import GRPOTrainer
 from tests.plugins import odd_char_sum
 from tests.trainer.test_grpo import make_cfg
@@ -56,7 +59,7 @@ def test_s_matches_direct_length_normalised_likelihood_ratio(tiny_llama, tiny_gp
     with tr:
         g0 = own[0]
         rec, comps, src_model, src_tok = _informative_record(tiny_gpt2, tr, g0)
-        result = receive(tr, own, {g0.prompt.id: rec})
+        result = receive(receiver_of(tr), own, {g0.prompt.id: rec})
         new = result.groups[0]
         assert new.source == "peer" and result.metrics["graft/replaced"] == 1
         resp = [c.token_ids for c in comps]
@@ -79,7 +82,7 @@ def test_gate_weights_follow_eq8(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
     tr, own = _receiver(tiny_llama, prompt_file, tmp_path, **{"graft.delta": 0.5})
     with tr:
         rec, *_ = _informative_record(tiny_gpt2, tr, own[0])
-        res = receive(tr, own, {own[0].prompt.id: rec})
+        res = receive(receiver_of(tr), own, {own[0].prompt.id: rec})
         s = torch.tensor(res.metrics["graft/s_values"])
         w = res.groups[0].weights
         expected = torch.where(s > 0.5, s.clamp(max=1.0), torch.zeros_like(s))
@@ -92,7 +95,7 @@ def test_lying_peer_is_rejected_and_counted(tiny_llama, tiny_gpt2, prompt_file, 
         rec, *_ = _informative_record(tiny_gpt2, tr, own[0])
         flipped = tuple(1.0 - r for r in rec.rewards)
         lie = GroupRecord(**{**rec.to_dict(), "rewards": flipped, "advantages": tuple(-a for a in rec.advantages)})
-        res = receive(tr, own, {own[0].prompt.id: lie})
+        res = receive(receiver_of(tr), own, {own[0].prompt.id: lie})
         assert res.metrics["graft/rejected_reverify"] == 1
         assert res.groups[0] is own[0]
 
@@ -102,7 +105,7 @@ def test_never_replaces_a_group_that_was_not_all_fail(tiny_llama, tiny_gpt2, pro
     with tr:
         own[0].rewards = torch.tensor([1.0] + [0.0] * (own[0].n - 1))
         rec, *_ = _informative_record(tiny_gpt2, tr, own[0])
-        res = receive(tr, own, {own[0].prompt.id: rec})
+        res = receive(receiver_of(tr), own, {own[0].prompt.id: rec})
         assert res.metrics["graft/rejected_not_all_fail"] == 1 and res.groups[0] is own[0]
 
 
@@ -116,7 +119,9 @@ def test_stored_mode_trains_against_a_recorded_run(tiny_llama, tiny_gpt2, prompt
     cfg = make_cfg(tiny_llama, prompt_file, tmp_path / "recv",
                    **{"rollout.n": 2, "graft.peer_store": str(store_path)})
     with GRPOTrainer(cfg, quiet=True) as tr:
-        rows = [tr.train_step() for _ in range(2)]
+        peers = StoredPeers(cfg.graft)
+        rows = [graft_step.step(tr, peers) for _ in range(2)]
+        peers.close()
     for row in rows:
         assert row["graft/all_fail"] == pytest.approx(row["frac_all_fail"] * 4)
         assert row["graft/selected"] <= row["graft/candidates"] <= row["graft/all_fail"]

@@ -159,3 +159,36 @@ def test_truncated_responses_can_be_masked(tiny_llama, prompt_file, tmp_path):
         truncated = [c.finish_reason == "length" for g in data.groups for c in g.completions]
         assert any(truncated)
         assert flat["keep"].tolist() == [0.0 if t else 1.0 for t in truncated]
+
+
+def test_a_minibatch_with_every_response_gated_out_takes_no_optimiser_step(tiny_llama, prompt_file, tmp_path):
+    """Its gradient is zero, but AdamW would still move the weights (momentum, weight decay):
+    the step is skipped and counted."""
+    cfg = make_cfg(tiny_llama, prompt_file, tmp_path / "r", **{"optim.weight_decay": 0.1})
+    with GRPOTrainer(cfg, quiet=True) as tr:
+        groups = tr.collect().groups
+        before = params(tr.model).clone()
+        for g in groups:  # as if every response were a peer's the gate dropped (Eq. 8: w = 0)
+            g.weights = torch.zeros(g.n)
+        m = tr.optimise(groups)
+        assert m["skipped_minibatches"] == m["num_minibatches"] == 2
+        assert torch.equal(params(tr.model), before)
+        for g in groups[2:]:  # the second minibatch keeps its responses again
+            g.weights = None
+        m = tr.optimise(groups)
+        assert m["skipped_minibatches"] == 1 and not torch.equal(params(tr.model), before)
+
+
+def test_rollout_sampling_fields_are_validated_by_sampling_params_alone(tmp_path):
+    from graft_fed.rollout.base import SamplingParams
+    from graft_fed.trainer.config import RolloutSection
+
+    for field, value in (("temperature", 0.0), ("top_p", 1.5), ("top_k", -1), ("max_new_tokens", 0)):
+        with pytest.raises(ConfigError) as section_err:
+            RolloutSection(**{field: value})
+        with pytest.raises(ConfigError) as params_err:
+            SamplingParams(**{field: value})
+        assert str(section_err.value) == f"rollout.{params_err.value}"
+    with pytest.warns(UserWarning, match="truncated distribution"):
+        section = RolloutSection(temperature=0.7, top_k=5)
+    assert section.sampling_params() == SamplingParams(n=8, temperature=0.7, top_k=5, max_new_tokens=160)

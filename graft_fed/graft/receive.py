@@ -1,51 +1,45 @@
-"""The receiver's side of GRAFT (GRAFT.md steps 7-10 and section 2).
+"""The receiver's side of GRAFT (docs/algorithm.md steps 7-10, and "Stored peers").
 
 Given this model's own groups for a step and, for some of its all-fail prompts, a peer's
-group record, it re-verifies the peer's rewards with its own verifier, re-renders the
-prompt with its own template, re-tokenises every peer response string with its own
-tokenizer, scores compatibility with one likelihood pass of its old policy, and replaces
-the failed group by the peer group with the source's advantages and the gate's weights.
+group record, it re-verifies the peer's rewards with its own verifier, uses its own
+tokenisation of its own rendered prompt, re-tokenises every peer response string with its
+own tokenizer, scores compatibility with one likelihood pass of its old policy, and
+replaces the failed group by the peer group with the source's advantages and the gate's
+weights. It needs only what `Receiver` holds, not a trainer.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from graft_fed.core.exchange import Quantiles, compatibility, gate_weights, mean_token_logprob, plan_transfer
+from graft_fed.core.exchange import Quantiles, compatibility, complementarity, gate_weights, plan_transfer
 from graft_fed.core.records import GroupRecord, RecordError
-from graft_fed.modeling import pack
 from graft_fed.rollout.base import Completion
+from graft_fed.trainer.config import GraftSection
+from graft_fed.trainer.group import Group
 
-if TYPE_CHECKING:
-    from graft_fed.trainer.grpo import GRPOTrainer, Group
-
-
-def tokenizer_id(tokenizer: Any) -> str:
-    """A short fingerprint of a tokenizer's vocabulary: equal ids mean equal tokenisations."""
-    vocab = sorted(tokenizer.get_vocab().items())
-    digest = hashlib.sha256(repr(vocab).encode()).hexdigest()[:12]
-    return f"{type(tokenizer).__name__}:{len(vocab)}:{digest}"
+#: The receiver's old policy on (prompt ids, response ids) pairs: the mean token log-prob of
+#: each response (Eq. 6, shape (B,)) and every response token's log-prob.
+ScoreFn = Callable[[Sequence[Sequence[int]], Sequence[Sequence[int]]], tuple[torch.Tensor, list[list[float]]]]
 
 
-def to_record(group: "Group", step: int, model_id: str, tok_id: str, run_id: str) -> GroupRecord:
-    """What this model publishes about one of its own groups."""
-    return GroupRecord(
-        prompt_id=group.prompt.id, step=step, model_id=model_id, tokenizer_id=tok_id,
-        problem=group.prompt.problem, answer=group.prompt.answer,
-        rewards=tuple(float(r) for r in group.rewards.tolist()),
-        advantages=tuple(float(a) for a in group.advantages.tolist()),
-        texts=tuple(c.text for c in group.completions),
-        finish_reasons=tuple(c.finish_reason for c in group.completions),
-        lengths=tuple(len(c.token_ids) for c in group.completions),
-        mean_logprobs=tuple(c.mean_logprob for c in group.completions),
-        run_id=run_id, meta={k: v for k, v in group.prompt.meta.items() if isinstance(v, (str, int, float))})
+@dataclass(frozen=True)
+class Receiver:
+    """What receiving peer groups needs from the model that receives them."""
+
+    tokenizer: Any
+    eos_id: int
+    verifier: Any  # graft_fed.rewards.Verifier: score(texts, answers).rewards
+    score: ScoreFn
+    graft: GraftSection
+    scale_rewards: str = "group"  # how the receiver computes advantages (the pooled ablation)
+    std: str = "sample"
 
 
 def retokenise(tokenizer: Any, text: str, finish_reason: str, eos_id: int) -> list[int]:
@@ -70,23 +64,22 @@ class GroupReport:
 
 @dataclass
 class ReceiveResult:
-    groups: list["Group"]  # the step's groups with replacements made, in the original order
+    groups: list[Group]  # the step's groups with replacements made, in the original order
     metrics: dict[str, Any]
     reports: list[GroupReport]
 
 
-def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str, GroupRecord]) -> ReceiveResult:
+def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord]) -> ReceiveResult:
     """Replace own all-fail groups by the offered peer groups (one source group per prompt)."""
-    from graft_fed.trainer.grpo import Group
-
-    g = trainer.cfg.graft
+    g = rx.graft
     t0 = time.perf_counter()
     counts: dict[str, float] = defaultdict(float)
     per_source: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     index = {grp.prompt.id: i for i, grp in enumerate(own)}
     reports: list[GroupReport] = []
     accepted: list[tuple[int, GroupRecord]] = []
-    for pid, rec in offers.items():
+    # in the order of the receiver's own groups, whatever order the peers delivered them in
+    for pid, rec in sorted(offers.items(), key=lambda kv: (index.get(kv[0], len(own)), kv[0])):
         counts["offered"] += 1
         i = index.get(pid)
         if i is None or own[i].k != 0:
@@ -107,7 +100,7 @@ def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str,
     if g.reverify and accepted:
         texts = [t for _, rec in accepted for t in rec.texts]
         answers = [own[i].prompt.answer for i, rec in accepted for _ in rec.texts]
-        scored = trainer.verifier.score(texts, answers).rewards
+        scored = rx.verifier.score(texts, answers).rewards
         counts["reverified"] += len(accepted)
         kept, pos = [], 0
         for i, rec in accepted:
@@ -122,33 +115,23 @@ def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str,
         accepted = kept
 
     # Re-tokenise and score compatibility in one batched likelihood pass of pi_old^R.
-    eos = trainer.engine.eos_ids[0]
+    eos = rx.eos_id
     plans, prompt_ids, resp_ids, owners = [], [], [], []
     for i, rec in accepted:
         plan = plan_transfer(rec.rewards, rec.advantages, g.transfer,  # type: ignore[arg-type]
                              own_rewards=own[i].rewards.tolist() if g.transfer == "pooled" else (),
-                             scale=trainer.cfg.algorithm.scale_rewards, std=trainer.cfg.algorithm.std)
+                             scale=rx.scale_rewards, std=rx.std)
         plans.append(plan)
         for j in plan.peer_index:
             if j is None:
                 continue
             prompt_ids.append(own[i].prompt_ids)
-            resp_ids.append(retokenise(trainer.tokenizer, rec.texts[j], rec.finish_reasons[j], eos))
+            resp_ids.append(retokenise(rx.tokenizer, rec.texts[j], rec.finish_reasons[j], eos))
             owners.append((len(plans) - 1, j))
     lbar_r = torch.empty(0)
     token_lps: list[list[float]] = []
     if resp_ids:
-        mb = trainer.cfg.algorithm.micro_batch_size
-        chunks, lp_rows = [], []
-        with torch.no_grad():
-            for s in range(0, len(resp_ids), mb):
-                batch = pack(prompt_ids[s:s + mb], resp_ids[s:s + mb], trainer.tokenizer.pad_token_id, trainer.device)
-                lp = trainer._forward(trainer.model, batch).logprobs.float()
-                chunks.append(mean_token_logprob(lp, batch.response_mask).cpu())
-                for r in range(lp.shape[0]):
-                    lp_rows.append(lp[r, :len(resp_ids[s + r])].cpu().tolist())
-        lbar_r = torch.cat(chunks)
-        token_lps = lp_rows
+        lbar_r, token_lps = rx.score(prompt_ids, resp_ids)
     src_lbar = torch.tensor([accepted[p][1].mean_logprobs[j] for p, j in owners], dtype=torch.float32)
     s_all = compatibility(lbar_r, src_lbar) if resp_ids else torch.empty(0)
     w_all = gate_weights(s_all, g.delta, g.gate) if resp_ids else torch.empty(0)
@@ -212,7 +195,7 @@ def receive(trainer: "GRPOTrainer", own: Sequence["Group"], offers: Mapping[str,
     return ReceiveResult(groups=out, metrics=metrics, reports=reports)
 
 
-def offer_metrics(own: Sequence["Group"], candidates: int, solved: int, selected: int,
+def offer_metrics(own: Sequence[Group], candidates: int, solved: int, selected: int,
                   prefix: str = "graft") -> dict[str, float]:
     """Diagnostics of what was offered to a receiver: its all-fail groups, candidates (its
     all-fail prompts with an informative peer group), selected, and complementarity (the
@@ -226,13 +209,7 @@ def offer_metrics(own: Sequence["Group"], candidates: int, solved: int, selected
     }
 
 
-def complementarity(own: Sequence["Group"], sources: Sequence[Mapping[str, tuple[int, int]]]) -> tuple[int, int]:
+def own_complementarity(own: Sequence[Group], sources: Sequence[Mapping[str, tuple[int, int]]]) -> tuple[int, int]:
     """(candidates, solved) of `own`'s all-fail prompts against peers' (k, n) per prompt."""
-    cands = solved = 0
-    for grp in own:
-        if grp.k != 0:
-            continue
-        ks = [src[grp.prompt.id] for src in sources if grp.prompt.id in src]
-        cands += any(0 < k < n for k, n in ks)
-        solved += any(k >= 1 for k, _ in ks)
-    return cands, solved
+    return complementarity({g.prompt.id: (g.k, g.n) for g in own},
+                           ((pid, k, n) for src in sources for pid, (k, n) in src.items()))

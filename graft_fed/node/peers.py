@@ -1,0 +1,326 @@
+"""Peers = a federation's broker over gRPC: the node's side of the GRAFT step.
+
+publish: this round's summaries (and, with share_all, the informative groups' bundles);
+offers: the broker's matches for this round (a long-poll), the uploads the broker asks of
+this node, then the offered bundles, each checked (digest, record, the producer's
+signature); report: the receiver's verdict on every group it was offered.
+
+When the broker is unreachable or slow the step goes on as plain GRPO and the node
+reconnects with backoff and jitter; the summaries of the rounds it could not publish wait
+in a backlog and are published once it is back (idempotent: a publish whose answer was
+lost is counted as a duplicate, never stored twice), so the broker ends up with every
+group the node sampled.
+
+Under torchrun only the main process talks to the broker; what it gets (the offered
+records and the metrics) reaches the other processes by broadcast (`GRPOTrainer.from_main`),
+so every process receives and trains on the same groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from graft_fed.core.records import GroupRecord, RecordError
+from graft_fed.errors import ConfigError
+from graft_fed.federation.errors import PERMANENT, FailedPrecondition, FederationError, InvalidArgument, \
+    ResourceExhausted
+from graft_fed.federation.manifest import Manifest
+from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow, summarise
+from graft_fed.federation.signing import ProvenanceError
+from graft_fed.graft.receive import GroupReport, offer_metrics
+from graft_fed.graft.step import Offers
+from graft_fed.node.client import Backoff, BrokerClient
+from graft_fed.trainer.group import Group, StepData
+from graft_fed.trainer.grpo import GRPOTrainer
+
+log = logging.getLogger("graft_fed.node")
+
+#: Unpublished rounds kept for publishing later (the oldest go first beyond this).
+MAX_BACKLOG_ROUNDS = 1024
+#: Backlog rounds published per step once the broker is back (bounded so a long outage
+#: does not turn one step into a burst the broker's rate limit refuses).
+BACKLOG_ROUNDS_PER_STEP = 16
+
+
+def summary_of(group: Group, node_id: str, round: int, step: int) -> SummaryRow:
+    """What leaves the site about a group whatever the privacy setting: no text."""
+    return summarise(node_id, round, step, group.prompt.id, group.rewards.tolist(),
+                     [len(c.token_ids) for c in group.completions], [c.mean_logprob for c in group.completions])
+
+
+@dataclass
+class FetchedOffers:
+    """The peer groups of one step's offers that passed the receiver's checks."""
+
+    records: dict[str, GroupRecord] = field(default_factory=dict)  # prompt id -> the source's group
+    bad: int = 0  # bundles refused, for any reason
+    bad_signatures: int = 0  # ... because their producer could not be established
+    unsigned: int = 0  # accepted without a signature (signatures not required)
+    #: Groups refused for their provenance, reported to the broker as rejected so that its
+    #: quarantine sees a source whose bundles do not check out.
+    rejections: list[ReportEntry] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        return {"federation/bad_signatures": float(self.bad_signatures),
+                "federation/unsigned_bundles": float(self.unsigned)}
+
+
+def fetch_offers(client: BrokerClient, offers: Sequence[Offer]) -> FetchedOffers:
+    """Download and check every offered bundle: digest, record, and who produced it (the
+    signature must be the offered source's, see graft_fed/federation/signing.py). A bundle
+    that fails is skipped, never trained on; a failed signature is also reported as a
+    rejected group of that source."""
+    out = FetchedOffers()
+    for o in offers:
+        if not o.digest:
+            continue
+        try:
+            got = client.fetch_bundle(o.digest, source=o.source_node)
+        except ProvenanceError as exc:
+            log.warning("bundle %s... offered as %s's rejected: %s", o.digest[:12], o.source_node, exc)
+            out.bad += 1
+            out.bad_signatures += 1
+            out.rejections.append(ReportEntry(source=o.source_node, prompt_id=o.prompt_id, mean_s=0.0,
+                                              admitted_fraction=0.0, rejected=True))
+            continue
+        except RecordError as exc:
+            log.warning("bundle from %s rejected: %s", o.source_node, exc)
+            out.bad += 1
+            continue
+        if got.record.prompt_id != o.prompt_id:
+            out.bad += 1
+            continue
+        out.unsigned += not got.signer
+        # Name the source by its node id, so reports and metrics key on it.
+        out.records[o.prompt_id] = dataclasses.replace(got.record, model_id=o.source_node)
+    return out
+
+
+@dataclass
+class _Round:
+    """What the main process knows about the round in progress."""
+
+    round: int
+    live: bool  # the summaries reached the broker: matching, fetching and reporting may follow
+    groups: dict[str, Group] = field(default_factory=dict)
+    rejections: list[ReportEntry] = field(default_factory=list)  # bundles refused for their provenance
+
+
+class BrokerPeers:
+    """The broker as a learner's peers (graft/step.py `Peers`). Owns the connection: join with
+    backoff, the backlog of unpublished rounds, and the degradation to plain GRPO."""
+
+    def __init__(self, client: BrokerClient, node_id: str, privacy: str, manifest: Manifest,
+                 broker: str, federation_id: str | None, match_wait_s: float, round_timeout_s: float,
+                 fetch_timeout_s: float, rpc_timeout_s: float, reconnect_min_s: float,
+                 reconnect_max_s: float) -> None:
+        self.client = client
+        self.node_id = node_id
+        self.privacy = Privacy(privacy)
+        self.manifest = manifest
+        self.broker = broker
+        self.federation_id = federation_id
+        self.match_wait_s, self.round_timeout_s, self.fetch_timeout_s = match_wait_s, round_timeout_s, fetch_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.connected = False
+        self.backoff = Backoff(reconnect_min_s, reconnect_max_s)
+        self.broker_manifest: Manifest | None = None
+        # round -> summaries not (known to be) acknowledged by the broker, oldest first
+        self.backlog: OrderedDict[int, list[SummaryRow]] = OrderedDict()
+        self.backlog_dropped = 0
+        self._round: _Round | None = None
+
+    # ----- connection -----------------------------------------------------------------------------
+    def ensure_joined(self, learner: GRPOTrainer) -> bool:
+        if self.connected and not self.client.session_lost.is_set():
+            return True
+        if not self.backoff.ready():
+            return False
+        self.client.wait_ready(self.rpc_timeout_s)
+        try:
+            manifest, current, _ = self.client.join(learner.model_id, learner.tok_id, self.manifest,
+                                                    self.privacy.value, learner.step)
+        except PERMANENT as exc:
+            raise ConfigError(f"the broker at {self.broker} refused node {self.node_id!r}: {exc}") from None
+        except FederationError as exc:
+            self._lost(exc)
+            return False
+        if self.federation_id and manifest.federation_id != self.federation_id:
+            raise ConfigError(f"broker {self.broker} serves federation {manifest.federation_id!r}, "
+                              f"not {self.federation_id!r}")
+        self.broker_manifest = manifest
+        self.connected = True
+        self.backoff.succeeded()
+        log.info("node %s joined federation %s at round %d", self.node_id, manifest.federation_id, current)
+        return True
+
+    def _lost(self, exc: FederationError) -> None:
+        self.connected = False
+        delay = self.backoff.failed()
+        log.warning("exchange with broker %s failed (%s: %s); training plain GRPO, next attempt in %.1fs",
+                    self.broker, exc.status, exc, delay)
+
+    def leave(self) -> None:
+        if self.connected:
+            self.client.leave()
+
+    # ----- the three phases (graft/step.py) -------------------------------------------------------
+    def publish(self, learner: GRPOTrainer, data: StepData) -> dict[str, Any]:
+        if not learner.is_main:
+            return {}
+        rnd = learner.step
+        summaries = [summary_of(g, self.node_id, rnd, learner.step) for g in data.groups]
+        self._round = _Round(round=rnd, live=False, groups={g.prompt.id: g for g in data.groups})
+        if not self.ensure_joined(learner):
+            self._defer(rnd, summaries)
+            return {"federation/connected": 0.0, "federation/skipped": 1.0,
+                    "federation/backlog_rounds": float(len(self.backlog))}
+        self.client.round = rnd
+        try:
+            self.client.publish(rnd, summaries)
+        except FederationError as exc:
+            self._defer(rnd, summaries)
+            self._lost(exc)
+            return {"federation/connected": 0.0, "federation/skipped": 1.0,
+                    "federation/backlog_rounds": float(len(self.backlog))}
+        self._round.live = True
+        if self.privacy is Privacy.SHARE_ALL:
+            try:
+                self.client.upload_missing((self._record(learner, g), rnd) for g in data.groups if 0 < g.k < g.n)
+            except FederationError as exc:
+                self._round.live = False
+                self._lost(exc)
+        return {}
+
+    def offers(self, learner: GRPOTrainer, groups: Sequence[Group]) -> Offers:
+        got = self._offers(learner, groups) if learner.is_main else None
+        return learner.from_main(got)
+
+    def report(self, learner: GRPOTrainer, reports: Sequence[GroupReport]) -> dict[str, Any]:
+        if not learner.is_main:
+            return {}
+        cur = self._round
+        if cur is None or not cur.live:
+            return {}
+        metrics: dict[str, Any] = {}
+        try:
+            try:
+                self.client.report(cur.round, cur.rejections + [
+                    ReportEntry(source=r.source, prompt_id=r.prompt_id, mean_s=0.0 if math.isnan(r.mean_s) else r.mean_s,
+                                admitted_fraction=r.admitted_fraction, rejected=r.rejected) for r in reports])
+            except (FailedPrecondition, InvalidArgument) as exc:
+                # the broker refused the report itself (not the connection): train on what was
+                # received and say so, rather than dropping the step's exchange
+                log.warning("node %s: the broker refused the compatibility report of round %d: %s",
+                            self.node_id, cur.round, exc)
+                metrics["federation/report_refused"] = 1.0
+            metrics["federation/backlog_published"] = float(self._flush_backlog(learner))
+        except FederationError as exc:
+            self._lost(exc)
+        metrics["federation/backlog_rounds"] = float(len(self.backlog))
+        return metrics
+
+    # ----- helpers ------------------------------------------------------------------------------
+    def _offers(self, learner: GRPOTrainer, groups: Sequence[Group]) -> Offers:
+        cur = self._round
+        t0 = time.perf_counter()
+        if cur is None or not cur.live:
+            return Offers(metrics={"federation/connected": float(self.connected), "federation/skipped": 1.0,
+                                   "federation/backlog_rounds": float(len(self.backlog))})
+        try:
+            deadline = time.monotonic() + self.round_timeout_s
+            resp = self.client.get_matches(cur.round, self.match_wait_s)
+            while not resp.ready and time.monotonic() < deadline:
+                resp = self.client.get_matches(cur.round, min(self.match_wait_s, max(0.1, deadline - time.monotonic())))
+            if not resp.ready:
+                flushed = self._flush_backlog(learner)
+                cur.live = False
+                return Offers(metrics={"federation/connected": 1.0, "federation/skipped": 1.0,
+                                       "federation/round_timeout": 1.0,
+                                       "federation/backlog_published": float(flushed),
+                                       "federation/backlog_rounds": float(len(self.backlog))})
+            uploads = self._serve_uploads(learner, resp, cur.groups)
+            if any(not o.digest for o in resp.offers) and self.fetch_timeout_s > 0:
+                # the broker answers as soon as every offered bundle is there (or the wait ends)
+                resp = self.client.get_matches(cur.round, self.fetch_timeout_s, wait_for_bundles=True)
+                uploads += self._serve_uploads(learner, resp, cur.groups)
+            fetched = fetch_offers(self.client, resp.offers)
+        except FederationError as exc:
+            cur.live = False
+            self._lost(exc)
+            return Offers(metrics={"federation/connected": 0.0, "federation/skipped": 1.0,
+                                   "federation/backlog_rounds": float(len(self.backlog)),
+                                   "time/federation": time.perf_counter() - t0})
+        cur.rejections = fetched.rejections
+        metrics: dict[str, Any] = offer_metrics(groups, resp.candidates, resp.solved_by_peers, len(resp.offers))
+        metrics.update(fetched.metrics())
+        metrics.update({"federation/connected": 1.0, "federation/skipped": 0.0,
+                        "federation/offers": float(len(resp.offers)), "federation/bad_bundles": float(fetched.bad),
+                        "federation/uploads": float(uploads), "time/federation": time.perf_counter() - t0})
+        return Offers(records=fetched.records, metrics=metrics)
+
+    def _record(self, learner: GRPOTrainer, group: Group) -> GroupRecord:
+        return group.to_record(learner.step, learner.model_id, learner.tok_id, learner.run_id)
+
+    def _own_record(self, learner: GRPOTrainer, prompt_id: str, rnd: int,
+                    current: dict[str, Group]) -> GroupRecord | None:
+        if rnd == learner.step and prompt_id in current:
+            return self._record(learner, current[prompt_id])
+        if learner.store is not None:
+            return learner.store.lookup([prompt_id], step=rnd).get(prompt_id)
+        return None
+
+    def _serve_uploads(self, learner: GRPOTrainer, resp: MatchResult, current: dict[str, Group]) -> int:
+        if self.privacy is Privacy.SUMMARIES_ONLY or not resp.upload_requests:
+            return 0
+        records = []
+        for prompt_id, rnd in resp.upload_requests:
+            rec = self._own_record(learner, prompt_id, rnd, current)
+            if rec is not None:
+                records.append((rec, rnd))
+        return self.client.upload_missing(records)
+
+    def _defer(self, rnd: int, summaries: list[SummaryRow]) -> None:
+        """Keep a round's summaries for publishing once the broker is back."""
+        self.backlog[rnd] = summaries
+        while len(self.backlog) > MAX_BACKLOG_ROUNDS:
+            old, _ = self.backlog.popitem(last=False)
+            self.backlog_dropped += 1
+            log.warning("node %s: backlog over %d rounds; round %d's summaries will not reach the broker",
+                        self.node_id, MAX_BACKLOG_ROUNDS, old)
+
+    def _flush_backlog(self, learner: GRPOTrainer) -> int:
+        """Publish the oldest backlog rounds (at most BACKLOG_ROUNDS_PER_STEP); with share_all
+        and recorded groups, their informative bundles too. A transient failure leaves the
+        rest for the next step (and is raised as a lost connection); a permanent refusal
+        drops the round with a warning. Returns the rounds published."""
+        done = 0
+        while self.backlog and done < BACKLOG_ROUNDS_PER_STEP:
+            rnd, rows = next(iter(self.backlog.items()))
+            try:
+                self.client.publish(rnd, rows)
+            except ResourceExhausted:
+                break  # rate limited: the rest waits for the next step
+            except PERMANENT as exc:
+                log.warning("node %s: the broker refused round %d's summaries from the backlog (%s: %s); "
+                            "dropping them", self.node_id, rnd, exc.status, exc)
+                self.backlog.pop(rnd, None)
+                continue
+            self.backlog.pop(rnd, None)
+            done += 1
+            store = learner.store
+            if self.privacy is Privacy.SHARE_ALL and store is not None:
+                informative = [r.prompt_id for r in rows if 0 < r.k < r.n]
+                recs = store.lookup(informative, step=rnd, run_id=learner.run_id)
+                try:
+                    self.client.upload_missing((rec, rnd) for rec in recs.values())
+                except (*PERMANENT, ResourceExhausted) as exc:
+                    log.warning("node %s: bundles of backlog round %d refused (%s: %s)", self.node_id, rnd,
+                                exc.status, exc)
+        return done
