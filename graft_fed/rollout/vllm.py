@@ -369,14 +369,22 @@ class VLLMRollout:
     # ----- memory choreography ---------------------------------------------------------------
 
     def wake(self) -> None:
-        """Weights first; load pending trainer weights; reset the prefix cache; then the KV cache."""
+        """Weights first; load pending trainer weights; reset the prefix cache; then the KV cache.
+
+        PyTorch's caching allocator keeps the memory the trainer freed (activations,
+        gradients, the optimiser step's temporaries) reserved for the trainer; vLLM allocates
+        outside it and cannot use that memory. So the cache is emptied before each wake-up,
+        and again after the weight copy (its cast tensors), or the KV cache does not fit.
+        """
         t0 = time.perf_counter()
         if self.pending is not None:
             if "weights" in self.asleep:
+                torch.cuda.empty_cache()
                 self.asleep -= _wake_up(self.llm, ["weights"])
             self.load_weights(self.pending)
             self.pending = None
         if self.asleep:
+            torch.cuda.empty_cache()
             self.asleep -= _wake_up(self.llm, sorted(self.asleep))
         self.timings["wake"] = time.perf_counter() - t0
 

@@ -394,12 +394,14 @@ def test_seeds_reproduce_and_rng_state_resumes(tiny_llama):
     assert len(seeds) == 9 and all(0 <= s < 2**31 for s in seeds)
 
 
-def test_sleep_wake_ordering_and_weight_sync(tiny_llama):
+def test_sleep_wake_ordering_and_weight_sync(tiny_llama, monkeypatch):
     engine, llm, tok = make_engine(tiny_llama, seed=2)
+    # PyTorch's cache must be emptied before vLLM takes memory back (a no-op on CPU, so recorded)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: llm.events.append(("empty_cache",)))
     assert llm.events == [("sleep", 1)]  # asleep until the first rollout
     sp = SamplingParams(n=2, max_new_tokens=6)
     engine.generate(PROMPTS[:1], sp)
-    assert llm.events[1:] == [("wake_up", ("kv_cache", "weights")), ("generate", 1), ("sleep", 1)]
+    assert llm.events[1:] == [("empty_cache",), ("wake_up", ("kv_cache", "weights")), ("generate", 1), ("sleep", 1)]
 
     trainer = copy.deepcopy(llm.hf)
     with torch.no_grad():
@@ -410,8 +412,9 @@ def test_sleep_wake_ordering_and_weight_sync(tiny_llama):
     del llm.events[:]
     groups = engine.generate(PROMPTS, sp)
     n_tensors = len(trainer.state_dict())
-    assert llm.events == [("wake_up", ("weights",)), ("load_weights", n_tensors), ("reset_prefix_cache",),
-                          ("wake_up", ("kv_cache",)), ("generate", 3), ("sleep", 1)]
+    assert llm.events == [("empty_cache",), ("wake_up", ("weights",)), ("load_weights", n_tensors),
+                          ("reset_prefix_cache",), ("empty_cache",), ("wake_up", ("kv_cache",)), ("generate", 3),
+                          ("sleep", 1)]
     for name, t in trainer.state_dict().items():
         torch.testing.assert_close(llm.hf.state_dict()[name], t)
     flat = [c for g in groups for c in g]
@@ -419,7 +422,7 @@ def test_sleep_wake_ordering_and_weight_sync(tiny_llama):
                                torch.tensor(flat[0].logprobs), atol=2e-4, rtol=0)
     del llm.events[:]
     engine.generate(PROMPTS[:1], sp)  # nothing pending: no second copy
-    assert [e[0] for e in llm.events] == ["wake_up", "generate", "sleep"]
+    assert [e[0] for e in llm.events] == ["empty_cache", "wake_up", "generate", "sleep"]
 
 
 def test_without_sleep_mode_the_engine_stays_awake(tiny_llama):
