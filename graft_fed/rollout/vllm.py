@@ -6,10 +6,12 @@ The engine is colocated with the trainer on the same GPU(s):
 * it takes `gpu_memory_utilization` of the GPU for its weights and KV cache, and with
   `sleep` it offloads its weights to CPU memory and frees its KV cache after every
   rollout (vLLM sleep mode, level 1), so the trainer has the GPU while it trains;
-* `sync_weights(model)` marks the engine stale; the next `generate()` wakes the weights
-  only, streams the trainer's current parameters into the engine's model (no disk:
-  in-process, through CUDA IPC handles, or through vLLM's RPC, see `_engine_model`),
-  resets the prefix cache, and only then wakes the KV cache, so the copy never coexists
+* `sync_weights(model)` marks the engine stale; the next `generate()` empties PyTorch's
+  CUDA cache (memory the trainer freed is otherwise still held by PyTorch's allocator and
+  vLLM cannot take it back), wakes the weights only, streams the trainer's current
+  parameters into the engine's model (no disk: in-process, or as pickled payloads through
+  vLLM's RPC, see `_engine_model` and `encode_weight_chunk`), resets the prefix cache,
+  empties the cache again and only then wakes the KV cache, so the copy never coexists
   with a full KV cache;
 * prompts go in as the trained model's token ids (the tokenisation the trainer uses),
   and every response comes back as a `Completion` with the same fields as the
@@ -31,8 +33,10 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import logging
 import os
+import pickle
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -262,24 +266,74 @@ def _engine_model(llm: Any) -> tuple[str, Any]:
                        "(pip install 'graft-fed[vllm]')")
 
 
+# What crosses vLLM's RPC. vLLM encodes collective_rpc arguments with msgpack and decodes
+# them without type hints: a tuple arrives as a list and a tensor as [dtype, shape, buffer],
+# so neither a CUDA IPC handle (a tuple) nor a tensor survives the trip. Bytes do, unchanged,
+# so each chunk travels as one pickled payload that the worker unpickles itself. The payload
+# goes from this process to the engine process it started (vLLM already needs
+# VLLM_ALLOW_INSECURE_SERIALIZATION for the function that unpickles it), never over a network.
+_IPC, _CPU = "cuda_ipc", "cpu"
+
+
+def _on_gpu(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda
+
+
+def _ipc_handle(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple]:
+    """(rebuild function, its arguments): what opens `tensor`'s CUDA memory in another process."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(tensor)
+
+
+def encode_weight_chunk(chunk: Sequence[tuple[str, torch.Tensor]], same_gpu: bool) -> bytes:
+    """One chunk of (name, tensor) as bytes for a worker: a CUDA IPC handle per tensor when
+    the worker is on this GPU (tensor parallelism 1; nothing is copied), else a CPU copy
+    (each worker of a tensor-parallel engine keeps its own shard of the full tensor)."""
+    items = []
+    for name, tensor in chunk:
+        if same_gpu and _on_gpu(tensor):
+            items.append((name, _IPC, _ipc_handle(tensor.contiguous())))
+        else:
+            buffer = io.BytesIO()
+            torch.save(tensor.detach().cpu().contiguous(), buffer)
+            items.append((name, _CPU, buffer.getvalue()))
+    return pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_weight_chunk(payload: Any) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of an `encode_weight_chunk` payload, in the worker."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a vLLM worker received a weight payload of type {type(payload).__name__}, expected the "
+                        "bytes of graft_fed.rollout.vllm.encode_weight_chunk; send weights through collective_rpc "
+                        "only as that payload (vLLM's RPC does not carry tuples or tensors intact)")
+    out = []
+    for name, kind, data in pickle.loads(bytes(payload)):
+        if kind == _IPC:
+            rebuild, args = data
+            tensor = rebuild(*args)  # opens the trainer's CUDA memory in this process
+        elif kind == _CPU:
+            tensor = torch.load(io.BytesIO(data), weights_only=True)
+        else:
+            raise ValueError(f"unknown weight payload kind {kind!r} for {name}")
+        out.append((name, tensor))
+    return out
+
+
 def _worker_model(worker: Any) -> Any:
     worker = getattr(worker, "worker", None) or worker
     return worker.model_runner.model
 
 
-def _load_on_worker(worker: Any, weights: list[tuple[str, Any]]) -> int:
-    """Runs inside a vLLM worker: load (name, tensor) pairs; CUDA IPC handles are opened
-    first. Returns how many tensors it loaded."""
-    opened = []
-    for name, value in weights:
-        if isinstance(value, tuple):  # (rebuild function, args) from torch's reduce_tensor
-            rebuild, args = value
-            value = rebuild(*args)
-        opened.append((name, value))
-    _worker_model(worker).load_weights(weights=opened)
+def _load_on_worker(worker: Any, payload: bytes) -> int:
+    """Runs inside a vLLM worker: load one `encode_weight_chunk` payload. Returns how many
+    tensors it loaded (a plain int, which any RPC carries back)."""
+    weights = decode_weight_chunk(payload)
+    _worker_model(worker).load_weights(weights=weights)
     if torch.cuda.is_available():
+        # the trainer's tensors behind the IPC handles must be read before the call returns
         torch.cuda.synchronize()
-    return len(opened)
+    return len(weights)
 
 
 def _wake_up(llm: Any, tags: Sequence[str]) -> set[str]:
@@ -406,23 +460,16 @@ class VLLMRollout:
             sent = counted.count
         else:
             for chunk in chunked(weights, RPC_CHUNK_BYTES):
-                payload = [(name, self._transportable(t)) for name, t in chunk]
-                target(_load_on_worker, args=(payload,))
-                sent += len(payload)
+                loaded = target(_load_on_worker, args=(encode_weight_chunk(chunk, self.same_gpu),))
+                # one count per worker; each must have loaded the whole chunk
+                if any(int(n) != len(chunk) for n in loaded):
+                    raise RuntimeError(f"vLLM workers loaded {list(loaded)} of {len(chunk)} weight tensors")
+                sent += len(chunk)
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):
             reset()  # cached prefixes were computed with the old weights
         self.timings["weight_sync"] = time.perf_counter() - t0
         return sent
-
-    def _transportable(self, tensor: torch.Tensor) -> Any:
-        """What crosses into a worker process: a CUDA IPC handle when the worker is on this
-        GPU (tensor parallelism 1), else a CPU copy."""
-        if self.same_gpu and tensor.is_cuda:
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            return reduce_tensor(tensor.contiguous())
-        return tensor.cpu()
 
     def _warn_bias(self, sampling: SamplingParams) -> None:
         message = logprob_bias_warning(sampling, self.logprobs_mode)

@@ -4,8 +4,10 @@ Everything but the last test runs on CPU without vllm: a fake `LLM` shaped like 
 (RequestOutput / CompletionOutput / Logprob, sleep / wake_up(tags) / reset_prefix_cache,
 the in-process driver worker's model with load_weights, collective_rpc) samples with a
 real tiny transformers model, so the conversion, log-prob, EOS, seeding, weight-sync and
-sleep/wake logic is checked against a teacher-forced forward pass. The last test needs
-vllm and a CUDA GPU and runs the real engine.
+sleep/wake logic is checked against a teacher-forced forward pass. Its collective_rpc
+crosses a process boundary built like vLLM V1's (`RpcBoundary`: msgpack without type
+hints, tensors as [dtype, shape, buffer]), so only what survives that reaches a worker.
+The last test needs vllm and a CUDA GPU and runs the real engine.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import pickle
 import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
+from types import FunctionType, SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -57,6 +61,47 @@ class FakeRequestOutput:
     outputs: list
 
 
+class RpcBoundary:
+    """What a collective_rpc call's arguments and results go through between vLLM V1's
+    front-end and its engine process: msgpack (msgspec) encoding with vLLM's fallbacks, and
+    decoding WITHOUT type hints, as vLLM decodes utility calls. So tuples come back as
+    lists, a tensor comes back as [dtype, shape, data] (data: inline bytes below
+    `inline_below` bytes, else the index of an out-of-band buffer), a function by reference
+    (vLLM cloudpickles it; a module-level function pickles the same way), and anything else
+    msgpack has no type for is pickled (VLLM_ALLOW_INSECURE_SERIALIZATION=1). Bytes pass
+    unchanged."""
+
+    _PICKLE, _FUNCTION, _RAW = 1, 2, 3
+
+    def __init__(self, inline_below: int = 256) -> None:
+        self.inline_below = inline_below
+        self.buffers: list[bytes] = []
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self.decoder = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)  # no type: Any
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            raw = obj.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
+            if len(raw) < self.inline_below:
+                data: Any = msgspec.msgpack.Ext(self._RAW, raw)
+            else:
+                data = len(self.buffers) + 1  # buffer 0 is the message itself
+                self.buffers.append(raw)
+            return str(obj.dtype).removeprefix("torch."), tuple(obj.shape), data
+        if isinstance(obj, FunctionType):
+            return msgspec.msgpack.Ext(self._FUNCTION, pickle.dumps(obj))
+        return msgspec.msgpack.Ext(self._PICKLE, pickle.dumps(obj))
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == self._RAW:
+            return bytes(data)
+        return pickle.loads(data)
+
+    def cross(self, obj: Any) -> Any:
+        self.buffers = []
+        return self.decoder.decode(self.encoder.encode(obj))
+
+
 class FakeSamplingParams:
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
@@ -87,7 +132,8 @@ class FakeLLM:
     reports the sampled token's raw or processed log-prob."""
 
     def __init__(self, model: str, seed: int = 0, enable_sleep_mode: bool = False,
-                 logprobs_mode: str = "raw_logprobs", in_process: bool = True, **kwargs: Any) -> None:
+                 logprobs_mode: str = "raw_logprobs", in_process: bool = True, workers: int = 1,
+                 **kwargs: Any) -> None:
         self.kwargs = dict(model=model, seed=seed, enable_sleep_mode=enable_sleep_mode,
                            logprobs_mode=logprobs_mode, **kwargs)
         self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -101,7 +147,10 @@ class FakeLLM:
             self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)))
         else:
             self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace())  # V1 multiprocess client
-            self._worker = worker
+            # tensor parallelism: every worker gets the full tensors and loads them (a fake
+            # shard: each loads the same model, so a wrong tensor fails on any of them)
+            self._workers = [worker] * workers
+            self.boundary = RpcBoundary()
 
     def sleep(self, level: int = 1) -> None:
         assert self.sleep_mode, "sleep() needs enable_sleep_mode=True"
@@ -149,8 +198,11 @@ class FakeLLM:
         return FakeRequestOutput(request_id=str(i), prompt_token_ids=list(prompt_ids), outputs=outputs[::-1])
 
     def collective_rpc(self, method, args=(), kwargs=None):
-        assert not hasattr(self, "llm_engine") or not hasattr(self.llm_engine, "model_executor")
-        return [method(self._worker, *args, **(kwargs or {}))]
+        assert not hasattr(self.llm_engine, "model_executor"), "the in-process fake has no RPC"
+        # front-end -> engine process: what the workers get is what survived msgpack
+        method, args, kwargs = self.boundary.cross((method, args, kwargs or {}))
+        results = [method(worker, *args, **kwargs) for worker in self._workers]
+        return self.boundary.cross(results)  # and the results come back the same way
 
 
 class OldWakeLLM(FakeLLM):
@@ -232,6 +284,7 @@ def test_engine_kwargs_mapping():
     assert (kw["dtype"], kw["max_model_len"], kw["tensor_parallel_size"], kw["enable_sleep_mode"]) == \
         ("float32", 6144, 2, False)
     assert kw["gpu_memory_utilization"] == 0.45 and kw["enforce_eager"] and kw["logprobs_mode"] == "processed_logprobs"
+
 
 
 def test_vllm_config_validation():
@@ -330,6 +383,44 @@ def test_iter_weights_streams_state_dict_cast_and_gathered(tiny_llama):
                                                   "_orig_mod.steps": torch.tensor([3])})
     (n1, t1), (n2, t2) = vb.iter_weights(wrapped, torch.float16)
     assert (n1, t1.dtype, n2, t2.dtype) == ("w", torch.float16, "steps", torch.int64)  # integers are not cast
+
+
+SHARED: dict[int, torch.Tensor] = {}
+
+
+def _open_shared(key: int) -> torch.Tensor:
+    """Stands in for torch's rebuild_cuda_tensor: opens the memory a handle names."""
+    return SHARED[key]
+
+
+def test_weight_payload_crosses_vllms_rpc_boundary(monkeypatch):
+    boundary = RpcBoundary(inline_below=64)
+    chunk = [("a.weight", torch.randn(4, 8, dtype=torch.bfloat16)), ("b.bias", torch.arange(3.0)),
+             ("steps", torch.tensor([7]))]
+    # what the old backend sent (tuples, tensors) does not survive: the worker sees lists
+    naive = boundary.cross(([(n, t) for n, t in chunk],))
+    assert naive[0][0][0] == "a.weight" and isinstance(naive[0][0][1], list) and naive[0][0][1][0] == "bfloat16"
+    with pytest.raises(TypeError, match="expected the bytes of graft_fed.rollout.vllm.encode_weight_chunk"):
+        vb.decode_weight_chunk(naive[0])
+
+    for same_gpu in (False, True):  # CPU tensors travel as copies whatever same_gpu says
+        got = vb.decode_weight_chunk(boundary.cross(vb.encode_weight_chunk(chunk, same_gpu)))
+        assert [n for n, _ in got] == [n for n, _ in chunk]
+        for (_, want), (_, have) in zip(chunk, got):
+            assert have.dtype == want.dtype and torch.equal(have, want)
+
+    # tensor parallelism 1 with the trainer on this GPU: (rebuild, args) handles, not copies
+    def handle(t):
+        SHARED[len(SHARED)] = t
+        return _open_shared, (len(SHARED) - 1,)
+
+    monkeypatch.setattr(vb, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(vb, "_ipc_handle", handle)
+    SHARED.clear()
+    got = vb.decode_weight_chunk(boundary.cross(vb.encode_weight_chunk(chunk, same_gpu=True)))
+    assert all(have is want for (_, want), (_, have) in zip(chunk, got))  # opened in place, never copied
+    assert len(vb.decode_weight_chunk(boundary.cross(vb.encode_weight_chunk(chunk, same_gpu=False)))) == 3
+    assert len(SHARED) == 3  # same_gpu=False (tensor parallelism > 1) never hands out handles
 
 
 def test_chunked_bounds_bytes():
@@ -440,8 +531,11 @@ def test_wake_up_without_tags_wakes_everything(tiny_llama):
     assert [e[0] for e in llm.events] == ["sleep", "wake_up", "load_weights", "reset_prefix_cache", "generate", "sleep"]
 
 
-def test_weights_reach_a_multiprocess_engine_through_rpc_in_chunks(tiny_llama, monkeypatch):
-    engine, llm, _ = make_engine(tiny_llama, in_process=False)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_weights_reach_a_multiprocess_engine_through_rpc_in_chunks(tiny_llama, monkeypatch, workers):
+    """vLLM V1's default: the engine in its own process, reached through msgpack (RpcBoundary)."""
+    engine, llm, tok = make_engine(tiny_llama, in_process=False, workers=workers)
+    engine.same_gpu = workers == 1
     assert vb._engine_model(llm)[0] == "rpc"
     monkeypatch.setattr(vb, "RPC_CHUNK_BYTES", 4096)
     trainer = copy.deepcopy(llm.hf)
@@ -450,20 +544,28 @@ def test_weights_reach_a_multiprocess_engine_through_rpc_in_chunks(tiny_llama, m
             p.add_(0.01)
     assert engine.load_weights(trainer) == len(trainer.state_dict())
     loads = [e for e in llm.events if e[0] == "load_weights"]
-    assert len(loads) > 1 and sum(n for _, n in loads) == len(trainer.state_dict())
+    assert len(loads) > workers and sum(n for _, n in loads) == workers * len(trainer.state_dict())
     for name, t in trainer.state_dict().items():
         torch.testing.assert_close(llm.hf.state_dict()[name], t)
+    # and a second rollout after a sync samples from the new weights (the issue's crash point)
+    with torch.no_grad():
+        trainer.lm_head.weight.mul_(2.0)
+    engine.sync_weights(trainer)
+    flat = [c for g in engine.generate(PROMPTS[:2], SamplingParams(n=2, max_new_tokens=5)) for c in g]
+    torch.testing.assert_close(teacher_forced(trainer, tok, flat)[0, :len(flat[0].token_ids)],
+                               torch.tensor(flat[0].logprobs), atol=2e-4, rtol=0)
 
 
-def test_engine_model_access_paths(tiny_llama):
-    _, llm, _ = make_engine(tiny_llama)
-    kind, model = vb._engine_model(llm)
-    assert kind == "local" and model is llm.vllm_model
-    v1_inproc = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(
-        model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))))))
-    assert vb._engine_model(v1_inproc) == ("local", model)
-    with pytest.raises(RuntimeError, match="collective_rpc"):
-        vb._engine_model(SimpleNamespace(llm_engine=None))
+def test_a_worker_that_loads_less_than_sent_is_an_error(tiny_llama, monkeypatch):
+    engine, llm, _ = make_engine(tiny_llama, in_process=False)
+    monkeypatch.setattr(llm, "_workers", [])  # no worker answered
+    real = llm.collective_rpc
+    monkeypatch.setattr(llm, "collective_rpc", lambda *a, **k: real(*a, **k) + [0])
+    with pytest.raises(RuntimeError, match=r"vLLM workers loaded \[0\] of \d+ weight tensors"):
+        engine.load_weights(copy.deepcopy(llm.hf))
+
+
+
 
 
 # ----- the trainer builds it ---------------------------------------------------------------------
