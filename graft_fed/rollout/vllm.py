@@ -13,10 +13,12 @@ The engine is colocated with the trainer on the same GPU(s):
   vLLM's RPC, see `_engine_model` and `encode_weight_chunk`), resets the prefix cache,
   empties the cache again and only then wakes the KV cache, so the copy never coexists
   with a full KV cache;
-* prompts go in as the trained model's token ids (the tokenisation the trainer uses),
-  and every response comes back as a `Completion` with the same fields as the
-  transformers backend: token ids including the final EOS when it stopped, the log-prob
-  of every sampled token, the text decoded by the same tokenizer, "stop" or "length".
+* prompts go in as the trained model's token ids (the tokenisation the trainer uses; vLLM
+  never loads a tokenizer, `skip_tokenizer_init`), and every response comes back as a
+  `Completion` with the same fields as the transformers backend: token ids including the
+  final EOS when it stopped, the log-prob of every sampled token, the text decoded by the
+  same tokenizer, "stop" or "length" (an EOS sampled as the last allowed token is "stop",
+  whatever the vLLM release reports, see `finish_reason`).
 
 The log-probs are what vLLM reports for the sampled token (`logprobs=0`) under its
 `logprobs_mode`: "raw_logprobs" (default) are the untempered full-vocabulary model's,
@@ -50,6 +52,8 @@ log = logging.getLogger("graft_fed.rollout.vllm")
 
 #: Weight tensors sent to a vLLM worker per RPC when the engine lives in another process.
 RPC_CHUNK_BYTES = 512 * 2**20
+#: vLLM 0.33 rejects a higher sampling temperature (and it is no setting for RL anyway).
+MAX_TEMPERATURE = 2.0
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -88,7 +92,10 @@ def engine_kwargs(model_path: str, opts: Any, seed: int, bf16_supported: bool) -
     dtype = _DTYPES.get(opts.dtype) or ("bfloat16" if bf16_supported else "float16")
     kwargs: dict[str, Any] = {
         "model": model_path,
-        "tokenizer": model_path,
+        # Prompts go in as token ids and graft-fed decodes the responses, so vLLM needs no
+        # tokenizer; loading one would fail for tokenizers whose class vLLM's pinned
+        # transformers lacks (the zoo's name a transformers-5-only class).
+        "skip_tokenizer_init": True,
         "dtype": dtype,
         "seed": seed,
         "gpu_memory_utilization": opts.gpu_memory_utilization,
@@ -111,6 +118,10 @@ def sampling_kwargs(sp: SamplingParams, seed: int, stop_token_ids: Sequence[int]
     config's EOS ids, as the transformers backend) and the stop token stays in the
     response's token ids. Text is decoded by graft-fed's tokenizer, not by vLLM.
     """
+    if not 0 < sp.temperature <= MAX_TEMPERATURE:
+        raise ConfigError(f"rollout.temperature is {sp.temperature}, but the vLLM backend samples only with a "
+                          f"temperature in (0, {MAX_TEMPERATURE:g}] (vLLM 0.33 rejects higher ones); set "
+                          "rollout.temperature in that range or use rollout.backend: hf")
     return {
         "n": sp.n,
         "temperature": sp.temperature,
@@ -181,25 +192,40 @@ def sampled_logprobs(entries: Any, token_ids: Sequence[int]) -> list[float]:
     return out
 
 
-def completion_from_output(output: Any, prompt_ids: Sequence[int], decode: Callable[[list[int]], str]) -> Completion:
-    """One vLLM `CompletionOutput` as a `Completion` (same fields as the transformers backend)."""
-    token_ids = [int(t) for t in output.token_ids]
-    reason = output.finish_reason
+def finish_reason(reason: Any, token_ids: Sequence[int], stop_token_ids: Sequence[int]) -> str:
+    """"stop" when the response ends in a stop token, else "length", checked against vLLM's report.
+
+    vLLM 0.10.2 tests the length cap before the stop tokens, so an EOS sampled as the last
+    allowed token is reported as "length" (later releases and the transformers backend say
+    "stop"). The token ids decide: a response that ends in EOS finished, whatever the cap.
+    """
     if reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM ended a response with finish_reason {reason!r} (expected 'stop' at an EOS or "
                            "'length' at max_new_tokens / max_model_len); was the request aborted?")
+    if reason == "length" and token_ids and int(token_ids[-1]) in {int(t) for t in stop_token_ids}:
+        return "stop"
+    return reason
+
+
+def completion_from_output(output: Any, prompt_ids: Sequence[int], decode: Callable[[list[int]], str],
+                           stop_token_ids: Sequence[int] = ()) -> Completion:
+    """One vLLM `CompletionOutput` as a `Completion` (same fields as the transformers backend);
+    `stop_token_ids` are the ids the request stopped at (see `finish_reason`)."""
+    token_ids = [int(t) for t in output.token_ids]
+    reason = finish_reason(output.finish_reason, token_ids, stop_token_ids)
     return Completion(text=decode(token_ids), token_ids=token_ids,
                       logprobs=sampled_logprobs(output.logprobs, token_ids),
                       finish_reason=reason, prompt_token_ids=list(prompt_ids))
 
 
 def group_from_request_output(request_output: Any, prompt_ids: Sequence[int], n: int,
-                              decode: Callable[[list[int]], str]) -> list[Completion]:
+                              decode: Callable[[list[int]], str],
+                              stop_token_ids: Sequence[int] = ()) -> list[Completion]:
     """The `n` completions of one prompt, in vLLM's sample order."""
     outputs = sorted(request_output.outputs, key=lambda o: getattr(o, "index", 0))
     if len(outputs) != n:
         raise RuntimeError(f"vLLM returned {len(outputs)} responses for a prompt; asked for n={n}")
-    return [completion_from_output(o, prompt_ids, decode) for o in outputs]
+    return [completion_from_output(o, prompt_ids, decode, stop_token_ids) for o in outputs]
 
 
 def vllm_weight_name(name: str) -> str:
@@ -418,7 +444,8 @@ class VLLMRollout:
                 self._sleep()
         if len(outputs) != len(encoded):
             raise RuntimeError(f"vLLM returned {len(outputs)} results for {len(encoded)} prompts")
-        return [group_from_request_output(out, ids, sampling.n, self.decode) for out, ids in zip(outputs, encoded)]
+        return [group_from_request_output(out, ids, sampling.n, self.decode, self.eos_ids)
+                for out, ids in zip(outputs, encoded)]
 
     # ----- memory choreography ---------------------------------------------------------------
 

@@ -133,13 +133,16 @@ class FakeLLM:
 
     def __init__(self, model: str, seed: int = 0, enable_sleep_mode: bool = False,
                  logprobs_mode: str = "raw_logprobs", in_process: bool = True, workers: int = 1,
-                 **kwargs: Any) -> None:
+                 length_before_stop: bool = False, eos_on_last_step: bool = False, **kwargs: Any) -> None:
         self.kwargs = dict(model=model, seed=seed, enable_sleep_mode=enable_sleep_mode,
                            logprobs_mode=logprobs_mode, **kwargs)
         self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         self.events: list = []
         self.sleep_mode = enable_sleep_mode
         self.logprobs_mode = logprobs_mode
+        # vLLM 0.10.2 checks the length cap before the stop tokens (see finish_reason)
+        self.length_before_stop = length_before_stop
+        self.eos_on_last_step = eos_on_last_step  # the last allowed token is the first stop id
         self.awake = {"weights", "kv_cache"}
         self.vllm_model = FakeVllmModel(self.hf, self.events)
         worker = SimpleNamespace(model_runner=SimpleNamespace(model=self.vllm_model))
@@ -166,6 +169,8 @@ class FakeLLM:
         return True
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
+        if self.kwargs.get("skip_tokenizer_init") and any(sp.detokenize for sp in sampling_params):
+            raise ValueError("detokenize needs a tokenizer, and skip_tokenizer_init is set")
         if self.awake != {"weights", "kv_cache"}:
             raise RuntimeError(f"generate while asleep (awake: {sorted(self.awake)})")
         self.events.append(("generate", len(prompts)))
@@ -183,10 +188,14 @@ class FakeLLM:
                 proc = torch.log_softmax(filter_logits((logits / sp.temperature).unsqueeze(0), max(sp.top_k, 0),
                                                        sp.top_p)[0], -1)
                 tok = int(torch.multinomial(proc.exp(), 1, generator=gen))
+                if self.eos_on_last_step and len(toks) == sp.max_tokens - 1:
+                    tok = sp.stop_token_ids[0]
                 lp = float((raw if self.logprobs_mode == "raw_logprobs" else proc)[tok])
                 toks.append(tok)
                 lps.append({tok: FakeLogprob(lp, 1, "?")})
                 seq.append(tok)
+                if self.length_before_stop and len(toks) == sp.max_tokens:
+                    break  # reason stays "length" even when tok is a stop token
                 if tok in sp.stop_token_ids:
                     reason = "stop"
                     break
@@ -273,7 +282,10 @@ def test_sampling_params_mapping():
 
 def test_engine_kwargs_mapping():
     kw = vb.engine_kwargs("/m", VllmSection(), seed=3, bf16_supported=True)
-    assert kw["model"] == kw["tokenizer"] == "/m" and kw["seed"] == 3 and kw["dtype"] == "bfloat16"
+    assert kw["model"] == "/m" and kw["seed"] == 3 and kw["dtype"] == "bfloat16"
+    # vLLM never loads the tokenizer (the zoo's name a class only transformers 5 has):
+    # prompts go in as token ids and graft-fed decodes
+    assert kw["skip_tokenizer_init"] is True and "tokenizer" not in kw
     assert kw["enable_sleep_mode"] is True and kw["tensor_parallel_size"] == 1
     assert kw["gpu_memory_utilization"] == 0.3 and kw["logprobs_mode"] == "raw_logprobs"
     assert "max_model_len" not in kw  # the model's maximum
@@ -285,6 +297,11 @@ def test_engine_kwargs_mapping():
         ("float32", 6144, 2, False)
     assert kw["gpu_memory_utilization"] == 0.45 and kw["enforce_eager"] and kw["logprobs_mode"] == "processed_logprobs"
 
+
+def test_temperature_vllm_rejects_is_a_config_error():
+    assert vb.sampling_kwargs(SamplingParams(temperature=2.0), 0, [1])["temperature"] == 2.0
+    with pytest.raises(ConfigError, match=r"rollout.temperature is 2.5.*\(0, 2\].*rollout.backend: hf"):
+        vb.sampling_kwargs(SamplingParams(temperature=2.5), 0, [1])
 
 
 def test_vllm_config_validation():
@@ -332,6 +349,19 @@ def test_completion_from_output_stop_and_length():
     cut = FakeCompletionOutput(0, "", (5, 5), None, [{5: FakeLogprob(-2.0)}, {5: FakeLogprob(-2.5)}], "length")
     c = vb.completion_from_output(cut, [7], decode)
     assert c.finish_reason == "length" and c.token_ids == [5, 5] and c.mean_logprob == -2.25
+
+
+def test_eos_sampled_as_the_last_allowed_token_is_stop():
+    # vLLM 0.10.2 reports it as "length" (it checks the cap first); 0.33 and the hf backend say "stop"
+    eos_at_cap = FakeCompletionOutput(0, "", (3, 1), None, [{3: -0.5}, {1: -0.2}], "length")
+    c = vb.completion_from_output(eos_at_cap, [7], lambda ids: "", stop_token_ids=[1, 2])
+    assert c.finish_reason == "stop" and c.token_ids == [3, 1]
+    assert vb.finish_reason("length", [3, 2], [1, 2]) == "stop"  # any stop id, not only the first
+    assert vb.finish_reason("length", [1, 3], [1]) == "length"  # an EOS earlier is not a stop
+    assert vb.finish_reason("length", [], [1]) == "length"
+    assert vb.finish_reason("stop", [3, 1], [1]) == "stop"
+    with pytest.raises(RuntimeError, match="aborted"):
+        vb.finish_reason("abort", [1], [1])
 
 
 @pytest.mark.parametrize("output, message", [
@@ -565,6 +595,17 @@ def test_a_worker_that_loads_less_than_sent_is_an_error(tiny_llama, monkeypatch)
         engine.load_weights(copy.deepcopy(llm.hf))
 
 
+def test_eos_at_the_length_cap_reaches_the_trainer_as_stop(tiny_llama):
+    # vLLM 0.10.2: an EOS sampled as the last allowed token comes back as "length"
+    engine, llm, tok = make_engine(tiny_llama, seed=4, length_before_stop=True, eos_on_last_step=True)
+    flat = [c for g in engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4)) for c in g]
+    assert len(flat) == 6
+    for c in flat:
+        assert c.token_ids[-1] == tok.eos_token_id and c.finish_reason == "stop", c
+    # the rule keeps a genuinely truncated response "length"
+    engine, llm, tok = make_engine(tiny_llama, seed=4, length_before_stop=True)
+    for c in [c for g in engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4)) for c in g]:
+        assert (c.finish_reason == "stop") == (c.token_ids[-1] == tok.eos_token_id)
 
 
 
