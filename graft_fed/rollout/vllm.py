@@ -21,11 +21,11 @@ The engine is colocated with the trainer on the same GPU(s):
   whatever the vLLM release reports, see `finish_reason`).
 
 The log-probs are what vLLM reports for the sampled token (`logprobs=0`) under its
-`logprobs_mode`: "raw_logprobs" (default) are the untempered full-vocabulary model's,
-which equal the sampling distribution's at temperature 1, top_p 1, top_k 0 (the paper's
-setting); "processed_logprobs" are those of the distribution after temperature and
-top-k/top-p, as the transformers backend records. Any other sampling setting logs a
-warning saying which way the recorded log-probs are off.
+`logprobs_mode`: "processed_logprobs" (default) are those of the distribution after
+temperature and top-k/top-p, what the transformers backend records; "raw_logprobs" are the
+untempered full-vocabulary model's. Both are equal at temperature 1, top_p 1, top_k 0 (the
+paper's setting). Any other sampling setting logs a warning saying which way the recorded
+log-probs are off.
 
 vllm is imported only when an engine is built (extra `vllm`); everything else in this
 module is plain Python so that the conversion logic is tested on CPU with fakes.
@@ -382,7 +382,7 @@ class VLLMRollout:
 
     def __init__(self, llm: Any, tokenizer: Any, sampling_params_cls: Any, *, seed: int = 0,
                  add_special_tokens: bool = False, eos_ids: Sequence[int] = (), sleep: bool = True,
-                 logprobs_mode: str = "raw_logprobs", weight_dtype: torch.dtype | None = torch.bfloat16,
+                 logprobs_mode: str = "processed_logprobs", weight_dtype: torch.dtype | None = torch.bfloat16,
                  same_gpu: bool = True) -> None:
         self.llm = llm
         self.tokenizer = tokenizer

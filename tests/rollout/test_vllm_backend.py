@@ -132,7 +132,7 @@ class FakeLLM:
     reports the sampled token's raw or processed log-prob."""
 
     def __init__(self, model: str, seed: int = 0, enable_sleep_mode: bool = False,
-                 logprobs_mode: str = "raw_logprobs", in_process: bool = True, workers: int = 1,
+                 logprobs_mode: str = "processed_logprobs", in_process: bool = True, workers: int = 1,
                  length_before_stop: bool = False, eos_on_last_step: bool = False, **kwargs: Any) -> None:
         self.kwargs = dict(model=model, seed=seed, enable_sleep_mode=enable_sleep_mode,
                            logprobs_mode=logprobs_mode, **kwargs)
@@ -225,7 +225,7 @@ def fake_vllm_module(llm_cls=FakeLLM):
     return SimpleNamespace(LLM=llm_cls, SamplingParams=FakeSamplingParams, __version__="fake")
 
 
-def make_engine(model_dir, seed=0, sleep=True, logprobs_mode="raw_logprobs", llm_cls=FakeLLM, **llm_kwargs):
+def make_engine(model_dir, seed=0, sleep=True, logprobs_mode="processed_logprobs", llm_cls=FakeLLM, **llm_kwargs):
     tok = AutoTokenizer.from_pretrained(model_dir)
     llm = llm_cls(str(model_dir), seed=seed, enable_sleep_mode=sleep, logprobs_mode=logprobs_mode, **llm_kwargs)
     engine = vb.VLLMRollout(llm, tok, FakeSamplingParams, seed=seed, eos_ids=[tok.eos_token_id], sleep=sleep,
@@ -287,15 +287,15 @@ def test_engine_kwargs_mapping():
     # prompts go in as token ids and graft-fed decodes
     assert kw["skip_tokenizer_init"] is True and "tokenizer" not in kw
     assert kw["enable_sleep_mode"] is True and kw["tensor_parallel_size"] == 1
-    assert kw["gpu_memory_utilization"] == 0.3 and kw["logprobs_mode"] == "raw_logprobs"
+    assert kw["gpu_memory_utilization"] == 0.3 and kw["logprobs_mode"] == "processed_logprobs"
     assert "max_model_len" not in kw  # the model's maximum
     assert vb.engine_kwargs("/m", VllmSection(), 0, bf16_supported=False)["dtype"] == "float16"
     opts = VllmSection(dtype="fp32", max_model_len=6144, tensor_parallel_size=2, sleep=False,
-                       gpu_memory_utilization=0.45, enforce_eager=True, logprobs_mode="processed_logprobs")
+                       gpu_memory_utilization=0.45, enforce_eager=True, logprobs_mode="raw_logprobs")
     kw = vb.engine_kwargs("/m", opts, 0, True)
     assert (kw["dtype"], kw["max_model_len"], kw["tensor_parallel_size"], kw["enable_sleep_mode"]) == \
         ("float32", 6144, 2, False)
-    assert kw["gpu_memory_utilization"] == 0.45 and kw["enforce_eager"] and kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["gpu_memory_utilization"] == 0.45 and kw["enforce_eager"] and kw["logprobs_mode"] == "raw_logprobs"
 
 
 def test_temperature_vllm_rejects_is_a_config_error():
@@ -607,6 +607,34 @@ def test_eos_at_the_length_cap_reaches_the_trainer_as_stop(tiny_llama):
     for c in [c for g in engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4)) for c in g]:
         assert (c.finish_reason == "stop") == (c.token_ids[-1] == tok.eos_token_id)
 
+
+def test_default_records_the_sampling_distributions_logprobs(tiny_llama, monkeypatch):
+    """A node that leaves rollout.vllm alone and samples at temperature 0.7 gets the log-probs
+    of the tempered distribution its responses came from (not raw, biased ones)."""
+    assert VllmSection().logprobs_mode == "processed_logprobs"
+    monkeypatch.setattr(vb, "import_vllm", lambda: fake_vllm_module(FakeLLM))
+    monkeypatch.setattr(vb, "require_cuda", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    engine = vb.build_vllm_engine(str(tiny_llama), tok, trainer, VllmSection(), seed=3, add_special_tokens=False)
+    assert engine.llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    flat = [c for g in engine.generate(PROMPTS[:2], SamplingParams(n=2, temperature=0.7, max_new_tokens=6))
+            for c in g]
+    fwd = teacher_forced(trainer, tok, flat, temperature=0.7)
+    for i, c in enumerate(flat):
+        torch.testing.assert_close(fwd[i, :len(c.token_ids)], torch.tensor(c.logprobs), atol=2e-4, rtol=0)
+
+
+def test_engine_model_access_paths(tiny_llama):
+    _, llm, _ = make_engine(tiny_llama)
+    kind, model = vb._engine_model(llm)
+    assert kind == "local" and model is llm.vllm_model
+    v1_inproc = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(
+        model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))))))
+    assert vb._engine_model(v1_inproc) == ("local", model)
+    with pytest.raises(RuntimeError, match="collective_rpc"):
+        vb._engine_model(SimpleNamespace(llm_engine=None))
 
 
 # ----- the trainer builds it ---------------------------------------------------------------------
