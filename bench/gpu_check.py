@@ -30,6 +30,16 @@ What it does, all offline:
    trained token (N = parameters, the tied embedding once; attention's sequence-length
    term is left out, so MFU is slightly understated).
 5. Repeats the timed step with the vLLM backend when vllm is importable (optional).
+6. Before all that, the checks a first run of the vLLM backend needs (`vllm_checks`), on the
+   shipped tiny-llama-char model with an fp32 engine, each reported as ok / not ok with its
+   measurement: the engine path taken (in-process or vLLM's RPC); per-token log-probs
+   against a teacher-forced forward pass of the trainer's model; weights scaled, synced
+   (twice: the second rollout after a sync is where a broken RPC payload fails), and the
+   log-probs following; finish reasons at the length cap (an EOS as the last allowed token
+   is "stop", and what the installed vLLM itself reports); seeded reproducibility (run
+   seed resumed, per-prompt keys); processed log-probs at temperature 0.7; the memory
+   hand-over (the trainer fills the GPU and frees it into PyTorch's cache, and the engine
+   must still wake). Without vllm or a GPU it says which checks could not run and why.
 
 Writes OUT/gpu_check.json and prints a table.
 """
@@ -288,6 +298,184 @@ def run_backend(backend: str, models: dict[str, Path], n_params: dict[str, int],
             "peak_gpu_memory_gib": peak, "members": members}
 
 
+# ----- vLLM backend checks ---------------------------------------------------------------------
+
+VLLM_CHECKS = ("engine_path", "logprobs_vs_teacher_forced", "weight_sync", "finish_reasons_at_cap",
+               "seeded_reproducibility", "processed_logprobs_t0.7", "memory_handover")
+# fp32 engine and trainer on the same GPU: kernels differ (paged attention vs eager), so the
+# log-probs agree to about 1e-4; 2e-3 leaves room and still catches a wrong distribution
+# (temperature, stale weights), which is off by 1e-1 or more.
+LOGPROB_TOLERANCE = 2e-3
+
+
+def max_logprob_gap(model: Any, tok: Any, completions: list[Any], device: torch.device,
+                    temperature: float = 1.0) -> float:
+    """Largest |recorded - teacher-forced| per-token log-prob over `completions` under `model`."""
+    from graft_fed.modeling import pack, response_forward
+
+    batch = pack([c.prompt_token_ids for c in completions], [c.token_ids for c in completions],
+                 tok.pad_token_id, device)
+    with torch.no_grad():
+        want = response_forward(model, batch, temperature=temperature).logprobs.float().cpu()
+    return max(float((torch.tensor(c.logprobs) - want[i, :len(c.token_ids)]).abs().max())
+               for i, c in enumerate(completions))
+
+
+def finish_reason_errors(completions: list[Any], eos_ids: list[int], cap: int) -> list[str]:
+    """What is wrong with the finish reasons: "stop" exactly when the response ends in an EOS,
+    "length" only at the cap."""
+    errors = []
+    for i, c in enumerate(completions):
+        ends_in_eos = bool(c.token_ids) and c.token_ids[-1] in eos_ids
+        if (c.finish_reason == "stop") != ends_in_eos:
+            errors.append(f"response {i}: {c.finish_reason!r} but last token {c.token_ids[-1:]} (EOS ids {eos_ids})")
+        elif c.finish_reason == "length" and len(c.token_ids) != cap:
+            errors.append(f"response {i}: 'length' after {len(c.token_ids)} tokens, cap {cap}")
+    return errors
+
+
+def vllm_checks(device: torch.device, model_spec: str = "zoo:tiny-llama-char",
+                log: Any = print) -> dict[str, Any]:
+    """The first-GPU-run checks of the vLLM backend (see the module docstring, step 6).
+    Returns {"skipped": why} when vllm or a CUDA device is missing, else one entry per check
+    with "ok" and what was measured."""
+    from graft_fed.errors import ConfigError
+    from graft_fed.modeling import load_model_and_tokenizer
+    from graft_fed.rollout import vllm as vb
+    from graft_fed.rollout.base import SamplingParams
+    from graft_fed.trainer.config import VllmSection
+    from graft_fed.zoo import resolve_model_path
+
+    try:
+        vb.import_vllm()
+        vb.require_cuda(device)
+    except ConfigError as exc:
+        return {"skipped": str(exc), "not_run": list(VLLM_CHECKS)}
+    path = resolve_model_path(model_spec)
+    model, tok = load_model_and_tokenizer(path, device)
+    model.eval()
+    opts = VllmSection(gpu_memory_utilization=0.2, dtype="fp32", enforce_eager=True, max_model_len=256)
+    t0 = time.perf_counter()
+    engine = vb.build_vllm_engine(path, tok, model, opts, seed=0, add_special_tokens=False, device=device)
+    checks: dict[str, Any] = {"model": model_spec, "engine_start_s": time.perf_counter() - t0}
+    prompts = ["Q: What is 12 + 7?\nA: ", "Q: What is 3 * 4?\nA: ", "Q: What is 9 - 5?\nA: "]
+    sp = SamplingParams(n=4, max_new_tokens=48)
+    flat = lambda groups: [c for g in groups for c in g]  # noqa: E731
+
+    def run(name: str, fn: Any) -> None:
+        try:
+            checks[name] = fn()
+        except Exception as exc:  # a failed check is reported, and the others still run
+            checks[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        log(f"vLLM check {name}: {'ok' if checks[name].get('ok') else 'NOT OK'} {checks[name]}")
+
+    def engine_path() -> dict[str, Any]:
+        kind, _ = vb._engine_model(engine.llm)
+        return {"ok": kind in ("local", "rpc"), "path": kind}
+
+    def logprobs() -> dict[str, Any]:
+        gap = max_logprob_gap(model, tok, flat(engine.generate(prompts, sp)), device)
+        return {"ok": gap < LOGPROB_TOLERANCE, "max_abs_gap": gap}
+
+    def weight_sync() -> dict[str, Any]:
+        import copy
+
+        before = copy.deepcopy(model)
+        gaps, gaps_old = [], []
+        for factor in (1.5, 0.8):  # two syncs: the second rollout after a sync is the one that broke
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(factor)
+            engine.sync_weights(model)
+            done = flat(engine.generate(prompts, sp))
+            gaps.append(max_logprob_gap(model, tok, done, device))
+            gaps_old.append(max_logprob_gap(before, tok, done, device))
+        del before
+        return {"ok": max(gaps) < LOGPROB_TOLERANCE and min(gaps_old) > 10 * LOGPROB_TOLERANCE,
+                "max_abs_gap_new_weights": gaps, "max_abs_gap_old_weights": gaps_old,
+                "weight_sync_s": engine.timings.get("weight_sync")}
+
+    def finish_reasons() -> dict[str, Any]:
+        cap = 6
+        short = SamplingParams(n=16, max_new_tokens=cap)
+        done = flat(engine.generate(prompts, short))
+        # what the installed vLLM itself says for an EOS at the cap (0.10.2: "length")
+        engine.wake()
+        try:
+            params = [engine.sampling_params_cls(**vb.sampling_kwargs(short, 1000 + i, engine.eos_ids))
+                      for i in range(len(prompts))]
+            raw = engine.llm.generate([{"prompt_token_ids": engine.encode(p)} for p in prompts], params,
+                                      use_tqdm=False)
+        finally:
+            if engine.sleep:
+                engine._sleep()
+        at_cap = [o.finish_reason for r in raw for o in r.outputs
+                  if len(o.token_ids) == cap and o.token_ids[-1] in engine.eos_ids]
+        errors = finish_reason_errors(done, engine.eos_ids, cap)
+        return {"ok": not errors, "errors": errors[:5], "stop": sum(c.finish_reason == "stop" for c in done),
+                "length": sum(c.finish_reason == "length" for c in done),
+                "vllm_reports_for_eos_at_cap": sorted(set(at_cap)) or "none sampled"}
+
+    def reproducibility() -> dict[str, Any]:
+        state = engine.rng_state()
+        ids = lambda groups: [c.token_ids for c in flat(groups)]  # noqa: E731
+        first = ids(engine.generate(prompts, sp))
+        engine.set_rng_state(state)
+        resumed = ids(engine.generate(prompts, sp))
+        keyed = [ids(engine.generate(prompts, sp, seeds=[5, 6, 7])) for _ in range(2)]
+        return {"ok": first == resumed and keyed[0] == keyed[1], "resumed_identical": first == resumed,
+                "keyed_identical": keyed[0] == keyed[1]}
+
+    def processed() -> dict[str, Any]:
+        warm = SamplingParams(n=4, temperature=0.7, max_new_tokens=48)
+        done = flat(engine.generate(prompts, warm))
+        gap = max_logprob_gap(model, tok, done, device, temperature=0.7)
+        untempered = max_logprob_gap(model, tok, done, device, temperature=1.0)
+        return {"ok": gap < LOGPROB_TOLERANCE and untempered > 10 * LOGPROB_TOLERANCE,
+                "logprobs_mode": engine.logprobs_mode, "max_abs_gap_t0.7": gap, "max_abs_gap_t1": untempered}
+
+    def memory_handover() -> dict[str, Any]:
+        # The trainer's turn: fill what the sleeping engine left free, free it into PyTorch's
+        # cache (as an optimiser step's temporaries are), then the engine must wake and sample.
+        free, total = torch.cuda.mem_get_info(device)
+        block = max(0, free - int(0.1 * total))  # less than the engine's 0.2 stays free
+        x = torch.empty(block, dtype=torch.uint8, device=device)
+        del x
+        cached = torch.cuda.memory_reserved(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        engine.sync_weights(model)
+        engine.generate(prompts, sp)
+        return {"ok": True, "trainer_block_gib": block / 2**30, "cached_before_wake_gib": cached / 2**30,
+                "free_before_wake_gib": free_before / 2**30, "engine_share": opts.gpu_memory_utilization,
+                "total_gib": total / 2**30}
+
+    for name, fn in zip(VLLM_CHECKS, (engine_path, logprobs, weight_sync, finish_reasons, reproducibility,
+                                      processed, memory_handover)):
+        if name == "memory_handover" and device.type != "cuda":
+            checks[name] = {"ok": None, "skipped": "needs a CUDA device"}
+            continue
+        run(name, fn)
+    closer = getattr(engine.llm, "shutdown", None)
+    del engine
+    if callable(closer):
+        closer()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return checks
+
+
+def vllm_checks_table(checks: dict[str, Any]) -> str:
+    if "skipped" in checks:
+        return (f"vLLM checks NOT RUN ({checks['skipped']}): " + ", ".join(checks["not_run"]))
+    lines = ["| vLLM check | result |", "|---|---|"]
+    for name in VLLM_CHECKS:
+        c = checks.get(name, {})
+        result = "skipped: " + c["skipped"] if "skipped" in c else ("ok" if c.get("ok") else "NOT OK")
+        lines.append(f"| {name} | {result} |")
+    return "\n".join(lines)
+
+
 def hardware(device: torch.device) -> dict[str, Any]:
     import transformers
 
@@ -336,6 +524,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also time the vLLM backend: auto = when vllm is importable on a GPU")
     ap.add_argument("--vllm-memory", type=float, default=0.2, help="rollout.vllm.gpu_memory_utilization per engine")
     ap.add_argument("--budget-s", type=float, default=450, help="skip the vLLM part when past this share of time")
+    ap.add_argument("--vllm-checks", choices=("auto", "off"), default="auto",
+                    help="the vLLM backend's first-run checks (step 6): auto = run where vllm and a GPU are")
     args = ap.parse_args(argv)
     args.device = args.device or ("cpu" if args.tiny else "cuda")
     defaults = dict(prompts=(8, 16), n=(4, 8), max_new_tokens=(8, 256), matmul_size=(128, 8192),
@@ -364,6 +554,15 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
+
+    # Correctness before speed: the vLLM checks first, on a tiny model (a minute or two).
+    if args.vllm_checks == "off":
+        checks: dict[str, Any] = {"skipped": "--vllm-checks off", "not_run": list(VLLM_CHECKS)}
+    else:
+        checks = vllm_checks(device, log=log)
+    print(vllm_checks_table(checks), flush=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
     rate_info = matmul_rate(device, args.matmul_size, args.matmul_seconds)
     log(f"bf16 matmul {rate_info['tflops']:.1f} TFLOP/s")
@@ -408,10 +607,12 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
                      "micro_batch_size": args.micro_batch, "num_minibatches": 2, "precision": "auto",
                      "archs": {k: arch_config(k, args.tiny) for k in ARCHS}},
         "runs": runs,
+        "vllm_checks": checks,
         "total_s": time.perf_counter() - start,
     }
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=_json_default), encoding="utf-8")
     print(table(result))
+    print(vllm_checks_table(checks))
     log(f"wrote {out / 'gpu_check.json'}")
     return result
 

@@ -77,3 +77,64 @@ def test_memory_plan_prints_the_scaling_tables(capsys):
     # docs/scaling.md quotes these tables: they must still be what the script prints
     doc = (ROOT / "docs" / "scaling.md").read_text(encoding="utf-8")
     assert out.strip() in doc
+
+
+def test_tiny_gpu_check_says_which_vllm_checks_did_not_run(tmp_path, capsys):
+    gc = _load()
+    result = gc.main(["--tiny", "--out", str(tmp_path)])
+    checks = result["vllm_checks"]
+    # no GPU here (and no vllm in CI): every check is listed as not run, with the reason
+    assert checks["not_run"] == list(gc.VLLM_CHECKS) and len(gc.VLLM_CHECKS) == 7
+    assert "vllm" in checks["skipped"] or "CUDA" in checks["skipped"]
+    assert f"vLLM checks NOT RUN ({checks['skipped']})" in capsys.readouterr().out
+
+
+def _fake_vllm(monkeypatch, llm_cls):
+    from tests.rollout.test_vllm_backend import fake_vllm_module
+
+    from graft_fed.rollout import vllm as vb
+
+    monkeypatch.setattr(vb, "import_vllm", lambda: fake_vllm_module(llm_cls))
+    monkeypatch.setattr(vb, "require_cuda", lambda device=None: None)
+
+
+def test_vllm_checks_pass_on_a_correct_engine(monkeypatch):
+    """The checks' own logic, on CPU against the test suite's fake vLLM engine."""
+    import torch
+    from tests.rollout.test_vllm_backend import FakeLLM
+
+    gc = _load()
+    _fake_vllm(monkeypatch, FakeLLM)
+    checks = gc.vllm_checks(torch.device("cpu"), log=lambda msg: None)
+    assert checks["engine_path"] == {"ok": True, "path": "local"}
+    for name in gc.VLLM_CHECKS[1:-1]:
+        assert checks[name]["ok"] is True, (name, checks[name])
+    assert checks["memory_handover"] == {"ok": None, "skipped": "needs a CUDA device"}
+    assert checks["finish_reasons_at_cap"]["length"] > 0  # the cap was reached, so the rule was exercised
+    assert "NOT OK" not in gc.vllm_checks_table(checks)
+
+
+def test_vllm_checks_catch_raw_logprobs_and_a_wrong_finish_reason(monkeypatch):
+    import torch
+    from tests.rollout.test_vllm_backend import FakeLLM
+
+    from graft_fed.rollout import vllm as vb
+
+    class Broken(FakeLLM):
+        """Ignores logprobs_mode (always raw), and reports an EOS sampled as the last allowed
+        token as "length", as vLLM 0.10.2 does (here every response ends so)."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**{**kwargs, "logprobs_mode": "raw_logprobs"}, length_before_stop=True,
+                             eos_on_last_step=True)
+
+    gc = _load()
+    _fake_vllm(monkeypatch, Broken)
+    # and a backend that trusts the engine's finish reason (the old one did)
+    monkeypatch.setattr(vb, "finish_reason", lambda reason, ids, stops: reason)
+    checks = gc.vllm_checks(torch.device("cpu"), log=lambda msg: None)
+    assert checks["finish_reasons_at_cap"]["vllm_reports_for_eos_at_cap"] == ["length"]
+    assert checks["processed_logprobs_t0.7"]["ok"] is False
+    assert checks["finish_reasons_at_cap"]["ok"] is False and checks["finish_reasons_at_cap"]["errors"]
+    assert checks["logprobs_vs_teacher_forced"]["ok"] is True  # at temperature 1 raw is right
+    assert "| processed_logprobs_t0.7 | NOT OK |" in gc.vllm_checks_table(checks)

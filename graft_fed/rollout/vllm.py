@@ -6,22 +6,26 @@ The engine is colocated with the trainer on the same GPU(s):
 * it takes `gpu_memory_utilization` of the GPU for its weights and KV cache, and with
   `sleep` it offloads its weights to CPU memory and frees its KV cache after every
   rollout (vLLM sleep mode, level 1), so the trainer has the GPU while it trains;
-* `sync_weights(model)` marks the engine stale; the next `generate()` wakes the weights
-  only, streams the trainer's current parameters into the engine's model (no disk:
-  in-process, through CUDA IPC handles, or through vLLM's RPC, see `_engine_model`),
-  resets the prefix cache, and only then wakes the KV cache, so the copy never coexists
+* `sync_weights(model)` marks the engine stale; the next `generate()` empties PyTorch's
+  CUDA cache (memory the trainer freed is otherwise still held by PyTorch's allocator and
+  vLLM cannot take it back), wakes the weights only, streams the trainer's current
+  parameters into the engine's model (no disk: in-process, or as pickled payloads through
+  vLLM's RPC, see `_engine_model` and `encode_weight_chunk`), resets the prefix cache,
+  empties the cache again and only then wakes the KV cache, so the copy never coexists
   with a full KV cache;
-* prompts go in as the trained model's token ids (the tokenisation the trainer uses),
-  and every response comes back as a `Completion` with the same fields as the
-  transformers backend: token ids including the final EOS when it stopped, the log-prob
-  of every sampled token, the text decoded by the same tokenizer, "stop" or "length".
+* prompts go in as the trained model's token ids (the tokenisation the trainer uses; vLLM
+  never loads a tokenizer, `skip_tokenizer_init`), and every response comes back as a
+  `Completion` with the same fields as the transformers backend: token ids including the
+  final EOS when it stopped, the log-prob of every sampled token, the text decoded by the
+  same tokenizer, "stop" or "length" (an EOS sampled as the last allowed token is "stop",
+  whatever the vLLM release reports, see `finish_reason`).
 
 The log-probs are what vLLM reports for the sampled token (`logprobs=0`) under its
-`logprobs_mode`: "raw_logprobs" (default) are the untempered full-vocabulary model's,
-which equal the sampling distribution's at temperature 1, top_p 1, top_k 0 (the paper's
-setting); "processed_logprobs" are those of the distribution after temperature and
-top-k/top-p, as the transformers backend records. Any other sampling setting logs a
-warning saying which way the recorded log-probs are off.
+`logprobs_mode`: "processed_logprobs" (default) are those of the distribution after
+temperature and top-k/top-p, what the transformers backend records; "raw_logprobs" are the
+untempered full-vocabulary model's. Both are equal at temperature 1, top_p 1, top_k 0 (the
+paper's setting). Any other sampling setting logs a warning saying which way the recorded
+log-probs are off.
 
 vllm is imported only when an engine is built (extra `vllm`); everything else in this
 module is plain Python so that the conversion logic is tested on CPU with fakes.
@@ -31,8 +35,10 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import logging
 import os
+import pickle
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -46,6 +52,8 @@ log = logging.getLogger("graft_fed.rollout.vllm")
 
 #: Weight tensors sent to a vLLM worker per RPC when the engine lives in another process.
 RPC_CHUNK_BYTES = 512 * 2**20
+#: vLLM 0.33 rejects a higher sampling temperature (and it is no setting for RL anyway).
+MAX_TEMPERATURE = 2.0
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -84,7 +92,10 @@ def engine_kwargs(model_path: str, opts: Any, seed: int, bf16_supported: bool) -
     dtype = _DTYPES.get(opts.dtype) or ("bfloat16" if bf16_supported else "float16")
     kwargs: dict[str, Any] = {
         "model": model_path,
-        "tokenizer": model_path,
+        # Prompts go in as token ids and graft-fed decodes the responses, so vLLM needs no
+        # tokenizer; loading one would fail for tokenizers whose class vLLM's pinned
+        # transformers lacks (the zoo's name a transformers-5-only class).
+        "skip_tokenizer_init": True,
         "dtype": dtype,
         "seed": seed,
         "gpu_memory_utilization": opts.gpu_memory_utilization,
@@ -107,6 +118,10 @@ def sampling_kwargs(sp: SamplingParams, seed: int, stop_token_ids: Sequence[int]
     config's EOS ids, as the transformers backend) and the stop token stays in the
     response's token ids. Text is decoded by graft-fed's tokenizer, not by vLLM.
     """
+    if not 0 < sp.temperature <= MAX_TEMPERATURE:
+        raise ConfigError(f"rollout.temperature is {sp.temperature}, but the vLLM backend samples only with a "
+                          f"temperature in (0, {MAX_TEMPERATURE:g}] (vLLM 0.33 rejects higher ones); set "
+                          "rollout.temperature in that range or use rollout.backend: hf")
     return {
         "n": sp.n,
         "temperature": sp.temperature,
@@ -177,25 +192,40 @@ def sampled_logprobs(entries: Any, token_ids: Sequence[int]) -> list[float]:
     return out
 
 
-def completion_from_output(output: Any, prompt_ids: Sequence[int], decode: Callable[[list[int]], str]) -> Completion:
-    """One vLLM `CompletionOutput` as a `Completion` (same fields as the transformers backend)."""
-    token_ids = [int(t) for t in output.token_ids]
-    reason = output.finish_reason
+def finish_reason(reason: Any, token_ids: Sequence[int], stop_token_ids: Sequence[int]) -> str:
+    """"stop" when the response ends in a stop token, else "length", checked against vLLM's report.
+
+    vLLM 0.10.2 tests the length cap before the stop tokens, so an EOS sampled as the last
+    allowed token is reported as "length" (later releases and the transformers backend say
+    "stop"). The token ids decide: a response that ends in EOS finished, whatever the cap.
+    """
     if reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM ended a response with finish_reason {reason!r} (expected 'stop' at an EOS or "
                            "'length' at max_new_tokens / max_model_len); was the request aborted?")
+    if reason == "length" and token_ids and int(token_ids[-1]) in {int(t) for t in stop_token_ids}:
+        return "stop"
+    return reason
+
+
+def completion_from_output(output: Any, prompt_ids: Sequence[int], decode: Callable[[list[int]], str],
+                           stop_token_ids: Sequence[int] = ()) -> Completion:
+    """One vLLM `CompletionOutput` as a `Completion` (same fields as the transformers backend);
+    `stop_token_ids` are the ids the request stopped at (see `finish_reason`)."""
+    token_ids = [int(t) for t in output.token_ids]
+    reason = finish_reason(output.finish_reason, token_ids, stop_token_ids)
     return Completion(text=decode(token_ids), token_ids=token_ids,
                       logprobs=sampled_logprobs(output.logprobs, token_ids),
                       finish_reason=reason, prompt_token_ids=list(prompt_ids))
 
 
 def group_from_request_output(request_output: Any, prompt_ids: Sequence[int], n: int,
-                              decode: Callable[[list[int]], str]) -> list[Completion]:
+                              decode: Callable[[list[int]], str],
+                              stop_token_ids: Sequence[int] = ()) -> list[Completion]:
     """The `n` completions of one prompt, in vLLM's sample order."""
     outputs = sorted(request_output.outputs, key=lambda o: getattr(o, "index", 0))
     if len(outputs) != n:
         raise RuntimeError(f"vLLM returned {len(outputs)} responses for a prompt; asked for n={n}")
-    return [completion_from_output(o, prompt_ids, decode) for o in outputs]
+    return [completion_from_output(o, prompt_ids, decode, stop_token_ids) for o in outputs]
 
 
 def vllm_weight_name(name: str) -> str:
@@ -262,24 +292,74 @@ def _engine_model(llm: Any) -> tuple[str, Any]:
                        "(pip install 'graft-fed[vllm]')")
 
 
+# What crosses vLLM's RPC. vLLM encodes collective_rpc arguments with msgpack and decodes
+# them without type hints: a tuple arrives as a list and a tensor as [dtype, shape, buffer],
+# so neither a CUDA IPC handle (a tuple) nor a tensor survives the trip. Bytes do, unchanged,
+# so each chunk travels as one pickled payload that the worker unpickles itself. The payload
+# goes from this process to the engine process it started (vLLM already needs
+# VLLM_ALLOW_INSECURE_SERIALIZATION for the function that unpickles it), never over a network.
+_IPC, _CPU = "cuda_ipc", "cpu"
+
+
+def _on_gpu(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda
+
+
+def _ipc_handle(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple]:
+    """(rebuild function, its arguments): what opens `tensor`'s CUDA memory in another process."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(tensor)
+
+
+def encode_weight_chunk(chunk: Sequence[tuple[str, torch.Tensor]], same_gpu: bool) -> bytes:
+    """One chunk of (name, tensor) as bytes for a worker: a CUDA IPC handle per tensor when
+    the worker is on this GPU (tensor parallelism 1; nothing is copied), else a CPU copy
+    (each worker of a tensor-parallel engine keeps its own shard of the full tensor)."""
+    items = []
+    for name, tensor in chunk:
+        if same_gpu and _on_gpu(tensor):
+            items.append((name, _IPC, _ipc_handle(tensor.contiguous())))
+        else:
+            buffer = io.BytesIO()
+            torch.save(tensor.detach().cpu().contiguous(), buffer)
+            items.append((name, _CPU, buffer.getvalue()))
+    return pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_weight_chunk(payload: Any) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of an `encode_weight_chunk` payload, in the worker."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a vLLM worker received a weight payload of type {type(payload).__name__}, expected the "
+                        "bytes of graft_fed.rollout.vllm.encode_weight_chunk; send weights through collective_rpc "
+                        "only as that payload (vLLM's RPC does not carry tuples or tensors intact)")
+    out = []
+    for name, kind, data in pickle.loads(bytes(payload)):
+        if kind == _IPC:
+            rebuild, args = data
+            tensor = rebuild(*args)  # opens the trainer's CUDA memory in this process
+        elif kind == _CPU:
+            tensor = torch.load(io.BytesIO(data), weights_only=True)
+        else:
+            raise ValueError(f"unknown weight payload kind {kind!r} for {name}")
+        out.append((name, tensor))
+    return out
+
+
 def _worker_model(worker: Any) -> Any:
     worker = getattr(worker, "worker", None) or worker
     return worker.model_runner.model
 
 
-def _load_on_worker(worker: Any, weights: list[tuple[str, Any]]) -> int:
-    """Runs inside a vLLM worker: load (name, tensor) pairs; CUDA IPC handles are opened
-    first. Returns how many tensors it loaded."""
-    opened = []
-    for name, value in weights:
-        if isinstance(value, tuple):  # (rebuild function, args) from torch's reduce_tensor
-            rebuild, args = value
-            value = rebuild(*args)
-        opened.append((name, value))
-    _worker_model(worker).load_weights(weights=opened)
+def _load_on_worker(worker: Any, payload: bytes) -> int:
+    """Runs inside a vLLM worker: load one `encode_weight_chunk` payload. Returns how many
+    tensors it loaded (a plain int, which any RPC carries back)."""
+    weights = decode_weight_chunk(payload)
+    _worker_model(worker).load_weights(weights=weights)
     if torch.cuda.is_available():
+        # the trainer's tensors behind the IPC handles must be read before the call returns
         torch.cuda.synchronize()
-    return len(opened)
+    return len(weights)
 
 
 def _wake_up(llm: Any, tags: Sequence[str]) -> set[str]:
@@ -302,7 +382,7 @@ class VLLMRollout:
 
     def __init__(self, llm: Any, tokenizer: Any, sampling_params_cls: Any, *, seed: int = 0,
                  add_special_tokens: bool = False, eos_ids: Sequence[int] = (), sleep: bool = True,
-                 logprobs_mode: str = "raw_logprobs", weight_dtype: torch.dtype | None = torch.bfloat16,
+                 logprobs_mode: str = "processed_logprobs", weight_dtype: torch.dtype | None = torch.bfloat16,
                  same_gpu: bool = True) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
@@ -364,19 +444,28 @@ class VLLMRollout:
                 self._sleep()
         if len(outputs) != len(encoded):
             raise RuntimeError(f"vLLM returned {len(outputs)} results for {len(encoded)} prompts")
-        return [group_from_request_output(out, ids, sampling.n, self.decode) for out, ids in zip(outputs, encoded)]
+        return [group_from_request_output(out, ids, sampling.n, self.decode, self.eos_ids)
+                for out, ids in zip(outputs, encoded)]
 
     # ----- memory choreography ---------------------------------------------------------------
 
     def wake(self) -> None:
-        """Weights first; load pending trainer weights; reset the prefix cache; then the KV cache."""
+        """Weights first; load pending trainer weights; reset the prefix cache; then the KV cache.
+
+        PyTorch's caching allocator keeps the memory the trainer freed (activations,
+        gradients, the optimiser step's temporaries) reserved for the trainer; vLLM allocates
+        outside it and cannot use that memory. So the cache is emptied before each wake-up,
+        and again after the weight copy (its cast tensors), or the KV cache does not fit.
+        """
         t0 = time.perf_counter()
         if self.pending is not None:
             if "weights" in self.asleep:
+                torch.cuda.empty_cache()
                 self.asleep -= _wake_up(self.llm, ["weights"])
             self.load_weights(self.pending)
             self.pending = None
         if self.asleep:
+            torch.cuda.empty_cache()
             self.asleep -= _wake_up(self.llm, sorted(self.asleep))
         self.timings["wake"] = time.perf_counter() - t0
 
@@ -398,23 +487,16 @@ class VLLMRollout:
             sent = counted.count
         else:
             for chunk in chunked(weights, RPC_CHUNK_BYTES):
-                payload = [(name, self._transportable(t)) for name, t in chunk]
-                target(_load_on_worker, args=(payload,))
-                sent += len(payload)
+                loaded = target(_load_on_worker, args=(encode_weight_chunk(chunk, self.same_gpu),))
+                # one count per worker; each must have loaded the whole chunk
+                if any(int(n) != len(chunk) for n in loaded):
+                    raise RuntimeError(f"vLLM workers loaded {list(loaded)} of {len(chunk)} weight tensors")
+                sent += len(chunk)
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):
             reset()  # cached prefixes were computed with the old weights
         self.timings["weight_sync"] = time.perf_counter() - t0
         return sent
-
-    def _transportable(self, tensor: torch.Tensor) -> Any:
-        """What crosses into a worker process: a CUDA IPC handle when the worker is on this
-        GPU (tensor parallelism 1), else a CPU copy."""
-        if self.same_gpu and tensor.is_cuda:
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            return reduce_tensor(tensor.contiguous())
-        return tensor.cpu()
 
     def _warn_bias(self, sampling: SamplingParams) -> None:
         message = logprob_bias_warning(sampling, self.logprobs_mode)

@@ -117,8 +117,8 @@ class VllmSection:
     #: Fraction of the GPU's total memory the engine may take (its weights plus KV cache).
     #: It must fit in what the trainer leaves free when the engine starts.
     gpu_memory_utilization: float = 0.3
-    #: GPUs one engine spans (tensor parallelism). 1 keeps the engine in the trainer's
-    #: process; more sends weight updates to its workers through vLLM's RPC.
+    #: GPUs one engine spans (tensor parallelism). 1: weight updates reach the engine's
+    #: worker on this GPU as CUDA IPC handles; more: as CPU copies to every worker.
     tensor_parallel_size: int = 1
     #: Sleep while the trainer trains: offload the engine's weights to CPU memory and free
     #: its KV cache after each rollout (vLLM sleep mode, level 1), wake before the next.
@@ -129,11 +129,11 @@ class VllmSection:
     max_model_len: int | None = None
     #: Skip CUDA graph capture: slower decoding, faster start-up, less memory.
     enforce_eager: bool = False
-    #: Log-probs vLLM records for the sampled tokens: "raw_logprobs" (the untempered
-    #: full-vocabulary model; equal to the sampling distribution at temperature 1, top_p 1,
-    #: top_k 0) or "processed_logprobs" (after temperature / top-k / top-p, what the
-    #: transformers backend records).
-    logprobs_mode: str = "raw_logprobs"
+    #: Log-probs vLLM records for the sampled tokens: "processed_logprobs" (after
+    #: temperature / top-k / top-p, what the transformers backend records) or "raw_logprobs"
+    #: (the untempered full-vocabulary model). They are equal at temperature 1, top_p 1,
+    #: top_k 0; at any other temperature raw ones bias every importance ratio.
+    logprobs_mode: str = "processed_logprobs"
     #: Reuse the KV cache of shared prompt prefixes (reset after every weight update).
     enable_prefix_caching: bool = True
 

@@ -4,8 +4,10 @@ Everything but the last test runs on CPU without vllm: a fake `LLM` shaped like 
 (RequestOutput / CompletionOutput / Logprob, sleep / wake_up(tags) / reset_prefix_cache,
 the in-process driver worker's model with load_weights, collective_rpc) samples with a
 real tiny transformers model, so the conversion, log-prob, EOS, seeding, weight-sync and
-sleep/wake logic is checked against a teacher-forced forward pass. The last test needs
-vllm and a CUDA GPU and runs the real engine.
+sleep/wake logic is checked against a teacher-forced forward pass. Its collective_rpc
+crosses a process boundary built like vLLM V1's (`RpcBoundary`: msgpack without type
+hints, tensors as [dtype, shape, buffer]), so only what survives that reaches a worker.
+The last test needs vllm and a CUDA GPU and runs the real engine.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import pickle
 import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
+from types import FunctionType, SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -57,6 +61,47 @@ class FakeRequestOutput:
     outputs: list
 
 
+class RpcBoundary:
+    """What a collective_rpc call's arguments and results go through between vLLM V1's
+    front-end and its engine process: msgpack (msgspec) encoding with vLLM's fallbacks, and
+    decoding WITHOUT type hints, as vLLM decodes utility calls. So tuples come back as
+    lists, a tensor comes back as [dtype, shape, data] (data: inline bytes below
+    `inline_below` bytes, else the index of an out-of-band buffer), a function by reference
+    (vLLM cloudpickles it; a module-level function pickles the same way), and anything else
+    msgpack has no type for is pickled (VLLM_ALLOW_INSECURE_SERIALIZATION=1). Bytes pass
+    unchanged."""
+
+    _PICKLE, _FUNCTION, _RAW = 1, 2, 3
+
+    def __init__(self, inline_below: int = 256) -> None:
+        self.inline_below = inline_below
+        self.buffers: list[bytes] = []
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self.decoder = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)  # no type: Any
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            raw = obj.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
+            if len(raw) < self.inline_below:
+                data: Any = msgspec.msgpack.Ext(self._RAW, raw)
+            else:
+                data = len(self.buffers) + 1  # buffer 0 is the message itself
+                self.buffers.append(raw)
+            return str(obj.dtype).removeprefix("torch."), tuple(obj.shape), data
+        if isinstance(obj, FunctionType):
+            return msgspec.msgpack.Ext(self._FUNCTION, pickle.dumps(obj))
+        return msgspec.msgpack.Ext(self._PICKLE, pickle.dumps(obj))
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == self._RAW:
+            return bytes(data)
+        return pickle.loads(data)
+
+    def cross(self, obj: Any) -> Any:
+        self.buffers = []
+        return self.decoder.decode(self.encoder.encode(obj))
+
+
 class FakeSamplingParams:
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
@@ -87,13 +132,17 @@ class FakeLLM:
     reports the sampled token's raw or processed log-prob."""
 
     def __init__(self, model: str, seed: int = 0, enable_sleep_mode: bool = False,
-                 logprobs_mode: str = "raw_logprobs", in_process: bool = True, **kwargs: Any) -> None:
+                 logprobs_mode: str = "processed_logprobs", in_process: bool = True, workers: int = 1,
+                 length_before_stop: bool = False, eos_on_last_step: bool = False, **kwargs: Any) -> None:
         self.kwargs = dict(model=model, seed=seed, enable_sleep_mode=enable_sleep_mode,
                            logprobs_mode=logprobs_mode, **kwargs)
         self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         self.events: list = []
         self.sleep_mode = enable_sleep_mode
         self.logprobs_mode = logprobs_mode
+        # vLLM 0.10.2 checks the length cap before the stop tokens (see finish_reason)
+        self.length_before_stop = length_before_stop
+        self.eos_on_last_step = eos_on_last_step  # the last allowed token is the first stop id
         self.awake = {"weights", "kv_cache"}
         self.vllm_model = FakeVllmModel(self.hf, self.events)
         worker = SimpleNamespace(model_runner=SimpleNamespace(model=self.vllm_model))
@@ -101,7 +150,10 @@ class FakeLLM:
             self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)))
         else:
             self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace())  # V1 multiprocess client
-            self._worker = worker
+            # tensor parallelism: every worker gets the full tensors and loads them (a fake
+            # shard: each loads the same model, so a wrong tensor fails on any of them)
+            self._workers = [worker] * workers
+            self.boundary = RpcBoundary()
 
     def sleep(self, level: int = 1) -> None:
         assert self.sleep_mode, "sleep() needs enable_sleep_mode=True"
@@ -117,6 +169,8 @@ class FakeLLM:
         return True
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
+        if self.kwargs.get("skip_tokenizer_init") and any(sp.detokenize for sp in sampling_params):
+            raise ValueError("detokenize needs a tokenizer, and skip_tokenizer_init is set")
         if self.awake != {"weights", "kv_cache"}:
             raise RuntimeError(f"generate while asleep (awake: {sorted(self.awake)})")
         self.events.append(("generate", len(prompts)))
@@ -134,10 +188,14 @@ class FakeLLM:
                 proc = torch.log_softmax(filter_logits((logits / sp.temperature).unsqueeze(0), max(sp.top_k, 0),
                                                        sp.top_p)[0], -1)
                 tok = int(torch.multinomial(proc.exp(), 1, generator=gen))
+                if self.eos_on_last_step and len(toks) == sp.max_tokens - 1:
+                    tok = sp.stop_token_ids[0]
                 lp = float((raw if self.logprobs_mode == "raw_logprobs" else proc)[tok])
                 toks.append(tok)
                 lps.append({tok: FakeLogprob(lp, 1, "?")})
                 seq.append(tok)
+                if self.length_before_stop and len(toks) == sp.max_tokens:
+                    break  # reason stays "length" even when tok is a stop token
                 if tok in sp.stop_token_ids:
                     reason = "stop"
                     break
@@ -149,8 +207,11 @@ class FakeLLM:
         return FakeRequestOutput(request_id=str(i), prompt_token_ids=list(prompt_ids), outputs=outputs[::-1])
 
     def collective_rpc(self, method, args=(), kwargs=None):
-        assert not hasattr(self, "llm_engine") or not hasattr(self.llm_engine, "model_executor")
-        return [method(self._worker, *args, **(kwargs or {}))]
+        assert not hasattr(self.llm_engine, "model_executor"), "the in-process fake has no RPC"
+        # front-end -> engine process: what the workers get is what survived msgpack
+        method, args, kwargs = self.boundary.cross((method, args, kwargs or {}))
+        results = [method(worker, *args, **kwargs) for worker in self._workers]
+        return self.boundary.cross(results)  # and the results come back the same way
 
 
 class OldWakeLLM(FakeLLM):
@@ -164,7 +225,7 @@ def fake_vllm_module(llm_cls=FakeLLM):
     return SimpleNamespace(LLM=llm_cls, SamplingParams=FakeSamplingParams, __version__="fake")
 
 
-def make_engine(model_dir, seed=0, sleep=True, logprobs_mode="raw_logprobs", llm_cls=FakeLLM, **llm_kwargs):
+def make_engine(model_dir, seed=0, sleep=True, logprobs_mode="processed_logprobs", llm_cls=FakeLLM, **llm_kwargs):
     tok = AutoTokenizer.from_pretrained(model_dir)
     llm = llm_cls(str(model_dir), seed=seed, enable_sleep_mode=sleep, logprobs_mode=logprobs_mode, **llm_kwargs)
     engine = vb.VLLMRollout(llm, tok, FakeSamplingParams, seed=seed, eos_ids=[tok.eos_token_id], sleep=sleep,
@@ -221,17 +282,26 @@ def test_sampling_params_mapping():
 
 def test_engine_kwargs_mapping():
     kw = vb.engine_kwargs("/m", VllmSection(), seed=3, bf16_supported=True)
-    assert kw["model"] == kw["tokenizer"] == "/m" and kw["seed"] == 3 and kw["dtype"] == "bfloat16"
+    assert kw["model"] == "/m" and kw["seed"] == 3 and kw["dtype"] == "bfloat16"
+    # vLLM never loads the tokenizer (the zoo's name a class only transformers 5 has):
+    # prompts go in as token ids and graft-fed decodes
+    assert kw["skip_tokenizer_init"] is True and "tokenizer" not in kw
     assert kw["enable_sleep_mode"] is True and kw["tensor_parallel_size"] == 1
-    assert kw["gpu_memory_utilization"] == 0.3 and kw["logprobs_mode"] == "raw_logprobs"
+    assert kw["gpu_memory_utilization"] == 0.3 and kw["logprobs_mode"] == "processed_logprobs"
     assert "max_model_len" not in kw  # the model's maximum
     assert vb.engine_kwargs("/m", VllmSection(), 0, bf16_supported=False)["dtype"] == "float16"
     opts = VllmSection(dtype="fp32", max_model_len=6144, tensor_parallel_size=2, sleep=False,
-                       gpu_memory_utilization=0.45, enforce_eager=True, logprobs_mode="processed_logprobs")
+                       gpu_memory_utilization=0.45, enforce_eager=True, logprobs_mode="raw_logprobs")
     kw = vb.engine_kwargs("/m", opts, 0, True)
     assert (kw["dtype"], kw["max_model_len"], kw["tensor_parallel_size"], kw["enable_sleep_mode"]) == \
         ("float32", 6144, 2, False)
-    assert kw["gpu_memory_utilization"] == 0.45 and kw["enforce_eager"] and kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["gpu_memory_utilization"] == 0.45 and kw["enforce_eager"] and kw["logprobs_mode"] == "raw_logprobs"
+
+
+def test_temperature_vllm_rejects_is_a_config_error():
+    assert vb.sampling_kwargs(SamplingParams(temperature=2.0), 0, [1])["temperature"] == 2.0
+    with pytest.raises(ConfigError, match=r"rollout.temperature is 2.5.*\(0, 2\].*rollout.backend: hf"):
+        vb.sampling_kwargs(SamplingParams(temperature=2.5), 0, [1])
 
 
 def test_vllm_config_validation():
@@ -279,6 +349,19 @@ def test_completion_from_output_stop_and_length():
     cut = FakeCompletionOutput(0, "", (5, 5), None, [{5: FakeLogprob(-2.0)}, {5: FakeLogprob(-2.5)}], "length")
     c = vb.completion_from_output(cut, [7], decode)
     assert c.finish_reason == "length" and c.token_ids == [5, 5] and c.mean_logprob == -2.25
+
+
+def test_eos_sampled_as_the_last_allowed_token_is_stop():
+    # vLLM 0.10.2 reports it as "length" (it checks the cap first); 0.33 and the hf backend say "stop"
+    eos_at_cap = FakeCompletionOutput(0, "", (3, 1), None, [{3: -0.5}, {1: -0.2}], "length")
+    c = vb.completion_from_output(eos_at_cap, [7], lambda ids: "", stop_token_ids=[1, 2])
+    assert c.finish_reason == "stop" and c.token_ids == [3, 1]
+    assert vb.finish_reason("length", [3, 2], [1, 2]) == "stop"  # any stop id, not only the first
+    assert vb.finish_reason("length", [1, 3], [1]) == "length"  # an EOS earlier is not a stop
+    assert vb.finish_reason("length", [], [1]) == "length"
+    assert vb.finish_reason("stop", [3, 1], [1]) == "stop"
+    with pytest.raises(RuntimeError, match="aborted"):
+        vb.finish_reason("abort", [1], [1])
 
 
 @pytest.mark.parametrize("output, message", [
@@ -330,6 +413,44 @@ def test_iter_weights_streams_state_dict_cast_and_gathered(tiny_llama):
                                                   "_orig_mod.steps": torch.tensor([3])})
     (n1, t1), (n2, t2) = vb.iter_weights(wrapped, torch.float16)
     assert (n1, t1.dtype, n2, t2.dtype) == ("w", torch.float16, "steps", torch.int64)  # integers are not cast
+
+
+SHARED: dict[int, torch.Tensor] = {}
+
+
+def _open_shared(key: int) -> torch.Tensor:
+    """Stands in for torch's rebuild_cuda_tensor: opens the memory a handle names."""
+    return SHARED[key]
+
+
+def test_weight_payload_crosses_vllms_rpc_boundary(monkeypatch):
+    boundary = RpcBoundary(inline_below=64)
+    chunk = [("a.weight", torch.randn(4, 8, dtype=torch.bfloat16)), ("b.bias", torch.arange(3.0)),
+             ("steps", torch.tensor([7]))]
+    # what the old backend sent (tuples, tensors) does not survive: the worker sees lists
+    naive = boundary.cross(([(n, t) for n, t in chunk],))
+    assert naive[0][0][0] == "a.weight" and isinstance(naive[0][0][1], list) and naive[0][0][1][0] == "bfloat16"
+    with pytest.raises(TypeError, match="expected the bytes of graft_fed.rollout.vllm.encode_weight_chunk"):
+        vb.decode_weight_chunk(naive[0])
+
+    for same_gpu in (False, True):  # CPU tensors travel as copies whatever same_gpu says
+        got = vb.decode_weight_chunk(boundary.cross(vb.encode_weight_chunk(chunk, same_gpu)))
+        assert [n for n, _ in got] == [n for n, _ in chunk]
+        for (_, want), (_, have) in zip(chunk, got):
+            assert have.dtype == want.dtype and torch.equal(have, want)
+
+    # tensor parallelism 1 with the trainer on this GPU: (rebuild, args) handles, not copies
+    def handle(t):
+        SHARED[len(SHARED)] = t
+        return _open_shared, (len(SHARED) - 1,)
+
+    monkeypatch.setattr(vb, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(vb, "_ipc_handle", handle)
+    SHARED.clear()
+    got = vb.decode_weight_chunk(boundary.cross(vb.encode_weight_chunk(chunk, same_gpu=True)))
+    assert all(have is want for (_, want), (_, have) in zip(chunk, got))  # opened in place, never copied
+    assert len(vb.decode_weight_chunk(boundary.cross(vb.encode_weight_chunk(chunk, same_gpu=False)))) == 3
+    assert len(SHARED) == 3  # same_gpu=False (tensor parallelism > 1) never hands out handles
 
 
 def test_chunked_bounds_bytes():
@@ -394,12 +515,14 @@ def test_seeds_reproduce_and_rng_state_resumes(tiny_llama):
     assert len(seeds) == 9 and all(0 <= s < 2**31 for s in seeds)
 
 
-def test_sleep_wake_ordering_and_weight_sync(tiny_llama):
+def test_sleep_wake_ordering_and_weight_sync(tiny_llama, monkeypatch):
     engine, llm, tok = make_engine(tiny_llama, seed=2)
+    # PyTorch's cache must be emptied before vLLM takes memory back (a no-op on CPU, so recorded)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: llm.events.append(("empty_cache",)))
     assert llm.events == [("sleep", 1)]  # asleep until the first rollout
     sp = SamplingParams(n=2, max_new_tokens=6)
     engine.generate(PROMPTS[:1], sp)
-    assert llm.events[1:] == [("wake_up", ("kv_cache", "weights")), ("generate", 1), ("sleep", 1)]
+    assert llm.events[1:] == [("empty_cache",), ("wake_up", ("kv_cache", "weights")), ("generate", 1), ("sleep", 1)]
 
     trainer = copy.deepcopy(llm.hf)
     with torch.no_grad():
@@ -410,8 +533,9 @@ def test_sleep_wake_ordering_and_weight_sync(tiny_llama):
     del llm.events[:]
     groups = engine.generate(PROMPTS, sp)
     n_tensors = len(trainer.state_dict())
-    assert llm.events == [("wake_up", ("weights",)), ("load_weights", n_tensors), ("reset_prefix_cache",),
-                          ("wake_up", ("kv_cache",)), ("generate", 3), ("sleep", 1)]
+    assert llm.events == [("empty_cache",), ("wake_up", ("weights",)), ("load_weights", n_tensors),
+                          ("reset_prefix_cache",), ("empty_cache",), ("wake_up", ("kv_cache",)), ("generate", 3),
+                          ("sleep", 1)]
     for name, t in trainer.state_dict().items():
         torch.testing.assert_close(llm.hf.state_dict()[name], t)
     flat = [c for g in groups for c in g]
@@ -419,7 +543,7 @@ def test_sleep_wake_ordering_and_weight_sync(tiny_llama):
                                torch.tensor(flat[0].logprobs), atol=2e-4, rtol=0)
     del llm.events[:]
     engine.generate(PROMPTS[:1], sp)  # nothing pending: no second copy
-    assert [e[0] for e in llm.events] == ["wake_up", "generate", "sleep"]
+    assert [e[0] for e in llm.events] == ["empty_cache", "wake_up", "generate", "sleep"]
 
 
 def test_without_sleep_mode_the_engine_stays_awake(tiny_llama):
@@ -437,8 +561,11 @@ def test_wake_up_without_tags_wakes_everything(tiny_llama):
     assert [e[0] for e in llm.events] == ["sleep", "wake_up", "load_weights", "reset_prefix_cache", "generate", "sleep"]
 
 
-def test_weights_reach_a_multiprocess_engine_through_rpc_in_chunks(tiny_llama, monkeypatch):
-    engine, llm, _ = make_engine(tiny_llama, in_process=False)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_weights_reach_a_multiprocess_engine_through_rpc_in_chunks(tiny_llama, monkeypatch, workers):
+    """vLLM V1's default: the engine in its own process, reached through msgpack (RpcBoundary)."""
+    engine, llm, tok = make_engine(tiny_llama, in_process=False, workers=workers)
+    engine.same_gpu = workers == 1
     assert vb._engine_model(llm)[0] == "rpc"
     monkeypatch.setattr(vb, "RPC_CHUNK_BYTES", 4096)
     trainer = copy.deepcopy(llm.hf)
@@ -447,9 +574,56 @@ def test_weights_reach_a_multiprocess_engine_through_rpc_in_chunks(tiny_llama, m
             p.add_(0.01)
     assert engine.load_weights(trainer) == len(trainer.state_dict())
     loads = [e for e in llm.events if e[0] == "load_weights"]
-    assert len(loads) > 1 and sum(n for _, n in loads) == len(trainer.state_dict())
+    assert len(loads) > workers and sum(n for _, n in loads) == workers * len(trainer.state_dict())
     for name, t in trainer.state_dict().items():
         torch.testing.assert_close(llm.hf.state_dict()[name], t)
+    # and a second rollout after a sync samples from the new weights (the issue's crash point)
+    with torch.no_grad():
+        trainer.lm_head.weight.mul_(2.0)
+    engine.sync_weights(trainer)
+    flat = [c for g in engine.generate(PROMPTS[:2], SamplingParams(n=2, max_new_tokens=5)) for c in g]
+    torch.testing.assert_close(teacher_forced(trainer, tok, flat)[0, :len(flat[0].token_ids)],
+                               torch.tensor(flat[0].logprobs), atol=2e-4, rtol=0)
+
+
+def test_a_worker_that_loads_less_than_sent_is_an_error(tiny_llama, monkeypatch):
+    engine, llm, _ = make_engine(tiny_llama, in_process=False)
+    monkeypatch.setattr(llm, "_workers", [])  # no worker answered
+    real = llm.collective_rpc
+    monkeypatch.setattr(llm, "collective_rpc", lambda *a, **k: real(*a, **k) + [0])
+    with pytest.raises(RuntimeError, match=r"vLLM workers loaded \[0\] of \d+ weight tensors"):
+        engine.load_weights(copy.deepcopy(llm.hf))
+
+
+def test_eos_at_the_length_cap_reaches_the_trainer_as_stop(tiny_llama):
+    # vLLM 0.10.2: an EOS sampled as the last allowed token comes back as "length"
+    engine, llm, tok = make_engine(tiny_llama, seed=4, length_before_stop=True, eos_on_last_step=True)
+    flat = [c for g in engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4)) for c in g]
+    assert len(flat) == 6
+    for c in flat:
+        assert c.token_ids[-1] == tok.eos_token_id and c.finish_reason == "stop", c
+    # the rule keeps a genuinely truncated response "length"
+    engine, llm, tok = make_engine(tiny_llama, seed=4, length_before_stop=True)
+    for c in [c for g in engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4)) for c in g]:
+        assert (c.finish_reason == "stop") == (c.token_ids[-1] == tok.eos_token_id)
+
+
+def test_default_records_the_sampling_distributions_logprobs(tiny_llama, monkeypatch):
+    """A node that leaves rollout.vllm alone and samples at temperature 0.7 gets the log-probs
+    of the tempered distribution its responses came from (not raw, biased ones)."""
+    assert VllmSection().logprobs_mode == "processed_logprobs"
+    monkeypatch.setattr(vb, "import_vllm", lambda: fake_vllm_module(FakeLLM))
+    monkeypatch.setattr(vb, "require_cuda", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    engine = vb.build_vllm_engine(str(tiny_llama), tok, trainer, VllmSection(), seed=3, add_special_tokens=False)
+    assert engine.llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    flat = [c for g in engine.generate(PROMPTS[:2], SamplingParams(n=2, temperature=0.7, max_new_tokens=6))
+            for c in g]
+    fwd = teacher_forced(trainer, tok, flat, temperature=0.7)
+    for i, c in enumerate(flat):
+        torch.testing.assert_close(fwd[i, :len(c.token_ids)], torch.tensor(c.logprobs), atol=2e-4, rtol=0)
 
 
 def test_engine_model_access_paths(tiny_llama):
