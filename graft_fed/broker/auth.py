@@ -18,6 +18,9 @@ import grpc
 import yaml
 
 from graft_fed.errors import ConfigError
+from graft_fed.federation.errors import FederationError, PermissionDenied, Unauthenticated
+from graft_fed.federation.limits import clip
+from graft_fed.federation.status import to_status
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -93,33 +96,52 @@ def _peer_name(context: grpc.ServicerContext) -> str | None:
 
 
 class IdentityInterceptor(grpc.ServerInterceptor):
+    """Runs before every handler. Under mutual TLS the caller is the certificate's common
+    name: it must be permitted by the allowlist (every RPC, GetStatus and requests that do
+    not even parse included), and a request naming a node must name that one. Without
+    mutual TLS, a request naming a node must name a permitted one.
+
+    Refusals are domain errors: a unary call is aborted with their status here; inside an
+    upload's stream they are raised into the handler, whose error mapping answers them
+    (PERMISSION_DENIED or UNAUTHENTICATED, never INTERNAL)."""
+
     def __init__(self, require_certificate: bool, allowlist: Allowlist | None) -> None:
         self.require_certificate = require_certificate
         self.allowlist = allowlist
 
-    def _check(self, node_id: str, context: grpc.ServicerContext) -> None:
+    def check(self, node_id: str, context: grpc.ServicerContext) -> None:
+        """Raise Unauthenticated or PermissionDenied unless the caller may act as `node_id`
+        ("" for a request that names no node)."""
         if self.require_certificate:
             peer = _peer_name(context)
             if peer is None:
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "no client certificate: this broker requires mutual TLS")
+                raise Unauthenticated("no client certificate: this broker requires mutual TLS")
+            if self.allowlist is not None and not self.allowlist.permits(peer):
+                raise PermissionDenied(f"the client certificate's holder {clip(peer)} is not on this federation's "
+                                       "allowlist (or was revoked)")
             if node_id and node_id != peer:
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"the client certificate is for {peer!r}; it cannot act as node {node_id!r}")
+                raise PermissionDenied(f"the client certificate is for {clip(peer)}; it cannot act as node "
+                                       f"{clip(node_id)}")
         if node_id and self.allowlist is not None and not self.allowlist.permits(node_id):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"node {node_id!r} is not on this federation's allowlist (or was revoked)")
+            raise PermissionDenied(f"node {clip(node_id)} is not on this federation's allowlist (or was revoked)")
+
+    def _abort_unless_permitted(self, request: Any, context: grpc.ServicerContext) -> None:
+        try:
+            self.check(getattr(request, "node_id", ""), context)
+        except FederationError as exc:
+            context.abort(*to_status(exc))
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
         if handler is None:
             return None
-        check = self._check
+        check, guard = self.check, self._abort_unless_permitted
 
         if handler.unary_unary:
             inner = handler.unary_unary
 
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                check(getattr(request, "node_id", ""), context)
+                guard(request, context)
                 return inner(request, context)
             return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
                                                        handler.response_serializer)
@@ -127,7 +149,7 @@ class IdentityInterceptor(grpc.ServerInterceptor):
             inner_us = handler.unary_stream
 
             def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                check(getattr(request, "node_id", ""), context)
+                guard(request, context)
                 return inner_us(request, context)
             return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
                                                         handler.response_serializer)
@@ -137,7 +159,7 @@ class IdentityInterceptor(grpc.ServerInterceptor):
             def stream_unary(request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
                 def checked() -> Iterator[Any]:
                     for msg in request_iterator:
-                        check(getattr(msg, "node_id", ""), context)
+                        check(getattr(msg, "node_id", ""), context)  # raised into the handler's loop
                         yield msg
                 return inner_su(checked(), context)
             return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,

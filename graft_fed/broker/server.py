@@ -13,10 +13,9 @@ import grpc
 from graft_fed.broker.auth import Allowlist, IdentityInterceptor
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
-from graft_fed.broker.servicer import BrokerServicer
+from graft_fed.broker.servicer import BrokerServicer, add_to_server
 from graft_fed.broker.state import BrokerState
 from graft_fed.federation.transport import check_plaintext, grpc_options, server_credentials
-from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -89,9 +88,9 @@ class BrokerServer:
         self.fed = Federation(cfg, self.state, allowlist=allowlist)
         self.servicer = BrokerServicer(self.fed)
         interceptors = [IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist)]
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="broker"),
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="broker"),
                                 options=grpc_options(cfg.max_message_mib), interceptors=interceptors)
-        pb_grpc.add_BrokerServicer_to_server(self.servicer, self.grpc)
+        add_to_server(self.servicer, self.grpc)
         if cfg.tls_cert and cfg.tls_key:
             creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.client_ca)
             self.port = self.grpc.add_secure_port(cfg.listen, creds)
