@@ -1,6 +1,7 @@
 """Every RPC over a real server on 127.0.0.1:0: status codes, idempotence, authorisation."""
 
 import dataclasses
+import math
 import urllib.request
 
 import grpc
@@ -46,7 +47,7 @@ def client(broker, prompts, name, privacy="share_all"):
 
 def summary(p, k, round=0):
     return pb.GroupSummary(prompt_id=p.id, round=round, policy_version=round, n=2, k=k, reward_mean=k / 2,
-                           reward_std=0.7 if k == 1 else 0.0, lengths=[3, 4], mean_logprobs=[-0.5, -0.25])
+                           reward_std=math.sqrt(0.5) if k == 1 else 0.0, lengths=[3, 4], mean_logprobs=[-0.5, -0.25])
 
 
 def record(p, k, model="a"):
@@ -203,7 +204,7 @@ def test_a_lying_source_is_quarantined_and_the_operator_can_release_it(prompt_fi
     allow = tmp_path / "allow.yaml"
     Allowlist.edit(allow, "add", "a")
     Allowlist.edit(allow, "add", "liar")
-    broker = start_broker(broker_config(prompt_file, allowlist=str(allow), quarantine_min_reports=4,
+    broker = start_broker(broker_config(prompt_file, allowlist=str(allow), quarantine_min_reports=4, quarantine_min_receivers=1,
                                         quarantine_rejection_rate=0.5, balance="none"))
     try:
         a, liar = client(broker, prompts, "a"), client(broker, prompts, "liar")
