@@ -74,6 +74,16 @@ class BrokerConfig:
     quarantine_rejection_rate: float = 0.5
     #: ... once at least this many of its groups were reported on.
     quarantine_min_reports: int = 8
+    #: Quarantine needs rejections from at least this many distinct receivers, each
+    #: receiver's rejection rate weighing the same however many groups it reported (one
+    #: receiver, however many groups it was given, cannot quarantine a source on its own).
+    #: Set 1 for a federation of two nodes.
+    quarantine_min_receivers: int = 2
+    #: Before counting a rejection, the broker re-verifies the group itself when it holds
+    #: the bundle (with the federation's verifier against the dataset's answer): a rejection
+    #: of a group whose claimed rewards do verify is not counted (it is a false accusation;
+    #: counted as graft_fed_disputed_rejections_total).
+    recheck_rejections: bool = True
     #: Per-node rate limit on publishes, per second (a token bucket with a burst of 4x). 0 = off.
     max_publishes_per_s: float = 20.0
     #: Per-node storage quota for uploaded bundles, MiB (0 = off).
@@ -93,16 +103,6 @@ class BrokerConfig:
     #: heartbeats and the other short calls always find a thread, and at or above the
     #: number of nodes (each graft-fed node has one waiting at a time).
     max_long_polls: int = 96
-    #: Quarantine needs rejections from at least this many distinct receivers, each
-    #: receiver's rejection rate weighing the same however many groups it reported (one
-    #: receiver, however many groups it was given, cannot quarantine a source on its own).
-    #: Set 1 for a federation of two nodes.
-    quarantine_min_receivers: int = 2
-    #: Before counting a rejection, the broker re-verifies the group itself when it holds
-    #: the bundle (with the federation's verifier against the dataset's answer): a rejection
-    #: of a group whose claimed rewards do verify is not counted (it is a false accusation;
-    #: counted as graft_fed_disputed_rejections_total).
-    recheck_rejections: bool = True
     #: Largest gRPC message accepted or sent, MiB (both directions, set explicitly).
     max_message_mib: int = 16
     #: Bundle chunk size, KiB.

@@ -58,7 +58,9 @@ def render_metrics(fed: Federation, servicer: BrokerServicer) -> str:
                        ("reports", "Compatibility reports (one per group)."),
                        ("duplicate_reports", "Repeated reports ignored (a group counts once)."),
                        ("rejected_groups", "Groups rejected by receivers."),
-                       ("joins", "Joins."), ("rejected_join", "Joins refused for a manifest mismatch.")]:
+                       ("joins", "Joins."), ("rejected_join", "Joins refused for a manifest mismatch."),
+                       ("disputed_rejections", "Rejections the broker re-verified as false and did not count."),
+                       ("long_polls_refused", "GetMatches refused: too many already waiting (per node or in all).")]:
         metric(f"{key}_total", "counter", help_, [("", c.get(key, 0))])
     stats = servicer.stats
     replay = fed.replay.counters

@@ -406,6 +406,9 @@ def test_the_broker_rechecks_a_rejection_of_a_bundle_it_holds(prompt_file, promp
         assert broker.fed.quarantined() == set()
         assert broker.fed.counters["disputed_rejections"] == 16
         assert all(not r.rejected for r in broker.state.reports())
+        from graft_fed.broker.server import render_metrics
+
+        assert "graft_fed_disputed_rejections_total 16" in render_metrics(broker.fed, broker.servicer)
         for x in (victim, *receivers):
             x.close()
     finally:
