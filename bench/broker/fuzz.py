@@ -112,7 +112,10 @@ class Federation:
             "client_ca": str(self.pki / "ca.pem"), "allowlist": str(allow), "data": {"source": str(prompt_file)},
             "verifier": {"name": VERIFIER}, "seed": 0, "n": N, "prompts_per_round": PROMPTS_PER_ROUND,
             "round_deadline_s": 2.0, "heartbeat_interval_s": 0.5, "offline_after_s": 3600.0, "balance": "none",
-            "max_node_bundle_mib": 64})
+            "max_node_bundle_mib": 64,
+            # off so that the fuzz reaches the handlers at full speed (the limit itself is tested in
+            # tests/federation/test_hostile.py); the publish rate limit stays on
+            "max_requests_per_s": 0})
         self.cfg = cfg
         self.server = BrokerServer(cfg).start()
         self.address = f"127.0.0.1:{self.server.port}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -18,7 +19,7 @@ import grpc
 import yaml
 
 from graft_fed.errors import ConfigError
-from graft_fed.federation.errors import FederationError, PermissionDenied, Unauthenticated
+from graft_fed.federation.errors import FederationError, PermissionDenied, ResourceExhausted, Unauthenticated
 from graft_fed.federation.limits import clip
 from graft_fed.federation.status import to_status
 
@@ -105,9 +106,31 @@ class IdentityInterceptor(grpc.ServerInterceptor):
     upload's stream they are raised into the handler, whose error mapping answers them
     (PERMISSION_DENIED or UNAUTHENTICATED, never INTERNAL)."""
 
-    def __init__(self, require_certificate: bool, allowlist: Allowlist | None) -> None:
+    def __init__(self, require_certificate: bool, allowlist: Allowlist | None,
+                 max_requests_per_s: float = 0.0) -> None:
         self.require_certificate = require_certificate
         self.allowlist = allowlist
+        self.rate = max_requests_per_s
+        self._buckets: dict[str, tuple[float, float]] = {}  # certificate name -> (tokens, last refill)
+        self._bucket_lock = threading.Lock()
+
+    def admit(self, context: grpc.ServicerContext) -> None:
+        """Per-certificate request rate limit (a token bucket with a burst of 4x the rate):
+        ResourceExhausted beyond. Only under mutual TLS, where the name is proven: without it
+        a limit keyed on a claimed name would let anyone exhaust an honest node's budget."""
+        if not self.rate or not self.require_certificate:
+            return
+        peer = _peer_name(context)
+        if peer is None:
+            return
+        now = time.monotonic()
+        with self._bucket_lock:
+            tokens, last = self._buckets.get(peer, (4 * self.rate, now))
+            tokens = min(4 * self.rate, tokens + (now - last) * self.rate)
+            if tokens < 1:
+                self._buckets[peer] = (tokens, now)
+                raise ResourceExhausted(f"{clip(peer)} sends more than {self.rate:g} requests per second; slow down")
+            self._buckets[peer] = (tokens - 1, now)
 
     def check(self, node_id: str, context: grpc.ServicerContext) -> None:
         """Raise Unauthenticated or PermissionDenied unless the caller may act as `node_id`
@@ -128,6 +151,7 @@ class IdentityInterceptor(grpc.ServerInterceptor):
     def _abort_unless_permitted(self, request: Any, context: grpc.ServicerContext) -> None:
         try:
             self.check(getattr(request, "node_id", ""), context)
+            self.admit(context)
         except FederationError as exc:
             context.abort(*to_status(exc))
 
@@ -157,6 +181,11 @@ class IdentityInterceptor(grpc.ServerInterceptor):
             inner_su = handler.stream_unary
 
             def stream_unary(request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                try:
+                    self.admit(context)
+                except FederationError as exc:
+                    context.abort(*to_status(exc))
+
                 def checked() -> Iterator[Any]:
                     for msg in request_iterator:
                         check(getattr(msg, "node_id", ""), context)  # raised into the handler's loop

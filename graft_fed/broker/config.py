@@ -86,6 +86,10 @@ class BrokerConfig:
     recheck_rejections: bool = True
     #: Per-node rate limit on publishes, per second (a token bucket with a burst of 4x). 0 = off.
     max_publishes_per_s: float = 20.0
+    #: Per-node rate limit on all requests, per second (a token bucket with a burst of 4x),
+    #: under mutual TLS (keyed on the certificate's name). 0 = off. A graft-fed node sends a
+    #: heartbeat every `heartbeat_interval_s` and a few dozen calls per step.
+    max_requests_per_s: float = 100.0
     #: Per-node storage quota for uploaded bundles, MiB (0 = off).
     max_node_bundle_mib: int = 1024
     #: Replay protection: every state-changing request carries a request id and the node's
@@ -135,6 +139,7 @@ class BrokerConfig:
         require(1 <= self.max_long_polls <= self.max_workers - 4,
                 "broker.max_long_polls must be >= 1 and leave at least 4 of max_workers to other calls")
         require(self.max_publishes_per_s >= 0, "broker.max_publishes_per_s must be >= 0 (0 = off)")
+        require(self.max_requests_per_s >= 0, "broker.max_requests_per_s must be >= 0 (0 = off)")
         require(self.max_node_bundle_mib >= 0, "broker.max_node_bundle_mib must be >= 0 (0 = off)")
         require(self.replay_window_s >= 1, "broker.replay_window_s must be >= 1 (seconds of clock skew and delay "
                 "tolerated between a node sending a request and the broker receiving it)")

@@ -89,7 +89,8 @@ class BrokerServer:
         allowlist = Allowlist(cfg.allowlist) if cfg.allowlist else None
         self.fed = Federation(cfg, self.state, allowlist=allowlist)
         self.servicer = BrokerServicer(self.fed)
-        interceptors = [IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist)]
+        interceptors = [IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist,
+                                         max_requests_per_s=cfg.max_requests_per_s)]
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="broker"),
                                 options=grpc_options(cfg.max_message_mib), interceptors=interceptors)
         add_to_server(self.servicer, self.grpc)

@@ -8,7 +8,9 @@ uniform bounds of graft_fed/federation/limits.py before a handler sees it."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections import abc
 import logging
 import time
@@ -21,7 +23,8 @@ from graft_fed.broker.handlers import Federation
 from graft_fed.federation.codec import (manifest_from_pb, manifest_to_pb, match_result_to_pb, privacy_from_pb,
                                         report_entries_from_pb, summaries_from_pb)
 from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted
-from graft_fed.federation.limits import MAX_ERROR_MESSAGE, check_message
+from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES,
+                                         check_message, clip)
 from graft_fed.federation.status import INTERNAL_MESSAGE, to_status
 from graft_fed.federation.signing import pem_to_der
 from graft_fed.proto import broker_pb2 as pb
@@ -61,6 +64,31 @@ def parsed(request: Any) -> Any:
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
     context.abort(code, message if len(message) <= MAX_ERROR_MESSAGE else message[:MAX_ERROR_MESSAGE - 3] + "...")
+
+
+class InFlight:
+    """Calls of one kind in flight per node, bounded: a node streaming slowly (or not reading
+    what it fetches) holds a worker thread per call, so it may hold only a few."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit, self.what = limit, what
+        self._n: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, node_id: str) -> Iterator[None]:
+        with self._lock:
+            if self._n[node_id] >= self.limit:
+                raise ResourceExhausted(f"node {clip(node_id)} already has {self.limit} {self.what} in flight; "
+                                        "wait for them to finish")
+            self._n[node_id] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._n[node_id] -= 1
+                if not self._n[node_id]:
+                    del self._n[node_id]
 
 
 def _tag(request: Any) -> tuple[str, int]:
@@ -119,6 +147,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.stats = RpcStats()
         self.chunk = fed.cfg.chunk_kib * 1024
         self.max_bundle = fed.cfg.max_bundle_mib * 2**20
+        self.uploads = InFlight(MAX_UPLOADS_PER_NODE, "uploads")
+        self.fetches = InFlight(MAX_FETCHES_PER_NODE, "fetches")
 
     @_rpc
     def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinResponse:
@@ -160,10 +190,16 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_rpc
     def UploadBundle(self, request_iterator: Iterator[pb.BundleChunk], context: Any) -> pb.UploadResponse:
+        with contextlib.ExitStack() as stack:
+            return self._upload(request_iterator, context, stack)
+
+    def _upload(self, request_iterator: Iterator[pb.BundleChunk], context: Any,
+                stack: contextlib.ExitStack) -> pb.UploadResponse:
         first: pb.BundleChunk | None = None
         parts: list[bytes] = []
-        received = 0
+        received = last = 0
         ticket, applied = None, False
+        min_chunk = min(MIN_CHUNK_BYTES, self.chunk)
         try:
             for chunk in request_iterator:
                 chunk = parsed(chunk)
@@ -174,15 +210,21 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                                                 f"of {self.max_bundle} bytes")
                     ticket = self.fed.replay.begin("UploadBundle", chunk.node_id, *_tag(chunk))
                     self.fed.upload_allowed(chunk.node_id, chunk.session_id)
-                elif (chunk.digest, chunk.total_size, chunk.node_id, chunk.prompt_id, chunk.round) != (
-                        first.digest, first.total_size, first.node_id, first.prompt_id, first.round):
-                    raise InvalidArgument("every chunk of one upload must carry the same digest, size, node, prompt "
-                                          "and round")
+                    stack.enter_context(self.uploads.hold(chunk.node_id))
+                else:
+                    if (chunk.digest, chunk.total_size, chunk.node_id, chunk.prompt_id, chunk.round) != (
+                            first.digest, first.total_size, first.node_id, first.prompt_id, first.round):
+                        raise InvalidArgument("every chunk of one upload must carry the same digest, size, node, "
+                                              "prompt and round")
+                    if last < min_chunk:  # a trickle of tiny chunks would hold a thread for hours
+                        raise InvalidArgument(f"a chunk of {last} bytes that is not the last; every chunk but the "
+                                              f"last carries at least {min_chunk} bytes")
                 if len(chunk.data) > self.chunk:
                     raise InvalidArgument(f"chunk of {len(chunk.data)} bytes exceeds the chunk size {self.chunk}")
                 if chunk.offset != received:
                     raise InvalidArgument(f"chunk offset {chunk.offset} but {received} bytes received so far")
                 received += len(chunk.data)
+                last = len(chunk.data)
                 if received > first.total_size:
                     raise InvalidArgument("chunks exceed the declared total_size")
                 parts.append(chunk.data)
@@ -217,11 +259,21 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             log.exception("FetchBundle failed")
             self.stats.observe("FetchBundle", grpc.StatusCode.INTERNAL, time.perf_counter() - t0)
             _abort(context, grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
-        self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
-        for off in range(0, max(1, len(data)), self.chunk):
-            yield pb.BundleChunk(digest=request.digest, total_size=len(data), offset=off,
-                                 data=data[off:off + self.chunk], signature=signature if off == 0 else b"",
-                                 signer_cert=cert if off == 0 else b"")
+        try:
+            hold = self.fetches.hold(request.node_id)
+            hold.__enter__()
+        except FederationError as exc:
+            code, message = to_status(exc)
+            self.stats.observe("FetchBundle", code, time.perf_counter() - t0)
+            _abort(context, code, message)
+        try:
+            self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
+            for off in range(0, max(1, len(data)), self.chunk):
+                yield pb.BundleChunk(digest=request.digest, total_size=len(data), offset=off,
+                                     data=data[off:off + self.chunk], signature=signature if off == 0 else b"",
+                                     signer_cert=cert if off == 0 else b"")
+        finally:
+            hold.__exit__(None, None, None)
 
     @_rpc
     def ReportCompatibility(self, request: pb.CompatibilityReport, context: Any) -> pb.ReportResponse:

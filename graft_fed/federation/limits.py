@@ -33,6 +33,11 @@ MAX_PER_ROUND_FACTOR = 4
 MAX_ROUNDS_AHEAD = 1000
 #: concurrent GetMatches long-polls per node (a graft-fed node runs one at a time)
 MAX_LONG_POLLS_PER_NODE = 2
+#: uploads and fetches in flight per node (a graft-fed node runs one at a time)
+MAX_UPLOADS_PER_NODE = 2
+MAX_FETCHES_PER_NODE = 4
+#: every chunk of an upload but the last carries at least this many bytes
+MIN_CHUNK_BYTES = 16 * 1024
 #: characters of client input an error message may quote
 MAX_ECHO = 40
 #: longest error message sent back (gRPC carries it in a trailer, whose size is limited)

@@ -494,3 +494,63 @@ def test_bundle_bytes_by_node_agrees_between_state_backends(tmp_path):
         assert st.bundle_bytes_by_node() == {"a": 17, "b": 7}
         assert BrokerState.bundle_bytes_by_node(st) == {"a": 17, "b": 7}  # the generic default agrees
         st.close()
+
+
+# ------------------------------------------------------------------ 4. (cont.) slow streams and request floods
+
+def test_slow_uploads_are_bounded_per_node(broker, prompts):
+    a = client(broker, prompts, "a")
+    a.publish(0, [summary(prompts[0], 1)])
+    data = encode_bundle(record(prompts[0], 1))
+    release = threading.Event()
+
+    def trickle():
+        yield pb.BundleChunk(digest=digest_of(data), total_size=len(data), offset=0, data=data[:1], node_id="a",
+                             session_id=a.session, prompt_id=prompts[0].id, round=0, tag=new_tag())
+        release.wait(10)  # and then nothing: the stream stays open, holding a broker thread
+
+    results: list = []
+    futs = [a.stub.UploadBundle.future(trickle(), timeout=15) for _ in range(2)]
+    time.sleep(0.5)
+    code, details = status_of(lambda: a.stub.UploadBundle(trickle(), timeout=5))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in details
+    release.set()
+    for f in futs:
+        results.append(status_of(f.result)[0])
+    assert grpc.StatusCode.INTERNAL not in results
+    # once they ended, the node can upload again
+    assert a.upload(record(prompts[0], 1), 0)[1]
+    a.close()
+
+
+def test_in_flight_bound_is_per_node_and_released():
+    from graft_fed.broker.servicer import InFlight
+    from graft_fed.federation.errors import ResourceExhausted
+
+    f = InFlight(2, "fetches")
+    with f.hold("a"), f.hold("a"), f.hold("b"):
+        with pytest.raises(ResourceExhausted, match="2 fetches in flight"):
+            with f.hold("a"):
+                pass
+    with f.hold("a"), f.hold("a"):
+        pass
+
+
+def test_a_request_flood_from_one_certificate_is_rate_limited(pki, prompt_file, prompts, tmp_path):
+    allow = tmp_path / "allow.yaml"
+    for name in ("alice", "mallory"):
+        Allowlist.edit(allow, "add", name)
+    broker = start_broker(broker_config(prompt_file, tls_cert=str(pki / "broker.pem"), tls_key=str(pki / "broker.key"),
+                                        client_ca=str(pki / "ca.pem"), allowlist=str(allow), max_requests_per_s=5))
+    try:
+        alice, mallory = tls_client(pki, broker.address, "alice"), tls_client(pki, broker.address, "mallory")
+        codes = [status_of(lambda: mallory.stub.GetStatus(pb.StatusRequest(), timeout=5))[0] for _ in range(40)]
+        assert codes[:20] == [grpc.StatusCode.OK] * 20  # a burst of 4x the rate
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 15
+        raw = raw_unary(mallory.channel, "Heartbeat")
+        assert status_of(lambda: raw(b"\xff", timeout=5))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert alice.status().manifest.n == 2  # another certificate has its own budget
+        alice.close()
+        mallory.close()
+    finally:
+        broker.stop()
