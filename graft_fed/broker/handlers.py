@@ -707,6 +707,16 @@ class Federation:
         }
 
     def prune(self) -> int:
+        """Retention. `keep_rounds` counts back from the highest round at least two nodes have
+        reached (from the highest round when there is one node), not from the highest round
+        anyone published: one node publishing far ahead (a round up to current + 1000 is
+        accepted) must not make the broker drop every other node's groups."""
         with self.cond:
             max_bytes = int(self.cfg.max_bundle_gib * 2**30) if self.cfg.max_bundle_gib else None
-            return self.state.prune(keep_rounds=self.cfg.keep_rounds, max_bundle_bytes=max_bytes)
+            keep = self.cfg.keep_rounds
+            if keep is not None:
+                latest = self.state.latest_round()
+                rounds = sorted(n.round for n in self.state.list_nodes())
+                agreed = rounds[-2] if len(rounds) >= 2 else latest
+                keep += max(0, latest - max(agreed, 0))
+            return self.state.prune(keep_rounds=keep, max_bundle_bytes=max_bytes)

@@ -554,3 +554,25 @@ def test_a_request_flood_from_one_certificate_is_rate_limited(pki, prompt_file, 
         mallory.close()
     finally:
         broker.stop()
+
+
+def test_one_node_publishing_far_ahead_does_not_make_retention_drop_the_others(prompt_file, prompts):
+    broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0))
+    try:
+        a, b, m = (client(broker, prompts, n) for n in ("a", "b", "mallory"))
+        for r in range(3):
+            a.publish(r, [summary(prompts[0], 1, round=r)])
+            b.publish(r, [summary(prompts[0], 0, round=r)])
+        m.publish(1000, [summary(prompts[0], 1, round=1000)])  # accepted: within current + 1000
+        broker.fed.prune()
+        kept = {(s.node_id, s.round) for s in broker.state.summaries()}
+        assert {("a", r) for r in range(3)} <= kept and {("b", r) for r in range(3)} <= kept
+        for r in range(3, 8):  # the honest nodes move on: their old rounds go as configured
+            a.publish(r, [summary(prompts[0], 1, round=r)])
+            b.publish(r, [summary(prompts[0], 0, round=r)])
+        broker.fed.prune()
+        assert min(s.round for s in broker.state.summaries() if s.node_id == "a") == 5
+        for x in (a, b, m):
+            x.close()
+    finally:
+        broker.stop()
