@@ -12,6 +12,7 @@ import math
 import secrets
 import threading
 import time
+import unicodedata
 from collections import Counter, OrderedDict
 from dataclasses import replace
 from typing import Callable, Iterable, Sequence
@@ -40,7 +41,9 @@ MAX_GRANTS = 200_000  # bundle digests whose fetch permissions are remembered
 
 
 def _check_id(value: str, what: str, limit: int = MAX_ID_LEN, empty: bool = False) -> None:
-    if (not value and not empty) or len(value) > limit or any(ord(c) < 32 or ord(c) == 127 for c in value):
+    """Printable: no control, format or other category-C characters (ids end up in logs and
+    in `graft-fed status` on an operator's terminal, where C1 controls are escape sequences)."""
+    if (not value and not empty) or len(value) > limit or any(unicodedata.category(c)[0] == "C" for c in value):
         raise InvalidArgument(f"{what} must be {0 if empty else 1}-{limit} printable characters, got {clip(value)}")
 
 

@@ -44,6 +44,15 @@ def _int(x: Any) -> int:
     return out
 
 
+def _text(x: Any) -> str:
+    """A string field: a str that is valid Unicode (a lone surrogate, which JSON's \\ud800 escape
+    can carry, would make the receiver's tokenizer or verifier raise later)."""
+    if not isinstance(x, str):
+        raise TypeError(f"expected a string, got {type(x).__name__}")
+    x.encode("utf-8")  # UnicodeEncodeError (a ValueError) for a lone surrogate
+    return x
+
+
 def _float(x: Any) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise TypeError(f"expected a number, got {type(x).__name__}")
@@ -95,15 +104,15 @@ class GroupRecord:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "GroupRecord":
         try:
-            rec = cls(prompt_id=str(d["prompt_id"]), step=_int(d["step"]), model_id=str(d["model_id"]),
-                      tokenizer_id=str(d.get("tokenizer_id", "")), problem=str(d["problem"]),
-                      answer=str(d["answer"]), rewards=tuple(_float(x) for x in _list(d["rewards"], "rewards")),
+            rec = cls(prompt_id=_text(d["prompt_id"]), step=_int(d["step"]), model_id=_text(d["model_id"]),
+                      tokenizer_id=_text(d.get("tokenizer_id", "")), problem=_text(d["problem"]),
+                      answer=_text(d["answer"]), rewards=tuple(_float(x) for x in _list(d["rewards"], "rewards")),
                       advantages=tuple(_float(x) for x in _list(d["advantages"], "advantages")),
-                      texts=tuple(str(x) for x in _list(d["texts"], "texts")),
-                      finish_reasons=tuple(str(x) for x in _list(d["finish_reasons"], "finish_reasons")),
+                      texts=tuple(_text(x) for x in _list(d["texts"], "texts")),
+                      finish_reasons=tuple(_text(x) for x in _list(d["finish_reasons"], "finish_reasons")),
                       lengths=tuple(_int(x) for x in _list(d["lengths"], "lengths")),
                       mean_logprobs=tuple(_float(x) for x in _list(d["mean_logprobs"], "mean_logprobs")),
-                      run_id=str(d.get("run_id", "")), meta=dict(d.get("meta") or {}))
+                      run_id=_text(d.get("run_id", "")), meta=dict(d.get("meta") or {}))
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise RecordError(f"malformed group record: {type(exc).__name__}: {str(exc)[:200]}") from None
         rec.validate()

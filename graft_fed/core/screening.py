@@ -57,6 +57,9 @@ class ScreenSettings:
     #: core.records.MIN_MEAN_LOGPROB, the hard bound every record already meets; this one
     #: is the receiver's, at or above it)
     min_mean_logprob: float = -20.0
+    #: characters of one peer response the receiver will re-tokenise (a bundle of up to
+    #: max_bundle_mib could otherwise carry one 64 MiB "response")
+    max_text_chars: int = 256 * 1024
 
 
 def expected_advantages(rewards: Sequence[float], scale: str = "group", std: str = "sample",
@@ -115,6 +118,10 @@ def screen_record(rec: GroupRecord, settings: ScreenSettings = ScreenSettings(),
     except RecordError as exc:
         raise ScreeningError("malformed", str(exc)) from None
     check_source_logprobs(rec.mean_logprobs, settings)
+    for i, t in enumerate(rec.texts):
+        if len(t) > settings.max_text_chars:
+            raise ScreeningError("too_long", f"response {i} has {len(t)} characters; at most "
+                                             f"{settings.max_text_chars}")
     return check_advantages(list(rec.rewards if rewards is None else rewards), rec.advantages, settings)
 
 

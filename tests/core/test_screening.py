@@ -107,3 +107,11 @@ def test_update_is_finite_checks_the_loss_and_every_gradient():
     assert not update_is_finite(torch.tensor(float("nan")), [p])
     assert not update_is_finite(float("inf"), [p])
     assert update_is_finite(0.5, [p])
+
+
+def test_a_response_longer_than_the_receiver_retokenises_is_refused():
+    rec = dataclasses.replace(honest(), texts=("a" * 300_000, "b", "c", "d"))
+    with pytest.raises(ScreeningError) as info:
+        screen_record(rec)
+    assert info.value.reason == "too_long"
+    assert screen_record(rec, ScreenSettings(max_text_chars=10**6)) == rec.advantages

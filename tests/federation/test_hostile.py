@@ -172,7 +172,8 @@ def test_record_fields_that_are_not_what_they_claim_are_record_errors():
     d = json.loads(base)
     for field, value in [("step", "3"), ("step", 2**70), ("step", 1.5), ("lengths", [3, True]),
                          ("rewards", ["1", 0]), ("advantages", [1e300, -1e300]), ("mean_logprobs", [-1e6, -0.5]),
-                         ("texts", "xy"), ("rewards", [0.0] * 5000)]:
+                         ("texts", "xy"), ("rewards", [0.0] * 5000), ("texts", ["\ud800", "y"]),
+                         ("problem", 12), ("prompt_id", None)]:
         bad = json.dumps({**d, field: value}).encode()
         with pytest.raises(RecordError):
             decode_bundle(bad, digest_of(bad))
@@ -233,6 +234,11 @@ def test_oversized_fields_are_refused_and_never_echoed(broker, prompts):
     code, details = status_of(lambda: c.stub.Join(pb.JoinRequest(node_id="x", model_id="m", tokenizer_id="t",
                                                                  manifest=m, privacy=1, tag=new_tag()), timeout=10))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "dataset_id" in details and len(details) < 600
+    for bad_id in ("m\x9b31m", "m\u200e", "m\x00"):  # a C1 escape, a format character, NUL
+        code, _ = status_of(lambda: c.stub.Join(pb.JoinRequest(
+            node_id="x", model_id=bad_id, tokenizer_id="t", manifest=manifest_to_pb(manifest(prompts)), privacy=1,
+            tag=new_tag()), timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, bad_id
     code, _ = status_of(lambda: c.stub.Join(pb.JoinRequest(
         node_id="x", model_id="m", tokenizer_id="t" * 2000, manifest=manifest_to_pb(manifest(prompts)), privacy=1,
         tag=new_tag()), timeout=10))
