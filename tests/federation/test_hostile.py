@@ -582,3 +582,34 @@ def test_one_node_publishing_far_ahead_does_not_make_retention_drop_the_others(p
             x.close()
     finally:
         broker.stop()
+
+
+def test_a_node_refuses_a_fetched_bundle_that_is_too_big_or_inconsistent(broker, prompts):
+    """What a hostile broker sends back is bounded too: the node does not buffer without end."""
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    a.publish(0, [summary(prompts[0], 0), summary(prompts[1], 1)])
+    b.publish(0, [summary(prompts[0], 1), summary(prompts[1], 0)])
+    digest, _ = b.upload(record(prompts[0], 1, "b"), 0)
+    assert a.get_matches(0, 5.0).offers[0].digest == digest
+    a.max_bundle = 10
+    with pytest.raises(RecordError, match="more than this node accepts"):
+        a.fetch(digest)
+    a.max_bundle = 2**20
+    real = a.stub.FetchBundle
+
+    class Lying:  # the broker's stream, with a chunk that does not continue where the last ended
+        def __init__(self, request, timeout=None):
+            self.chunks = list(real(request, timeout=timeout))
+            self.chunks[0].offset = 7
+
+        def __iter__(self):
+            return iter(self.chunks)
+
+        def cancel(self):
+            pass
+    lying = Lying
+    a.stub.FetchBundle = lying
+    with pytest.raises(RecordError, match="inconsistent"):
+        a.fetch(digest)
+    a.close()
+    b.close()
