@@ -16,6 +16,7 @@ back from a stream-out handler, on the same loopback, interleaved rep by rep.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import string
 import sys
@@ -64,7 +65,7 @@ def make_record(prompt, size: int, rng: random.Random) -> GroupRecord:
 def summary_of(rec: GroupRecord, round: int, k: int | None = None) -> pb.GroupSummary:
     k = rec.k if k is None else k
     return pb.GroupSummary(prompt_id=rec.prompt_id, round=round, policy_version=round, n=N, k=k, reward_mean=k / N,
-                           reward_std=0.5 if 0 < k < N else 0.0, lengths=list(rec.lengths),
+                           reward_std=math.sqrt(k / N * (1 - k / N)), lengths=list(rec.lengths),
                            mean_logprobs=list(rec.mean_logprobs))
 
 

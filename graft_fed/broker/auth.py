@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -18,6 +19,9 @@ import grpc
 import yaml
 
 from graft_fed.errors import ConfigError
+from graft_fed.federation.errors import FederationError, PermissionDenied, ResourceExhausted, Unauthenticated
+from graft_fed.federation.limits import clip
+from graft_fed.federation.status import to_status
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -93,33 +97,75 @@ def _peer_name(context: grpc.ServicerContext) -> str | None:
 
 
 class IdentityInterceptor(grpc.ServerInterceptor):
-    def __init__(self, require_certificate: bool, allowlist: Allowlist | None) -> None:
+    """Runs before every handler. Under mutual TLS the caller is the certificate's common
+    name: it must be permitted by the allowlist (every RPC, GetStatus and requests that do
+    not even parse included), and a request naming a node must name that one. Without
+    mutual TLS, a request naming a node must name a permitted one.
+
+    Refusals are domain errors: a unary call is aborted with their status here; inside an
+    upload's stream they are raised into the handler, whose error mapping answers them
+    (PERMISSION_DENIED or UNAUTHENTICATED, never INTERNAL)."""
+
+    def __init__(self, require_certificate: bool, allowlist: Allowlist | None,
+                 max_requests_per_s: float = 0.0) -> None:
         self.require_certificate = require_certificate
         self.allowlist = allowlist
+        self.rate = max_requests_per_s
+        self._buckets: dict[str, tuple[float, float]] = {}  # certificate name -> (tokens, last refill)
+        self._bucket_lock = threading.Lock()
 
-    def _check(self, node_id: str, context: grpc.ServicerContext) -> None:
+    def admit(self, context: grpc.ServicerContext) -> None:
+        """Per-certificate request rate limit (a token bucket with a burst of 4x the rate):
+        ResourceExhausted beyond. Only under mutual TLS, where the name is proven: without it
+        a limit keyed on a claimed name would let anyone exhaust an honest node's budget."""
+        if not self.rate or not self.require_certificate:
+            return
+        peer = _peer_name(context)
+        if peer is None:
+            return
+        now = time.monotonic()
+        with self._bucket_lock:
+            tokens, last = self._buckets.get(peer, (4 * self.rate, now))
+            tokens = min(4 * self.rate, tokens + (now - last) * self.rate)
+            if tokens < 1:
+                self._buckets[peer] = (tokens, now)
+                raise ResourceExhausted(f"{clip(peer)} sends more than {self.rate:g} requests per second; slow down")
+            self._buckets[peer] = (tokens - 1, now)
+
+    def check(self, node_id: str, context: grpc.ServicerContext) -> None:
+        """Raise Unauthenticated or PermissionDenied unless the caller may act as `node_id`
+        ("" for a request that names no node)."""
         if self.require_certificate:
             peer = _peer_name(context)
             if peer is None:
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "no client certificate: this broker requires mutual TLS")
+                raise Unauthenticated("no client certificate: this broker requires mutual TLS")
+            if self.allowlist is not None and not self.allowlist.permits(peer):
+                raise PermissionDenied(f"the client certificate's holder {clip(peer)} is not on this federation's "
+                                       "allowlist (or was revoked)")
             if node_id and node_id != peer:
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"the client certificate is for {peer!r}; it cannot act as node {node_id!r}")
+                raise PermissionDenied(f"the client certificate is for {clip(peer)}; it cannot act as node "
+                                       f"{clip(node_id)}")
         if node_id and self.allowlist is not None and not self.allowlist.permits(node_id):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"node {node_id!r} is not on this federation's allowlist (or was revoked)")
+            raise PermissionDenied(f"node {clip(node_id)} is not on this federation's allowlist (or was revoked)")
+
+    def _abort_unless_permitted(self, request: Any, context: grpc.ServicerContext) -> None:
+        try:
+            self.check(getattr(request, "node_id", ""), context)
+            self.admit(context)
+        except FederationError as exc:
+            context.abort(*to_status(exc))
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
         if handler is None:
             return None
-        check = self._check
+        check, guard = self.check, self._abort_unless_permitted
 
         if handler.unary_unary:
             inner = handler.unary_unary
 
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                check(getattr(request, "node_id", ""), context)
+                guard(request, context)
                 return inner(request, context)
             return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
                                                        handler.response_serializer)
@@ -127,7 +173,7 @@ class IdentityInterceptor(grpc.ServerInterceptor):
             inner_us = handler.unary_stream
 
             def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                check(getattr(request, "node_id", ""), context)
+                guard(request, context)
                 return inner_us(request, context)
             return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
                                                         handler.response_serializer)
@@ -135,9 +181,14 @@ class IdentityInterceptor(grpc.ServerInterceptor):
             inner_su = handler.stream_unary
 
             def stream_unary(request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                try:
+                    self.admit(context)
+                except FederationError as exc:
+                    context.abort(*to_status(exc))
+
                 def checked() -> Iterator[Any]:
                     for msg in request_iterator:
-                        check(getattr(msg, "node_id", ""), context)
+                        check(getattr(msg, "node_id", ""), context)  # raised into the handler's loop
                         yield msg
                 return inner_su(checked(), context)
             return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,

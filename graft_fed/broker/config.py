@@ -74,8 +74,22 @@ class BrokerConfig:
     quarantine_rejection_rate: float = 0.5
     #: ... once at least this many of its groups were reported on.
     quarantine_min_reports: int = 8
+    #: Quarantine needs rejections from at least this many distinct receivers, each
+    #: receiver's rejection rate weighing the same however many groups it reported (one
+    #: receiver, however many groups it was given, cannot quarantine a source on its own).
+    #: Set 1 for a federation of two nodes.
+    quarantine_min_receivers: int = 2
+    #: Before counting a rejection, the broker re-verifies the group itself when it holds
+    #: the bundle (with the federation's verifier against the dataset's answer): a rejection
+    #: of a group whose claimed rewards do verify is not counted (it is a false accusation;
+    #: counted as graft_fed_disputed_rejections_total).
+    recheck_rejections: bool = True
     #: Per-node rate limit on publishes, per second (a token bucket with a burst of 4x). 0 = off.
     max_publishes_per_s: float = 20.0
+    #: Per-node rate limit on all requests, per second (a token bucket with a burst of 4x),
+    #: under mutual TLS (keyed on the certificate's name). 0 = off. A graft-fed node sends a
+    #: heartbeat every `heartbeat_interval_s` and a few dozen calls per step.
+    max_requests_per_s: float = 100.0
     #: Per-node storage quota for uploaded bundles, MiB (0 = off).
     max_node_bundle_mib: int = 1024
     #: Replay protection: every state-changing request carries a request id and the node's
@@ -86,6 +100,13 @@ class BrokerConfig:
     #: Refuse state-changing requests that carry no request id (INVALID_ARGUMENT). graft-fed
     #: nodes always send one; false admits hand-written or older clients, unprotected.
     require_request_ids: bool = True
+    #: Worker threads serving RPCs.
+    max_workers: int = 128
+    #: GetMatches long-polls allowed to wait at once, all nodes together (RESOURCE_EXHAUSTED
+    #: beyond; each node may have at most 2 waiting). Keep it below max_workers so that
+    #: heartbeats and the other short calls always find a thread, and at or above the
+    #: number of nodes (each graft-fed node has one waiting at a time).
+    max_long_polls: int = 96
     #: Largest gRPC message accepted or sent, MiB (both directions, set explicitly).
     max_message_mib: int = 16
     #: Bundle chunk size, KiB.
@@ -113,7 +134,12 @@ class BrokerConfig:
         require(self.min_nodes >= 1, "broker.min_nodes must be >= 1")
         require(0 < self.quarantine_rejection_rate <= 1, "broker.quarantine_rejection_rate must be in (0, 1]")
         require(self.quarantine_min_reports >= 1, "broker.quarantine_min_reports must be >= 1")
+        require(self.quarantine_min_receivers >= 1, "broker.quarantine_min_receivers must be >= 1")
+        require(self.max_workers >= 8, "broker.max_workers must be >= 8")
+        require(1 <= self.max_long_polls <= self.max_workers - 4,
+                "broker.max_long_polls must be >= 1 and leave at least 4 of max_workers to other calls")
         require(self.max_publishes_per_s >= 0, "broker.max_publishes_per_s must be >= 0 (0 = off)")
+        require(self.max_requests_per_s >= 0, "broker.max_requests_per_s must be >= 0 (0 = off)")
         require(self.max_node_bundle_mib >= 0, "broker.max_node_bundle_mib must be >= 0 (0 = off)")
         require(self.replay_window_s >= 1, "broker.replay_window_s must be >= 1 (seconds of clock skew and delay "
                 "tolerated between a node sending a request and the broker receiving it)")

@@ -12,6 +12,7 @@ import math
 import secrets
 import threading
 import time
+import unicodedata
 from collections import Counter, OrderedDict
 from dataclasses import replace
 from typing import Callable, Iterable, Sequence
@@ -26,6 +27,8 @@ from graft_fed.data.config import load_prompts
 from graft_fed.federation.bundles import decode_bundle, digest_of, is_digest
 from graft_fed.federation.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                          ResourceExhausted, StorageFull, Unauthenticated, Unavailable)
+from graft_fed.federation.limits import (MAX_DIGESTS_PER_CALL, MAX_ID_LEN, MAX_LONG_POLLS_PER_NODE, MAX_PER_ROUND_FACTOR,
+                                         MAX_ROUNDS_AHEAD, MAX_TOKENIZER_ID_LEN, MIN_MEAN_LOGPROB, clip)
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, differences, verifier_version
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
 from graft_fed.federation.signing import ProvenanceError, common_name, load_certificate_der, verify_signature
@@ -33,14 +36,24 @@ from graft_fed.federation.signing import ProvenanceError, common_name, load_cert
 log = logging.getLogger("graft_fed.broker")
 
 PRIVACY = Privacy.names()
-MAX_ID_LEN = 256
-MAX_SUMMARIES_FACTOR = 4  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
+MAX_SUMMARIES_FACTOR = MAX_PER_ROUND_FACTOR  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
 MAX_GRANTS = 200_000  # bundle digests whose fetch permissions are remembered
 
 
-def _check_id(value: str, what: str) -> None:
-    if not value or len(value) > MAX_ID_LEN or any(ord(c) < 32 for c in value):
-        raise InvalidArgument(f"{what} must be 1-{MAX_ID_LEN} printable characters, got {value[:40]!r}")
+def _check_id(value: str, what: str, limit: int = MAX_ID_LEN, empty: bool = False) -> None:
+    """Printable: no control, format or other category-C characters (ids end up in logs and
+    in `graft-fed status` on an operator's terminal, where C1 controls are escape sequences)."""
+    if (not value and not empty) or len(value) > limit or any(unicodedata.category(c)[0] == "C" for c in value):
+        raise InvalidArgument(f"{what} must be {0 if empty else 1}-{limit} printable characters, got {clip(value)}")
+
+
+def _std_matches(k: int, n: int, claimed: float) -> bool:
+    """reward_std agrees with k successes of n binary rewards (sample std, as
+    federation.messages.summarise computes it, or population std)."""
+    p = k / n
+    var = p * (1 - p)
+    candidates = [math.sqrt(var), math.sqrt(var * n / (n - 1)) if n > 1 else 0.0]
+    return any(abs(claimed - c) <= 1e-6 * max(1.0, c) for c in candidates)
 
 
 class Federation:
@@ -51,7 +64,8 @@ class Federation:
         self.clock = clock
         self.allowlist = allowlist
         self._buckets: dict[str, tuple[float, float]] = {}  # node -> (tokens, last refill)
-        self._bundle_bytes: Counter[str] = Counter()  # uploaded bytes per node (this process's lifetime)
+        # uploaded bytes per node, rebuilt from the durable state (a restart must not reset quotas)
+        self._bundle_bytes: Counter[str] = Counter(state.bundle_bytes_by_node())
         prompts = load_prompts(cfg.data)
         self.known_prompts = {p.id for p in prompts}
         self.manifest = Manifest(
@@ -70,6 +84,12 @@ class Federation:
         # after a restart) so that waking long-polls do not re-read every summary of the round
         self._published: dict[int, set[str]] = {}
         self._warned_unverifiable = False
+        self.prompts_by_id = {p.id: p for p in prompts}
+        self._verifier = None
+        self._verifier_failed = False
+        self._verifier_lock = threading.Lock()
+        self._polls: Counter[str] = Counter()  # node -> GetMatches calls waiting now
+        self._polls_lock = threading.Lock()
         # request ids of applied state-changing requests, per node, within the replay window
         self.replay = ReplayGuard(cfg.replay_window_s, cfg.require_request_ids, clock=clock)
 
@@ -78,7 +98,7 @@ class Federation:
     def _node(self, node_id: str, session_id: str, touch: bool = True) -> NodeRow:
         node = self.state.get_node(node_id)
         if node is None or node.state == "left" or not session_id or node.session_id != session_id:
-            raise Unauthenticated(f"node {node_id!r} has no live session {session_id[:8]!r}...; call Join again")
+            raise Unauthenticated(f"node {clip(node_id)} has no live session {session_id[:8]!r}...; call Join again")
         if touch:
             node = replace(node, last_seen=self.clock(), state="online")
             try:
@@ -101,6 +121,7 @@ class Federation:
              resume_round: int) -> tuple[str, int]:
         _check_id(node_id, "node_id")
         _check_id(model_id, "model_id")
+        _check_id(tokenizer_id, "tokenizer_id", MAX_TOKENIZER_ID_LEN, empty=True)
         if privacy not in PRIVACY:
             raise InvalidArgument(f"privacy must be one of {PRIVACY}, got {privacy!r}")
         diff = differences(self.manifest, manifest)
@@ -114,7 +135,7 @@ class Federation:
             prev = self.state.get_node(node_id)
             self.state.upsert_node(NodeRow(node_id=node_id, model_id=model_id, tokenizer_id=tokenizer_id,
                                            privacy=privacy, state="online", session_id=session,
-                                           round=resume_round, last_seen=self.clock(),
+                                           round=self._plausible_round(resume_round), last_seen=self.clock(),
                                            published=prev.published if prev else 0))
             self.counters["joins"] += 1
             self.cond.notify_all()
@@ -131,12 +152,19 @@ class Federation:
     def heartbeat(self, node_id: str, session_id: str, round: int) -> tuple[int, int]:
         with self.cond:
             node = self._node(node_id, session_id)
+            round = self._plausible_round(round)
             if round > node.round:
                 self.state.upsert_node(replace(node, round=round, last_seen=self.clock(), state="online"))
         return self.current_round(), len(self.online_nodes())
 
     def current_round(self) -> int:
         return max(0, self.state.latest_round())
+
+    def _plausible_round(self, round: int) -> int:
+        """A node's claimed round, clamped to at most MAX_ROUNDS_AHEAD past the federation's
+        (a node's round only decides which rounds wait for it and whom it uploads for; a
+        claim of round 10^12 must not make it look like it is working near every round)."""
+        return min(round, self.current_round() + MAX_ROUNDS_AHEAD)
 
     # ----- publishing -------------------------------------------------------------------------
 
@@ -147,6 +175,8 @@ class Federation:
                                   f"{self.manifest.dataset_id})")
         if s.n != self.manifest.n:
             raise InvalidArgument(f"{where}: n={s.n} but the federation samples n={self.manifest.n}")
+        if len(s.prompt_id) > MAX_ID_LEN:
+            raise InvalidArgument(f"{where}: prompt id longer than {MAX_ID_LEN} characters")
         if not 0 <= s.k <= s.n:
             raise InvalidArgument(f"{where}: k={s.k} is not in [0, n={s.n}]")
         if len(s.lengths) != s.n or len(s.mean_logprobs) != s.n:
@@ -159,10 +189,19 @@ class Federation:
             raise InvalidArgument(f"{where}: non-finite number")
         if any(v > 1e-6 for v in s.mean_logprobs):
             raise InvalidArgument(f"{where}: a mean log-prob is positive (log-probs are <= 0)")
+        if any(v < MIN_MEAN_LOGPROB for v in s.mean_logprobs):
+            raise InvalidArgument(f"{where}: a mean log-prob is below {MIN_MEAN_LOGPROB}, which sampling does not "
+                                  "produce")
         if abs(s.reward_mean - s.k / s.n) > 1e-6:
             raise InvalidArgument(f"{where}: reward_mean {s.reward_mean} contradicts k/n = {s.k}/{s.n}")
-        if s.bundle_digest and not is_digest(s.bundle_digest):
-            raise InvalidArgument(f"{where}: bundle_digest must be 64 lowercase hex digits")
+        if not _std_matches(s.k, s.n, s.reward_std):
+            raise InvalidArgument(f"{where}: reward_std {s.reward_std} contradicts k/n = {s.k}/{s.n} (binary "
+                                  "rewards: the sample or population std of k ones and n - k zeros)")
+        if s.bundle_digest:
+            # the broker attaches a digest when it holds the bundle (UploadBundle); a digest
+            # claimed in a summary could name bytes that never arrive
+            raise InvalidArgument(f"{where}: bundle_digest must be empty; the broker sets it when the bundle is "
+                                  "uploaded")
 
     def publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
         limit = self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
@@ -173,7 +212,7 @@ class Federation:
             if s.node_id != node_id or s.round != round:
                 raise InvalidArgument("every summary must carry the publishing node and round")
             if s.prompt_id in seen:
-                raise InvalidArgument(f"prompt {s.prompt_id!r} appears twice in one publish")
+                raise InvalidArgument(f"prompt {clip(s.prompt_id)} appears twice in one publish")
             seen.add(s.prompt_id)
             self._validate_summary(s)
         with self.cond:
@@ -203,16 +242,28 @@ class Federation:
 
     def quarantined(self) -> set[str]:
         """Sources whose groups receivers rejected too often (re-verification disagreed with
-        their claimed rewards). Derived from the durable compatibility counts, so it survives
-        a restart; the operator's `trusted` list exempts a node."""
-        totals: dict[str, list[int]] = {}
+        their claimed rewards). A source is quarantined when (1) at least
+        `quarantine_min_reports` of its groups were reported on, (2) at least
+        `quarantine_min_receivers` distinct receivers each rejected at least
+        `quarantine_rejection_rate` of the groups they reported on, and (3) the mean of the
+        receivers' rejection rates, each receiver weighing the same however many groups it
+        reported, reaches `quarantine_rejection_rate`. So one receiver, however many of a
+        source's groups it was given, cannot quarantine it alone. Derived from the durable
+        compatibility counts, so it survives a restart; the operator's `trusted` list
+        exempts a node."""
+        per_source: dict[str, list[tuple[int, int]]] = {}
         for c in self.state.compat():
-            t = totals.setdefault(c.source, [0, 0])
-            t[0] += c.rejected
-            t[1] += c.groups + c.rejected
+            reported = c.groups + c.rejected
+            if reported:
+                per_source.setdefault(c.source, []).append((c.rejected, reported))
+        rate = self.cfg.quarantine_rejection_rate
         out = set()
-        for source, (rejected, reports) in totals.items():
-            if reports >= self.cfg.quarantine_min_reports and rejected / reports >= self.cfg.quarantine_rejection_rate:
+        for source, pairs in per_source.items():
+            total = sum(n for _, n in pairs)
+            rates = [r / n for r, n in pairs]
+            accusers = sum(1 for x in rates if x >= rate)
+            if (total >= self.cfg.quarantine_min_reports and accusers >= self.cfg.quarantine_min_receivers
+                    and sum(rates) / len(rates) >= rate):
                 if self.allowlist is None or not self.allowlist.is_trusted(source):
                     out.add(source)
         return out
@@ -233,7 +284,7 @@ class Federation:
         tokens, last = self._buckets.get(node_id, (4 * rate, now))
         tokens = min(4 * rate, tokens + (now - last) * rate)
         if tokens < 1:
-            raise ResourceExhausted(f"node {node_id!r} publishes faster than {rate}/s; slow down and retry")
+            raise ResourceExhausted(f"node {clip(node_id)} publishes faster than {rate}/s; slow down and retry")
         self._buckets[node_id] = (tokens - 1, now)
 
     def _round_ready(self, round: int) -> bool:
@@ -243,9 +294,12 @@ class Federation:
         if rnd.state == "matched":
             return True
         published = self._published_in(round)
-        # Wait for online nodes working near this round; one far behind (a late joiner
-        # replaying early rounds) is not waited for.
-        waiting = [n.node_id for n in self.online_nodes() if n.node_id not in published and n.round >= round - 1]
+        # Wait for online nodes working near this round: at it, or one behind. One far behind
+        # (a late joiner replaying early rounds) is not waited for, and neither is one past it
+        # (it will not publish this round any more; and a node claiming a round far ahead
+        # must not stall every round until its deadline).
+        waiting = [n.node_id for n in self.online_nodes()
+                   if n.node_id not in published and round - 1 <= n.round <= round]
         quorum = len(published) >= self.cfg.min_nodes
         return (not waiting and quorum) or self.clock() - rnd.opened_at >= self.cfg.round_deadline_s
 
@@ -302,14 +356,38 @@ class Federation:
 
     def get_matches(self, node_id: str, session_id: str, round: int, wait_s: float,
                     wait_for_bundles: bool = False) -> MatchResult:
-        """The round's matches for `node_id`, waiting up to `wait_s` for the round to be
-        matched and, with `wait_for_bundles`, then for every offered bundle to be uploaded
-        (a receiver waiting for its sources: woken by each upload, never polling)."""
+        """The round's matches for a node, waiting up to `wait_s` (at most 60 s) for the round
+        to be matched and, with `wait_for_bundles`, then for every offered bundle to be
+        uploaded (a receiver waiting for its sources: woken by each upload, never polling).
+        At most MAX_LONG_POLLS_PER_NODE calls of one node wait at once, and at most
+        `max_long_polls` in all (RESOURCE_EXHAUSTED beyond), so that long-polls never hold
+        every worker thread and heartbeats are always served."""
+        with self.cond:
+            self._node(node_id, session_id)
+        with self._polls_lock:
+            if self._polls[node_id] >= MAX_LONG_POLLS_PER_NODE:
+                self.counters["long_polls_refused"] += 1
+                raise ResourceExhausted(f"node {clip(node_id)} already has {MAX_LONG_POLLS_PER_NODE} GetMatches "
+                                        "calls waiting; wait for their answers")
+            if sum(self._polls.values()) >= self.cfg.max_long_polls:
+                self.counters["long_polls_refused"] += 1
+                raise ResourceExhausted("the broker has too many GetMatches calls waiting; retry shortly")
+            self._polls[node_id] += 1
+        try:
+            return self._get_matches(node_id, session_id, round, wait_s, wait_for_bundles)
+        finally:
+            with self._polls_lock:
+                self._polls[node_id] -= 1
+                if not self._polls[node_id]:
+                    del self._polls[node_id]
+
+    def _get_matches(self, node_id: str, session_id: str, round: int, wait_s: float,
+                     wait_for_bundles: bool) -> MatchResult:
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
         with self.cond:
             self._node(node_id, session_id)
             if node_id not in self._published_in(round):
-                raise FailedPrecondition(f"node {node_id!r} has published nothing for round {round}; "
+                raise FailedPrecondition(f"node {clip(node_id)} has published nothing for round {round}; "
                                          "publish its summaries before asking for matches")
             while True:
                 if self.cfg.mode == "async":
@@ -424,11 +502,11 @@ class Federation:
     # ----- bundles ------------------------------------------------------------------------------
 
     def has_bundles(self, node_id: str, session_id: str, digests: Sequence[str]) -> list[str]:
-        if len(digests) > 4096:
-            raise InvalidArgument(f"{len(digests)} digests in one call; at most 4096")
+        if len(digests) > MAX_DIGESTS_PER_CALL:
+            raise InvalidArgument(f"{len(digests)} digests in one call; at most {MAX_DIGESTS_PER_CALL}")
         for d in digests:
             if not is_digest(d):
-                raise InvalidArgument(f"malformed digest {d[:70]!r}: expected 64 lowercase hex digits")
+                raise InvalidArgument(f"malformed digest {clip(d, 70)}: expected 64 lowercase hex digits")
         with self.cond:
             self._node(node_id, session_id)
             return self.state.has_bundles(digests)
@@ -438,9 +516,9 @@ class Federation:
         with self.cond:
             node = self._node(node_id, session_id)
         if node.privacy == "summaries_only":
-            raise PermissionDenied(f"node {node_id!r} declared privacy summaries_only; it uploads no trajectories")
+            raise PermissionDenied(f"node {clip(node_id)} declared privacy summaries_only; it uploads no trajectories")
         if node_id in self.quarantined():
-            raise PermissionDenied(f"node {node_id!r} is quarantined: receivers rejected too many of its groups "
+            raise PermissionDenied(f"node {clip(node_id)} is quarantined: receivers rejected too many of its groups "
                                    "(claimed rewards did not re-verify); the operator can release it")
 
     def put_bundle(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str,
@@ -452,7 +530,7 @@ class Federation:
         self.upload_allowed(node_id, session_id)
         quota = self.cfg.max_node_bundle_mib * 2**20
         if quota and self._bundle_bytes[node_id] + len(data) > quota:
-            raise ResourceExhausted(f"node {node_id!r} exceeded its bundle storage quota of "
+            raise ResourceExhausted(f"node {clip(node_id)} exceeded its bundle storage quota of "
                                     f"{self.cfg.max_node_bundle_mib} MiB")
         if digest_of(data) != digest:
             raise InvalidArgument(f"bundle bytes do not hash to the declared digest {digest[:12]}...")
@@ -464,7 +542,7 @@ class Federation:
             try:
                 cert = load_certificate_der(signer_cert)
                 if common_name(cert) != node_id:
-                    raise ProvenanceError(f"the client certificate is {common_name(cert)!r}'s, not {node_id!r}'s")
+                    raise ProvenanceError(f"the client certificate is {common_name(cert)!r}'s, not {clip(node_id)}'s")
                 verify_signature(cert, node_id, digest, signature)
             except ProvenanceError as exc:
                 raise InvalidArgument(f"bundle signature rejected: {exc}. Sign with the key of the certificate "
@@ -480,11 +558,12 @@ class Federation:
         with self.cond:
             summary = self._summary(node_id, round, prompt_id)
             if summary is None:
-                raise NotFound(f"node {node_id!r} published no summary for prompt {prompt_id!r} in round {round}")
+                raise NotFound(f"node {clip(node_id)} published no summary for prompt {clip(prompt_id)} in round {round}")
             if (rec.prompt_id != prompt_id or rec.k != summary.k or rec.n != summary.n
-                    or list(rec.mean_logprobs) != list(summary.mean_logprobs)):
+                    or list(rec.mean_logprobs) != list(summary.mean_logprobs)
+                    or list(rec.lengths) != list(summary.lengths) or rec.step != summary.policy_version):
                 raise InvalidArgument("the bundle does not hold the group its summary describes "
-                                      "(prompt id, k, n or mean log-probs differ)")
+                                      "(prompt id, k, n, lengths, step or mean log-probs differ)")
             stored = self.state.put_bundle(digest, data, signature=signature, signer_cert=signer_cert)
             if stored:
                 self._bundle_bytes[node_id] += len(data)
@@ -510,7 +589,7 @@ class Federation:
             if not granted:
                 if self.state.get_bundle(digest) is None:
                     raise NotFound(f"no bundle {digest[:12]}...")
-                raise PermissionDenied(f"node {node_id!r} was not matched to bundle {digest[:12]}...; ask for "
+                raise PermissionDenied(f"node {clip(node_id)} was not matched to bundle {digest[:12]}...; ask for "
                                        "matches first")
             data = self.state.get_bundle(digest)
             provenance = self.state.bundle_provenance(digest)
@@ -525,43 +604,94 @@ class Federation:
         """Fold a receiver's verdicts into the compatibility matrix; returns (accepted,
         duplicates). A report about one group, (round, receiver, source, prompt), counts
         once however often it is sent: a retried or replayed report changes nothing, and a
-        receiver cannot inflate a source's rejections by repeating one."""
+        receiver cannot inflate a source's rejections by repeating one. A rejection of a
+        group the broker holds and re-verifies as correct is not counted (`recheck_rejections`)."""
         entries = list(entries)
+        limit = self.manifest.prompts_per_round * MAX_PER_ROUND_FACTOR
+        if len(entries) > limit:
+            # a receiver gets at most one group per prompt of its round
+            raise InvalidArgument(f"{len(entries)} entries in one report; at most {limit} (one per group received)")
         seen = set()
         for e in entries:
-            if not e.rejected and not (math.isfinite(e.mean_s) and e.mean_s >= 0):
-                raise InvalidArgument(f"mean_s must be a finite number >= 0, got {e.mean_s}")
+            if not e.rejected and not (math.isfinite(e.mean_s) and 0 <= e.mean_s <= 1e6):
+                raise InvalidArgument(f"mean_s must be a finite number in [0, 1e6], got {e.mean_s}")
             if not (0.0 <= e.admitted_fraction <= 1.0):
                 raise InvalidArgument(f"admitted_fraction must be in [0, 1], got {e.admitted_fraction}")
             if (e.source, e.prompt_id) in seen:
-                raise InvalidArgument(f"source {e.source[:40]!r} and prompt {e.prompt_id[:40]!r} appear twice in one "
+                raise InvalidArgument(f"source {clip(e.source)} and prompt {clip(e.prompt_id)} appear twice in one "
                                       "report; send one entry per group received")
             seen.add((e.source, e.prompt_id))
         with self.cond:
             self._node(node_id, session_id)
-            if round > self.current_round() + 1000:
+            if round > self.current_round() + MAX_ROUNDS_AHEAD:
                 raise FailedPrecondition(f"report for round {round}, implausibly far ahead of the federation "
                                          f"(current {self.current_round()})")
-            for e in entries:
-                if self.state.get_node(e.source) is None or e.source == node_id:
-                    raise InvalidArgument(f"unknown source node {e.source!r}")
+            for source in {e.source for e in entries}:
+                if source == node_id or self.state.get_node(source) is None:
+                    raise InvalidArgument(f"unknown source node {clip(source)}")
             # a receiver reports only on groups it was matched to: otherwise one node could
             # invent rejections of an honest source's groups and push it into quarantine
-            matched = {(m.source, m.prompt_id) for m in self.state.matches(round=round, receiver=node_id)}
+            matched = {(m.source, m.prompt_id): m for m in self.state.matches(round=round, receiver=node_id)}
             for e in entries:
                 if (e.source, e.prompt_id) not in matched:
-                    raise FailedPrecondition(f"{node_id} was not matched to {e.source[:40]!r}'s group for prompt "
-                                             f"{e.prompt_id[:40]!r} in round {round}; report only the groups "
+                    raise FailedPrecondition(f"{clip(node_id)} was not matched to {clip(e.source)}'s group for "
+                                             f"prompt {clip(e.prompt_id)} in round {round}; report only the groups "
                                              "the broker offered you, with the round they were offered in")
-            accepted, dups = self.state.put_reports([
-                ReportRow(round=round, receiver=node_id, source=e.source, prompt_id=e.prompt_id,
+        # outside the lock: re-verifying may take a while and needs nothing the lock guards
+        disputed = {(e.source, e.prompt_id) for e in entries
+                    if e.rejected and self._rejection_disputed(matched[(e.source, e.prompt_id)])}
+        if disputed:
+            self.counters["disputed_rejections"] += len(disputed)
+            log.warning("receiver %s reported %d group(s) rejected that the broker re-verified as correct; "
+                        "those rejections are not counted", clip(node_id), len(disputed))
+        rows = [ReportRow(round=round, receiver=node_id, source=e.source, prompt_id=e.prompt_id,
                           mean_s=e.mean_s if not e.rejected else 0.0, admitted_fraction=e.admitted_fraction,
-                          rejected=e.rejected) for e in entries])
+                          rejected=e.rejected) for e in entries if (e.source, e.prompt_id) not in disputed]
+        with self.cond:
+            accepted, dups = self.state.put_reports(rows)
             self.counters["reports"] += accepted
             self.counters["duplicate_reports"] += dups
             # counted once per group, like the matrix (a repeated rejection is a duplicate)
             self.counters["rejected_groups"] = sum(c.rejected for c in self.state.compat())
         return accepted, dups
+
+    def _rejection_disputed(self, match: MatchRow) -> bool:
+        """True when the broker holds the matched group's bundle and its own re-verification
+        (the federation's verifier, the dataset's answer) agrees with the claimed rewards:
+        then a receiver's claim that the group failed re-verification is false. False when the
+        broker cannot check (no bundle held, no verifier, the check failed)."""
+        if not self.cfg.recheck_rejections:
+            return False
+        summary = self._summary(match.source, match.source_round, match.prompt_id)
+        prompt = self.prompts_by_id.get(match.prompt_id)
+        if summary is None or not summary.bundle_digest or prompt is None:
+            return False
+        data = self.state.get_bundle(summary.bundle_digest)
+        if data is None:
+            return False
+        try:
+            rec = decode_bundle(data, summary.bundle_digest)
+            verifier = self._get_verifier()
+            if verifier is None:
+                return False
+            scored = verifier.score(list(rec.texts), [prompt.answer] * rec.n).rewards
+        except Exception as exc:  # noqa: BLE001 - a check the broker cannot make counts the claim
+            log.warning("could not re-verify %s's group for %s: %s", match.source, clip(match.prompt_id), exc)
+            return False
+        return [float(r) for r in scored] == [float(r) for r in rec.rewards]
+
+    def _get_verifier(self):  # noqa: ANN202 - graft_fed.rewards.verifier.Verifier, imported lazily
+        with self._verifier_lock:
+            if self._verifier is None and not self._verifier_failed:
+                try:
+                    from graft_fed.rewards.verifier import build_verifier
+
+                    self._verifier = build_verifier(self.cfg.verifier)
+                except Exception as exc:  # noqa: BLE001 - the broker works without it
+                    log.warning("the broker cannot load the verifier %s (%s): rejections are counted as "
+                                "reported, unchecked", self.cfg.verifier.name, exc)
+                    self._verifier_failed = True
+            return self._verifier
 
     # ----- status and retention -------------------------------------------------------------------
 
@@ -589,6 +719,16 @@ class Federation:
         }
 
     def prune(self) -> int:
+        """Retention. `keep_rounds` counts back from the highest round at least two nodes have
+        reached (from the highest round when there is one node), not from the highest round
+        anyone published: one node publishing far ahead (a round up to current + 1000 is
+        accepted) must not make the broker drop every other node's groups."""
         with self.cond:
             max_bytes = int(self.cfg.max_bundle_gib * 2**30) if self.cfg.max_bundle_gib else None
-            return self.state.prune(keep_rounds=self.cfg.keep_rounds, max_bundle_bytes=max_bytes)
+            keep = self.cfg.keep_rounds
+            if keep is not None:
+                latest = self.state.latest_round()
+                rounds = sorted(n.round for n in self.state.list_nodes())
+                agreed = rounds[-2] if len(rounds) >= 2 else latest
+                keep += max(0, latest - max(agreed, 0))
+            return self.state.prune(keep_rounds=keep, max_bundle_bytes=max_bytes)

@@ -13,10 +13,9 @@ import grpc
 from graft_fed.broker.auth import Allowlist, IdentityInterceptor
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
-from graft_fed.broker.servicer import BrokerServicer
+from graft_fed.broker.servicer import BrokerServicer, add_to_server
 from graft_fed.broker.state import BrokerState
 from graft_fed.federation.transport import check_plaintext, grpc_options, server_credentials
-from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -59,7 +58,9 @@ def render_metrics(fed: Federation, servicer: BrokerServicer) -> str:
                        ("reports", "Compatibility reports (one per group)."),
                        ("duplicate_reports", "Repeated reports ignored (a group counts once)."),
                        ("rejected_groups", "Groups rejected by receivers."),
-                       ("joins", "Joins."), ("rejected_join", "Joins refused for a manifest mismatch.")]:
+                       ("joins", "Joins."), ("rejected_join", "Joins refused for a manifest mismatch."),
+                       ("disputed_rejections", "Rejections the broker re-verified as false and did not count."),
+                       ("long_polls_refused", "GetMatches refused: too many already waiting (per node or in all).")]:
         metric(f"{key}_total", "counter", help_, [("", c.get(key, 0))])
     stats = servicer.stats
     replay = fed.replay.counters
@@ -88,10 +89,11 @@ class BrokerServer:
         allowlist = Allowlist(cfg.allowlist) if cfg.allowlist else None
         self.fed = Federation(cfg, self.state, allowlist=allowlist)
         self.servicer = BrokerServicer(self.fed)
-        interceptors = [IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist)]
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="broker"),
+        interceptors = [IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist,
+                                         max_requests_per_s=cfg.max_requests_per_s)]
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="broker"),
                                 options=grpc_options(cfg.max_message_mib), interceptors=interceptors)
-        pb_grpc.add_BrokerServicer_to_server(self.servicer, self.grpc)
+        add_to_server(self.servicer, self.grpc)
         if cfg.tls_cert and cfg.tls_key:
             creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.client_ca)
             self.port = self.grpc.add_secure_port(cfg.listen, creds)

@@ -1,8 +1,17 @@
-"""gRPC servicer: decode, call the handler, encode, map errors. Nothing else lives here."""
+"""gRPC servicer: decode, call the handler, encode, map errors. Nothing else lives here.
+
+Requests are parsed here, not by grpcio: `add_to_server` registers every method with a
+deserializer that never raises (bytes that do not parse as the method's message become a
+`Malformed` request, answered INVALID_ARGUMENT), so no request can get grpcio's own
+INTERNAL ("Exception deserializing request!"). Every parsed request then passes the
+uniform bounds of graft_fed/federation/limits.py before a handler sees it."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections import abc
 import logging
 import time
 from collections import defaultdict
@@ -14,12 +23,72 @@ from graft_fed.broker.handlers import Federation
 from graft_fed.federation.codec import (manifest_from_pb, manifest_to_pb, match_result_to_pb, privacy_from_pb,
                                         report_entries_from_pb, summaries_from_pb)
 from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted
+from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES,
+                                         check_message, clip)
 from graft_fed.federation.status import INTERNAL_MESSAGE, to_status
 from graft_fed.federation.signing import pem_to_der
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("graft_fed.broker")
+
+
+SERVICE = "graft_fed.v1.Broker"
+
+
+class Malformed:
+    """A request whose bytes did not parse as its message (the handler answers INVALID_ARGUMENT)."""
+
+    node_id = ""  # what the identity interceptor reads
+
+    def __init__(self, message: str, error: str) -> None:
+        self.message, self.error = message, error
+
+
+def _parser(cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, RecursionError, ...: the client's bytes
+            return Malformed(cls.DESCRIPTOR.name, type(exc).__name__)
+    return parse
+
+
+def parsed(request: Any) -> Any:
+    """The request, checked against the uniform bounds; InvalidArgument when it is malformed."""
+    if isinstance(request, Malformed):
+        raise InvalidArgument(f"the request does not parse as a {request.message} ({request.error})")
+    check_message(request)
+    return request
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    context.abort(code, message if len(message) <= MAX_ERROR_MESSAGE else message[:MAX_ERROR_MESSAGE - 3] + "...")
+
+
+class InFlight:
+    """Calls of one kind in flight per node, bounded: a node streaming slowly (or not reading
+    what it fetches) holds a worker thread per call, so it may hold only a few."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit, self.what = limit, what
+        self._n: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, node_id: str) -> Iterator[None]:
+        with self._lock:
+            if self._n[node_id] >= self.limit:
+                raise ResourceExhausted(f"node {clip(node_id)} already has {self.limit} {self.what} in flight; "
+                                        "wait for them to finish")
+            self._n[node_id] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._n[node_id] -= 1
+                if not self._n[node_id]:
+                    del self._n[node_id]
 
 
 def _tag(request: Any) -> tuple[str, int]:
@@ -54,16 +123,18 @@ def _rpc(method: Callable) -> Callable:
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
+            if not isinstance(request, abc.Iterator):  # a stream's messages are checked one by one
+                request = parsed(request)
             return method(self, request, context)
         except FederationError as exc:
             code, message = to_status(exc)
             self.stats.observe(name, code, time.perf_counter() - t0)
-            context.abort(code, message)
+            _abort(context, code, message)
         except Exception:  # noqa: BLE001 - the last line of defence: never leak internals
             log.exception("%s failed", name)
             code = grpc.StatusCode.INTERNAL
             self.stats.observe(name, code, time.perf_counter() - t0)
-            context.abort(code, INTERNAL_MESSAGE)
+            _abort(context, code, INTERNAL_MESSAGE)
         finally:
             if code == grpc.StatusCode.OK:
                 self.stats.observe(name, code, time.perf_counter() - t0)
@@ -76,6 +147,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.stats = RpcStats()
         self.chunk = fed.cfg.chunk_kib * 1024
         self.max_bundle = fed.cfg.max_bundle_mib * 2**20
+        self.uploads = InFlight(MAX_UPLOADS_PER_NODE, "uploads")
+        self.fetches = InFlight(MAX_FETCHES_PER_NODE, "fetches")
 
     @_rpc
     def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinResponse:
@@ -118,12 +191,19 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_rpc
     def UploadBundle(self, request_iterator: Iterator[pb.BundleChunk], context: Any) -> pb.UploadResponse:
+        with contextlib.ExitStack() as stack:
+            return self._upload(request_iterator, context, stack)
+
+    def _upload(self, request_iterator: Iterator[pb.BundleChunk], context: Any,
+                stack: contextlib.ExitStack) -> pb.UploadResponse:
         first: pb.BundleChunk | None = None
         parts: list[bytes] = []
-        received = 0
+        received = last = 0
         ticket, applied = None, False
+        min_chunk = min(MIN_CHUNK_BYTES, self.chunk)
         try:
             for chunk in request_iterator:
+                chunk = parsed(chunk)
                 if first is None:
                     first = chunk
                     if chunk.total_size > self.max_bundle:
@@ -131,15 +211,21 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                                                 f"of {self.max_bundle} bytes")
                     ticket = self.fed.replay.begin("UploadBundle", chunk.node_id, *_tag(chunk))
                     self.fed.upload_allowed(chunk.node_id, chunk.session_id)
-                elif (chunk.digest, chunk.total_size, chunk.node_id, chunk.prompt_id, chunk.round) != (
-                        first.digest, first.total_size, first.node_id, first.prompt_id, first.round):
-                    raise InvalidArgument("every chunk of one upload must carry the same digest, size, node, prompt "
-                                          "and round")
+                    stack.enter_context(self.uploads.hold(chunk.node_id))
+                else:
+                    if (chunk.digest, chunk.total_size, chunk.node_id, chunk.prompt_id, chunk.round) != (
+                            first.digest, first.total_size, first.node_id, first.prompt_id, first.round):
+                        raise InvalidArgument("every chunk of one upload must carry the same digest, size, node, "
+                                              "prompt and round")
+                    if last < min_chunk:  # a trickle of tiny chunks would hold a thread for hours
+                        raise InvalidArgument(f"a chunk of {last} bytes that is not the last; every chunk but the "
+                                              f"last carries at least {min_chunk} bytes")
                 if len(chunk.data) > self.chunk:
                     raise InvalidArgument(f"chunk of {len(chunk.data)} bytes exceeds the chunk size {self.chunk}")
                 if chunk.offset != received:
                     raise InvalidArgument(f"chunk offset {chunk.offset} but {received} bytes received so far")
                 received += len(chunk.data)
+                last = len(chunk.data)
                 if received > first.total_size:
                     raise InvalidArgument("chunks exceed the declared total_size")
                 parts.append(chunk.data)
@@ -164,16 +250,31 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def FetchBundle(self, request: pb.FetchBundleRequest, context: Any) -> Iterator[pb.BundleChunk]:
         t0 = time.perf_counter()
         try:
+            request = parsed(request)
             data, signature, cert = self.fed.fetch_bundle(request.node_id, request.session_id, request.digest)
         except FederationError as exc:
             code, message = to_status(exc)
             self.stats.observe("FetchBundle", code, time.perf_counter() - t0)
-            context.abort(code, message)
-        self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
-        for off in range(0, max(1, len(data)), self.chunk):
-            yield pb.BundleChunk(digest=request.digest, total_size=len(data), offset=off,
-                                 data=data[off:off + self.chunk], signature=signature if off == 0 else b"",
-                                 signer_cert=cert if off == 0 else b"")
+            _abort(context, code, message)
+        except Exception:  # noqa: BLE001 - never leak internals
+            log.exception("FetchBundle failed")
+            self.stats.observe("FetchBundle", grpc.StatusCode.INTERNAL, time.perf_counter() - t0)
+            _abort(context, grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+        try:
+            hold = self.fetches.hold(request.node_id)
+            hold.__enter__()
+        except FederationError as exc:
+            code, message = to_status(exc)
+            self.stats.observe("FetchBundle", code, time.perf_counter() - t0)
+            _abort(context, code, message)
+        try:
+            self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
+            for off in range(0, max(1, len(data)), self.chunk):
+                yield pb.BundleChunk(digest=request.digest, total_size=len(data), offset=off,
+                                     data=data[off:off + self.chunk], signature=signature if off == 0 else b"",
+                                     signer_cert=cert if off == 0 else b"")
+        finally:
+            hold.__exit__(None, None, None)
 
     @_rpc
     def ReportCompatibility(self, request: pb.CompatibilityReport, context: Any) -> pb.ReportResponse:
@@ -190,3 +291,30 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             nodes=[pb.StatusResponse.Node(**n) for n in st["nodes"]],
             pairs=[pb.StatusResponse.Pair(**p) for p in st["pairs"]],
             bundles=st["bundles"], bundle_bytes=st["bundle_bytes"])
+
+
+#: method -> (kind, request message, response message), as in protos/graft_fed/v1/broker.proto
+METHODS: dict[str, tuple[str, Any, Any]] = {
+    "Join": ("unary_unary", pb.JoinRequest, pb.JoinResponse),
+    "Leave": ("unary_unary", pb.LeaveRequest, pb.LeaveResponse),
+    "Heartbeat": ("unary_unary", pb.HeartbeatRequest, pb.HeartbeatResponse),
+    "PublishSummaries": ("unary_unary", pb.PublishRequest, pb.PublishResponse),
+    "GetMatches": ("unary_unary", pb.MatchRequest, pb.MatchResponse),
+    "UploadBundle": ("stream_unary", pb.BundleChunk, pb.UploadResponse),
+    "HasBundles": ("unary_unary", pb.HasBundlesRequest, pb.HasBundlesResponse),
+    "FetchBundle": ("unary_stream", pb.FetchBundleRequest, pb.BundleChunk),
+    "ReportCompatibility": ("unary_unary", pb.CompatibilityReport, pb.ReportResponse),
+    "GetStatus": ("unary_unary", pb.StatusRequest, pb.StatusResponse),
+}
+
+
+def add_to_server(servicer: BrokerServicer, server: grpc.Server) -> None:
+    """Register the servicer's methods with deserializers that never raise (see the module
+    docstring): the replacement for the generated add_BrokerServicer_to_server."""
+    factories = {"unary_unary": grpc.unary_unary_rpc_method_handler,
+                 "stream_unary": grpc.stream_unary_rpc_method_handler,
+                 "unary_stream": grpc.unary_stream_rpc_method_handler}
+    handlers = {name: factories[kind](getattr(servicer, name), request_deserializer=_parser(req),
+                                      response_serializer=resp.SerializeToString)
+                for name, (kind, req, resp) in METHODS.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

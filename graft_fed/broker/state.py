@@ -159,6 +159,20 @@ class BrokerState(abc.ABC):
     def bundle_stats(self) -> tuple[int, int]:
         """(number of bundles, total bytes)."""
 
+    def bundle_bytes_by_node(self) -> dict[str, int]:
+        """Bytes of the held bundles attached to each node's summaries (each digest counted
+        once per node): what the per-node storage quota is rebuilt from at startup. This
+        default reads every summary; implementations may answer it in one query."""
+        out: dict[str, int] = {}
+        seen: set[tuple[str, str]] = set()
+        for s in self.summaries():
+            if s.bundle_digest and (s.node_id, s.bundle_digest) not in seen:
+                seen.add((s.node_id, s.bundle_digest))
+                data = self.get_bundle(s.bundle_digest)
+                if data is not None:
+                    out[s.node_id] = out.get(s.node_id, 0) + len(data)
+        return out
+
     # ----- compatibility
     @abc.abstractmethod
     def update_compat(self, source: str, receiver: str, mean_s: float, admitted_fraction: float,

@@ -405,6 +405,12 @@ class SqliteState(BrokerState):
                                          "(SELECT value FROM json_each(?))", (json.dumps(wanted),))}
         return [d for d in wanted if d in held]
 
+    def bundle_bytes_by_node(self) -> dict[str, int]:
+        rows = self._read("SELECT s.node_id, SUM(b.size) FROM (SELECT DISTINCT node_id, bundle_digest FROM summaries "
+                          "WHERE bundle_digest != '') s JOIN bundles b ON b.digest = s.bundle_digest "
+                          "GROUP BY s.node_id")
+        return {node: int(total) for node, total in rows}
+
     def bundle_stats(self) -> tuple[int, int]:
         (count, total), = self._read("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM bundles")
         return count, total

@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 
 from graft_fed.core.records import GroupRecord, RecordError
+
+#: Bounds of the safe decoder (bundles come from peers, through a broker that may be hostile,
+#: and a broker decodes what nodes upload): nesting depth and digits of an integer.
+MAX_JSON_DEPTH = 8
+MAX_INT_DIGITS = 20
+MAX_CONTAINERS = 1024
 
 
 def encode_bundle(record: GroupRecord) -> bytes:
@@ -21,15 +29,64 @@ def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise RecordError(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf
+        raise RecordError(f"a number out of the double range ({text[:24]})")
+    return value
+
+
+def _parse_constant(text: str) -> float:
+    raise RecordError(f"{text} is not JSON (non-finite numbers are refused)")
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _max_depth(data: bytes) -> int:
+    """Nesting depth of a JSON text (brackets outside strings), without recursion, so a
+    pathological nesting is refused before the parser sees it. More than MAX_CONTAINERS
+    arrays and objects count as too deep (a group record holds about ten)."""
+    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    if len(brackets) > 2 * MAX_CONTAINERS:
+        return MAX_JSON_DEPTH + 1
+    depth = deepest = 0
+    for b in brackets:
+        depth += 1 if b in (0x5B, 0x7B) else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def loads_bounded(data: bytes, what: str = "bundle") -> object:
+    """json.loads for bytes from a peer: UTF-8, nesting at most MAX_JSON_DEPTH, integers of
+    at most MAX_INT_DIGITS digits, finite numbers only (no NaN, Infinity or 1e999). Raises
+    RecordError, never RecursionError, ValueError or OverflowError."""
+    # a cheap upper bound first: a text with few brackets cannot nest deeply
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _max_depth(data) > MAX_JSON_DEPTH:
+        raise RecordError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(data.decode("utf-8"), parse_int=_parse_int, parse_float=_parse_float,
+                          parse_constant=_parse_constant)
+    except RecordError as exc:
+        raise RecordError(f"{what} refused: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError, OverflowError) as exc:
+        raise RecordError(f"{what} is not UTF-8 JSON: {type(exc).__name__}: {str(exc)[:120]}") from None
+
+
 def decode_bundle(data: bytes, expected_digest: str) -> GroupRecord:
-    """Check the digest, parse, validate. Raises RecordError on any mismatch."""
+    """Check the digest, parse (bounded, see loads_bounded), validate. Raises RecordError on
+    any mismatch and on any pathological input."""
     actual = digest_of(data)
     if actual != expected_digest:
-        raise RecordError(f"bundle digest mismatch: expected {expected_digest}, got {actual}")
-    try:
-        payload = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecordError(f"bundle {expected_digest[:12]} is not UTF-8 JSON: {exc}") from None
+        raise RecordError(f"bundle digest mismatch: expected {expected_digest[:64]}, got {actual}")
+    payload = loads_bounded(data, f"bundle {expected_digest[:12]}")
     if not isinstance(payload, dict):
         raise RecordError(f"bundle {expected_digest[:12]} is not a JSON object")
     return GroupRecord.from_dict(payload)

@@ -10,6 +10,11 @@ from typing import Sequence
 from graft_fed.data.prompts import Prompt
 from graft_fed.rewards.config import MATH_VERIFY, VerifierConfig
 
+
+def clip(value: object, n: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= n + 2 else f"{text[:n]}... ({len(str(value))} chars)"
+
 PROTOCOL_VERSION = 1
 
 # Fields a joining node must match exactly; the others (mode, staleness, federation id)
@@ -56,6 +61,6 @@ def differences(expected: Manifest, got: Manifest) -> list[str]:
     out = []
     for name in CHECKED_FIELDS:
         a, b = getattr(expected, name), getattr(got, name)
-        if a != b:
-            out.append(f"{name}: broker has {a!r}, node has {b!r}")
+        if a != b:  # the node's value quoted by a prefix only: it may be anything a client sent
+            out.append(f"{name}: broker has {a!r}, node has {clip(b)}")
     return out

@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from graft_fed.core.exchange import Quantiles, compatibility, complementarity, gate_weights, plan_transfer
-from graft_fed.core.records import GroupRecord, RecordError
+from graft_fed.core.records import GroupRecord
+from graft_fed.core.screening import ScreeningError, ScreenSettings, screen_record
 from graft_fed.rollout.base import Completion
 from graft_fed.trainer.config import GraftSection
 from graft_fed.trainer.group import Group
@@ -78,6 +79,8 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
     index = {grp.prompt.id: i for i, grp in enumerate(own)}
     reports: list[GroupReport] = []
     accepted: list[tuple[int, GroupRecord]] = []
+    advantages: dict[str, tuple[float, ...]] = {}  # prompt id -> what the receiver trains on
+    screen = ScreenSettings(scale=rx.scale_rewards, std=rx.std)
     # in the order of the receiver's own groups, whatever order the peers delivered them in
     for pid, rec in sorted(offers.items(), key=lambda kv: (index.get(kv[0], len(own)), kv[0])):
         counts["offered"] += 1
@@ -86,10 +89,15 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
             counts["rejected_not_all_fail"] += 1  # a receiver never takes a group it did not need
             continue
         try:
-            rec.validate()
-        except RecordError:
-            counts["rejected_malformed"] += 1
+            # Everything checkable without a model (docs/security.md): the record's shape,
+            # claimed log-probs a model can produce, and claimed advantages equal to Eq. 1 on
+            # the claimed rewards (which re-verification below must then confirm): the
+            # receiver trains on its own recomputation, never on the claim.
+            advantages[pid] = screen_record(rec, screen)
+        except ScreeningError as exc:
+            counts[f"rejected_{exc.reason}"] += 1
             per_source[rec.model_id]["rejected"] += 1
+            reports.append(GroupReport(rec.prompt_id, rec.model_id, math.nan, 0.0, True))
             continue
         if rec.kind != "informative" and g.transfer != "pooled":
             counts["rejected_uninformative"] += 1
@@ -118,7 +126,7 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
     eos = rx.eos_id
     plans, prompt_ids, resp_ids, owners = [], [], [], []
     for i, rec in accepted:
-        plan = plan_transfer(rec.rewards, rec.advantages, g.transfer,  # type: ignore[arg-type]
+        plan = plan_transfer(rec.rewards, advantages[own[i].prompt.id], g.transfer,  # type: ignore[arg-type]
                              own_rewards=own[i].rewards.tolist() if g.transfer == "pooled" else (),
                              scale=rx.scale_rewards, std=rx.std)
         plans.append(plan)

@@ -13,6 +13,7 @@ it samples, records and optimises; this module puts peer groups between the two.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -73,14 +74,20 @@ def begin(learner: GRPOTrainer, peers: Peers) -> Begun:
 
 
 def finish(learner: GRPOTrainer, peers: Peers, begun: Begun) -> dict[str, Any]:
-    """Receive the peers' offers, report on them, and optimise (own groups first, peers last)."""
+    """Receive the peers' offers, optimise (own groups first, peers last), then report on
+    every received group: after the update, so that a group whose minibatch gave a
+    non-finite loss or gradient (the update was skipped) is reported as rejected."""
     t0 = time.perf_counter() - begun.elapsed_s
     groups = begun.data.groups
     offered = peers.offers(learner, groups)
     result = receive(receiver_of(learner), groups, offered.records)
     metrics = {**begun.metrics, **offered.metrics, **result.metrics}
-    metrics.update(peers.report(learner, result.reports))
-    return learner.finish_step(begun.data, result.groups, metrics, t0)
+    row = learner.finish_step(begun.data, result.groups, metrics, t0)
+    bad = set(learner.nonfinite_groups)
+    reports = [GroupReport(r.prompt_id, r.source, math.nan, 0.0, True) if (r.source, r.prompt_id) in bad else r
+               for r in result.reports]
+    row.update(peers.report(learner, reports))
+    return row
 
 
 def step(learner: GRPOTrainer, peers: Peers) -> dict[str, Any]:

@@ -76,14 +76,16 @@ class BrokerClient:
                  chunk_kib: int = 1024, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, insecure: bool = False,
                  require_signatures: bool | None = None, retries: int = 2,
-                 revoked_certs: str | None = None) -> None:
+                 revoked_certs: str | None = None, max_bundle_mib: int = 64) -> None:
         """`require_signatures`: refuse peer bundles whose producer's signature cannot be
         checked; None (the default) = required when this node uses mutual TLS (it has a
         certificate and key). Verifying needs `tls_ca`, the federation CA.
         `revoked_certs`: the CA's revoked.json; bundles signed with a listed certificate are
         refused, however long ago they were signed.
         `retries`: how often a publish, upload, report or leave is sent again, with the same
-        request tag, after UNAVAILABLE or ABORTED (short jittered backoff)."""
+        request tag, after UNAVAILABLE or ABORTED (short jittered backoff).
+        `max_bundle_mib`: a fetched bundle announced larger, or whose chunks do not add up, is
+        refused (RecordError) before it is buffered."""
         self.address = address
         self.retries = retries
         self._retry_rng = random.Random()
@@ -92,6 +94,7 @@ class BrokerClient:
         self.node_id = node_id
         self.timeout = rpc_timeout_s
         self.chunk = chunk_kib * 1024
+        self.max_bundle = max_bundle_mib * 2**20  # the largest bundle a fetch may announce
         # The node paces its own reconnection attempts (Backoff below); keep gRPC's channel-level
         # backoff short so a broker that is back is seen at the node's next attempt.
         options = grpc_options(max_message_mib) + [
@@ -277,12 +280,23 @@ class BrokerClient:
         certificate not issued by this node's CA or naming another node, or an unsigned
         bundle where signatures are required."""
         parts, size, signature, cert = [], None, b"", b""
+        received = 0
+        call = self.stub.FetchBundle(pb.FetchBundleRequest(node_id=self.node_id, session_id=self.session,
+                                                           digest=digest), timeout=self.timeout * 3)
         try:
-            for chunk in self.stub.FetchBundle(pb.FetchBundleRequest(node_id=self.node_id, session_id=self.session,
-                                                                     digest=digest), timeout=self.timeout * 3):
+            for chunk in call:
                 if size is None:
                     signature, cert = chunk.signature, chunk.signer_cert
-                size = chunk.total_size
+                    size = chunk.total_size
+                    if size > self.max_bundle:  # a hostile broker must not make the node buffer without end
+                        call.cancel()
+                        raise RecordError(f"bundle {digest[:12]} announced as {size} bytes, more than this node "
+                                          f"accepts ({self.max_bundle})")
+                if chunk.total_size != size or chunk.offset != received or received + len(chunk.data) > size:
+                    call.cancel()
+                    raise RecordError(f"bundle {digest[:12]} arrived with inconsistent chunks (offset "
+                                      f"{chunk.offset}, {received} bytes so far, total {size})")
+                received += len(chunk.data)
                 parts.append(chunk.data)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, "FetchBundle") from None

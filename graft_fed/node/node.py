@@ -79,6 +79,8 @@ class FederationSection:
         require(self.match_wait_s > 0 and self.round_timeout_s > 0 and self.fetch_timeout_s >= 0,
                 "federation timeouts must be positive")
         require(0 < self.reconnect_min_s <= self.reconnect_max_s, "need 0 < reconnect_min_s <= reconnect_max_s")
+        require(self.chunk_kib >= 16, "federation.chunk_kib must be >= 16: the broker refuses smaller non-final "
+                "upload chunks")
         require((self.tls_cert is None) == (self.tls_key is None), "federation: give both tls_cert and tls_key")
         require(self.tls_cert is None or self.tls_ca is not None,
                 "federation.tls_cert needs federation.tls_ca (the CA that signed the broker's certificate)")

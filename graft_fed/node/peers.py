@@ -32,6 +32,8 @@ from graft_fed.federation.errors import PERMANENT, FailedPrecondition, Federatio
     ResourceExhausted
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow, summarise
+from graft_fed.federation.policy import fetch_failure_is_per_offer, refused_record_entry, undelivered_entries, \
+    uploads_to_serve
 from graft_fed.federation.signing import ProvenanceError
 from graft_fed.graft.receive import GroupReport, offer_metrics
 from graft_fed.graft.step import Offers
@@ -62,20 +64,26 @@ class FetchedOffers:
     bad: int = 0  # bundles refused, for any reason
     bad_signatures: int = 0  # ... because their producer could not be established
     unsigned: int = 0  # accepted without a signature (signatures not required)
-    #: Groups refused for their provenance, reported to the broker as rejected so that its
-    #: quarantine sees a source whose bundles do not check out.
+    refused: int = 0  # fetches the broker refused (NOT_FOUND, PERMISSION_DENIED, ...): that offer only
+    undelivered: int = 0  # offers whose bundle never arrived
+    #: Groups refused for their provenance or content (reported as rejected, so that the
+    #: broker's quarantine sees a source whose bundles do not check out) and offers never
+    #: delivered (reported with s = 0, so a source that claims groups and never delivers them
+    #: stops winning matches).
     rejections: list[ReportEntry] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
         return {"federation/bad_signatures": float(self.bad_signatures),
-                "federation/unsigned_bundles": float(self.unsigned)}
+                "federation/unsigned_bundles": float(self.unsigned),
+                "federation/fetch_refused": float(self.refused), "federation/undelivered": float(self.undelivered)}
 
 
 def fetch_offers(client: BrokerClient, offers: Sequence[Offer]) -> FetchedOffers:
     """Download and check every offered bundle: digest, record, and who produced it (the
     signature must be the offered source's, see graft_fed/federation/signing.py). A bundle
-    that fails is skipped, never trained on; a failed signature is also reported as a
-    rejected group of that source."""
+    that fails is skipped, never trained on, and reported as a rejected group of that
+    source; a fetch the broker refuses skips that offer only (the step goes on); only a lost
+    broker raises."""
     out = FetchedOffers()
     for o in offers:
         if not o.digest:
@@ -86,19 +94,32 @@ def fetch_offers(client: BrokerClient, offers: Sequence[Offer]) -> FetchedOffers
             log.warning("bundle %s... offered as %s's rejected: %s", o.digest[:12], o.source_node, exc)
             out.bad += 1
             out.bad_signatures += 1
-            out.rejections.append(ReportEntry(source=o.source_node, prompt_id=o.prompt_id, mean_s=0.0,
-                                              admitted_fraction=0.0, rejected=True))
+            out.rejections.append(refused_record_entry(o))
             continue
         except RecordError as exc:
             log.warning("bundle from %s rejected: %s", o.source_node, exc)
             out.bad += 1
+            out.rejections.append(refused_record_entry(o))
+            continue
+        except FederationError as exc:
+            if not fetch_failure_is_per_offer(exc):
+                raise
+            log.warning("fetch of %s's bundle %s... refused (%s: %s); skipping that offer", o.source_node,
+                        o.digest[:12], exc.status, exc)
+            out.bad += 1
+            out.refused += 1
             continue
         if got.record.prompt_id != o.prompt_id:
             out.bad += 1
+            out.rejections.append(refused_record_entry(o))
             continue
         out.unsigned += not got.signer
         # Name the source by its node id, so reports and metrics key on it.
         out.records[o.prompt_id] = dataclasses.replace(got.record, model_id=o.source_node)
+    missing = undelivered_entries(offers, received=set(out.records),
+                                  already_reported={(e.source, e.prompt_id) for e in out.rejections})
+    out.undelivered = len(missing)
+    out.rejections += missing
     return out
 
 
@@ -134,6 +155,7 @@ class BrokerPeers:
         # round -> summaries not (known to be) acknowledged by the broker, oldest first
         self.backlog: OrderedDict[int, list[SummaryRow]] = OrderedDict()
         self.backlog_dropped = 0
+        self.uploads_refused = 0  # upload requests refused under matched_only
         self._round: _Round | None = None
 
     # ----- connection -----------------------------------------------------------------------------
@@ -262,7 +284,8 @@ class BrokerPeers:
         metrics.update(fetched.metrics())
         metrics.update({"federation/connected": 1.0, "federation/skipped": 0.0,
                         "federation/offers": float(len(resp.offers)), "federation/bad_bundles": float(fetched.bad),
-                        "federation/uploads": float(uploads), "time/federation": time.perf_counter() - t0})
+                        "federation/uploads": float(uploads), "federation/uploads_refused": float(self.uploads_refused),
+                        "time/federation": time.perf_counter() - t0})
         return Offers(records=fetched.records, metrics=metrics)
 
     def _record(self, learner: GRPOTrainer, group: Group) -> GroupRecord:
@@ -279,8 +302,24 @@ class BrokerPeers:
     def _serve_uploads(self, learner: GRPOTrainer, resp: MatchResult, current: dict[str, Group]) -> int:
         if self.privacy is Privacy.SUMMARIES_ONLY or not resp.upload_requests:
             return 0
+        requests = list(resp.upload_requests)
+        if self.privacy is Privacy.MATCHED_ONLY:
+            # upload only what this node can see was matched in the current window, whatever
+            # the broker asks (docs/security.md)
+            m = self.broker_manifest
+            window = m.staleness_rounds if m is not None and m.mode == "async" else 0
+            informative = {learner.step: {pid for pid, g in current.items() if 0 < g.k < g.n}}
+            if window and learner.store is not None:
+                for rnd in range(max(0, learner.step - window), learner.step):
+                    found = learner.store.lookup([p for p, r in requests if r == rnd], step=rnd, run_id=learner.run_id)
+                    informative[rnd] = {pid for pid, rec in found.items() if rec.kind == "informative"}
+            requests, refused = uploads_to_serve(requests, learner.step, window, informative)
+            if refused:
+                log.warning("node %s: refused %d upload requests outside the current window or for groups it "
+                            "never published as informative (matched_only)", self.node_id, len(refused))
+                self.uploads_refused += len(refused)
         records = []
-        for prompt_id, rnd in resp.upload_requests:
+        for prompt_id, rnd in requests:
             rec = self._own_record(learner, prompt_id, rnd, current)
             if rec is not None:
                 records.append((rec, rnd))

@@ -278,6 +278,13 @@ class DistributedGRPOTrainer(GRPOTrainer):
     def _agree(self, groups: Sequence[Group]) -> Sequence[Group]:
         return self.from_main(list(groups) if self.is_main else None)
 
+    def _all_processes(self, flag: bool) -> bool:
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
     def from_main(self, obj: Any) -> Any:
         import torch.distributed as dist
 

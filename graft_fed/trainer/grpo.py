@@ -24,6 +24,7 @@ from graft_fed.configbase import to_dict
 from graft_fed.core.advantages import group_advantages, successes
 from graft_fed.core.exchange import mean_token_logprob, order_groups, split_minibatches
 from graft_fed.core.losses import AGGREGATIONS, Normalizer, clipped_surrogate, k3_kl
+from graft_fed.core.screening import peer_groups_of, update_is_finite
 from graft_fed.data.config import load_prompts
 from graft_fed.data.prompts import Prompt
 from graft_fed.data.templates import render_prompt
@@ -127,6 +128,9 @@ class GRPOTrainer:
         self.schedule = PromptSchedule(load_prompts(cfg.data), cfg.algorithm.prompts_per_step,
                                        cfg.run.prompt_schedule_seed)
         self.step = 0
+        #: (source, prompt id) of the groups of the last step's minibatches whose update was not
+        #: finite and was skipped (whoever trains on peer groups reports them)
+        self.nonfinite_groups: list[tuple[str, str]] = []
         self.model_id = cfg.run.name
         self.run_id = f"{cfg.run.name}-seed{cfg.run.seed}"
         self.tok_id = tokenizer_id(self.tokenizer)
@@ -397,6 +401,11 @@ class GRPOTrainer:
         """hook: per-process sums of the update's statistics -> the run's sums."""
         return stats
 
+    def _all_processes(self, flag: bool) -> bool:
+        """hook: whether `flag` holds on every process (under torchrun: an all-reduce, so all
+        processes skip or take an optimiser step together)."""
+        return flag
+
     def _forward(self, model: Any, batch: Any, with_entropy: bool = False):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return response_forward(model, batch, temperature=self.sampling.temperature, with_entropy=with_entropy)
@@ -440,9 +449,10 @@ class GRPOTrainer:
         stats = {"tokens": 0.0, "low": 0.0, "high": 0.0, "entropy": 0.0, "kl": 0.0, "loss": 0.0,
                  "peer_tokens": 0.0, "peer_clipped": 0.0, "own_clipped": 0.0}
         grad_norms = []
-        skipped = 0
+        skipped = nonfinite = 0
+        self.nonfinite_groups = []
         for _epoch in range(a.epochs):
-            for flat, micro, old, ref in prepared:
+            for mb, (flat, micro, old, ref) in zip(minibatches, prepared):
                 norm = self._normalizer(flat, micro)
                 if norm.tokens == 0:
                     # Every response of the minibatch is masked (gated out, or truncated under
@@ -451,6 +461,7 @@ class GRPOTrainer:
                     skipped += 1
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
+                mb_loss = 0.0
                 for j, (sl, batch) in enumerate(micro):
                     fwd = self._forward(self.model, batch, with_entropy=True)
                     out = clipped_surrogate(
@@ -476,6 +487,14 @@ class GRPOTrainer:
                     stats["peer_clipped"] += float((clipped * is_peer).sum())
                     stats["own_clipped"] += float((clipped * (1 - is_peer)).sum())
                     stats["loss"] += float(loss.detach())
+                    mb_loss += float(loss.detach())
+                if not self._all_processes(update_is_finite(mb_loss, self.model.parameters())):
+                    # a NaN or an infinity (a poisoned peer group that got through, an overflow)
+                    # never reaches the weights: skip the step, count it, name the groups
+                    self.optimizer.zero_grad(set_to_none=True)
+                    nonfinite += 1
+                    self.nonfinite_groups.extend(peer_groups_of(mb))
+                    continue
                 clip = self.cfg.optim.grad_clip
                 gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
                 grad_norms.append(float(gn))
@@ -495,6 +514,7 @@ class GRPOTrainer:
             "learning_rate": lr,
             "num_minibatches": float(len(minibatches)),
             "skipped_minibatches": float(skipped),
+            "skipped_nonfinite": float(nonfinite),
             "train_tokens": stats["tokens"] / a.epochs,
             "clip_ratio/own": stats["own_clipped"] / max(stats["tokens"] - stats["peer_tokens"], 1.0),
             "clip_ratio/peer": (stats["peer_clipped"] / stats["peer_tokens"]) if stats["peer_tokens"] else float("nan"),

@@ -148,3 +148,25 @@ def test_fuzz_bundle_streams(fed, data):
     code = call(lambda: list(c.stub.FetchBundle(pb.FetchBundleRequest(node_id="fuzzer", session_id=c.session,
                                                                        digest=digest), timeout=10)))
     assert code not in SERVER_FAULTS
+
+
+def test_fuzz_bench_small_run():
+    """bench/broker/fuzz.py at a small size: generated, mutated and targeted messages to a
+    mutual-TLS broker with an allowlist; no server fault, the broker up, the honest nodes'
+    state unchanged, heartbeats served during a GetMatches flood. (The full run sends
+    100,000 messages: docs/security.md.)"""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "broker" / "fuzz.py"
+    spec = importlib.util.spec_from_file_location("graft_fed_fuzz_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = bench.run(messages=1500, seed=1, threads=2, db="sqlite", flood=40)
+    assert res["faults"] == {"INTERNAL": 0, "UNKNOWN": 0, "DATA_LOSS": 0}, res["by_rpc"]
+    assert res["server_faults"] == {"INTERNAL": 0, "UNKNOWN": 0, "DATA_LOSS": 0}
+    assert res["broker_error_logs"] == 0, res["broker_error_samples"]
+    assert res["broker_up"] and res["honest_state_changed"] == []
+    assert res["by_rpc"]["GetMatches(flood)"].get("RESOURCE_EXHAUSTED", 0) >= 38
+    assert res["ok"]
+    assert res["messages"] >= 1500 and len(res["by_rpc"]) == 11  # every RPC, and the flood

@@ -192,3 +192,17 @@ def test_rollout_sampling_fields_are_validated_by_sampling_params_alone(tmp_path
     with pytest.warns(UserWarning, match="truncated distribution"):
         section = RolloutSection(temperature=0.7, top_k=5)
     assert section.sampling_params() == SamplingParams(n=8, temperature=0.7, top_k=5, max_new_tokens=160)
+
+
+def test_a_non_finite_update_is_skipped_counted_and_its_peer_groups_named(tiny_llama, prompt_file, tmp_path):
+    cfg = make_cfg(tiny_llama, prompt_file, tmp_path / "r")
+    with GRPOTrainer(cfg, quiet=True) as tr:
+        groups = tr.collect().groups
+        before = params(tr.model).clone()
+        # whatever got past screening: an infinite advantage in a peer group of the last minibatch
+        groups[-1].source = "mallory"
+        groups[-1].advantages = torch.full((groups[-1].n,), float("inf"))
+        m = tr.optimise(groups)
+        assert m["skipped_nonfinite"] == 1 and tr.nonfinite_groups == [("mallory", groups[-1].prompt.id)]
+        after = params(tr.model)
+        assert torch.isfinite(after).all() and not torch.equal(after, before)  # the first minibatch trained

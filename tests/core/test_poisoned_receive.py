@@ -1,0 +1,59 @@
+"""A receiver fed a poisoned peer group (huge advantages, absurd claimed log-probs) keeps
+finite weights: the record's own validation, run by the receiver before anything else,
+refuses it (issue 12, class 3). The screening and guard helpers it will also call are
+tested in tests/core/test_screening.py."""
+
+import dataclasses
+
+import torch
+
+from graft_fed.core.records import RecordError
+from graft_fed.core.screening import screen_record
+from graft_fed.federation.bundles import decode_bundle, digest_of
+from tests.trainer.test_graft_receive import _informative_record, _receiver
+
+from graft_fed.graft.receive import receive
+from graft_fed.graft.step import receiver_of
+
+
+def test_a_poisoned_group_is_refused_reported_and_the_weights_stay_finite(tiny_llama, tiny_gpt2, prompt_file,
+                                                                          tmp_path):
+    import json
+
+    tr, own = _receiver(tiny_llama, prompt_file, tmp_path)
+    with tr:
+        rec, *_ = _informative_record(tiny_gpt2, tr, own[0])
+        poisons = {
+            "huge advantages": (dataclasses.replace(rec, advantages=tuple(1e300 if r > 0.5 else -1e300
+                                                                          for r in rec.rewards)), True),
+            "absurd log-probs": (dataclasses.replace(rec, mean_logprobs=(-1e6,) * rec.n), True),
+            # the right signs and sizes, but not Eq. 1 of these rewards: only the receiver's
+            # recomputation can tell
+            "inflated advantages": (dataclasses.replace(rec, advantages=tuple(1.5 * a for a in rec.advantages)),
+                                    False),
+        }
+        before = [p.detach().clone() for p in tr.model.parameters()]
+        for what, (bad, undecodable) in poisons.items():
+            try:
+                screen_record(bad)
+                raise AssertionError(f"{what}: screening let it through")
+            except RecordError:
+                pass
+            if undecodable:
+                data = json.dumps(bad.to_dict()).encode()  # as a hostile broker or peer would send it
+                try:
+                    decode_bundle(data, digest_of(data))
+                    raise AssertionError(f"{what}: decoded")
+                except RecordError:
+                    pass
+            res = receive(receiver_of(tr), own, {own[0].prompt.id: bad})
+            assert sum(v for k, v in res.metrics.items() if k.startswith("graft/rejected_")) == 1, what
+            assert res.groups[0] is own[0]
+            assert [(r.source, r.prompt_id, r.rejected) for r in res.reports] == [(rec.model_id, rec.prompt_id, True)]
+            tr.optimise(res.groups)
+            assert all(bool(torch.isfinite(p).all()) for p in tr.model.parameters()), what
+        assert res.metrics["graft/rejected_advantages"] == 1  # the inflated claim, by name
+        # the honest record passes the same screening and is trained on
+        res = receive(receiver_of(tr), own, {own[0].prompt.id: rec})
+        assert res.metrics["graft/replaced"] == 1
+        assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))

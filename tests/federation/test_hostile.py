@@ -1,0 +1,615 @@
+"""Hostile peers and hostile bytes (issue 12): one test per class of what an external
+client written from the .proto alone found, and their neighbours.
+
+1. INTERNAL for client errors     2. accepted although wrong or too big
+4. stalling the federation        5. framing an honest node        6. confidentiality
+(3, poisoning a receiver, is tested where the receiver's defences live: tests/core/test_screening.py.)
+"""
+
+import dataclasses
+import json
+import math
+import threading
+import time
+
+import grpc
+import pytest
+
+from graft_fed.broker.auth import Allowlist
+from graft_fed.core.records import GroupRecord, RecordError
+from graft_fed.data.config import DataConfig, load_prompts
+from graft_fed.federation import certs
+from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
+from graft_fed.federation.codec import manifest_to_pb
+from graft_fed.node.client import BrokerClient, new_tag
+from graft_fed.proto import broker_pb2 as pb
+from tests.federation.helpers import broker_config, start_broker
+from tests.federation.test_broker_rpc import client, code_of, manifest, record, summary
+
+BAD = 2**63  # the first integer a signed 64-bit column cannot hold
+SERVER_FAULTS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
+
+
+@pytest.fixture()
+def prompts(prompt_file):
+    return load_prompts(DataConfig(source=str(prompt_file)))
+
+
+@pytest.fixture()
+def broker(prompt_file):
+    server = start_broker(broker_config(prompt_file))
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def pki(tmp_path):
+    d = tmp_path / "certs"
+    certs.init_ca(d, "test")
+    certs.issue(d, "broker", ["127.0.0.1", "localhost"])
+    for name in ("alice", "bob", "mallory", "outsider"):
+        certs.issue(d, name)
+    return d
+
+
+def tls_client(pki, address, cert_name, node_id=None):
+    return BrokerClient(address, node_id or cert_name, tls_ca=str(pki / "ca.pem"),
+                        tls_cert=str(pki / f"{cert_name}.pem"), tls_key=str(pki / f"{cert_name}.key"),
+                        rpc_timeout_s=5)
+
+
+def raw_unary(channel, method):
+    return channel.unary_unary(f"/graft_fed.v1.Broker/{method}", request_serializer=None,
+                               response_deserializer=None)
+
+
+def status_of(fn):
+    try:
+        fn()
+        return grpc.StatusCode.OK, ""
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+
+
+# ------------------------------------------------------------------ 1. INTERNAL for client errors
+
+def test_integers_beyond_int64_are_invalid_argument_everywhere(broker, prompts):
+    a = client(broker, prompts, "a")
+    a.publish(0, [summary(prompts[0], 1)])
+    before = sorted((n.node_id, n.round) for n in broker.state.list_nodes())
+    s = a.stub
+    join = pb.JoinRequest(node_id="z", model_id="m", tokenizer_id="t", manifest=manifest_to_pb(manifest(prompts)),
+                          privacy=pb.PRIVACY_SHARE_ALL, resume_round=BAD, tag=new_tag())
+    bad_summary = summary(prompts[1], 1)
+    bad_summary.policy_version = 2**64 - 1
+    calls = {
+        "Join resume_round": lambda: s.Join(join, timeout=5),
+        "Heartbeat round": lambda: s.Heartbeat(pb.HeartbeatRequest(node_id="a", session_id=a.session, round=BAD,
+                                                                   tag=new_tag()), timeout=5),
+        "Publish round": lambda: s.PublishSummaries(pb.PublishRequest(
+            node_id="a", session_id=a.session, round=BAD, summaries=[summary(prompts[1], 1, round=0)],
+            tag=new_tag()), timeout=5),
+        "Publish policy_version": lambda: s.PublishSummaries(pb.PublishRequest(
+            node_id="a", session_id=a.session, round=0, summaries=[bad_summary], tag=new_tag()), timeout=5),
+        "GetMatches round": lambda: s.GetMatches(pb.MatchRequest(node_id="a", session_id=a.session, round=BAD,
+                                                                 wait_ms=10), timeout=5),
+        "Report round": lambda: s.ReportCompatibility(pb.CompatibilityReport(
+            node_id="a", session_id=a.session, round=BAD, tag=new_tag()), timeout=5),
+        "tag sent_at_ms": lambda: s.Heartbeat(pb.HeartbeatRequest(node_id="a", session_id=a.session, round=1,
+                                                                  tag=pb.RequestTag(request_id="x" * 32,
+                                                                                    sent_at_ms=2**64 - 1)), timeout=5),
+        "Upload round": lambda: s.UploadBundle(iter([pb.BundleChunk(
+            digest="0" * 64, total_size=1, offset=0, data=b"x", node_id="a", session_id=a.session,
+            prompt_id=prompts[0].id, round=BAD, tag=new_tag())]), timeout=5),
+        "Upload offset": lambda: s.UploadBundle(iter([pb.BundleChunk(
+            digest="0" * 64, total_size=1, offset=2**64 - 1, data=b"x", node_id="a", session_id=a.session,
+            prompt_id=prompts[0].id, round=0, tag=new_tag())]), timeout=5),
+    }
+    for what, call in calls.items():
+        code, details = status_of(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, code, details)
+        assert "64-bit" in details or "int64" in details or "range" in details, (what, details)
+    assert sorted((n.node_id, n.round) for n in broker.state.list_nodes()) == before
+    a.close()
+
+
+UNPARSEABLE = [
+    b"\xff\xff\xff",  # a field tag that is not a valid varint
+    b"\x0a\x05ab",  # a length-delimited field cut short
+    b"\x0a\x02\xff\xfe",  # field 1 (a string in every request) that is not UTF-8
+    b"\x08",  # a varint field with no value
+    b"\x0b",  # a start-group with no end
+    b"\x0a\x80\x80\x80\x80\x10",  # a length beyond the message
+]
+
+
+def test_bytes_that_do_not_parse_are_invalid_argument_for_every_rpc(broker, prompts):
+    a = client(broker, prompts, "a")
+    ch = a.channel
+    unary = ["Join", "Leave", "Heartbeat", "PublishSummaries", "GetMatches", "HasBundles", "ReportCompatibility",
+             "GetStatus"]
+    nested = b"\x22\x80\x01" + b"\x22\x7e" * 1  # a submessage that is itself cut short
+    for method in unary:
+        for data in UNPARSEABLE + [nested]:
+            code, details = status_of(lambda: raw_unary(ch, method)(data, timeout=5))
+            if method == "GetStatus" and code == grpc.StatusCode.OK:
+                continue  # StatusRequest has no fields: unknown fields are ignored, as protobuf does
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, data, code, details)
+            assert "does not parse" in details
+    fetch = ch.unary_stream("/graft_fed.v1.Broker/FetchBundle", request_serializer=None, response_deserializer=None)
+    upload = ch.stream_unary("/graft_fed.v1.Broker/UploadBundle", request_serializer=None, response_deserializer=None)
+    for data in UNPARSEABLE:
+        assert status_of(lambda: list(fetch(data, timeout=5)))[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert status_of(lambda: upload(iter([data]), timeout=5))[0] == grpc.StatusCode.INVALID_ARGUMENT
+        good = pb.BundleChunk(digest="0" * 64, total_size=2, offset=0, data=b"x", node_id="a", session_id=a.session,
+                              prompt_id=prompts[0].id, round=0, tag=new_tag()).SerializeToString()
+        assert status_of(lambda: upload(iter([good, data]), timeout=5))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    a.close()
+
+
+@pytest.mark.parametrize("payload", [
+    b"[" * 300_000 + b"]" * 300_000,  # nesting hundreds of thousands deep
+    b'{"prompt_id":' + b"9" * 5000 + b"}",  # an integer of thousands of digits
+    b'{"step":1e999}',  # a number beyond the double range
+    b'{"step":NaN}',
+    b'{"a":' * 20 + b"1" + b"}" * 20,
+    b"\xc3\x28",  # not UTF-8
+])
+def test_pathological_bundle_json_is_refused_by_broker_and_receiver(broker, prompts, payload):
+    a = client(broker, prompts, "a")
+    a.publish(0, [summary(prompts[0], 1)])
+    digest = digest_of(payload)
+    code, details = code_of(lambda: a._upload_bytes(payload, digest, prompts[0].id, 0))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert len(details) < 1100
+    with pytest.raises(RecordError):  # a receiver decodes with the same bounds (a hostile broker's bytes)
+        decode_bundle(payload, digest)
+    a.close()
+
+
+def test_record_fields_that_are_not_what_they_claim_are_record_errors():
+    base = encode_bundle(record(load_prompts(DataConfig())[0], 1))
+    d = json.loads(base)
+    for field, value in [("step", "3"), ("step", 2**70), ("step", 1.5), ("lengths", [3, True]),
+                         ("rewards", ["1", 0]), ("advantages", [1e300, -1e300]), ("mean_logprobs", [-1e6, -0.5]),
+                         ("texts", "xy"), ("rewards", [0.0] * 5000), ("texts", ["\ud800", "y"]),
+                         ("problem", 12), ("prompt_id", None)]:
+        bad = json.dumps({**d, field: value}).encode()
+        with pytest.raises(RecordError):
+            decode_bundle(bad, digest_of(bad))
+
+
+def test_an_upload_refused_inside_its_stream_is_permission_denied_not_internal(pki, prompt_file, prompts, tmp_path):
+    allow = tmp_path / "allow.yaml"
+    for name in ("alice", "mallory"):
+        Allowlist.edit(allow, "add", name)
+    broker = start_broker(broker_config(prompt_file, tls_cert=str(pki / "broker.pem"), tls_key=str(pki / "broker.key"),
+                                        client_ca=str(pki / "ca.pem"), allowlist=str(allow)))
+    try:
+        alice = tls_client(pki, broker.address, "alice")
+        alice.join("alice", "tok", manifest(prompts), "share_all", 0)
+        alice.publish(0, [summary(prompts[0], 1)])
+        data = encode_bundle(record(prompts[0], 1, "alice"))
+        mallory = tls_client(pki, broker.address, "mallory")
+
+        def chunks(node, session):
+            return iter([pb.BundleChunk(digest=digest_of(data), total_size=len(data), offset=0, data=data,
+                                        node_id=node, session_id=session, prompt_id=prompts[0].id, round=0,
+                                        tag=new_tag())])
+        # mallory uploads as alice (a certificate that is not alice's)
+        code, details = status_of(lambda: mallory.stub.UploadBundle(chunks("alice", alice.session), timeout=5))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "cannot act as node 'alice'" in details
+        # a second chunk that changes the node mid-stream
+        good = next(chunks("alice", alice.session))
+        evil = pb.BundleChunk(digest=good.digest, total_size=good.total_size, offset=len(data), data=b"",
+                              node_id="mallory", session_id="s", prompt_id=prompts[0].id, round=0)
+        code, _ = status_of(lambda: alice.stub.UploadBundle(iter([good, evil]), timeout=5))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        # revoked between two uploads: the next stream is refused in-stream, as PERMISSION_DENIED
+        Allowlist.edit(allow, "revoke", "alice")
+        code, details = status_of(lambda: alice.stub.UploadBundle(chunks("alice", alice.session), timeout=5))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "revoked" in details
+        assert broker.state.bundle_stats() == (0, 0)
+        alice.close()
+        mallory.close()
+    finally:
+        broker.stop()
+
+
+# ------------------------------------------------------------------ 2. accepted although wrong or too big
+
+def test_oversized_fields_are_refused_and_never_echoed(broker, prompts):
+    c = BrokerClient(broker.address, "x", max_message_mib=16)
+    huge_tok = pb.JoinRequest(node_id="x", model_id="m", tokenizer_id="t" * (8 * 2**20),
+                              manifest=manifest_to_pb(manifest(prompts)), privacy=pb.PRIVACY_SHARE_ALL, tag=new_tag())
+    code, details = status_of(lambda: c.stub.Join(huge_tok, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and len(details) < 1100
+    m = manifest_to_pb(manifest(prompts))
+    m.dataset_id = "d" * (4 * 2**20)
+    code, details = status_of(lambda: c.stub.Join(pb.JoinRequest(node_id="x", model_id="m", tokenizer_id="t",
+                                                                 manifest=m, privacy=1, tag=new_tag()), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and len(details) < 1100
+    # within the uniform bound but different: the mismatch is named, the value quoted by a prefix only
+    m.dataset_id = "d" * 1000
+    code, details = status_of(lambda: c.stub.Join(pb.JoinRequest(node_id="x", model_id="m", tokenizer_id="t",
+                                                                 manifest=m, privacy=1, tag=new_tag()), timeout=10))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "dataset_id" in details and len(details) < 600
+    for bad_id in ("m\x9b31m", "m\u200e", "m\x00"):  # a C1 escape, a format character, NUL
+        code, _ = status_of(lambda: c.stub.Join(pb.JoinRequest(
+            node_id="x", model_id=bad_id, tokenizer_id="t", manifest=manifest_to_pb(manifest(prompts)), privacy=1,
+            tag=new_tag()), timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, bad_id
+    code, _ = status_of(lambda: c.stub.Join(pb.JoinRequest(
+        node_id="x", model_id="m", tokenizer_id="t" * 2000, manifest=manifest_to_pb(manifest(prompts)), privacy=1,
+        tag=new_tag()), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert broker.state.list_nodes() == []
+    c.close()
+
+
+def test_claimed_numbers_must_agree_with_each_other(broker, prompts):
+    a = client(broker, prompts, "a")
+    lying_std = summary(prompts[0], 1)
+    lying_std.reward_std = 5.0  # k=1 of n=2: the std is sqrt(1/2) (sample) or 1/2 (population)
+    code, details = code_of(lambda: a.publish(0, [lying_std]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "reward_std" in details
+    zero = summary(prompts[0], 0)
+    zero.reward_std = 0.3
+    assert code_of(lambda: a.publish(0, [zero]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    population = summary(prompts[0], 1)
+    population.reward_std = 0.5
+    assert a.publish(0, [population]) == (1, 0)  # the population std is accepted too
+    dangling = summary(prompts[1], 1)
+    dangling.bundle_digest = "a" * 64  # a digest of bytes the broker does not hold
+    code, details = code_of(lambda: a.publish(0, [dangling]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "bundle_digest" in details
+    absurd = summary(prompts[1], 1)
+    absurd.mean_logprobs[:] = [-1e6, -0.5]
+    assert code_of(lambda: a.publish(0, [absurd]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    # a bundle whose lengths or step differ from the summary it claims to hold
+    rec = dataclasses.replace(record(prompts[0], 1), lengths=(30, 40))
+    code, details = code_of(lambda: a.upload(rec, 0))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "lengths" in details
+    rec = dataclasses.replace(record(prompts[0], 1), step=7)
+    assert code_of(lambda: a.upload(rec, 0))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert broker.state.bundle_stats() == (0, 0)
+    a.close()
+
+
+def test_a_huge_report_is_refused_at_once_and_heartbeats_go_on(broker, prompts):
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    a.publish(0, [summary(prompts[0], 0)])
+    b.publish(0, [summary(prompts[0], 1)])
+    assert a.get_matches(0, 5.0).ready
+    entries = [pb.CompatibilityReport.Entry(source_node_id="b", prompt_id=prompts[0].id, mean_s=0.5,
+                                            admitted_fraction=1.0)] * 300_000
+    for n in (300_000, 5000, 4 * 8 + 1):  # beyond the uniform bound, then beyond 4 x prompts_per_round
+        t0 = time.perf_counter()
+        code, details = code_of(lambda: a.report(0, entries[:n]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "entries" in details, (n, details)
+        assert time.perf_counter() - t0 < 2.0
+    t0 = time.perf_counter()
+    b.stub.Heartbeat(pb.HeartbeatRequest(node_id="b", session_id=b.session, round=0, tag=new_tag()), timeout=5)
+    assert time.perf_counter() - t0 < 1.0
+    assert broker.state.reports() == []
+    a.close()
+    b.close()
+
+
+# ------------------------------------------------------------------ 4. stalling the federation
+
+def test_a_node_claiming_a_far_round_does_not_stall_synchronous_rounds(prompt_file, prompts):
+    broker = start_broker(broker_config(prompt_file, round_deadline_s=30.0))
+    try:
+        a, b, m = (client(broker, prompts, n) for n in ("a", "b", "mallory"))
+        for far in (10**12, 2**63 - 1):
+            m.stub.Heartbeat(pb.HeartbeatRequest(node_id="mallory", session_id=m.session, round=far, tag=new_tag()),
+                             timeout=5)
+        assert broker.state.get_node("mallory").round <= broker.fed.current_round() + 1000
+        a.publish(0, [summary(prompts[0], 0)])
+        b.publish(0, [summary(prompts[0], 1)])
+        t0 = time.perf_counter()
+        assert a.get_matches(0, 10.0).ready  # not waiting for mallory until the 30 s deadline
+        assert time.perf_counter() - t0 < 5.0
+        # a node one round behind (working on it) is still waited for, one ahead is not
+        m.stub.Heartbeat(pb.HeartbeatRequest(node_id="mallory", session_id=m.session, round=0, tag=new_tag()),
+                         timeout=5)
+        for x in (a, b, m):
+            x.close()
+    finally:
+        broker.stop()
+
+
+def test_long_polls_are_bounded_per_node_and_heartbeats_are_served(prompt_file, prompts):
+    broker = start_broker(broker_config(prompt_file, min_nodes=3, round_deadline_s=60.0))
+    try:
+        m, h = client(broker, prompts, "mallory"), client(broker, prompts, "honest")
+        m.publish(0, [summary(prompts[0], 1)])
+        codes: list = []
+        lock = threading.Lock()
+
+        def poll():
+            code, _ = status_of(lambda: m.stub.GetMatches(pb.MatchRequest(node_id="mallory", session_id=m.session,
+                                                                          round=0, wait_ms=3000), timeout=10))
+            with lock:
+                codes.append(code)
+        threads = [threading.Thread(target=poll) for _ in range(80)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        worst = 0.0
+        for _ in range(5):
+            t0 = time.perf_counter()
+            h.stub.Heartbeat(pb.HeartbeatRequest(node_id="honest", session_id=h.session, round=0, tag=new_tag()),
+                             timeout=5)
+            worst = max(worst, time.perf_counter() - t0)
+        for t in threads:
+            t.join()
+        assert worst < 0.5, worst
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 78
+        assert codes.count(grpc.StatusCode.OK) <= 2 and not set(codes) & SERVER_FAULTS
+        m.close()
+        h.close()
+    finally:
+        broker.stop()
+
+
+# ------------------------------------------------------------------ 5. framing an honest node
+
+def _verified_record(p, model):
+    # tests.plugins:odd_char_sum scores "y" 1 and "x" 0: the claimed rewards (1, 0) verify
+    return GroupRecord(prompt_id=p.id, step=0, model_id=model, tokenizer_id="tok", problem=p.problem,
+                       answer=p.answer, rewards=(1.0, 0.0), advantages=(0.7071, -0.7071), texts=("y", "x"),
+                       finish_reasons=("stop", "stop"), lengths=(3, 4), mean_logprobs=(-0.5, -0.25))
+
+
+def _framing_round(broker, prompts, victim, receivers, upload):
+    victim.publish(0, [summary(p, 1) for p in prompts[:8]])
+    for r in receivers:
+        r.publish(0, [summary(p, 0) for p in prompts[:8]])
+    if upload:
+        for p in prompts[:8]:
+            victim.upload(_verified_record(p, "victim"), 0)
+    for r in receivers:
+        assert len(r.get_matches(0, 5.0).offers) == 8
+        r.report(0, [pb.CompatibilityReport.Entry(source_node_id="victim", prompt_id=p.id, rejected=True)
+                     for p in prompts[:8]])
+
+
+def test_one_receiver_cannot_quarantine_a_source_alone(prompt_file, prompts):
+    broker = start_broker(broker_config(prompt_file, balance="none"))
+    try:
+        victim, framer = client(broker, prompts, "victim"), client(broker, prompts, "framer")
+        _framing_round(broker, prompts, victim, [framer], upload=False)
+        assert "victim" not in broker.fed.quarantined()
+        assert {n.node_id: n.state for n in framer.status().nodes}["victim"] != "quarantined"
+        victim.close()
+        framer.close()
+    finally:
+        broker.stop()
+
+
+def test_rejections_from_several_receivers_still_quarantine(prompt_file, prompts):
+    broker = start_broker(broker_config(prompt_file, balance="none", quarantine_min_receivers=2))
+    try:
+        victim = client(broker, prompts, "victim")
+        receivers = [client(broker, prompts, n) for n in ("r1", "r2")]
+        _framing_round(broker, prompts, victim, receivers, upload=False)  # no bundle: the broker cannot check
+        assert broker.fed.quarantined() == {"victim"}
+        for x in (victim, *receivers):
+            x.close()
+    finally:
+        broker.stop()
+
+
+def test_the_broker_rechecks_a_rejection_of_a_bundle_it_holds(prompt_file, prompts):
+    broker = start_broker(broker_config(prompt_file, balance="none", quarantine_min_receivers=1,
+                                        quarantine_min_reports=4))
+    try:
+        victim = client(broker, prompts, "victim")
+        receivers = [client(broker, prompts, n) for n in ("r1", "r2")]
+        _framing_round(broker, prompts, victim, receivers, upload=True)
+        assert broker.fed.quarantined() == set()
+        assert broker.fed.counters["disputed_rejections"] == 16
+        assert all(not r.rejected for r in broker.state.reports())
+        from graft_fed.broker.server import render_metrics
+
+        assert "graft_fed_disputed_rejections_total 16" in render_metrics(broker.fed, broker.servicer)
+        for x in (victim, *receivers):
+            x.close()
+    finally:
+        broker.stop()
+
+
+def test_quarantine_weighs_each_receiver_the_same(prompt_file, prompts):
+    from graft_fed.broker.handlers import Federation
+    from graft_fed.broker.state import ReportRow
+    from graft_fed.broker.state_memory import InMemoryState
+
+    fed = Federation(broker_config(prompt_file, quarantine_min_receivers=2, quarantine_min_reports=8), InMemoryState())
+    rows = [ReportRow(0, "r1", "v", f"p{i}", 0.0, 0.0, True) for i in range(50)]  # one receiver, 50 rejections
+    rows += [ReportRow(0, "r2", "v", "q0", 0.0, 0.0, True)]  # a second receiver, one rejection
+    rows += [ReportRow(0, f"h{i}", "v", "q0", 0.9, 1.0, False) for i in range(5)]  # five receivers happy
+    fed.state.put_reports(rows)
+    # 51 of 56 groups rejected, but 2 of 7 receivers: the mean receiver rate is 2/7 < 0.5
+    assert fed.quarantined() == set()
+
+
+# ------------------------------------------------------------------ 6. confidentiality
+
+def test_get_status_needs_an_allowlisted_unrevoked_certificate(pki, prompt_file, prompts, tmp_path):
+    allow = tmp_path / "allow.yaml"
+    for name in ("alice", "bob"):
+        Allowlist.edit(allow, "add", name)
+    broker = start_broker(broker_config(prompt_file, tls_cert=str(pki / "broker.pem"), tls_key=str(pki / "broker.key"),
+                                        client_ca=str(pki / "ca.pem"), allowlist=str(allow)))
+    try:
+        alice = tls_client(pki, broker.address, "alice")
+        assert alice.status().manifest.n == 2
+        outsider = tls_client(pki, broker.address, "outsider")
+        code, _ = code_of(outsider.status)
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        # nor can an outsider learn anything from a request that names nobody or does not parse
+        code, _ = status_of(lambda: raw_unary(outsider.channel, "GetMatches")(b"\xff\xff", timeout=5))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        Allowlist.edit(allow, "revoke", "bob")
+        bob = tls_client(pki, broker.address, "bob")
+        assert code_of(bob.status)[0] == grpc.StatusCode.PERMISSION_DENIED
+        for c in (alice, outsider, bob):
+            c.close()
+    finally:
+        broker.stop()
+
+
+def test_the_bundle_quota_survives_a_broker_restart(prompt_file, prompts, tmp_path):
+    db = str(tmp_path / "broker.sqlite")
+    broker = start_broker(broker_config(prompt_file, db=db, max_node_bundle_mib=1))
+    a = client(broker, prompts, "a")
+    a.publish(0, [summary(p, 1) for p in prompts[:2]])
+    a.upload(record(prompts[0], 1, "a"), 0)
+    used = broker.fed._bundle_bytes["a"]
+    assert used > 0
+    a.close()
+    broker.stop()
+    broker = start_broker(broker_config(prompt_file, db=db, max_node_bundle_mib=1))
+    try:
+        assert broker.fed._bundle_bytes["a"] == used
+        assert broker.state.bundle_bytes_by_node() == {"a": used}
+    finally:
+        broker.stop()
+
+
+def test_bundle_bytes_by_node_agrees_between_state_backends(tmp_path):
+    from graft_fed.broker.state import BrokerState
+    from graft_fed.broker.state_memory import InMemoryState
+    from graft_fed.broker.state_sqlite import SqliteState
+    from graft_fed.federation.messages import SummaryRow
+
+    for st in (InMemoryState(), SqliteState(tmp_path / "s.sqlite")):
+        rows = [SummaryRow(node_id=n, round=r, prompt_id=p, policy_version=0, n=2, k=1, reward_mean=0.5,
+                           reward_std=math.sqrt(0.5), lengths=[1, 1], mean_logprobs=[-1.0, -1.0])
+                for n in ("a", "b") for r in (0, 1) for p in ("p", "q")]
+        st.put_summaries(rows)
+        st.put_bundle("d1", b"x" * 10)
+        st.put_bundle("d2", b"y" * 7)
+        st.set_bundle_digest("a", 0, "p", "d1")
+        st.set_bundle_digest("a", 1, "p", "d1")  # the same bytes twice: counted once
+        st.set_bundle_digest("a", 0, "q", "d2")
+        st.set_bundle_digest("b", 0, "p", "d2")
+        st.set_bundle_digest("b", 1, "q", "gone")  # a digest whose bundle was pruned
+        assert st.bundle_bytes_by_node() == {"a": 17, "b": 7}
+        assert BrokerState.bundle_bytes_by_node(st) == {"a": 17, "b": 7}  # the generic default agrees
+        st.close()
+
+
+# ------------------------------------------------------------------ 4. (cont.) slow streams and request floods
+
+def test_slow_uploads_are_bounded_per_node(broker, prompts):
+    a = client(broker, prompts, "a")
+    a.publish(0, [summary(prompts[0], 1)])
+    data = encode_bundle(record(prompts[0], 1))
+    release = threading.Event()
+
+    def trickle():
+        yield pb.BundleChunk(digest=digest_of(data), total_size=len(data), offset=0, data=data[:1], node_id="a",
+                             session_id=a.session, prompt_id=prompts[0].id, round=0, tag=new_tag())
+        release.wait(10)  # and then nothing: the stream stays open, holding a broker thread
+
+    results: list = []
+    futs = [a.stub.UploadBundle.future(trickle(), timeout=15) for _ in range(2)]
+    time.sleep(0.5)
+    code, details = status_of(lambda: a.stub.UploadBundle(trickle(), timeout=5))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in details
+    release.set()
+    for f in futs:
+        results.append(status_of(f.result)[0])
+    assert grpc.StatusCode.INTERNAL not in results
+    # once they ended, the node can upload again
+    assert a.upload(record(prompts[0], 1), 0)[1]
+    a.close()
+
+
+def test_in_flight_bound_is_per_node_and_released():
+    from graft_fed.broker.servicer import InFlight
+    from graft_fed.federation.errors import ResourceExhausted
+
+    f = InFlight(2, "fetches")
+    with f.hold("a"), f.hold("a"), f.hold("b"):
+        with pytest.raises(ResourceExhausted, match="2 fetches in flight"):
+            with f.hold("a"):
+                pass
+    with f.hold("a"), f.hold("a"):
+        pass
+
+
+def test_a_request_flood_from_one_certificate_is_rate_limited(pki, prompt_file, prompts, tmp_path):
+    allow = tmp_path / "allow.yaml"
+    for name in ("alice", "mallory"):
+        Allowlist.edit(allow, "add", name)
+    broker = start_broker(broker_config(prompt_file, tls_cert=str(pki / "broker.pem"), tls_key=str(pki / "broker.key"),
+                                        client_ca=str(pki / "ca.pem"), allowlist=str(allow), max_requests_per_s=5))
+    try:
+        alice, mallory = tls_client(pki, broker.address, "alice"), tls_client(pki, broker.address, "mallory")
+        codes = [status_of(lambda: mallory.stub.GetStatus(pb.StatusRequest(), timeout=5))[0] for _ in range(40)]
+        assert codes[:20] == [grpc.StatusCode.OK] * 20  # a burst of 4x the rate
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 15
+        raw = raw_unary(mallory.channel, "Heartbeat")
+        assert status_of(lambda: raw(b"\xff", timeout=5))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert alice.status().manifest.n == 2  # another certificate has its own budget
+        alice.close()
+        mallory.close()
+    finally:
+        broker.stop()
+
+
+def test_one_node_publishing_far_ahead_does_not_make_retention_drop_the_others(prompt_file, prompts):
+    broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0))
+    try:
+        a, b, m = (client(broker, prompts, n) for n in ("a", "b", "mallory"))
+        for r in range(3):
+            a.publish(r, [summary(prompts[0], 1, round=r)])
+            b.publish(r, [summary(prompts[0], 0, round=r)])
+        m.publish(1000, [summary(prompts[0], 1, round=1000)])  # accepted: within current + 1000
+        broker.fed.prune()
+        kept = {(s.node_id, s.round) for s in broker.state.summaries()}
+        assert {("a", r) for r in range(3)} <= kept and {("b", r) for r in range(3)} <= kept
+        for r in range(3, 8):  # the honest nodes move on: their old rounds go as configured
+            a.publish(r, [summary(prompts[0], 1, round=r)])
+            b.publish(r, [summary(prompts[0], 0, round=r)])
+        broker.fed.prune()
+        assert min(s.round for s in broker.state.summaries() if s.node_id == "a") == 5
+        for x in (a, b, m):
+            x.close()
+    finally:
+        broker.stop()
+
+
+def test_a_node_refuses_a_fetched_bundle_that_is_too_big_or_inconsistent(broker, prompts):
+    """What a hostile broker sends back is bounded too: the node does not buffer without end."""
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    a.publish(0, [summary(prompts[0], 0), summary(prompts[1], 1)])
+    b.publish(0, [summary(prompts[0], 1), summary(prompts[1], 0)])
+    digest, _ = b.upload(record(prompts[0], 1, "b"), 0)
+    assert a.get_matches(0, 5.0).offers[0].digest == digest
+    a.max_bundle = 10
+    with pytest.raises(RecordError, match="more than this node accepts"):
+        a.fetch(digest)
+    a.max_bundle = 2**20
+    real = a.stub.FetchBundle
+
+    class Lying:  # the broker's stream, with a chunk that does not continue where the last ended
+        def __init__(self, request, timeout=None):
+            self.chunks = list(real(request, timeout=timeout))
+            self.chunks[0].offset = 7
+
+        def __iter__(self):
+            return iter(self.chunks)
+
+        def cancel(self):
+            pass
+    lying = Lying
+    a.stub.FetchBundle = lying
+    with pytest.raises(RecordError, match="inconsistent"):
+        a.fetch(digest)
+    a.close()
+    b.close()

@@ -1,0 +1,77 @@
+"""The node's side of issue 12 as pure policy (graft_fed/federation/policy.py): a refused
+fetch skips one offer, undelivered and refused groups are reported, and matched_only
+uploads only what the node can see was matched in the current window."""
+
+from graft_fed.federation.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+                                         PermissionDenied, ResourceExhausted, Unavailable)
+from graft_fed.federation.messages import Offer, ReportEntry
+from graft_fed.federation.policy import (fetch_failure_is_per_offer, refused_record_entry, undelivered_entries,
+                                         uploads_to_serve)
+
+
+def offer(pid, source="s", digest="d" * 64):
+    return Offer(prompt_id=pid, source_node=source, source_model="m", source_round=3, k=1, n=2, digest=digest)
+
+
+def test_a_refused_fetch_skips_that_offer_and_a_lost_broker_is_still_lost():
+    for exc in (NotFound("x"), PermissionDenied("x"), InvalidArgument("x"), FailedPrecondition("x")):
+        assert fetch_failure_is_per_offer(exc)
+    for exc in (Unavailable("x"), DeadlineExceeded("x"), ResourceExhausted("x")):
+        assert not fetch_failure_is_per_offer(exc)
+
+
+def test_undelivered_offers_are_reported_as_unusable_not_rejected():
+    offers = [offer("p1"), offer("p2", digest=""), offer("p3", source="t"), offer("p4")]
+    got = undelivered_entries(offers, received={"p1"}, already_reported={("s", "p4")})
+    assert got == [ReportEntry("s", "p2", 0.0, 0.0, False), ReportEntry("t", "p3", 0.0, 0.0, False)]
+    assert refused_record_entry(offer("p5")) == ReportEntry("s", "p5", 0.0, 0.0, True)
+
+
+def test_matched_only_uploads_only_informative_groups_of_the_current_window():
+    informative = {5: {"a", "b"}, 4: {"c"}, 1: {"old"}}
+    requests = [("a", 5), ("z", 5), ("c", 4), ("old", 1), ("a", 6), ("b", 5)]
+    ok, refused = uploads_to_serve(requests, current_round=5, window_rounds=0, informative=informative)
+    assert ok == [("a", 5), ("b", 5)]
+    assert refused == [("z", 5), ("c", 4), ("old", 1), ("a", 6)]
+    ok, _ = uploads_to_serve(requests, current_round=5, window_rounds=2, informative=informative)  # async window
+    assert ok == [("a", 5), ("c", 4), ("b", 5)]
+
+
+def test_a_node_fetching_offers_skips_a_refused_one_reports_it_and_keeps_the_rest():
+    """node/peers.py::fetch_offers with the policy wired in: NOT_FOUND for one bundle is that
+    offer's problem (counted, reported as undelivered), a malformed record is the source's
+    (reported as rejected), and a lost broker still ends the exchange."""
+    import pytest
+
+    from graft_fed.core.records import GroupRecord, RecordError
+    from graft_fed.node.client import FetchedBundle
+    from graft_fed.node.peers import fetch_offers
+
+    def rec(pid):
+        return GroupRecord(prompt_id=pid, step=0, model_id="m", tokenizer_id="t", problem="q", answer="1",
+                           rewards=(1.0, 0.0), advantages=(0.7071, -0.7071), texts=("1", "2"),
+                           finish_reasons=("stop", "stop"), lengths=(1, 1), mean_logprobs=(-0.5, -0.5))
+
+    class Client:
+        def __init__(self, lost=False):
+            self.lost = lost
+
+        def fetch_bundle(self, digest, source=None):
+            if self.lost:
+                raise Unavailable("broker gone")
+            if digest == "a" * 64:
+                raise NotFound("no bundle")
+            if digest == "b" * 64:
+                raise RecordError("malformed group record")
+            return FetchedBundle(record=rec("p3"), signer="")
+
+    offers = [offer("p1", digest="a" * 64), offer("p2", source="t", digest="b" * 64), offer("p3", digest="c" * 64),
+              offer("p4", digest="")]
+    got = fetch_offers(Client(), offers)
+    assert set(got.records) == {"p3"} and got.records["p3"].model_id == "s"
+    assert got.refused == 1 and got.bad == 2 and got.undelivered == 2
+    assert sorted(got.rejections, key=lambda e: e.prompt_id) == [
+        ReportEntry("s", "p1", 0.0, 0.0, False), ReportEntry("t", "p2", 0.0, 0.0, True),
+        ReportEntry("s", "p4", 0.0, 0.0, False)]
+    with pytest.raises(Unavailable):
+        fetch_offers(Client(lost=True), offers)
