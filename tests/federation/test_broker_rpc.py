@@ -8,26 +8,13 @@ import grpc
 import pytest
 
 from graft_fed.core.records import GroupRecord
-from graft_fed.data.config import DataConfig, load_prompts
 from graft_fed.federation.bundles import digest_of, encode_bundle
-from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
 from graft_fed.federation.errors import FederationError
+from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
 from graft_fed.node.client import BrokerClient, new_tag
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.rewards.config import VerifierConfig
 from tests.federation.helpers import broker_config, start_broker
-
-
-@pytest.fixture()
-def broker(prompt_file):
-    server = start_broker(broker_config(prompt_file))
-    yield server
-    server.stop()
-
-
-@pytest.fixture()
-def prompts(prompt_file):
-    return load_prompts(DataConfig(source=str(prompt_file)))
 
 
 def manifest(prompts, **over):

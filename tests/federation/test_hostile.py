@@ -31,18 +31,6 @@ SERVER_FAULTS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusC
 
 
 @pytest.fixture()
-def prompts(prompt_file):
-    return load_prompts(DataConfig(source=str(prompt_file)))
-
-
-@pytest.fixture()
-def broker(prompt_file):
-    server = start_broker(broker_config(prompt_file))
-    yield server
-    server.stop()
-
-
-@pytest.fixture()
 def pki(tmp_path):
     d = tmp_path / "certs"
     certs.init_ca(d, "test")

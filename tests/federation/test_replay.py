@@ -18,7 +18,7 @@ from graft_fed.node.client import BrokerClient, new_tag
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
 from tests.federation.helpers import broker_config, start_broker
-from tests.federation.test_broker_rpc import client, code_of, manifest, prompts, record, summary  # noqa: F401
+from tests.federation.test_broker_rpc import client, code_of, manifest, record, summary
 
 ID = "0123456789abcdef0123456789abcdef"
 
