@@ -113,6 +113,9 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 def cmd_certs(args: argparse.Namespace) -> int:
     from graft_fed.federation import certs
 
+    days = getattr(args, "days", None)
+    if days is not None and days < 1:
+        raise GraftFedError(f"--days {days}: a certificate must be valid for at least one day")
     if args.certs_command == "init":
         print(f"CA: {certs.init_ca(args.dir, args.federation, args.days)}")
     elif args.certs_command == "issue":
@@ -129,6 +132,14 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_broker_nodes(args: argparse.Namespace) -> int:
     from graft_fed.broker.auth import Allowlist
 
+    from pathlib import Path
+
+    folder = Path(args.allowlist).parent
+    if args.nodes_command != "list" and not folder.is_dir():
+        raise GraftFedError(f"--allowlist {args.allowlist}: the folder {folder} does not exist; create it first "
+                            "(the broker reads the allowlist from the path in its config)")
+    if args.nodes_command == "list" and not Path(args.allowlist).is_file():
+        raise GraftFedError(f"--allowlist {args.allowlist} does not exist; `broker nodes add` creates it")
     out = Allowlist.edit(args.allowlist, args.nodes_command, getattr(args, "name", None))
     for name in out["allowed"]:
         print(f"allowed  {name}")
@@ -149,7 +160,15 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from graft_fed.broker.server import BrokerServer
 
     cfg = load_broker_config(args.config, _parse_overrides(args.set))
-    server = BrokerServer(cfg).start()
+    try:
+        server = BrokerServer(cfg).start()
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        raise GraftFedError(f"cannot listen for gRPC on {cfg.listen}: the address is taken or not this machine's "
+                            f"({str(exc).split(';')[0]}); is another broker running? choose another with "
+                            "--set listen=HOST:PORT") from None
+    except OSError as exc:  # http.server: EADDRINUSE / EADDRNOTAVAIL
+        raise GraftFedError(f"cannot serve HTTP (/metrics, /healthz) on {cfg.http}: {exc.strerror or exc}; "
+                            "choose another with --set http=HOST:PORT") from None
     if args.port_file:
         from pathlib import Path
 
@@ -246,6 +265,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         data = DataConfig(source=bench, max_prompts=args.limit)
     prompts = load_prompts(data, benchmarks_root=args.benchmarks_dir)
+    if args.k < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
+        raise GraftFedError("-k, --max-new-tokens and --batch-size must be at least 1")
     device = resolve_device(args.device)
     model, tok = load_model_and_tokenizer(args.model, device)
     model.eval()
@@ -254,10 +275,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = evaluate(model, tok, prompts, verifier, template=template,
                           add_special_tokens=template != "chat", k=args.k, temperature=args.temperature,
                           top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                          batch_size=args.batch_size, seeding=args.seeding)
+                          batch_size=args.batch_size, seeding=args.seeding, progress=not args.quiet)
     name = Path(bench).stem if Path(bench).suffix else bench.replace(":", "_")
     path = write_eval(result, args.out, name)
-    print(json.dumps(result.summary(), indent=2))
+    if args.json:
+        print(json.dumps(result.summary(), indent=2))
+    else:
+        print(f"{args.model} on {bench}:")
+        print(result.table())
+        if result.max_new_tokens < args.max_new_tokens:
+            print(f"(new tokens capped at {result.max_new_tokens} of the {args.max_new_tokens} asked: the model's "
+                  "context)")
+    print(f"summary: {path}")
     print(f"per-prompt results: {path.with_suffix('').with_suffix('.jsonl')}")
     return 0
 
@@ -412,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--workers", type=int, default=2, help="verifier processes")
     e.add_argument("--device", default="auto")
     e.add_argument("--out", default="runs/eval", help="output folder (default: runs/eval)")
+    e.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    e.add_argument("--quiet", action="store_true", help="no progress lines")
     e.set_defaults(func=cmd_eval)
 
     pl = sub.add_parser("plot", help="draw a run's learning curves to PNG")
@@ -443,6 +474,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"graft-fed {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`graft-fed status | head`): stop quietly, as a C tool would on SIGPIPE
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
 
 
 if __name__ == "__main__":

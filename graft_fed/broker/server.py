@@ -90,7 +90,9 @@ class BrokerServer:
         self.servicer = BrokerServicer(self.fed)
         interceptors = [IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist)]
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="broker"),
-                                options=grpc_options(cfg.max_message_mib), interceptors=interceptors)
+                                # no SO_REUSEPORT: a second broker on a taken port must fail, not share it
+                                options=grpc_options(cfg.max_message_mib) + [("grpc.so_reuseport", 0)],
+                                interceptors=interceptors)
         pb_grpc.add_BrokerServicer_to_server(self.servicer, self.grpc)
         if cfg.tls_cert and cfg.tls_key:
             creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.client_ca)
@@ -152,7 +154,12 @@ class BrokerServer:
 
     def start(self) -> "BrokerServer":
         self.grpc.start()
-        self._serve_http()
+        try:
+            self._serve_http()
+        except OSError:
+            self.grpc.stop(0).wait()
+            self.state.close()
+            raise
         t = threading.Thread(target=self._housekeeping, name="broker-housekeeping", daemon=True)
         t.start()
         self._threads.append(t)
