@@ -46,6 +46,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _print_summary(cfg, steps: int, summary: dict) -> None:
+    if not summary.get("eval_before") and summary.get("output_dir"):
+        # a resumed run: its step-0 evaluation is on disk from the first start
+        from pathlib import Path
+
+        from graft_fed.sim import eval_before
+
+        found = eval_before(Path(summary["output_dir"]), summary)
+        if found:
+            summary = {**summary, "eval_before": found}
     before = summary.get("eval_before", {}).get("pass@1")
     after = summary.get("eval_after", {}).get("pass@1")
     print(f"run {cfg.run.name}: {steps} steps, checkpoint {summary['final_checkpoint']}")
@@ -192,7 +201,30 @@ def cmd_node(args: argparse.Namespace) -> int:
     with Node(cfg, resume=args.resume, quiet=args.quiet) as node:
         summary = node.train(evaluate_before_after=not args.no_eval)
     _print_summary(cfg, node.trainer.step, summary)
+    print(exchange_line(cfg.run.output_dir))
     return 0
+
+
+def exchange_line(run_dir: str) -> str:
+    """How much a node took part, from its metrics: steps connected to the broker, steps on
+    which it received peer groups, and how many."""
+    from pathlib import Path
+
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if "reward" in row:
+                rows.append(row)
+    connected = sum(1 for r in rows if r.get("federation/connected") == 1.0)
+    exchanged = sum(1 for r in rows if (r.get("graft/replaced") or 0) > 0)
+    groups = sum(r.get("graft/replaced") or 0 for r in rows)
+    return (f"federation: exchanged on {exchanged} of {len(rows)} steps ({groups:.0f} peer groups received); "
+            f"connected to the broker on {connected}")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -228,8 +260,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if args.output_dir:
         import dataclasses
         cfg = dataclasses.replace(cfg, output_dir=args.output_dir)
-    table = Simulation(cfg, args.nodes, quiet=args.quiet).run()
+    sim = Simulation(cfg, args.nodes, quiet=args.quiet)
+    table = sim.run()
     print(table)
+    if sim.failed:
+        print(f"graft-fed sim: {len(sim.failed)} node(s) exited with an error: "
+              + "; ".join(f"{n} (code {c}): {r}" for n, (c, r) in sim.failed.items()), file=sys.stderr)
+        return 1
     return 0
 
 
