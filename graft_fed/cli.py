@@ -236,7 +236,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         st = client.status()
     except FederationError as exc:
-        raise GraftFedError(f"cannot reach the broker at {args.broker}: {exc.status} {exc}") from None
+        from graft_fed.federation.certcheck import explain_connect_failure
+
+        cause = explain_connect_failure(args.broker, f"{exc.status} {exc}", bool(args.tls_ca), bool(args.tls_cert))
+        raise GraftFedError(f"cannot reach the broker at {args.broker}: {cause} [{exc.status} {exc}]") from None
     finally:
         client.close()
     m = st.manifest
