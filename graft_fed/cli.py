@@ -227,33 +227,70 @@ def exchange_line(run_dir: str) -> str:
             f"connected to the broker on {connected}")
 
 
+def _status_dict(st) -> dict:
+    m = st.manifest
+    return {"federation_id": m.federation_id, "dataset_id": m.dataset_id, "n": m.n,
+            "prompts_per_round": m.prompts_per_round, "current_round": st.current_round, "bundles": st.bundles,
+            "bundle_bytes": st.bundle_bytes,
+            "nodes": [{"node_id": n.node_id, "model_id": n.model_id, "state": n.state, "round": n.round,
+                       "published": n.published, "last_seen_s": round(n.last_seen_s, 3)} for n in st.nodes],
+            "pairs": [{"source": p.source, "receiver": p.receiver, "groups": p.groups,
+                       "mean_s": p.mean_s if p.mean_s == p.mean_s else None,
+                       "admitted_fraction": p.admitted_fraction if p.admitted_fraction == p.admitted_fraction else None,
+                       "rejected": p.rejected} for p in st.pairs]}
+
+
+def _status_table(d: dict) -> str:
+    lines = [f"federation {d['federation_id']}: dataset {d['dataset_id']}, n={d['n']}, {d['prompts_per_round']} "
+             f"prompts/round, round {d['current_round']}, {d['bundles']} bundles ({d['bundle_bytes'] / 2**20:.1f} MiB)",
+             f"{'node':<20} {'model':<20} {'state':<11} {'round':>6} {'published':>9} {'last seen':>9}"]
+    for n in d["nodes"]:
+        lines.append(f"{n['node_id']:<20} {n['model_id']:<20} {n['state']:<11} {n['round']:>6} {n['published']:>9} "
+                     f"{n['last_seen_s']:>8.1f}s")
+    if d["pairs"]:
+        lines.append(f"\n{'source -> receiver':<36} {'groups':>7} {'mean s':>7} {'admitted':>9} {'rejected':>9}")
+        nan = float("nan")
+        for p in d["pairs"]:
+            ms = p["mean_s"] if p["mean_s"] is not None else nan
+            af = p["admitted_fraction"] if p["admitted_fraction"] is not None else nan
+            lines.append(f"{p['source'] + ' -> ' + p['receiver']:<36} {p['groups']:>7} {ms:>7.3f} {af:>9.2f} "
+                         f"{p['rejected']:>9}")
+    return "\n".join(lines)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    import time
+
     from graft_fed.federation.errors import FederationError
     from graft_fed.node.client import BrokerClient
 
+    if args.watch is not None and args.watch <= 0:
+        raise GraftFedError(f"--watch {args.watch}: give the seconds between refreshes, more than 0")
     client = BrokerClient(args.broker, node_id="status", tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                           tls_key=args.tls_key, insecure=args.insecure)
     try:
-        st = client.status()
-    except FederationError as exc:
-        from graft_fed.federation.certcheck import explain_connect_failure
+        while True:
+            try:
+                d = _status_dict(client.status())
+            except FederationError as exc:
+                from graft_fed.federation.certcheck import explain_connect_failure
 
-        cause = explain_connect_failure(args.broker, f"{exc.status} {exc}", bool(args.tls_ca), bool(args.tls_cert))
-        raise GraftFedError(f"cannot reach the broker at {args.broker}: {cause} [{exc.status} {exc}]") from None
+                cause = explain_connect_failure(args.broker, f"{exc.status} {exc}", bool(args.tls_ca),
+                                                bool(args.tls_cert))
+                raise GraftFedError(f"cannot reach the broker at {args.broker}: {cause} [{exc.status} {exc}]") from None
+            if args.json:
+                print(json.dumps(d), flush=True)  # one object per refresh: JSON Lines under --watch
+            else:
+                if args.watch is not None and sys.stdout.isatty():
+                    print("\033[H\033[2J", end="")  # clear the terminal, like watch(1)
+                print(_status_table(d), flush=True)
+                if args.watch is not None:
+                    print(f"\n(every {args.watch:g} s; Ctrl-C to stop)" if sys.stdout.isatty() else "", flush=True)
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
     finally:
         client.close()
-    m = st.manifest
-    print(f"federation {m.federation_id}: dataset {m.dataset_id}, n={m.n}, {m.prompts_per_round} prompts/round, "
-          f"round {st.current_round}, {st.bundles} bundles ({st.bundle_bytes / 2**20:.1f} MiB)")
-    print(f"{'node':<20} {'model':<20} {'state':<8} {'round':>6} {'published':>9} {'last seen':>9}")
-    for n in st.nodes:
-        print(f"{n.node_id:<20} {n.model_id:<20} {n.state:<8} {n.round:>6} {n.published:>9} {n.last_seen_s:>8.1f}s")
-    if st.pairs:
-        print(f"\n{'source -> receiver':<36} {'groups':>7} {'mean s':>7} {'admitted':>9} {'rejected':>9}")
-        for p in st.pairs:
-            print(f"{p.source + ' -> ' + p.receiver:<36} {p.groups:>7} {p.mean_s:>7.3f} {p.admitted_fraction:>9.2f} "
-                  f"{p.rejected:>9}")
-    return 0
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -438,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--tls-cert", help="a certificate for mutual TLS")
     ss.add_argument("--tls-key", help="its key")
     ss.add_argument("--insecure", action="store_true", help="allow plaintext to a non-loopback broker")
+    ss.add_argument("--json", action="store_true", help="print JSON (one object per refresh with --watch)")
+    ss.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                    help="refresh every SECONDS (default 2) until interrupted")
     ss.set_defaults(func=cmd_status)
 
     sm = sub.add_parser("sim", help="a broker and N node processes on this machine, over loopback gRPC")

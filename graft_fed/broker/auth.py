@@ -59,6 +59,11 @@ class Allowlist:
             self._load()
             return node_id not in self.revoked and (not self.allowed or node_id in self.allowed)
 
+    def is_revoked(self, node_id: str) -> bool:
+        with self._lock:
+            self._load()
+            return node_id in self.revoked
+
     def is_trusted(self, node_id: str) -> bool:
         with self._lock:
             self._load()
@@ -93,21 +98,32 @@ def _peer_name(context: grpc.ServicerContext) -> str | None:
 
 
 class IdentityInterceptor(grpc.ServerInterceptor):
-    def __init__(self, require_certificate: bool, allowlist: Allowlist | None) -> None:
+    def __init__(self, require_certificate: bool, allowlist: Allowlist | None, refusals: Any = None) -> None:
+        """`refusals`: a graft_fed.broker.live.RefusalLog that counts (and logs) every refusal."""
         self.require_certificate = require_certificate
         self.allowlist = allowlist
+        self.refusals = refusals
+
+    def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, reason: str, identity: str,
+                message: str) -> None:
+        if self.refusals is not None:
+            self.refusals.refused(reason, identity, message)
+        context.abort(code, message)
 
     def _check(self, node_id: str, context: grpc.ServicerContext) -> None:
         if self.require_certificate:
             peer = _peer_name(context)
             if peer is None:
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "no client certificate: this broker requires mutual TLS")
+                self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "no_client_certificate", node_id,
+                             "no client certificate: this broker requires mutual TLS")
             if node_id and node_id != peer:
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"the client certificate is for {peer!r}; it cannot act as node {node_id!r}")
+                self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "identity_mismatch", str(peer),
+                             f"the client certificate is for {peer!r}; it cannot act as node {node_id!r}")
         if node_id and self.allowlist is not None and not self.allowlist.permits(node_id):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"node {node_id!r} is not on this federation's allowlist (or was revoked)")
+            revoked = self.allowlist.is_revoked(node_id)
+            self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, "revoked" if revoked else "not_allowed", node_id,
+                         f"node {node_id!r} " + ("was revoked by this federation's operator" if revoked
+                                                 else "is not on this federation's allowlist"))
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)

@@ -189,3 +189,15 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             nodes=[pb.StatusResponse.Node(**n) for n in st["nodes"]],
             pairs=[pb.StatusResponse.Pair(**p) for p in st["pairs"]],
             bundles=st["bundles"], bundle_bytes=st["bundle_bytes"])
+
+    #: the live page's scalar store (graft_fed/broker/live.py), set by the BrokerServer
+    scalars: Any = None
+
+    @_rpc
+    def ReportScalars(self, request: pb.ScalarsRequest, context: Any) -> pb.ScalarsResponse:
+        values = {s.name: s.value for s in request.scalars}
+        if self.scalars is not None:
+            self.scalars.validate(values)
+            self.fed._node(request.node_id, request.session_id, touch=False)  # a live session, or UNAUTHENTICATED
+            self.scalars.record(request.node_id, request.step, values)
+        return pb.ScalarsResponse()
