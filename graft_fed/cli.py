@@ -178,12 +178,14 @@ def cmd_broker(args: argparse.Namespace) -> int:
     except OSError as exc:  # http.server: EADDRINUSE / EADDRNOTAVAIL
         raise GraftFedError(f"cannot serve HTTP (/metrics, /healthz) on {cfg.http}: {exc.strerror or exc}; "
                             "choose another with --set http=HOST:PORT") from None
-    if args.port_file:
-        from pathlib import Path
+    from pathlib import Path
 
-        tmp = Path(args.port_file + ".tmp")
-        tmp.write_text(server.address)
-        tmp.replace(args.port_file)
+    for path, value in ((args.port_file, server.address),
+                        (args.http_port_file, f"127.0.0.1:{server.http_port}" if server.http_port else "")):
+        if path:
+            tmp = Path(path + ".tmp")
+            tmp.write_text(value)
+            tmp.replace(path)
     print(f"broker listening on {server.address}" + (f", http on {server.http_port}" if server.http_port else ""),
           flush=True)
     stop = threading.Event()
@@ -198,7 +200,10 @@ def cmd_node(args: argparse.Namespace) -> int:
     from graft_fed.node.node import Node, load_node_config
 
     cfg = load_node_config(args.config, _parse_overrides(args.set))
+    from graft_fed.node.live import attach_live_scalars
+
     with Node(cfg, resume=args.resume, quiet=args.quiet) as node:
+        attach_live_scalars(node)  # learning curves on the broker's live page
         summary = node.train(evaluate_before_after=not args.no_eval)
     _print_summary(cfg, node.trainer.step, summary)
     print(exchange_line(cfg.run.output_dir))
@@ -433,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--config", help="broker config YAML (default: built-in defaults)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     b.add_argument("--port-file", help="write the bound HOST:PORT here once listening (useful with port 0)")
+    b.add_argument("--http-port-file", help="write the HTTP port's address (live page, /metrics) here once listening")
     b.set_defaults(func=cmd_broker)
     bn = b.add_subparsers(dest="broker_sub")
     nodes = bn.add_parser("nodes", help="the operator's allowlist: add, list or revoke nodes")

@@ -108,6 +108,8 @@ class Simulation:
         self.procs: dict[str, subprocess.Popen] = {}
         #: nodes that exited with an error: name -> (exit code, reason from its log)
         self.failed: dict[str, tuple[int, str]] = {}
+        #: the broker's live page (set once the broker listens)
+        self.live_url: str | None = None
 
     def _cli(self) -> list[str]:
         return [sys.executable, "-m", "graft_fed.cli"]
@@ -126,8 +128,10 @@ class Simulation:
         path = self._write("broker", bcfg)
         log = (self.root / "logs").joinpath("broker.log")
         log.parent.mkdir(parents=True, exist_ok=True)
+        http_file = self.root / "broker.http"
+        http_file.unlink(missing_ok=True)
         self.procs["broker"] = subprocess.Popen(self._cli() + ["broker", "--config", str(path), "--port-file",
-                                                               str(port_file)],
+                                                               str(port_file), "--http-port-file", str(http_file)],
                                                 stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while not port_file.is_file():
@@ -137,6 +141,10 @@ class Simulation:
             if time.monotonic() > deadline:
                 raise GraftFedError(f"the broker did not start within 120 s; see {log}")
             time.sleep(0.1)
+        while not http_file.is_file() and self.procs["broker"].poll() is None:
+            time.sleep(0.05)  # written right after the gRPC port file
+        http = http_file.read_text().strip() if http_file.is_file() else ""
+        self.live_url = f"http://{http}/" if http else None
         return port_file.read_text().strip()
 
     def start_nodes(self, address: str) -> None:
@@ -231,7 +239,8 @@ class Simulation:
             address = self.start_broker()
             if not self.quiet:
                 print(f"broker on {address}; starting {len(self.nodes)} nodes: "
-                      + ", ".join(n.name for n in self.nodes), flush=True)
+                      + ", ".join(n.name for n in self.nodes)
+                      + (f"; live page: {self.live_url}" if self.live_url else ""), flush=True)
             self.start_nodes(address)
             self.wait()
         finally:

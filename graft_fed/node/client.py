@@ -333,7 +333,7 @@ class BrokerClient:
             return False
         try:
             self.stub.ReportScalars(pb.ScalarsRequest(node_id=self.node_id, session_id=self.session, step=int(step),
-                                                      scalars=scalars), timeout=self.timeout)
+                                                      scalars=scalars), timeout=min(self.timeout, 2.0))
             return True
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
