@@ -374,9 +374,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from graft_fed.plotting import plot_run
+    from graft_fed.plotting import plot_runs
 
-    for path in plot_run(args.run_dir, args.out):
+    for path in plot_runs(args.run_dirs, args.out):
         print(path)
     return 0
 
@@ -531,9 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quiet", action="store_true", help="no progress lines")
     e.set_defaults(func=cmd_eval)
 
-    pl = sub.add_parser("plot", help="draw a run's learning curves to PNG")
-    pl.add_argument("run_dir")
-    pl.add_argument("--out", help="output folder (default: RUN_DIR/plots)")
+    pl = sub.add_parser("plot", help="draw a run's learning curves (and federation panels) to PNG; "
+                                     "several runs are overlaid",
+                        description="One run: learning_curves.png and, where it received peer groups, "
+                                    "federation.png. Several runs, or a sim's output folder: the same overlaid.")
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN", help="run folder(s), or a sim's output folder")
+    pl.add_argument("--out", help="output folder (default: RUN/plots; for several runs, their common folder's plots)")
     pl.set_defaults(func=cmd_plot)
 
     add_score_subparser(sub)

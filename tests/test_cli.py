@@ -140,3 +140,57 @@ def test_eval_fits_the_model_context_shows_progress_and_a_table(tiny_gpt2, tmp_p
     summary = json.loads((tmp_path / "ev" / "bench.summary.json").read_text())
     assert summary["skipped_prompts"] == 1 and summary["n_prompts"] == 2
     assert summary["max_new_tokens"] < 512 and set(summary["breakdown"]) == {"level", "subject"}
+
+
+def _fake_run(path, name, peers):
+    """A node-like run folder: training rows with federation metrics, evaluations with stderr."""
+    path.mkdir(parents=True)
+    rows = [{"step": 0, "eval/pass@1": 0.4, "eval/stderr": 0.05}]
+    for step in range(1, 6):
+        row = {"step": step, "reward": 0.1 * step, "frac_all_fail": 0.5 - 0.05 * step, "graft/replaced": 2,
+               "graft/admitted_frac": 0.8, "graft/s_p10": 0.5, "graft/s_p50": 0.9, "graft/s_p90": 1.1,
+               "graft/s_values": [0.5, 0.9, 1.1]}
+        for peer in peers:
+            row[f"graft/from/{peer}/replaced"] = 1
+            row[f"graft/from/{peer}/admitted_frac"] = 0.75
+        rows.append(row)
+    rows.append({"step": 5, "eval/pass@1": 0.45, "eval/stderr": 0.04})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_plot_federation_panels_error_bars_and_overlays(tmp_path, capsys):
+    _fake_run(tmp_path / "sim" / "a", "a", ["b", "c"])
+    _fake_run(tmp_path / "sim" / "b", "b", ["a"])
+    assert main(["plot", str(tmp_path / "sim" / "a")]) == 0
+    out = capsys.readouterr().out.split()
+    assert [Path(p).name for p in out] == ["learning_curves.png", "federation.png"]
+    assert all(Path(p).stat().st_size > 10_000 for p in out)
+    # a sim's folder: its node runs overlaid
+    assert main(["plot", str(tmp_path / "sim")]) == 0
+    out = capsys.readouterr().out.split()
+    assert [Path(p).name for p in out] == ["compare_learning_curves.png", "compare_federation.png"]
+    assert Path(out[0]).parent == tmp_path / "sim" / "plots"
+    # explicit runs, and an error for a folder that holds none
+    assert main(["plot", str(tmp_path / "sim" / "a"), str(tmp_path / "sim" / "b"), "--out", str(tmp_path / "cmp")]) == 0
+    assert (tmp_path / "cmp" / "compare_learning_curves.png").is_file()
+    (tmp_path / "empty").mkdir()
+    assert main(["plot", str(tmp_path / "empty")]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_plot_draws_error_bars_on_heldout_pass1(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from graft_fed.plotting import plot_runs
+
+    _fake_run(tmp_path / "a", "a", ["b"])
+    seen = []
+    original = matplotlib.axes.Axes.errorbar
+
+    def spy(self, x, y, yerr=None, **kw):
+        seen.append((list(x), list(y), list(yerr)))
+        return original(self, x, y, yerr=yerr, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", spy)
+    plot_runs([tmp_path / "a"])
+    assert seen == [([0, 5], [0.4, 0.45], [0.05, 0.04])]
