@@ -199,11 +199,23 @@ def cmd_broker(args: argparse.Namespace) -> int:
 def cmd_node(args: argparse.Namespace) -> int:
     from graft_fed.node.node import Node, load_node_config
 
-    cfg = load_node_config(args.config, _parse_overrides(args.set))
+    from graft_fed.federation.certcheck import JoinTracker, check_node_certificate, track_joins, wait_for_first_join
     from graft_fed.node.live import attach_live_scalars
 
+    cfg = load_node_config(args.config, _parse_overrides(args.set))
+    f = cfg.federation
+    # before loading anything: a certificate the broker would refuse is a one-line error now
+    check_node_certificate(cfg.node_id, f.tls_ca, f.tls_cert, f.tls_key)
+    if args.join_timeout < 0:
+        raise GraftFedError(f"--join-timeout {args.join_timeout}: give seconds >= 0 (0: do not wait)")
     with Node(cfg, resume=args.resume, quiet=args.quiet) as node:
         attach_live_scalars(node)  # learning curves on the broker's live page
+        tracker = JoinTracker(f.broker, cfg.node_id, tls=f.tls_ca is not None, client_cert=f.tls_cert is not None)
+        track_joins(node.client, tracker)
+        if args.join_timeout:
+            # a node that never joins exits non-zero with the likely cause; a broker outage that
+            # begins later stays the documented degraded mode (plain GRPO, rejoin when it returns)
+            wait_for_first_join(node.ensure_joined, tracker, args.join_timeout)
         summary = node.train(evaluate_before_after=not args.no_eval)
     _print_summary(cfg, node.trainer.step, summary)
     print(exchange_line(cfg.run.output_dir))
@@ -473,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     nd.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT")
     nd.add_argument("--no-eval", action="store_true")
     nd.add_argument("--quiet", action="store_true")
+    nd.add_argument("--join-timeout", type=float, default=120.0, metavar="SECONDS",
+                    help="exit with the cause when the first Join has not succeeded within SECONDS "
+                         "(default 120; 0: start training alone and keep trying, the degraded mode)")
     nd.set_defaults(func=cmd_node)
 
     ss = sub.add_parser("status", help="print a live federation: nodes, rounds, exchange and compatibility")

@@ -176,3 +176,20 @@ def wait_for_first_join(try_join: Callable[[], bool], tracker: JoinTracker, time
         if clock() - start >= timeout_s:
             raise tracker.error(clock() - start)
         sleep(poll_s)
+
+
+def track_joins(client: object, tracker: JoinTracker) -> None:
+    """Record every Join of `client` (a BrokerClient) in `tracker`: wraps its `join` so that a
+    failure is remembered (and still raised) and a success marks the tracker joined."""
+    inner = client.join  # type: ignore[attr-defined]
+
+    def join(*args, **kwargs):
+        try:
+            out = inner(*args, **kwargs)
+        except Exception as exc:
+            tracker.failed(exc)
+            raise
+        tracker.joined()
+        return out
+
+    client.join = join  # type: ignore[attr-defined]

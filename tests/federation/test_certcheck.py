@@ -154,3 +154,40 @@ def test_a_node_that_never_joins_gets_the_cause_and_one_that_joins_late_does_not
     answers = iter([False, False, True])
     wait_for_first_join(lambda: next(answers), late, timeout_s=60, sleep=lambda s: None)
     assert late.ever_joined
+
+
+def _node_yaml(tmp_path, model, prompt_file, broker, **fed):
+    import yaml
+
+    cfg = {"run": {"name": "n1", "output_dir": str(tmp_path / "n1"), "steps": 1, "device": "cpu", "threads": 1,
+                   "checkpoint_every": 0},
+           "model": {"path": str(model)}, "data": {"source": str(prompt_file)},
+           "rollout": {"n": 2, "max_new_tokens": 4}, "verifier": {"name": "tests.plugins:odd_char_sum"},
+           "algorithm": {"prompts_per_step": 4, "num_minibatches": 2},
+           "federation": {"broker": broker, "reconnect_min_s": 0.1, "reconnect_max_s": 0.3, "rpc_timeout_s": 1.0,
+                          **fed}}
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_node_command_refuses_an_expired_certificate_before_loading_anything(pki, tmp_path, capsys):
+    from graft_fed.cli import main
+
+    a, _, _ = pki
+    cert, key = _cert(a, "n1", -10, -3)
+    path = _node_yaml(tmp_path, tmp_path / "not-even-loaded", tmp_path / "p.jsonl", "127.0.0.1:1",
+                      tls_ca=str(a / "ca.pem"), tls_cert=cert, tls_key=key)
+    assert main(["node", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "expired 3 days ago" in err and "Traceback" not in err
+
+
+def test_a_node_that_never_joins_exits_non_zero_with_the_cause(tiny_llama, prompt_file, tmp_path, capsys):
+    from graft_fed.cli import main
+
+    path = _node_yaml(tmp_path, tiny_llama, prompt_file, "127.0.0.1:1")
+    assert main(["node", "--config", str(path), "--quiet", "--join-timeout", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "never joined the broker at 127.0.0.1:1" in err and "nothing listens at 127.0.0.1:1" in err
+    assert not (tmp_path / "n1" / "summary.json").exists(), "it must not have trained alone"
