@@ -126,7 +126,7 @@ def explain_connect_failure(address: str, detail: str, tls: bool, client_cert: b
     if "socket closed" in d or "connection reset" in d or "handshake" in d or "ssl" in d or "tls" in d:
         if not tls:
             return (f"the broker at {address} closed a plaintext connection: it most likely requires TLS; set "
-                    "federation.tls_ca (and tls_cert / tls_key for mutual TLS)")
+                    "federation.tls_ca (and tls_cert / tls_key for mutual TLS; --tls-ca etc. for `status`)")
         if client_cert:
             return (f"the broker at {address} closed the TLS handshake: it most likely refused this node's "
                     "certificate (expired, issued by another CA, or not for this node); the broker's log has "
