@@ -194,3 +194,26 @@ def test_plot_draws_error_bars_on_heldout_pass1(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", spy)
     plot_runs([tmp_path / "a"])
     assert seen == [([0, 5], [0.4, 0.45], [0.05, 0.04])]
+
+
+def test_node_final_lines_keep_a_resumed_before_and_count_exchanged_steps(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from graft_fed.cli import _print_summary, exchange_line
+
+    run = tmp_path / "node"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "step_000000.summary.json").write_text(json.dumps({"pass@1": 0.5, "by_group": {}}))
+    cfg = SimpleNamespace(run=SimpleNamespace(name="node"),
+                          eval=SimpleNamespace(data=SimpleNamespace(source="embedded:arith-v1", split="test")))
+    # a resumed run: its summary has no eval_before, the step-0 evaluation is on disk
+    _print_summary(cfg, 4, {"output_dir": str(run), "final_checkpoint": "ck",
+                            "eval_after": {"pass@1": 0.625, "stderr": 0.05, "by_group": {}}})
+    assert "before 0.500 -> after 0.625" in capsys.readouterr().out
+    rows = [{"step": 1, "reward": 0.1, "federation/connected": 1.0, "graft/replaced": 3},
+            {"step": 2, "reward": 0.2, "federation/connected": 0.0},
+            {"step": 3, "reward": 0.3, "federation/connected": 1.0, "graft/replaced": 0},
+            {"step": 3, "eval/pass@1": 0.6}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert exchange_line(str(run)) == ("federation: exchanged on 1 of 3 steps (3 peer groups received); "
+                                       "connected to the broker on 2")
