@@ -26,6 +26,7 @@ def _parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from graft_fed.trainer.config import load_train_config
+    from graft_fed.graft import stored
     from graft_fed.trainer.distributed import make_trainer, shutdown
 
     overrides = _parse_overrides(args.set)
@@ -37,18 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         # under torchrun: one process of an FSDP2 run (graft_fed/trainer/distributed.py)
         with make_trainer(cfg, resume=args.resume, quiet=args.quiet) as trainer:
-            if cfg.graft.peer_store is None:
-                summary = trainer.train(evaluate_before_after=not args.no_eval)
-            else:  # GRAFT against a stored run's trajectories
-                from graft_fed.graft import step as graft_step
-                from graft_fed.graft.stored import StoredPeers
-
-                peers = StoredPeers(cfg.graft)
-                try:
-                    summary = trainer.train(evaluate_before_after=not args.no_eval,
-                                            step_fn=lambda: graft_step.step(trainer, peers))
-                finally:
-                    peers.close()
+            summary = stored.train(trainer, evaluate_before_after=not args.no_eval)
     finally:
         shutdown()
     if trainer.is_main:
@@ -57,6 +47,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _print_summary(cfg, steps: int, summary: dict) -> None:
+    if not summary.get("eval_before") and summary.get("output_dir"):
+        # a resumed run: its step-0 evaluation is on disk from the first start
+        from pathlib import Path
+
+        from graft_fed.sim import eval_before
+
+        found = eval_before(Path(summary["output_dir"]), summary)
+        if found:
+            summary = {**summary, "eval_before": found}
     before = summary.get("eval_before", {}).get("pass@1")
     after = summary.get("eval_after", {}).get("pass@1")
     print(f"run {cfg.run.name}: {steps} steps, checkpoint {summary['final_checkpoint']}")
@@ -124,6 +123,9 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 def cmd_certs(args: argparse.Namespace) -> int:
     from graft_fed.federation import certs
 
+    days = getattr(args, "days", None)
+    if days is not None and days < 1:
+        raise GraftFedError(f"--days {days}: a certificate must be valid for at least one day")
     if args.certs_command == "init":
         print(f"CA: {certs.init_ca(args.dir, args.federation, args.days)}")
     elif args.certs_command == "issue":
@@ -140,6 +142,14 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_broker_nodes(args: argparse.Namespace) -> int:
     from graft_fed.broker.auth import Allowlist
 
+    from pathlib import Path
+
+    folder = Path(args.allowlist).parent
+    if args.nodes_command != "list" and not folder.is_dir():
+        raise GraftFedError(f"--allowlist {args.allowlist}: the folder {folder} does not exist; create it first "
+                            "(the broker reads the allowlist from the path in its config)")
+    if args.nodes_command == "list" and not Path(args.allowlist).is_file():
+        raise GraftFedError(f"--allowlist {args.allowlist} does not exist; `broker nodes add` creates it")
     out = Allowlist.edit(args.allowlist, args.nodes_command, getattr(args, "name", None))
     for name in out["allowed"]:
         print(f"allowed  {name}")
@@ -160,13 +170,23 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from graft_fed.broker.server import BrokerServer
 
     cfg = load_broker_config(args.config, _parse_overrides(args.set))
-    server = BrokerServer(cfg).start()
-    if args.port_file:
-        from pathlib import Path
+    try:
+        server = BrokerServer(cfg).start()
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        raise GraftFedError(f"cannot listen for gRPC on {cfg.listen}: the address is taken or not this machine's "
+                            f"({str(exc).split(';')[0]}); is another broker running? choose another with "
+                            "--set listen=HOST:PORT") from None
+    except OSError as exc:  # http.server: EADDRINUSE / EADDRNOTAVAIL
+        raise GraftFedError(f"cannot serve HTTP (/metrics, /healthz) on {cfg.http}: {exc.strerror or exc}; "
+                            "choose another with --set http=HOST:PORT") from None
+    from pathlib import Path
 
-        tmp = Path(args.port_file + ".tmp")
-        tmp.write_text(server.address)
-        tmp.replace(args.port_file)
+    for path, value in ((args.port_file, server.address),
+                        (args.http_port_file, f"127.0.0.1:{server.http_port}" if server.http_port else "")):
+        if path:
+            tmp = Path(path + ".tmp")
+            tmp.write_text(value)
+            tmp.replace(path)
     print(f"broker listening on {server.address}" + (f", http on {server.http_port}" if server.http_port else ""),
           flush=True)
     stop = threading.Event()
@@ -179,45 +199,110 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from graft_fed.node.node import Node, load_node_config
-
     from graft_fed.trainer.distributed import shutdown
 
     cfg = load_node_config(args.config, _parse_overrides(args.set))
+    if args.join_timeout < 0:
+        raise GraftFedError(f"--join-timeout {args.join_timeout}: give seconds >= 0 (0: do not wait)")
     try:
         # under torchrun: one node sharded over the processes; the main one talks to the broker
         with Node(cfg, resume=args.resume, quiet=args.quiet) as node:
+            node.connect(args.join_timeout)
             summary = node.train(evaluate_before_after=not args.no_eval)
     finally:
         shutdown()
     if node.trainer.is_main:
         _print_summary(cfg, node.trainer.step, summary)
+        print(exchange_line(cfg.run.output_dir))
     return 0
+
+
+def exchange_line(run_dir: str) -> str:
+    """How much a node took part, from its metrics: steps connected to the broker, steps on
+    which it received peer groups, and how many."""
+    from pathlib import Path
+
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if "reward" in row:
+                rows.append(row)
+    connected = sum(1 for r in rows if r.get("federation/connected") == 1.0)
+    exchanged = sum(1 for r in rows if (r.get("graft/replaced") or 0) > 0)
+    groups = sum(r.get("graft/replaced") or 0 for r in rows)
+    return (f"federation: exchanged on {exchanged} of {len(rows)} steps ({groups:.0f} peer groups received); "
+            f"connected to the broker on {connected}")
+
+
+def _status_dict(st) -> dict:
+    m = st.manifest
+    return {"federation_id": m.federation_id, "dataset_id": m.dataset_id, "n": m.n,
+            "prompts_per_round": m.prompts_per_round, "current_round": st.current_round, "bundles": st.bundles,
+            "bundle_bytes": st.bundle_bytes,
+            "nodes": [{"node_id": n.node_id, "model_id": n.model_id, "state": n.state, "round": n.round,
+                       "published": n.published, "last_seen_s": round(n.last_seen_s, 3)} for n in st.nodes],
+            "pairs": [{"source": p.source, "receiver": p.receiver, "groups": p.groups,
+                       "mean_s": p.mean_s if p.mean_s == p.mean_s else None,
+                       "admitted_fraction": p.admitted_fraction if p.admitted_fraction == p.admitted_fraction else None,
+                       "rejected": p.rejected} for p in st.pairs]}
+
+
+def _status_table(d: dict) -> str:
+    lines = [f"federation {d['federation_id']}: dataset {d['dataset_id']}, n={d['n']}, {d['prompts_per_round']} "
+             f"prompts/round, round {d['current_round']}, {d['bundles']} bundles ({d['bundle_bytes'] / 2**20:.1f} MiB)",
+             f"{'node':<20} {'model':<20} {'state':<11} {'round':>6} {'published':>9} {'last seen':>9}"]
+    for n in d["nodes"]:
+        lines.append(f"{n['node_id']:<20} {n['model_id']:<20} {n['state']:<11} {n['round']:>6} {n['published']:>9} "
+                     f"{n['last_seen_s']:>8.1f}s")
+    if d["pairs"]:
+        lines.append(f"\n{'source -> receiver':<36} {'groups':>7} {'mean s':>7} {'admitted':>9} {'rejected':>9}")
+        nan = float("nan")
+        for p in d["pairs"]:
+            ms = p["mean_s"] if p["mean_s"] is not None else nan
+            af = p["admitted_fraction"] if p["admitted_fraction"] is not None else nan
+            lines.append(f"{p['source'] + ' -> ' + p['receiver']:<36} {p['groups']:>7} {ms:>7.3f} {af:>9.2f} "
+                         f"{p['rejected']:>9}")
+    return "\n".join(lines)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    import time
+
     from graft_fed.federation.errors import FederationError
     from graft_fed.node.client import BrokerClient
 
+    if args.watch is not None and args.watch <= 0:
+        raise GraftFedError(f"--watch {args.watch}: give the seconds between refreshes, more than 0")
     client = BrokerClient(args.broker, node_id="status", tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                           tls_key=args.tls_key, insecure=args.insecure)
     try:
-        st = client.status()
-    except FederationError as exc:
-        raise GraftFedError(f"cannot reach the broker at {args.broker}: {exc.status} {exc}") from None
+        while True:
+            try:
+                d = _status_dict(client.status())
+            except FederationError as exc:
+                from graft_fed.federation.certcheck import explain_connect_failure
+
+                cause = explain_connect_failure(args.broker, f"{exc.status} {exc}", bool(args.tls_ca),
+                                                bool(args.tls_cert))
+                raise GraftFedError(f"cannot reach the broker at {args.broker}: {cause} [{exc.status} {exc}]") from None
+            if args.json:
+                print(json.dumps(d), flush=True)  # one object per refresh: JSON Lines under --watch
+            else:
+                if args.watch is not None and sys.stdout.isatty():
+                    print("\033[H\033[2J", end="")  # clear the terminal, like watch(1)
+                print(_status_table(d), flush=True)
+                if args.watch is not None:
+                    print(f"\n(every {args.watch:g} s; Ctrl-C to stop)" if sys.stdout.isatty() else "", flush=True)
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
     finally:
         client.close()
-    m = st.manifest
-    print(f"federation {m.federation_id}: dataset {m.dataset_id}, n={m.n}, {m.prompts_per_round} prompts/round, "
-          f"round {st.current_round}, {st.bundles} bundles ({st.bundle_bytes / 2**20:.1f} MiB)")
-    print(f"{'node':<20} {'model':<20} {'state':<8} {'round':>6} {'published':>9} {'last seen':>9}")
-    for n in st.nodes:
-        print(f"{n.node_id:<20} {n.model_id:<20} {n.state:<8} {n.round:>6} {n.published:>9} {n.last_seen_s:>8.1f}s")
-    if st.pairs:
-        print(f"\n{'source -> receiver':<36} {'groups':>7} {'mean s':>7} {'admitted':>9} {'rejected':>9}")
-        for p in st.pairs:
-            print(f"{p.source + ' -> ' + p.receiver:<36} {p.groups:>7} {p.mean_s:>7.3f} {p.admitted_fraction:>9.2f} "
-                  f"{p.rejected:>9}")
-    return 0
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -227,8 +312,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if args.output_dir:
         import dataclasses
         cfg = dataclasses.replace(cfg, output_dir=args.output_dir)
-    table = Simulation(cfg, args.nodes, quiet=args.quiet).run()
+    sim = Simulation(cfg, args.nodes, quiet=args.quiet)
+    table = sim.run()
     print(table)
+    if sim.failed:
+        print(f"graft-fed sim: {len(sim.failed)} node(s) exited with an error: "
+              + "; ".join(f"{n} (code {c}): {r}" for n, (c, r) in sim.failed.items()), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -264,6 +354,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         data = DataConfig(source=bench, max_prompts=args.limit)
     prompts = load_prompts(data, benchmarks_root=args.benchmarks_dir)
+    if args.k < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
+        raise GraftFedError("-k, --max-new-tokens and --batch-size must be at least 1")
     device = resolve_device(args.device)
     model, tok = load_model_and_tokenizer(args.model, device)
     model.eval()
@@ -272,18 +364,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = evaluate(model, tok, prompts, verifier, template=template,
                           add_special_tokens=template != "chat", k=args.k, temperature=args.temperature,
                           top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                          batch_size=args.batch_size, seeding=args.seeding)
+                          batch_size=args.batch_size, seeding=args.seeding, progress=not args.quiet)
     name = Path(bench).stem if Path(bench).suffix else bench.replace(":", "_")
     path = write_eval(result, args.out, name)
-    print(json.dumps(result.summary(), indent=2))
+    if args.json:
+        print(json.dumps(result.summary(), indent=2))
+    else:
+        print(f"{args.model} on {bench}:")
+        print(result.table())
+        if result.max_new_tokens < args.max_new_tokens:
+            print(f"(new tokens capped at {result.max_new_tokens} of the {args.max_new_tokens} asked: the model's "
+                  "context)")
+    print(f"summary: {path}")
     print(f"per-prompt results: {path.with_suffix('').with_suffix('.jsonl')}")
     return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from graft_fed.plotting import plot_run
+    from graft_fed.plotting import plot_runs
 
-    for path in plot_run(args.run_dir, args.out):
+    for path in plot_runs(args.run_dirs, args.out):
         print(path)
     return 0
 
@@ -345,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--config", help="broker config YAML (default: built-in defaults)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     b.add_argument("--port-file", help="write the bound HOST:PORT here once listening (useful with port 0)")
+    b.add_argument("--http-port-file", help="write the HTTP port's address (live page, /metrics) here once listening")
     b.set_defaults(func=cmd_broker)
     bn = b.add_subparsers(dest="broker_sub")
     nodes = bn.add_parser("nodes", help="the operator's allowlist: add, list or revoke nodes")
@@ -379,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     nd.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT")
     nd.add_argument("--no-eval", action="store_true")
     nd.add_argument("--quiet", action="store_true")
+    nd.add_argument("--join-timeout", type=float, default=120.0, metavar="SECONDS",
+                    help="exit with the cause when the first Join has not succeeded within SECONDS "
+                         "(default 120; 0: start training alone and keep trying, the degraded mode)")
     nd.set_defaults(func=cmd_node)
 
     ss = sub.add_parser("status", help="print a live federation: nodes, rounds, exchange and compatibility")
@@ -387,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--tls-cert", help="a certificate for mutual TLS")
     ss.add_argument("--tls-key", help="its key")
     ss.add_argument("--insecure", action="store_true", help="allow plaintext to a non-loopback broker")
+    ss.add_argument("--json", action="store_true", help="print JSON (one object per refresh with --watch)")
+    ss.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                    help="refresh every SECONDS (default 2) until interrupted")
     ss.set_defaults(func=cmd_status)
 
     sm = sub.add_parser("sim", help="a broker and N node processes on this machine, over loopback gRPC")
@@ -430,11 +537,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--workers", type=int, default=2, help="verifier processes")
     e.add_argument("--device", default="auto")
     e.add_argument("--out", default="runs/eval", help="output folder (default: runs/eval)")
+    e.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    e.add_argument("--quiet", action="store_true", help="no progress lines")
     e.set_defaults(func=cmd_eval)
 
-    pl = sub.add_parser("plot", help="draw a run's learning curves to PNG")
-    pl.add_argument("run_dir")
-    pl.add_argument("--out", help="output folder (default: RUN_DIR/plots)")
+    pl = sub.add_parser("plot", help="draw a run's learning curves (and federation panels) to PNG; "
+                                     "several runs are overlaid",
+                        description="One run: learning_curves.png and, where it received peer groups, "
+                                    "federation.png. Several runs, or a sim's output folder: the same overlaid.")
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN", help="run folder(s), or a sim's output folder")
+    pl.add_argument("--out", help="output folder (default: RUN/plots; for several runs, their common folder's plots)")
     pl.set_defaults(func=cmd_plot)
 
     add_score_subparser(sub)
@@ -461,6 +573,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"graft-fed {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`graft-fed status | head`): stop quietly, as a C tool would on SIGPIPE
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
 
 
 if __name__ == "__main__":

@@ -120,8 +120,7 @@ class Experiment:
         return (out_dir / "summary.json").is_file()
 
     def run_single(self, arm: str, run_name: str, model: str, seed: int, **over: Any) -> None:
-        from graft_fed.graft import step as graft_step
-        from graft_fed.graft.stored import StoredPeers
+        from graft_fed.graft import stored
         from graft_fed.trainer.grpo import GRPOTrainer
 
         cfg = self._train_cfg(arm, run_name, model, seed, **over)
@@ -131,14 +130,7 @@ class Experiment:
             return
         log.info("%s seed %d: %s", arm, seed, run_name)
         with GRPOTrainer(cfg, resume="auto", quiet=self.quiet) as t:
-            if cfg.graft.peer_store is None:
-                t.train()
-            else:
-                peers = StoredPeers(cfg.graft)
-                try:
-                    t.train(step_fn=lambda: graft_step.step(t, peers))
-                finally:
-                    peers.close()
+            stored.train(t)
 
     def run_pair(self, arm: str, a: str, b: str, seed: int) -> None:
         self.run_group(arm, (a, b), f"{a}+{b}", seed)

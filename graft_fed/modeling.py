@@ -105,6 +105,44 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def check_model_source(spec: str, path: str) -> None:
+    """Say in one line why a model cannot be loaded, before transformers does it with a
+    traceback (or after a minute of retries): a missing directory, a malformed hub id, a hub
+    id that is neither cached nor reachable."""
+    if Path(path).exists():
+        return
+    parts = path.split("/")
+    if path.startswith(("/", ".", "~")) or "\\" in path or len(parts) != 2 or not all(parts):
+        if len(parts) == 1 and not path.startswith(("/", ".", "~")):
+            raise ConfigError(f"model {spec!r} is neither a local directory nor zoo:<name> nor a hub id "
+                              "(namespace/name)")
+        raise ConfigError(f"model {spec!r}: the directory {path} does not exist")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(path, "config.json"), str):
+            return  # in the local hub cache: loads without the network
+    except Exception:  # noqa: BLE001 - an unusual cache layout: let transformers decide
+        return
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ConfigError(f"model {spec!r}: not a local directory and not in the hub cache, and HF_HUB_OFFLINE is "
+                          "set; download it where the hub is reachable and set model.path to its directory")
+    try:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+        HfApi().model_info(path, timeout=10)
+    except (RepositoryNotFoundError, GatedRepoError) as exc:
+        raise ConfigError(f"model {spec!r}: no such model on the Hugging Face hub, or it needs a token "
+                          f"({type(exc).__name__}); for a local model give its directory") from None
+    except Exception as exc:  # noqa: BLE001 - any network failure: unreachable
+        raise ConfigError(f"model {spec!r}: not a local directory, not in the hub cache, and the Hugging Face hub "
+                          f"cannot be reached ({type(exc).__name__}: {str(exc)[:120]}); download it where the hub "
+                          "is reachable (`hf download ID --local-dir DIR`) and set model.path to DIR") from None
+
+
 def load_model_and_tokenizer(spec: str, device: torch.device | str = "cpu",
                              dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer from a local path or `zoo:<name>`; never downloads
@@ -114,14 +152,19 @@ def load_model_and_tokenizer(spec: str, device: torch.device | str = "cpu",
     from graft_fed.zoo import resolve_model_path
 
     path = resolve_model_path(spec)
-    if not Path(path).exists() and "/" not in path:
-        raise ConfigError(f"model {spec!r} is neither a local directory nor zoo:<name> nor a hub id")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    check_model_source(spec, path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model {spec!r}: cannot load its tokenizer from {path}: {exc}") from None
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ConfigError(f"tokenizer of {spec!r} has neither a pad nor an eos token; add one")
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model {spec!r}: cannot load it from {path}: {exc}") from None
     model.to(device)
     return model, tokenizer
 

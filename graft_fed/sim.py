@@ -51,8 +51,14 @@ class SimConfig:
     nodes: tuple[SimNode, ...] = ()
     #: Seconds to wait for the whole federation before giving up.
     timeout_s: float = 3600.0
+    #: When a node process exits with an error: "stop" the federation (default) or "continue"
+    #: without it (the sim says so, and that rounds wait out round_deadline_s if the broker's
+    #: min_nodes can no longer be met). Either way the cause is shown from the node's log.
+    on_node_exit: str = "stop"
 
     def __post_init__(self) -> None:
+        require(self.on_node_exit in ("stop", "continue"),
+                f"sim.on_node_exit must be stop or continue, got {self.on_node_exit!r}")
         require(len(self.nodes) >= 1, "sim.nodes must list at least one node")
         names = [n.name for n in self.nodes]
         require(all(names) and len(set(names)) == len(names), f"sim node names must be unique, got {names}")
@@ -74,6 +80,24 @@ def _gpus() -> int:
         return 0
 
 
+def exit_reason(log: Path, max_lines: int = 400) -> str:
+    """Why a process ended, from its log: its `graft-fed CMD: error: ...` line, else the last
+    line of a traceback, else the last line it wrote."""
+    try:
+        lines = [x.rstrip() for x in log.read_text(encoding="utf-8", errors="replace").splitlines()[-max_lines:]]
+    except OSError:
+        return f"(no log at {log})"
+    lines = [x for x in lines if x.strip()]
+    for line in reversed(lines):
+        if line.startswith("graft-fed ") and ": error: " in line:
+            return line.split(": error: ", 1)[1]
+    if any(x.startswith("Traceback") for x in lines):
+        for line in reversed(lines):
+            if not line.startswith((" ", "\t")) and not line.startswith("Traceback"):
+                return line
+    return lines[-1] if lines else "(the log is empty)"
+
+
 class Simulation:
     def __init__(self, cfg: SimConfig, n_nodes: int, quiet: bool = False) -> None:
         if not 1 <= n_nodes <= len(cfg.nodes):
@@ -83,6 +107,10 @@ class Simulation:
         self.root = Path(cfg.output_dir)
         self.quiet = quiet
         self.procs: dict[str, subprocess.Popen] = {}
+        #: nodes that exited with an error: name -> (exit code, reason from its log)
+        self.failed: dict[str, tuple[int, str]] = {}
+        #: the broker's live page (set once the broker listens)
+        self.live_url: str | None = None
 
     def _cli(self) -> list[str]:
         return [sys.executable, "-m", "graft_fed.cli"]
@@ -101,8 +129,10 @@ class Simulation:
         path = self._write("broker", bcfg)
         log = (self.root / "logs").joinpath("broker.log")
         log.parent.mkdir(parents=True, exist_ok=True)
+        http_file = self.root / "broker.http"
+        http_file.unlink(missing_ok=True)
         self.procs["broker"] = subprocess.Popen(self._cli() + ["broker", "--config", str(path), "--port-file",
-                                                               str(port_file)],
+                                                               str(port_file), "--http-port-file", str(http_file)],
                                                 stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while not port_file.is_file():
@@ -112,6 +142,10 @@ class Simulation:
             if time.monotonic() > deadline:
                 raise GraftFedError(f"the broker did not start within 120 s; see {log}")
             time.sleep(0.1)
+        while not http_file.is_file() and self.procs["broker"].poll() is None:
+            time.sleep(0.05)  # written right after the gRPC port file
+        http = http_file.read_text().strip() if http_file.is_file() else ""
+        self.live_url = f"http://{http}/" if http else None
         return port_file.read_text().strip()
 
     def start_nodes(self, address: str) -> None:
@@ -148,32 +182,53 @@ class Simulation:
                     row = json.loads(line)
                     if "reward" in row:
                         last = row
-            if last:
+            code = self.procs[node.name].poll() if node.name in self.procs else None
+            if code not in (None, 0):
+                parts.append(f"{node.name}: EXITED {code}")
+            elif last:
                 parts.append(f"{node.name}: step {last['step']} reward {last['reward']:.2f} "
-                             f"recv {last.get('graft/replaced', 0):.0f}")
+                             f"recv {last.get('graft/replaced', 0):.0f}" + (" done" if code == 0 else ""))
             else:
-                parts.append(f"{node.name}: starting")
+                parts.append(f"{node.name}: " + ("done" if code == 0 else "starting"))
         return " | ".join(parts)
+
+    def _node_exited(self, name: str, code: int) -> None:
+        log = self.root / "logs" / f"{name}.log"
+        reason = exit_reason(log)
+        self.failed[name] = (code, reason)
+        if self.cfg.on_node_exit == "stop":
+            raise GraftFedError(f"node {name} exited with code {code}: {reason} (log: {log}); stopping the "
+                                "federation (sim config `on_node_exit: continue` goes on without it)")
+        running = [n.name for n in self.nodes if self.procs[n.name].poll() is None]
+        quorum = int(self.cfg.broker.get("min_nodes", 0) or 0)
+        note = ""
+        if quorum > len(running):
+            note = (f"; the broker's min_nodes={quorum} can no longer be met, so every round now waits its "
+                    f"round_deadline_s ({self.cfg.broker.get('round_deadline_s', 'default')} s)")
+        print(f"sim: node {name} exited with code {code}: {reason} (log: {log}); continuing with "
+              f"{', '.join(running) or 'no nodes'}{note}", file=sys.stderr, flush=True)
 
     def wait(self) -> None:
         deadline = time.monotonic() + self.cfg.timeout_s
         shown = ""
         while True:
             codes = {n.name: self.procs[n.name].poll() for n in self.nodes}
+            for name, code in codes.items():
+                if code not in (None, 0) and name not in self.failed:
+                    self._node_exited(name, code)
             if all(c is not None for c in codes.values()):
                 break
             if self.procs["broker"].poll() is not None:
-                raise GraftFedError("the broker died; see " + str(self.root / "logs" / "broker.log"))
+                log = self.root / "logs" / "broker.log"
+                raise GraftFedError(f"the broker exited with code {self.procs['broker'].returncode}: "
+                                    f"{exit_reason(log)} (log: {log})")
             if time.monotonic() > deadline:
-                raise GraftFedError(f"the federation did not finish within {self.cfg.timeout_s} s")
+                raise GraftFedError(f"the federation did not finish within {self.cfg.timeout_s} s: {self._progress()}")
             line = self._progress()
             if line != shown and not self.quiet:
                 print(line, flush=True)
                 shown = line
             time.sleep(1.0)
-        failed = {k: v for k, v in codes.items() if v != 0}
-        if failed:
-            raise GraftFedError(f"nodes failed: {failed}; see {self.root / 'logs'}")
 
     def stop(self) -> None:
         for name, proc in self.procs.items():
@@ -190,26 +245,42 @@ class Simulation:
             address = self.start_broker()
             if not self.quiet:
                 print(f"broker on {address}; starting {len(self.nodes)} nodes: "
-                      + ", ".join(n.name for n in self.nodes), flush=True)
+                      + ", ".join(n.name for n in self.nodes)
+                      + (f"; live page: {self.live_url}" if self.live_url else ""), flush=True)
             self.start_nodes(address)
             self.wait()
         finally:
             self.stop()
-        table = result_table(self.root, [n.name for n in self.nodes])
+        table = result_table(self.root, [n.name for n in self.nodes], failed=self.failed)
         (self.root / "result.md").write_text(table, encoding="utf-8")
         return table
 
 
-def result_table(root: Path, names: list[str]) -> str:
+def eval_before(run_dir: Path, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's held-out evaluation before training: in its summary, or (a resumed run, whose
+    summary covers the resumed part only) in the step-0 evaluation file it wrote at the start."""
+    if summary.get("eval_before"):
+        return dict(summary["eval_before"])
+    path = run_dir / "eval" / "step_000000.summary.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def result_table(root: Path, names: list[str], failed: Mapping[str, tuple[int, str]] | None = None) -> str:
+    failed = dict(failed or {})
     rows = []
     received: dict[tuple[str, str], float] = {}
     admitted: dict[str, tuple[float, float]] = {}
     for name in names:
-        summary = json.loads((root / name / "summary.json").read_text(encoding="utf-8"))
-        before = summary.get("eval_before", {}).get("pass@1", math.nan)
+        summary_path = root / name / "summary.json"
+        summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
+        before = eval_before(root / name, summary).get("pass@1", math.nan)
         after = summary.get("eval_after", {}).get("pass@1", math.nan)
         peer_resp = adm = 0.0
-        for line in (root / name / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        metrics = root / name / "metrics.jsonl"
+        for line in (metrics.read_text(encoding="utf-8").splitlines() if metrics.is_file() else []):
             row = json.loads(line)
             for other in names:
                 received[(other, name)] = received.get((other, name), 0.0) + (row.get(f"graft/from/{other}/replaced")
@@ -220,7 +291,8 @@ def result_table(root: Path, names: list[str]) -> str:
                 peer_resp += n_peer
                 adm += frac * n_peer
         admitted[name] = (adm, peer_resp)
-        rows.append((name, before, after))
+        if name not in failed:
+            rows.append((name, before, after))
     lines = ["| node | pass@1 before | pass@1 after | Δ | " + " | ".join(f"from {o}" for o in names)
              + " | given | admitted |", "|" + "---|" * (6 + len(names))]
     for name, before, after in rows:
@@ -229,6 +301,8 @@ def result_table(root: Path, names: list[str]) -> str:
         lines.append(f"| {name} | {100 * before:.1f} | {100 * after:.1f} | {100 * (after - before):+.1f} | "
                      + " | ".join("-" if o == name else f"{received.get((o, name), 0):.0f}" for o in names)
                      + f" | {given:.0f} | {(adm / tot if tot else math.nan):.2f} |")
+    for name, (code, reason) in failed.items():
+        lines.append(f"| {name} | exited with code {code}: {reason.replace('|', '/')} |" + " |" * (4 + len(names)))
     lines.append("")
     lines.append("pass@1: held-out test split (eval section). from X: groups received from X (replaced "
                  "all-fail groups); given: groups this node's trajectories replaced at peers; admitted: share "

@@ -33,4 +33,17 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 pip_ install -q -e ".${extras}"
+if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1 && [ -z "${GRAFT_FED_CHROMIUM:-}" ]; then
+  # tests/test_live_page.py renders the broker's live page in a real headless browser
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Debian's chromium for the live page's browser test"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; then
+      echo "setup: WARNING: could not install chromium; tests/test_live_page.py will FAIL (not skip)" >&2
+    fi
+  else
+    echo "setup: WARNING: no chromium and no way to install it here (needs root and apt-get);" \
+         "tests/test_live_page.py will FAIL: install chromium, set GRAFT_FED_CHROMIUM=/path/to/browser," \
+         "or skip it on purpose with GRAFT_FED_SKIP_BROWSER=1" >&2
+  fi
+fi
 echo "setup: ready ($("$VENV/bin/python" -c 'import torch, graft_fed; print("graft-fed", graft_fed.__version__, "torch", torch.__version__)'))"

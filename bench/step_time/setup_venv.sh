@@ -34,13 +34,17 @@ if ! have "trl==$TRL_VERSION"; then
   echo "setup: installing trl==$TRL_VERSION (and accelerate, datasets) into $VENV"
   pip_ install -q "trl==$TRL_VERSION" "torch==$TORCH_VERSION+cpu"
 fi
-if ! "$VENV/bin/python" -c "import graft_fed" >/dev/null 2>&1; then
+# Ask the venv's package metadata, from outside the repo: `import graft_fed` from the repo root
+# finds the source folder through the current directory and would skip the install (and
+# with it math-verify, which the first round needs).
+if ! (cd / && "$VENV/bin/python" -c "import importlib.metadata as m; m.version('graft-fed'); m.version('math-verify')") >/dev/null 2>&1; then
   echo "setup: installing graft-fed (editable) into $VENV"
   pip_ install -q -e "$ROOT" "torch==$TORCH_VERSION+cpu"
 fi
-"$VENV/bin/python" - <<'PY'
+(cd / && "$VENV/bin/python" - <<'PY'
 import torch, transformers, trl, accelerate, graft_fed
 assert torch.version.cuda is None, f"expected a CPU build of torch, got CUDA {torch.version.cuda}"
 print(f"setup: ready (torch {torch.__version__}, transformers {transformers.__version__}, "
       f"trl {trl.__version__}, accelerate {accelerate.__version__}, graft-fed {graft_fed.__version__})")
 PY
+)

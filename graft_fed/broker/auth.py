@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import grpc
 import yaml
@@ -63,6 +63,11 @@ class Allowlist:
             self._load()
             return node_id not in self.revoked and (not self.allowed or node_id in self.allowed)
 
+    def is_revoked(self, node_id: str) -> bool:
+        with self._lock:
+            self._load()
+            return node_id in self.revoked
+
     def is_trusted(self, node_id: str) -> bool:
         with self._lock:
             self._load()
@@ -104,15 +109,26 @@ class IdentityInterceptor(grpc.ServerInterceptor):
 
     Refusals are domain errors: a unary call is aborted with their status here; inside an
     upload's stream they are raised into the handler, whose error mapping answers them
-    (PERMISSION_DENIED or UNAUTHENTICATED, never INTERNAL)."""
+    (PERMISSION_DENIED or UNAUTHENTICATED, never INTERNAL). Every refusal is counted and
+    logged by `refusals` (a graft_fed.broker.live.RefusalLog) when one is given."""
 
     def __init__(self, require_certificate: bool, allowlist: Allowlist | None,
-                 max_requests_per_s: float = 0.0) -> None:
+                 max_requests_per_s: float = 0.0, refusals: Any = None) -> None:
         self.require_certificate = require_certificate
         self.allowlist = allowlist
         self.rate = max_requests_per_s
+        self.refusals = refusals
         self._buckets: dict[str, tuple[float, float]] = {}  # certificate name -> (tokens, last refill)
         self._bucket_lock = threading.Lock()
+
+    def _refuse(self, reason: str, identity: str, exc: FederationError) -> NoReturn:
+        if self.refusals is not None:
+            self.refusals.refused(reason, identity, str(exc))
+        raise exc
+
+    def _why(self, name: str) -> str:
+        assert self.allowlist is not None
+        return "revoked" if self.allowlist.is_revoked(name) else "not_allowed"
 
     def admit(self, context: grpc.ServicerContext) -> None:
         """Per-certificate request rate limit (a token bucket with a burst of 4x the rate):
@@ -138,15 +154,20 @@ class IdentityInterceptor(grpc.ServerInterceptor):
         if self.require_certificate:
             peer = _peer_name(context)
             if peer is None:
-                raise Unauthenticated("no client certificate: this broker requires mutual TLS")
+                self._refuse("no_client_certificate", node_id,
+                             Unauthenticated("no client certificate: this broker requires mutual TLS"))
             if self.allowlist is not None and not self.allowlist.permits(peer):
-                raise PermissionDenied(f"the client certificate's holder {clip(peer)} is not on this federation's "
-                                       "allowlist (or was revoked)")
+                self._refuse(self._why(peer), peer,
+                             PermissionDenied(f"the client certificate's holder {clip(peer)} is not on this "
+                                              "federation's allowlist (or was revoked)"))
             if node_id and node_id != peer:
-                raise PermissionDenied(f"the client certificate is for {clip(peer)}; it cannot act as node "
-                                       f"{clip(node_id)}")
+                self._refuse("identity_mismatch", peer,
+                             PermissionDenied(f"the client certificate is for {clip(peer)}; it cannot act as node "
+                                              f"{clip(node_id)}"))
         if node_id and self.allowlist is not None and not self.allowlist.permits(node_id):
-            raise PermissionDenied(f"node {clip(node_id)} is not on this federation's allowlist (or was revoked)")
+            self._refuse(self._why(node_id), node_id,
+                         PermissionDenied(f"node {clip(node_id)} is not on this federation's allowlist (or was "
+                                          "revoked)"))
 
     def _abort_unless_permitted(self, request: Any, context: grpc.ServicerContext) -> None:
         try:

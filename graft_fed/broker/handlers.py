@@ -713,7 +713,8 @@ class Federation:
         return {
             "manifest": self.manifest, "current_round": self.current_round(),
             "nodes": [{"node_id": n.node_id, "model_id": n.model_id,
-                       "state": "quarantined" if n.node_id in bad else self.node_state(n), "round": n.round,
+                       "state": ("revoked" if self.allowlist is not None and self.allowlist.is_revoked(n.node_id)
+                                 else "quarantined" if n.node_id in bad else self.node_state(n)), "round": n.round,
                        "published": n.published, "last_seen_s": now - n.last_seen} for n in nodes],
             "pairs": pairs, "bundles": n_bundles, "bundle_bytes": n_bytes,
         }

@@ -1,8 +1,11 @@
-"""Broker process: the gRPC server, /metrics and /healthz over HTTP, retention."""
+"""Broker process: the gRPC server; over HTTP the live page (/), its data (/api/status),
+/metrics and /healthz; retention."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import threading
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,6 +16,7 @@ import grpc
 from graft_fed.broker.auth import Allowlist, IdentityInterceptor
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
+from graft_fed.broker.live import RefusalLog, ScalarLog, node_metrics, status_view
 from graft_fed.broker.servicer import BrokerServicer, add_to_server
 from graft_fed.broker.state import BrokerState
 from graft_fed.federation.transport import check_plaintext, grpc_options, server_credentials
@@ -31,7 +35,7 @@ def open_state(db: str) -> BrokerState:
     return SqliteState(db)
 
 
-def render_metrics(fed: Federation, servicer: BrokerServicer) -> str:
+def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalLog | None = None) -> str:
     lines = []
 
     def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -41,7 +45,7 @@ def render_metrics(fed: Federation, servicer: BrokerServicer) -> str:
             lines.append(f"graft_fed_{name}{labels} {value}")
 
     st = fed.status()
-    states: dict[str, int] = {"online": 0, "offline": 0, "left": 0, "registered": 0}
+    states: dict[str, int] = {"online": 0, "offline": 0, "left": 0, "registered": 0, "quarantined": 0, "revoked": 0}
     for n in st["nodes"]:
         states[n["state"]] = states.get(n["state"], 0) + 1
     metric("nodes", "gauge", "Nodes by lifecycle state.", [(f'{{state="{k}"}}', v) for k, v in states.items()])
@@ -79,7 +83,26 @@ def render_metrics(fed: Federation, servicer: BrokerServicer) -> str:
         samples.append((f'_sum{{method="{m}"}}', stats.sum[m]))
         samples.append((f'_count{{method="{m}"}}', counts[-1]))
     metric("rpc_seconds", "histogram", "RPC latency.", samples)
+    lines += node_metrics(fed, servicer.scalars, refusals)
     return "\n".join(lines) + "\n"
+
+
+def _finite(value):
+    """JSON has no NaN: missing values become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def live_page() -> bytes:
+    """The live federation page: one self-contained HTML file (no CDN, no build step)."""
+    from importlib.resources import files
+
+    return files("graft_fed.broker").joinpath("live.html").read_bytes()
 
 
 class BrokerServer:
@@ -89,10 +112,14 @@ class BrokerServer:
         allowlist = Allowlist(cfg.allowlist) if cfg.allowlist else None
         self.fed = Federation(cfg, self.state, allowlist=allowlist)
         self.servicer = BrokerServicer(self.fed)
+        self.refusals = RefusalLog()
+        self.servicer.scalars = ScalarLog()
         interceptors = [IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist,
-                                         max_requests_per_s=cfg.max_requests_per_s)]
+                                            max_requests_per_s=cfg.max_requests_per_s, refusals=self.refusals)]
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="broker"),
-                                options=grpc_options(cfg.max_message_mib), interceptors=interceptors)
+                                # no SO_REUSEPORT: a second broker on a taken port must fail, not share it
+                                options=grpc_options(cfg.max_message_mib) + [("grpc.so_reuseport", 0)],
+                                interceptors=interceptors)
         add_to_server(self.servicer, self.grpc)
         if cfg.tls_cert and cfg.tls_key:
             creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.client_ca)
@@ -115,19 +142,32 @@ class BrokerServer:
     def _serve_http(self) -> None:
         if not self.cfg.http:
             return
-        fed, servicer = self.fed, self.servicer
+        fed, servicer, refusals = self.fed, self.servicer, self.refusals
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                if self.path == "/metrics":
-                    body, ctype, code = render_metrics(fed, servicer).encode(), "text/plain; version=0.0.4", 200
-                elif self.path == "/healthz":
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    body, ctype, code = (render_metrics(fed, servicer, refusals).encode(),
+                                         "text/plain; version=0.0.4", 200)
+                elif path == "/healthz":
                     body, ctype, code = b"ok\n", "text/plain", 200
+                elif path == "/api/status":
+                    view = _finite(status_view(fed, servicer.scalars, refusals))
+                    body, ctype, code = json.dumps(view).encode(), "application/json", 200
+                elif path in ("/", "/index.html"):
+                    body, ctype, code = live_page(), "text/html; charset=utf-8", 200
                 else:
                     body, ctype, code = b"not found\n", "text/plain", 404
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                self.send_header("X-Content-Type-Options", "nosniff")
+                if ctype.startswith("text/html"):
+                    # the page loads nothing from elsewhere and talks only to this origin
+                    self.send_header("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; "
+                                     "style-src 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'")
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -154,7 +194,12 @@ class BrokerServer:
 
     def start(self) -> "BrokerServer":
         self.grpc.start()
-        self._serve_http()
+        try:
+            self._serve_http()
+        except OSError:
+            self.grpc.stop(0).wait()
+            self.state.close()
+            raise
         t = threading.Thread(target=self._housekeeping, name="broker-housekeeping", daemon=True)
         t.start()
         self._threads.append(t)

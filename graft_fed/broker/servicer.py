@@ -292,6 +292,18 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             pairs=[pb.StatusResponse.Pair(**p) for p in st["pairs"]],
             bundles=st["bundles"], bundle_bytes=st["bundle_bytes"])
 
+    #: the live page's scalar store (graft_fed/broker/live.py), set by the BrokerServer
+    scalars: Any = None
+
+    @_rpc
+    def ReportScalars(self, request: pb.ScalarsRequest, context: Any) -> pb.ScalarsResponse:
+        values = {s.name: s.value for s in request.scalars}
+        if self.scalars is not None:
+            self.scalars.validate(values)
+            self.fed._node(request.node_id, request.session_id, touch=False)  # a live session, or UNAUTHENTICATED
+            self.scalars.record(request.node_id, request.step, values)
+        return pb.ScalarsResponse()
+
 
 #: method -> (kind, request message, response message), as in protos/graft_fed/v1/broker.proto
 METHODS: dict[str, tuple[str, Any, Any]] = {
@@ -305,6 +317,7 @@ METHODS: dict[str, tuple[str, Any, Any]] = {
     "FetchBundle": ("unary_stream", pb.FetchBundleRequest, pb.BundleChunk),
     "ReportCompatibility": ("unary_unary", pb.CompatibilityReport, pb.ReportResponse),
     "GetStatus": ("unary_unary", pb.StatusRequest, pb.StatusResponse),
+    "ReportScalars": ("unary_unary", pb.ScalarsRequest, pb.ScalarsResponse),
 }
 
 

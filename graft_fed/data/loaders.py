@@ -106,6 +106,8 @@ def prompts_from_rows(rows: Iterable[tuple[str, Any]], dataset_id: str, problem_
         if not answer:
             raise DataError(f"{where}: field {answer_field!r} is empty")
         meta = {"source_id": row[id_field]} if id_field else {}
+        # a benchmark's own breakdown (MATH: level, subject), reported per value by `eval`
+        meta.update({key: row[key] for key in ("level", "subject") if isinstance(row.get(key), (str, int))})
         prompt = Prompt.make(dataset_id, strip_paper_suffix(problem), answer, **meta)
         if prompt.id in seen:
             first_where, first_answer = seen[prompt.id]

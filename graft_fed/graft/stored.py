@@ -58,3 +58,17 @@ class StoredPeers:
 
     def report(self, learner: GRPOTrainer, reports: Sequence[GroupReport]) -> dict[str, Any]:
         return {}
+
+
+def train(trainer: GRPOTrainer, evaluate_before_after: bool = True) -> dict[str, Any]:
+    """A single run to its end: plain GRPO, or GRAFT against the stored run its config names
+    (graft.peer_store). What `train`, the Python API and experiments run."""
+    if trainer.cfg.graft.peer_store is None:
+        return trainer.train(evaluate_before_after)
+    from graft_fed.graft import step as graft_step
+
+    peers = StoredPeers(trainer.cfg.graft)
+    try:
+        return trainer.train(evaluate_before_after, step_fn=lambda: graft_step.step(trainer, peers))
+    finally:
+        peers.close()

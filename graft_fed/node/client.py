@@ -327,3 +327,35 @@ class BrokerClient:
 
     def status(self) -> pb.StatusResponse:
         return self._once("GetStatus", pb.StatusRequest(), self.timeout)
+
+    # ----- live page ------------------------------------------------------------------------------
+    #: metrics-row key -> the scalar name the broker's live page plots
+    SCALAR_KEYS = {"reward": "reward", "frac_all_fail": "all_fail", "graft/replaced": "groups_received",
+                   "eval/pass@1": "heldout_pass1", "eval/stderr": "heldout_stderr"}
+
+    def report_scalars(self, step: int, row: dict[str, Any]) -> bool:
+        """Send a few scalars of a training step (its metrics row: reward, all-fail share,
+        peer groups received, held-out pass@1 when evaluated) for the live page. Best effort:
+        never raises; False when not sent. A broker that predates ReportScalars answers
+        UNIMPLEMENTED once, after which this node stops sending."""
+        if getattr(self, "_scalars_unsupported", False) or not self.session:
+            return False
+        scalars = []
+        for key, name in self.SCALAR_KEYS.items():
+            value = row.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value \
+                    and abs(value) != float("inf"):
+                scalars.append(pb.Scalar(name=name, value=float(value)))
+        if not scalars:
+            return False
+        try:
+            self.stub.ReportScalars(pb.ScalarsRequest(node_id=self.node_id, session_id=self.session, step=int(step),
+                                                      scalars=scalars), timeout=min(self.timeout, 2.0))
+            return True
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._scalars_unsupported = True
+                log.info("broker %s does not take step scalars (an older broker); not sending them", self.address)
+            else:
+                log.debug("scalars of step %d not sent: %s", step, exc.code().name)
+            return False

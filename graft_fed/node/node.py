@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from graft_fed.configbase import load_config, require
+from graft_fed.errors import ConfigError, GraftFedError
+from graft_fed.federation.certcheck import JoinTracker, check_node_certificate, track_joins, wait_for_first_join
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
 from graft_fed.federation.messages import Privacy
 from graft_fed.graft import step as graft_step
 from graft_fed.node.client import BrokerClient
+from graft_fed.node.live import attach_live_scalars
 from graft_fed.node.peers import BrokerPeers
 from graft_fed.trainer.config import TrainConfig
 from graft_fed.trainer.distributed import make_trainer
@@ -112,10 +115,12 @@ class Node:
     """One federation node: its learner, its broker client, and the broker as its peers."""
 
     def __init__(self, cfg: NodeConfig, resume: str | None = None, quiet: bool = False) -> None:
+        f = cfg.federation
+        # before loading anything: a certificate the broker would refuse is a one-line error now
+        check_node_certificate(cfg.node_id, f.tls_ca, f.tls_cert, f.tls_key)
         self.cfg = cfg
         self.quiet = quiet
         self.trainer = make_trainer(cfg.train_config(), resume=resume, quiet=True)
-        f = cfg.federation
         t = self.trainer
         # Under torchrun only the main process talks to the broker (peers.py).
         self.client = BrokerClient(f.broker, cfg.node_id, max_message_mib=f.max_message_mib,
@@ -146,6 +151,32 @@ class Node:
 
     def ensure_joined(self) -> bool:
         return self.trainer.is_main and self.peers.ensure_joined(self.trainer)
+
+    def connect(self, join_timeout_s: float) -> None:
+        """Join the broker before the first, long, rollout, and feed its live page. A node that
+        cannot join within `join_timeout_s` raises the likely cause (NeverJoinedError, exit 2);
+        0 trains alone until the broker answers, the degraded mode a broker outage that
+        begins later also leads to. Under torchrun the main process joins and every process
+        stops together, or none does."""
+        never_joined: GraftFedError | None = None
+        if self.client is not None:
+            attach_live_scalars(self)  # learning curves on the broker's live page
+            f = self.cfg.federation
+            tracker = JoinTracker(f.broker, self.cfg.node_id, tls=f.tls_ca is not None,
+                                  client_cert=f.tls_cert is not None)
+            track_joins(self.client, tracker)
+            try:
+                if join_timeout_s:
+                    wait_for_first_join(self.ensure_joined, tracker, join_timeout_s)
+                else:
+                    self.ensure_joined()
+            except GraftFedError as exc:
+                never_joined = exc
+        reason = self.trainer.from_main(str(never_joined) if never_joined else None)
+        if never_joined is not None:
+            raise never_joined
+        if reason:
+            raise ConfigError(reason)
 
     def close(self, leave: bool = True) -> None:
         if self.client is not None:

@@ -369,3 +369,27 @@ class StatusResponse(_message.Message):
     bundles: int
     bundle_bytes: int
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., current_round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[StatusResponse.Node, _Mapping]]] = ..., pairs: _Optional[_Iterable[_Union[StatusResponse.Pair, _Mapping]]] = ..., bundles: _Optional[int] = ..., bundle_bytes: _Optional[int] = ...) -> None: ...
+
+class Scalar(_message.Message):
+    __slots__ = ("name", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: float
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+
+class ScalarsRequest(_message.Message):
+    __slots__ = ("node_id", "session_id", "step", "scalars")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SCALARS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    session_id: str
+    step: int
+    scalars: _containers.RepeatedCompositeFieldContainer[Scalar]
+    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., scalars: _Optional[_Iterable[_Union[Scalar, _Mapping]]] = ...) -> None: ...
+
+class ScalarsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -91,6 +91,11 @@ class BrokerStub:
                 request_serializer=graft__fed_dot_v1_dot_broker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=graft__fed_dot_v1_dot_broker__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.ReportScalars = channel.unary_unary(
+                '/graft_fed.v1.Broker/ReportScalars',
+                request_serializer=graft__fed_dot_v1_dot_broker__pb2.ScalarsRequest.SerializeToString,
+                response_deserializer=graft__fed_dot_v1_dot_broker__pb2.ScalarsResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServicer:
@@ -197,6 +202,16 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportScalars(self, request, context):
+        """A few scalars of one training step (the live page's learning curves). Not state the
+        federation depends on: no request tag, a repeated step replaces the earlier row.
+        OK; UNAUTHENTICATED (no live session: join first); INVALID_ARGUMENT (too many or non-finite values,
+        a name that is not [a-z0-9_/@.]{1,64}).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +264,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=graft__fed_dot_v1_dot_broker__pb2.StatusRequest.FromString,
                     response_serializer=graft__fed_dot_v1_dot_broker__pb2.StatusResponse.SerializeToString,
+            ),
+            'ReportScalars': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportScalars,
+                    request_deserializer=graft__fed_dot_v1_dot_broker__pb2.ScalarsRequest.FromString,
+                    response_serializer=graft__fed_dot_v1_dot_broker__pb2.ScalarsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -528,6 +548,33 @@ class Broker:
             '/graft_fed.v1.Broker/GetStatus',
             graft__fed_dot_v1_dot_broker__pb2.StatusRequest.SerializeToString,
             graft__fed_dot_v1_dot_broker__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportScalars(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graft_fed.v1.Broker/ReportScalars',
+            graft__fed_dot_v1_dot_broker__pb2.ScalarsRequest.SerializeToString,
+            graft__fed_dot_v1_dot_broker__pb2.ScalarsResponse.FromString,
             options,
             channel_credentials,
             insecure,

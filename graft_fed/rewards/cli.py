@@ -27,12 +27,37 @@ def add_score_subparser(subparsers: "argparse._SubParsersAction[argparse.Argumen
                         help="verifier worker processes (default: %(default)s)")
     parser.add_argument("--no-fast-path", action="store_true",
                         help="always run math-verify, even when the boxed answer equals the gold string")
+    parser.add_argument("--allow-missing", action="store_true",
+                        help="score responses whose id has no reference as 0 (status missing_reference) "
+                             "instead of refusing the files")
     parser.set_defaults(func=run_score)
     return parser
 
 
+def unpaired_response_ids(responses: str, references: str) -> list:
+    """Ids of responses that have no reference (in first-seen order), read before any scoring."""
+    from pathlib import Path
+
+    from graft_fed.rewards.files import _rows
+
+    known = {str(row_id) for _, row_id, _ in _rows(Path(references), "references", "answer")}
+    missing: dict[str, object] = {}
+    for _, row_id, _ in _rows(Path(responses), "responses", "response"):
+        if str(row_id) not in known:
+            missing.setdefault(str(row_id), row_id)
+    return list(missing.values())
+
+
 def run_score(args: argparse.Namespace) -> int:
+    from graft_fed.errors import DataError
     from graft_fed.rewards.files import score_files
+
+    if not args.allow_missing:
+        missing = unpaired_response_ids(args.responses, args.references)
+        if missing:
+            shown = ", ".join(map(repr, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+            raise DataError(f"{len(missing)} response id(s) have no reference in {args.references}: {shown}; "
+                            "fix the ids, or pass --allow-missing to score them as 0")
 
     cfg = VerifierConfig(name=args.verifier, timeout_s=args.timeout_s, workers=args.workers,
                          exact_match_fast_path=not args.no_fast_path)

@@ -169,4 +169,4 @@ def test_fuzz_bench_small_run():
     assert res["broker_up"] and res["honest_state_changed"] == []
     assert res["by_rpc"]["GetMatches(flood)"].get("RESOURCE_EXHAUSTED", 0) >= 38
     assert res["ok"]
-    assert res["messages"] >= 1500 and len(res["by_rpc"]) == 11  # every RPC, and the flood
+    assert res["messages"] >= 1500 and len(res["by_rpc"]) == 12  # every RPC, and the flood

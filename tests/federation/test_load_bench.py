@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_load_bench_survives_a_broker_restart_with_nothing_lost(tmp_path):
-    args = ["--nodes", "4", "--prompts", "16", "--duration", "5", "--restart-at", "1.5", "--procs", "1",
+    # 8.5 s after the restart: a restarted broker (a fresh Python process) can take seconds to
+    # start on a loaded 2-core machine, and the nodes must see it come back
+    args = ["--nodes", "4", "--prompts", "16", "--duration", "10", "--restart-at", "1.5", "--procs", "1",
             "--sample-s", "0.5", "--rpc-timeout-s", "5", "--match-wait-s", "1", "--backoff-cap-s", "0.5",
             "--out-dir", str(tmp_path), "--name", "tiny"]
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "load.py"), *args],

@@ -43,3 +43,77 @@ def test_broker_and_three_node_processes_exchange_and_reverify(tiny_llama, tiny_
     assert replaced > 0 and reverified >= replaced
     broker_log = (tmp_path / "sim" / "logs" / "broker.log").read_text()
     assert "round 0 matched" in broker_log or "matched" in broker_log
+
+
+def test_sim_stops_when_a_node_exits_and_says_why_from_its_log(tiny_llama, prompt_file, tmp_path):
+    """A node that cannot start (its model directory is missing) exits 2: the sim stops the
+    federation at once with the node's own one-line reason, not after round deadlines."""
+    import time
+
+    import pytest
+
+    from graft_fed.errors import GraftFedError
+
+    cfg = {
+        "output_dir": str(tmp_path / "sim"),
+        "broker": {"data": {"source": str(prompt_file)}, "verifier": {"name": "tests.plugins:odd_char_sum"},
+                   "seed": 3, "n": 2, "prompts_per_round": 8, "round_deadline_s": 300, "min_nodes": 2},
+        "base": {"run": {"steps": 50, "seed": 3}, "data": {"source": str(prompt_file)},
+                 "rollout": {"n": 2, "max_new_tokens": 6}, "verifier": {"name": "tests.plugins:odd_char_sum"},
+                 "algorithm": {"prompts_per_step": 8, "num_minibatches": 2},
+                 "eval": {"data": {"source": str(prompt_file), "max_prompts": 2}, "k": 2}},
+        "nodes": [{"name": "ok", "model": {"path": str(tiny_llama)}},
+                  {"name": "broken", "model": {"path": str(tmp_path / "no-such-model")}}],
+        "timeout_s": 120,
+    }
+    path = tmp_path / "sim.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    t0 = time.monotonic()
+    with pytest.raises(GraftFedError) as err:
+        Simulation(load_sim_config(path), 2, quiet=True).run()
+    assert time.monotonic() - t0 < 60
+    msg = str(err.value)
+    assert "node broken exited with code 2" in msg and "does not exist" in msg and "broken.log" in msg
+
+
+def test_exit_reason_and_result_table_for_failed_and_resumed_nodes(tmp_path):
+    from graft_fed.sim import exit_reason, result_table
+
+    log = tmp_path / "n.log"
+    log.write_text("INFO starting\ngraft-fed node: error: certificate expired 3 days ago\n")
+    assert exit_reason(log) == "certificate expired 3 days ago"
+    log.write_text("INFO x\nTraceback (most recent call last):\n  File \"a.py\", line 1\nValueError: boom\n")
+    assert exit_reason(log) == "ValueError: boom"
+    # "a" was resumed: its summary has no eval_before, its step-0 evaluation file has
+    (tmp_path / "a" / "eval").mkdir(parents=True)
+    (tmp_path / "a" / "eval" / "step_000000.summary.json").write_text(json.dumps({"pass@1": 0.25}))
+    (tmp_path / "a" / "summary.json").write_text(json.dumps({"eval_after": {"pass@1": 0.5}}))
+    (tmp_path / "a" / "metrics.jsonl").write_text("")
+    table = result_table(tmp_path, ["a", "b"], failed={"b": (2, "model path does not exist")})
+    assert "| a | 25.0 | 50.0 | +25.0 |" in table
+    assert "| b | exited with code 2: model path does not exist |" in table
+
+
+def test_sim_can_go_on_without_an_exited_node_and_says_what_that_costs(tmp_path, capsys):
+    from graft_fed.sim import SimConfig, SimNode
+
+    class Proc:
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    cfg = SimConfig(output_dir=str(tmp_path), on_node_exit="continue",
+                    broker={"min_nodes": 3, "round_deadline_s": 300},
+                    nodes=(SimNode(name="a"), SimNode(name="b"), SimNode(name="c")))
+    sim = Simulation(cfg, 3, quiet=True)
+    sim.procs = {"broker": Proc(None), "a": Proc(None), "b": Proc(2), "c": Proc(None)}
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "b.log").write_text("graft-fed node: error: never joined the broker: UNAVAILABLE\n")
+    sim._node_exited("b", 2)
+    err = capsys.readouterr().err
+    assert "node b exited with code 2: never joined the broker" in err and "continuing with a, c" in err
+    assert "min_nodes=3 can no longer be met" in err and "300" in err
+    assert sim.failed == {"b": (2, "never joined the broker: UNAVAILABLE")}
+    assert "b: EXITED 2" in sim._progress()

@@ -48,8 +48,11 @@ def test_cli_subcommand(files, tmp_path, capsys):
     resps, refs = files
     parser = argparse.ArgumentParser(prog="graft-fed")
     add_score_subparser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["score", "--responses", str(resps), "--references", str(refs), "--workers", "1",
-                              "--no-fast-path"])
+    argv = ["score", "--responses", str(resps), "--references", str(refs), "--workers", "1", "--no-fast-path"]
+    args = parser.parse_args(argv)
+    with pytest.raises(DataError, match="have no reference"):  # the fixture has a response without a reference
+        args.func(args)
+    args = parser.parse_args(argv + ["--allow-missing"])
     assert args.func(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["fast_path"] == 0 and summary["n"] == 4 and summary["out"] is None

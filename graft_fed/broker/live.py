@@ -1,0 +1,193 @@
+"""What the broker shows while the federation runs: the live page's data (/api/status),
+per-node series for /metrics, nodes' learning-curve scalars (ReportScalars) and the
+connections the broker refused.
+
+Scalars live in memory only, bounded per node: a live view, not a record (each node's
+metrics.jsonl is the record). Nothing here is a secret: no session ids, no certificates,
+no trajectories, no addresses of nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+import time
+from collections import Counter, OrderedDict
+from typing import Any, Mapping
+
+from graft_fed.federation.errors import InvalidArgument
+
+log = logging.getLogger("graft_fed.broker")
+
+SCALAR_NAME = re.compile(r"^[a-z0-9_/@.]{1,64}$")
+MAX_SCALARS = 16
+
+
+class ScalarLog:
+    """The last `keep` steps of each node's scalars; a repeated step replaces its row."""
+
+    def __init__(self, keep: int = 2000, max_nodes: int = 256) -> None:
+        self.keep, self.max_nodes = keep, max_nodes
+        self._rows: dict[str, OrderedDict[int, dict[str, float]]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def validate(values: Mapping[str, float]) -> None:
+        if len(values) > MAX_SCALARS:
+            raise InvalidArgument(f"at most {MAX_SCALARS} scalars per step, got {len(values)}")
+        for name, value in values.items():
+            if not SCALAR_NAME.match(name):
+                raise InvalidArgument(f"scalar name {name[:80]!r}: use 1-64 of [a-z0-9_/@.]")
+            if not math.isfinite(value):
+                raise InvalidArgument(f"scalar {name}: {value} is not finite")
+
+    def record(self, node_id: str, step: int, values: Mapping[str, float]) -> None:
+        self.validate(values)
+        with self._lock:
+            rows = self._rows.get(node_id)
+            if rows is None:
+                if len(self._rows) >= self.max_nodes:
+                    return
+                rows = self._rows[node_id] = OrderedDict()
+            rows[int(step)] = {**rows.get(int(step), {}), **{k: float(v) for k, v in values.items()}}
+            rows.move_to_end(int(step))
+            while len(rows) > self.keep:
+                rows.popitem(last=False)
+
+    def series(self) -> dict[str, list[dict[str, float]]]:
+        with self._lock:
+            return {node: [{"step": step, **vals} for step, vals in sorted(rows.items())]
+                    for node, rows in self._rows.items()}
+
+    def latest(self) -> dict[str, dict[str, float]]:
+        """Per node, the latest value of each scalar (held-out pass@1 is not every step)."""
+        out: dict[str, dict[str, float]] = {}
+        with self._lock:
+            for node, rows in self._rows.items():
+                last: dict[str, float] = {}
+                for step, vals in rows.items():
+                    last.update(vals)
+                    last["step"] = float(step)
+                out[node] = last
+        return out
+
+
+class RefusalLog:
+    """Calls the broker refused before they reached its logic (identity and allowlist), by
+    reason and by the identity claimed; each refusal is logged (at most once a minute per
+    reason and identity, so a node retrying in a loop does not flood the log)."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.by_reason: Counter[str] = Counter()
+        self.by_identity: Counter[tuple[str, str]] = Counter()
+        self._last_logged: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+        self._clock = clock
+
+    def refused(self, reason: str, identity: str, detail: str) -> None:
+        # a claimed identity is client input: bounded, and escaped so it cannot forge log lines
+        identity = identity[:64].encode("unicode_escape").decode("ascii") or "(none)"
+        with self._lock:
+            self.by_reason[reason] += 1
+            if len(self.by_identity) < 1024 or (reason, identity) in self.by_identity:
+                self.by_identity[(reason, identity)] += 1
+            now = self._clock()
+            key = (reason, identity)
+            if now - self._last_logged.get(key, -math.inf) >= 60.0:
+                self._last_logged[key] = now
+                log.warning("refused a call from %s (%s): %s [%d so far]", identity, reason, detail,
+                            self.by_identity.get(key, 0))
+
+
+def _matrix(names: list[str], cells: Mapping[tuple[str, str], float]) -> list[list[float | None]]:
+    return [[cells.get((src, dst)) for dst in names] for src in names]
+
+
+def status_view(fed: Any, scalars: ScalarLog | None = None, refusals: RefusalLog | None = None,
+                rounds: int = 50) -> dict[str, Any]:
+    """The live page's data: nodes, the round timeline (the last `rounds`), the exchange and
+    compatibility matrices (rows: source, columns: receiver), learning curves, refusals."""
+    st = fed.status()
+    m = st["manifest"]
+    names = [n["node_id"] for n in st["nodes"]]
+    exchange = {(p["source"], p["receiver"]): float(p["groups"]) for p in st["pairs"]}
+    compat = {(p["source"], p["receiver"]): p["mean_s"] for p in st["pairs"] if not math.isnan(p["mean_s"])}
+    admitted = {(p["source"], p["receiver"]): p["admitted_fraction"] for p in st["pairs"]
+                if not math.isnan(p["admitted_fraction"])}
+    timeline = []
+    now = fed.clock()
+    current = st["current_round"]
+    for r in range(max(0, current - rounds + 1), current + 1):
+        row = fed.state.get_round(r)
+        if row is None:
+            continue
+        timeline.append({"round": r, "state": row.state, "opened_s_ago": now - row.opened_at,
+                         "matching_s": (row.matched_at - row.opened_at) if row.matched_at else None,
+                         "participants": list(row.participants)})
+    latest = scalars.latest() if scalars is not None else {}
+    nodes = [{**n, "latest": latest.get(n["node_id"], {})} for n in st["nodes"]]
+    return {
+        "federation": {"federation_id": m.federation_id, "dataset_id": m.dataset_id, "n": m.n,
+                       "prompts_per_round": m.prompts_per_round, "mode": str(m.mode),
+                       "protocol_version": m.protocol_version},
+        "current_round": current, "bundles": st["bundles"], "bundle_bytes": st["bundle_bytes"],
+        "nodes": nodes, "rounds": timeline,
+        "matrix": {"names": names, "exchange": _matrix(names, exchange), "compat": _matrix(names, compat),
+                   "admitted": _matrix(names, admitted)},
+        "curves": scalars.series() if scalars is not None else {},
+        "refused": dict(refusals.by_reason) if refusals is not None else {},
+        "time": time.time(),
+    }
+
+
+def _esc(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+def node_metrics(fed: Any, scalars: ScalarLog | None, refusals: RefusalLog | None) -> list[str]:
+    """Prometheus lines: per-node series and refusals (appended to the broker's /metrics)."""
+    st = fed.status()
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP graft_fed_{name} {help_}")
+        lines.append(f"# TYPE graft_fed_{name} {kind}")
+        lines.extend(f"graft_fed_{name}{labels} {value}" for labels, value in samples)
+
+    nodes = st["nodes"]
+    metric("node_up", "gauge", "1 when the node is online (state label: its lifecycle state).",
+           [(f'{{node="{_esc(n["node_id"])}",state="{n["state"]}"}}', 1.0 if n["state"] == "online" else 0.0)
+            for n in nodes])
+    metric("node_round", "gauge", "The node's last reported round.",
+           [(f'{{node="{_esc(n["node_id"])}"}}', n["round"]) for n in nodes])
+    metric("node_published_total", "counter", "Group summaries the node published.",
+           [(f'{{node="{_esc(n["node_id"])}"}}', n["published"]) for n in nodes])
+    metric("node_last_seen_seconds", "gauge", "Seconds since the node's last call.",
+           [(f'{{node="{_esc(n["node_id"])}"}}', round(n["last_seen_s"], 3)) for n in nodes])
+    received: Counter[str] = Counter()
+    given: Counter[str] = Counter()
+    for p in st["pairs"]:
+        received[p["receiver"]] += p["groups"]
+        given[p["source"]] += p["groups"]
+    metric("node_groups_received_total", "counter", "Groups matched to the node from peers.",
+           [(f'{{node="{_esc(n["node_id"])}"}}', received.get(n["node_id"], 0)) for n in nodes])
+    metric("node_groups_given_total", "counter", "The node's groups matched to peers.",
+           [(f'{{node="{_esc(n["node_id"])}"}}', given.get(n["node_id"], 0)) for n in nodes])
+    metric("pair_groups_total", "counter", "Groups matched source -> receiver.",
+           [(f'{{source="{_esc(p["source"])}",receiver="{_esc(p["receiver"])}"}}', p["groups"])
+            for p in st["pairs"]])
+    if scalars is not None:
+        samples = []
+        for node, vals in sorted(scalars.latest().items()):
+            for key, value in sorted(vals.items()):
+                if key != "step":
+                    samples.append((f'{{node="{_esc(node)}",name="{key}"}}', value))
+        metric("node_scalar", "gauge", "The latest learning-curve scalar a node reported (ReportScalars).", samples)
+    if refusals is not None:
+        metric("refused_total", "counter", "Calls refused by identity or allowlist checks, by reason.",
+               [(f'{{reason="{r}"}}', v) for r, v in sorted(refusals.by_reason.items())])
+        metric("refused_by_identity_total", "counter", "Refused calls by reason and the identity claimed.",
+               [(f'{{reason="{r}",identity="{_esc(i)}"}}', v) for (r, i), v in sorted(refusals.by_identity.items())])
+    return lines
