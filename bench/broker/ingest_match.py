@@ -3,6 +3,7 @@
 A real BrokerServer (SqliteState in a temp dir, or `--db memory`) runs in a child process
 on 127.0.0.1:0 (its own GIL, as a deployed broker has); N node threads, each its own
 BrokerClient, join and, for R rounds, publish P summaries each (random k in 0..n, n = 8,
+k drawn from --k-mix: by default 30% all-fail, 50% informative, 20% all-pass, as real rounds have;
 random lengths and negative mean log-probs) at a barrier, then long-poll GetMatches until
 the round is ready.
 
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from _common import RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, write_prompts, write_results  # noqa: E402
+from _common import K_MIX, RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, write_prompts, write_results  # noqa: E402
 from graft_fed.federation.transport import grpc_options  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version  # noqa: E402
@@ -95,7 +96,29 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
                         break
                 t_ready[r][i] = time.perf_counter()
 
-        run_threads(node, n_nodes, cell_timeout_s * rounds, barrier)
+        hb_lat: list[float] = []
+        hb_stop = threading.Event()
+
+        def probe() -> None:
+            # Heartbeats sampled every 50 ms through the whole cell (publishes and matching
+            # included): what a node's liveness waits for while the broker is busy.
+            c = clients[0]
+            while not hb_stop.wait(0.05):
+                t0 = time.perf_counter()
+                try:
+                    c.stub.Heartbeat(pb.HeartbeatRequest(node_id=c.node_id, session_id=c.session, round=0,
+                                                         tag=new_tag()), timeout=cell_timeout_s)
+                except grpc.RpcError:
+                    continue
+                hb_lat.append(time.perf_counter() - t0)
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        try:
+            run_threads(node, n_nodes, cell_timeout_s * rounds, barrier)
+        finally:
+            hb_stop.set()
+            prober.join(timeout=cell_timeout_s)
         stats = server.rpc_stats()
     finally:
         for c in clients:
@@ -110,6 +133,8 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
             "publish_p50_s": percentile(publish_lat, 50), "publish_p99_s": percentile(publish_lat, 99),
             "round_s": [max(t_ready[r]) - min(t_send[r]) for r in range(rounds)],
             "getmatches_calls": sum(sum(p) for p in polls),
+            "heartbeats": len(hb_lat), "heartbeat_p50_s": percentile(hb_lat, 50),
+            "heartbeat_p99_s": percentile(hb_lat, 99), "heartbeat_max_s": max(hb_lat, default=float("nan")),
             "servicer": stats}
 
 
@@ -152,6 +177,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip cells predicted to overrun this")
     ap.add_argument("--cell-timeout-s", type=float, default=240.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--k-mix", choices=sorted(K_MIX), default="realistic",
+                    help="k per group: realistic (30%% all-fail, 50%% informative, 20%% all-pass) or uniform in 0..n")
     ap.add_argument("--name", default=None, help="results file stem (default ingest_match[_quick])")
     args = ap.parse_args()
     if args.quick:
@@ -184,10 +211,10 @@ def main() -> int:
             ids = [p.id for p in load_prompts(DataConfig(source=str(prompts_path)))]
             rng = random.Random(args.seed * 1000003 + n_nodes * 7919 + n_prompts)
             requests = [[pb.PublishRequest(node_id=f"node{i:02d}", session_id="x" * 32, round=r,
-                                           summaries=make_summaries(rng, ids, r, GROUP_N)) for r in range(rounds)]
+                                           summaries=make_summaries(rng, ids, r, GROUP_N, K_MIX[args.k_mix])) for r in range(rounds)]
                         for i in range(n_nodes)]
             payloads = [[req.SerializeToString() for req in per] for per in requests]
-            cell: dict = {"nodes": n_nodes, "prompts": n_prompts, "rounds": rounds,
+            cell: dict = {"nodes": n_nodes, "prompts": n_prompts, "rounds": rounds, "k_mix": args.k_mix,
                           "publish_bytes": len(payloads[0][0])}
             cell["raw"] = run_raw_cell(n_nodes, rounds, payloads, args.cell_timeout_s)
             for b in backends:
@@ -206,23 +233,25 @@ def main() -> int:
             for b in backends:
                 r = cell[b]
                 line += (f" | {b}: ingest {r['ingest_per_s']:>9,.0f}/s ({r['ratio_vs_raw']:.3f}x raw) match p50 "
-                         f"{1e3 * r['match_p50_s']:.1f} ms p99 {1e3 * r['match_p99_s']:.1f} ms")
+                         f"{1e3 * r['match_p50_s']:.1f} ms p99 {1e3 * r['match_p99_s']:.1f} ms hb p99 "
+                         f"{1e3 * r['heartbeat_p99_s']:.1f} ms")
             print(line, flush=True)
     payload = {"machine": info, "command": " ".join(["bench/broker/ingest_match.py", *sys.argv[1:]]),
                "n": GROUP_N, "backends": backends, "cells": cells, "skipped": skipped,
                "total_s": time.monotonic() - t_start}
     md = [f"### Broker ingest and match latency ({info['date']})", "",
           f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
-          f"git {info['git']}. Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}.", "",
+          f"git {info['git']}. Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}, k mix {args.k_mix}.", "",
           "| nodes | prompts/round | rounds | state | broker ingest (summaries/s) | raw gRPC (summaries/s) | ratio | "
-          "match p50 (ms) | match p99 (ms) | publish p99 (ms) |",
-          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+          "match p50 (ms) | match p99 (ms) | publish p99 (ms) | heartbeat p99 (ms) |",
+          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         for b in backends:
             r = c[b]
             md.append(f"| {c['nodes']} | {c['prompts']} | {c['rounds']} | {b} | {r['ingest_per_s']:,.0f} | "
                       f"{c['raw']['summaries_per_s']:,.0f} | {r['ratio_vs_raw']:.3f} | {1e3 * r['match_p50_s']:.1f} | "
-                      f"{1e3 * r['match_p99_s']:.1f} | {1e3 * r['publish_p99_s']:.1f} |")
+                      f"{1e3 * r['match_p99_s']:.1f} | {1e3 * r['publish_p99_s']:.1f} | "
+                      f"{1e3 * r['heartbeat_p99_s']:.1f} |")
     if skipped:
         md += ["", "Skipped (time budget " + f"{args.budget_s:.0f} s): " + "; ".join(
             f"N={s['nodes']} P={s['prompts']} ({s['why']})" for s in skipped) + "."]
