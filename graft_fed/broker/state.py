@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from graft_fed.federation.messages import SummaryRow
 
@@ -42,6 +42,17 @@ class NodeRow:
     round: int  # the node's last reported round
     last_seen: float  # unix time of the last call
     published: int = 0
+
+
+class SummaryHead(NamedTuple):
+    """What matching and offers read of a summary: no per-response lists to decode."""
+
+    node_id: str
+    round: int
+    prompt_id: str
+    n: int
+    k: int
+    bundle_digest: str
 
 
 @dataclass
@@ -98,6 +109,16 @@ class BrokerState(abc.ABC):
     @abc.abstractmethod
     def list_nodes(self) -> list[NodeRow]: ...
 
+    def record_liveness(self, seen: Sequence[tuple[str, float]]) -> None:
+        """Set `last_seen` of the named nodes (at least to the given time: a row that is
+        already later keeps its time), atomically; unknown nodes are skipped. Nothing else of
+        the rows changes. This default is atomic only for one writer; implementations do it in
+        one transaction."""
+        for node_id, last_seen in seen:
+            node = self.get_node(node_id)
+            if node is not None and last_seen > node.last_seen:
+                self.upsert_node(NodeRow(**{**node.__dict__, "last_seen": last_seen}))
+
     # ----- rounds
     @abc.abstractmethod
     def put_round(self, row: RoundRow) -> None:
@@ -122,6 +143,13 @@ class BrokerState(abc.ABC):
     def summaries(self, round: int | None = None, node_id: str | None = None,
                   prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryRow]:
         """Summaries filtered by exact round, node, prompt ids and/or a minimum round."""
+
+    def summary_heads(self, round: int | None = None, node_id: str | None = None,
+                      prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryHead]:
+        """`summaries` without the per-response lists (same filters, same order). This default
+        reads whole rows; implementations may read only the head columns."""
+        return [SummaryHead(s.node_id, s.round, s.prompt_id, s.n, s.k, s.bundle_digest)
+                for s in self.summaries(round=round, node_id=node_id, prompt_ids=prompt_ids, min_round=min_round)]
 
     @abc.abstractmethod
     def set_bundle_digest(self, node_id: str, round: int, prompt_id: str, digest: str) -> bool:

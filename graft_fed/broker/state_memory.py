@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 
 from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_rows import (
-    as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, match_key, norm_blob, norm_bytes,
+    as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, match_key, norm_blob, norm_bytes,
     norm_compat_args, norm_digests, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary,
     opt_int, opt_str, prune_cutoff, report_key, summary_key,
 )
@@ -65,6 +65,14 @@ class InMemoryState(BrokerState):
     def list_nodes(self) -> list[NodeRow]:
         with self._lock:
             return [dataclasses.replace(self._nodes[k]) for k in sorted(self._nodes)]
+
+    def record_liveness(self, seen: Sequence[tuple[str, float]]) -> None:
+        batch = [(as_str(node_id, "node_id"), as_float(t, "last_seen")) for node_id, t in seen]
+        with self._lock:
+            for node_id, t in batch:
+                node = self._nodes.get(node_id)
+                if node is not None and t > node.last_seen:
+                    self._nodes[node_id] = dataclasses.replace(node, last_seen=t)
 
     # ----- rounds
     def put_round(self, row: RoundRow) -> None:
