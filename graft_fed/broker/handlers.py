@@ -19,14 +19,17 @@ from typing import Callable, Iterable, Sequence
 
 from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.config import BrokerConfig
+from graft_fed.broker.matching import select_sources_arrays
+from graft_fed.broker.registry import Registry
 from graft_fed.broker.replay import ReplayGuard
-from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow
-from graft_fed.core.exchange import SourceGroup, complementarity, select_for_receiver, select_sources
+from graft_fed.broker.roundindex import RoundIndex
+from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow, SummaryHead
+from graft_fed.core.exchange import SourceGroup, classify, select_for_receiver
 from graft_fed.core.records import RecordError
 from graft_fed.data.config import load_prompts
 from graft_fed.federation.bundles import decode_bundle, digest_of, is_digest
 from graft_fed.federation.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-                                         ResourceExhausted, StorageFull, Unauthenticated, Unavailable)
+                                         ResourceExhausted)
 from graft_fed.federation.limits import (MAX_DIGESTS_PER_CALL, MAX_ID_LEN, MAX_LONG_POLLS_PER_NODE, MAX_PER_ROUND_FACTOR,
                                          MAX_ROUNDS_AHEAD, MAX_TOKENIZER_ID_LEN, MIN_MEAN_LOGPROB, clip)
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, differences, verifier_version
@@ -80,9 +83,16 @@ class Federation:
         # receiver whose old grant was evicted gets it back by asking for its matches again)
         self._granted: OrderedDict[str, set[str]] = OrderedDict()
         self._grants_lock = threading.Lock()  # guards _granted (GetMatches answers outside self.cond)
-        # round -> nodes that published in it; a cache of the state (rebuilt on a miss, e.g.
-        # after a restart) so that waking long-polls do not re-read every summary of the round
-        self._published: dict[int, set[str]] = {}
+        # k per node and prompt of the recent rounds, and who published: what matching,
+        # complementarity and round readiness read (rebuilt from the state on a miss, e.g.
+        # after a restart), so none of them re-reads and decodes summaries under the lock
+        self.index = RoundIndex(cfg.n, lambda r: self.state.summary_heads(round=r),
+                                keep=max(16, 2 * cfg.staleness_rounds + 4))
+        # node rows in memory (sessions, liveness), written through to the state: a heartbeat
+        # checks and marks a session without the broker's lock or a disk write
+        self.registry = Registry(state, clock, cfg.offline_after_s)
+        self._latest_round = state.latest_round()  # the highest round with a row (only this class writes rounds)
+        self._rounds_lock = threading.Lock()
         self._warned_unverifiable = False
         self.prompts_by_id = {p.id: p for p in prompts}
         self._verifier = None
@@ -96,21 +106,16 @@ class Federation:
     # ----- sessions -------------------------------------------------------------------------
 
     def _node(self, node_id: str, session_id: str, touch: bool = True) -> NodeRow:
-        node = self.state.get_node(node_id)
-        if node is None or node.state == "left" or not session_id or node.session_id != session_id:
-            raise Unauthenticated(f"node {clip(node_id)} has no live session {session_id[:8]!r}...; call Join again")
-        if touch:
-            node = replace(node, last_seen=self.clock(), state="online")
-            try:
-                self.state.upsert_node(node)
-            except (StorageFull, Unavailable):
-                pass  # liveness is best effort: a full disk must not stop the broker serving reads
-        return node
+        if not touch:
+            return self.registry.check(node_id, session_id)
+        return self.registry.touch(node_id, session_id)
 
     def online_nodes(self) -> list[NodeRow]:
-        now = self.clock()
-        return [n for n in self.state.list_nodes()
-                if n.state != "left" and now - n.last_seen < self.cfg.offline_after_s]
+        return self.registry.online()
+
+    def flush_liveness(self) -> int:
+        """Persist the nodes' last-seen times (the server's housekeeping calls it every second)."""
+        return self.registry.flush()
 
     def node_state(self, node: NodeRow) -> str:
         if node.state in ("left", "registered"):
@@ -131,34 +136,40 @@ class Federation:
                                      + ". Use the broker's dataset, seed (the node's run.schedule_seed, or run.seed "
                                      "when that is unset), n, prompts per round and verifier.")
         session = secrets.token_hex(16)
-        with self.cond:
-            prev = self.state.get_node(node_id)
-            self.state.upsert_node(NodeRow(node_id=node_id, model_id=model_id, tokenizer_id=tokenizer_id,
-                                           privacy=privacy, state="online", session_id=session,
-                                           round=self._plausible_round(resume_round), last_seen=self.clock(),
-                                           published=prev.published if prev else 0))
+        with self.cond, self.registry.node_lock(node_id):
+            prev = self.registry.get(node_id)
+            row = NodeRow(node_id=node_id, model_id=model_id, tokenizer_id=tokenizer_id, privacy=privacy,
+                          state="online", session_id=session, round=self._plausible_round(resume_round),
+                          last_seen=self.clock(), published=prev.published if prev else 0)
+            self.state.upsert_node(row)
+            self.registry.remember(row)
             self.counters["joins"] += 1
             self.cond.notify_all()
         log.info("node %s joined (model %s, privacy %s, round %d)", node_id, model_id, privacy, resume_round)
         return session, self.current_round()
 
     def leave(self, node_id: str, session_id: str) -> None:
-        with self.cond:
+        with self.cond, self.registry.node_lock(node_id):
             node = self._node(node_id, session_id, touch=False)
-            self.state.upsert_node(replace(node, state="left", last_seen=self.clock()))
+            row = replace(node, state="left", last_seen=self.clock())
+            self.state.upsert_node(row)
+            self.registry.remember(row)
             self.cond.notify_all()
         log.info("node %s left", node_id)
 
     def heartbeat(self, node_id: str, session_id: str, round: int) -> tuple[int, int]:
-        with self.cond:
-            node = self._node(node_id, session_id)
-            round = self._plausible_round(round)
-            if round > node.round:
-                self.state.upsert_node(replace(node, round=round, last_seen=self.clock(), state="online"))
-        return self.current_round(), len(self.online_nodes())
+        """Never waits for the broker's lock: a session check and a liveness mark in memory
+        (a higher round is written through), then two cached numbers."""
+        self.registry.touch(node_id, session_id, self._plausible_round(round))
+        return self.current_round(), self.registry.online_count()
 
     def current_round(self) -> int:
-        return max(0, self.state.latest_round())
+        return max(0, self._latest_round)
+
+    def _put_round(self, row: RoundRow) -> None:
+        self.state.put_round(row)
+        with self._rounds_lock:
+            self._latest_round = max(self._latest_round, row.round)
 
     def _plausible_round(self, round: int) -> int:
         """A node's claimed round, clamped to at most MAX_ROUNDS_AHEAD past the federation's
@@ -223,11 +234,19 @@ class Federation:
                 if round > self.current_round() + 1000:
                     raise FailedPrecondition(f"round {round} is implausibly far ahead of the federation "
                                              f"(current {self.current_round()})")
-                self.state.put_round(RoundRow(round=round, state="open", opened_at=self.clock()))
+                self._put_round(RoundRow(round=round, state="open", opened_at=self.clock()))
+        # The write happens outside the broker's lock, so that concurrent publishes share one
+        # commit (the state's group commit) and nobody else waits for them; one node's
+        # publishes are serialised (its published count). Acknowledged, and visible to
+        # matching through the index, only once durable.
+        with self.registry.node_lock(node_id):
+            node = self.registry.check(node_id, session_id)
+            row = replace(node, round=max(node.round, round), last_seen=self.clock(), state="online")
             # the summaries and the node's count and round in one transaction
-            accepted, dups = self.state.put_summaries(
-                summaries, node=replace(node, round=max(node.round, round), last_seen=self.clock(), state="online"))
-            self._published_in(round).add(node_id)
+            accepted, dups = self.state.put_summaries(summaries, node=row)
+            self.registry.remember(replace(row, published=row.published + accepted))
+            self.index.add(round, node_id, ((s.prompt_id, s.k) for s in summaries))
+        with self.cond:
             self.counters["summaries"] += accepted
             self.counters["duplicate_summaries"] += dups
             self.cond.notify_all()
@@ -272,7 +291,7 @@ class Federation:
         bad = self.quarantined()
         out = []
         for nid in node_ids:
-            node = self.state.get_node(nid)
+            node = self.registry.get(nid)
             out.append(node is not None and node.privacy != "summaries_only" and nid not in bad)
         return out
 
@@ -304,28 +323,25 @@ class Federation:
         return (not waiting and quorum) or self.clock() - rnd.opened_at >= self.cfg.round_deadline_s
 
     def _published_in(self, round: int) -> set[str]:
-        if round not in self._published:
-            self._published[round] = {s.node_id for s in self.state.summaries(round=round)}
-            for old in [r for r in sorted(self._published) if r != round][:-64]:  # keep the cache small
-                del self._published[old]
-        return self._published[round]
+        return self.index.published(round)
 
     def _match_round(self, round: int) -> None:
         """Synchronous close: select sources for every participant at once (for two nodes,
-        exactly the paper's balanced rule)."""
-        rows = self.state.summaries(round=round)
-        participants = sorted({s.node_id for s in rows})
-        kn = [{s.prompt_id: (s.k, s.n) for s in rows if s.node_id == p} for p in participants]
-        chosen = select_sources(kn, self.cfg.balance == "pairwise", self._compat_index(participants),
-                                self._can_source(participants),
-                                cap=self.cfg.per_receiver_cap if self.cfg.balance == "per_receiver_cap" else None)
-        matches = [MatchRow(round=round, receiver=participants[r], prompt_id=pid, source=participants[s],
-                            source_round=round)
-                   for r, per in enumerate(chosen) for pid, s in sorted(per.items())]
+        exactly the paper's balanced rule): core.exchange.select_sources, computed on the
+        round index's arrays (broker/matching.py; the same choices)."""
+        participants, pids, k = self.index.kn(round)
+        chosen = select_sources_arrays(k, self.cfg.n, self.cfg.balance == "pairwise",
+                                       self._compat_index(participants), self._can_source(participants),
+                                       cap=self.cfg.per_receiver_cap if self.cfg.balance == "per_receiver_cap"
+                                       else None) if pids else []
+        matches = sorted((MatchRow(round=round, receiver=participants[r], prompt_id=pids[c], source=participants[s],
+                                   source_round=round)
+                          for r, (cols, src) in enumerate(chosen) for c, s in zip(cols.tolist(), src.tolist())),
+                         key=lambda m: (m.receiver, m.prompt_id))
         self.state.put_matches(matches)
         rnd = self.state.get_round(round)
         assert rnd is not None
-        self.state.put_round(replace(rnd, state="matched", matched_at=self.clock(), participants=participants))
+        self._put_round(replace(rnd, state="matched", matched_at=self.clock(), participants=participants))
         self.counters["rounds_matched"] += 1
         self.counters["matches"] += len(matches)
         log.info("round %d matched: %d nodes, %d transfers", round, len(participants), len(matches))
@@ -335,20 +351,33 @@ class Federation:
         max_round]: the stored mode (a late joiner) and asynchronous mode. Every candidate
         in this one direction; per prompt the source core.exchange.source_rank prefers (the
         most compatible, then the highest k, then the freshest group)."""
-        mine = {s.prompt_id: (s.k, s.n) for s in self.state.summaries(round=round, node_id=receiver)}
-        fails = [pid for pid, (k, _) in mine.items() if k == 0]
+        fails = self.index.fails(receiver, round)
         if not fails:
             return
+        mine = {pid: (0, self.cfg.n) for pid in fails}
         compat = {c.source: c.mean_s for c in self.state.compat() if c.receiver == receiver and c.groups > 0}
-        rows = [s for s in self.state.summaries(prompt_ids=fails, min_round=min_round)
-                if s.node_id != receiver and s.round <= max_round]
-        nodes = sorted({s.node_id for s in rows})
-        sources_ok = dict(zip(nodes, self._can_source(nodes)))
+        # the other nodes' informative groups for these prompts, from the round index, in the
+        # order the state lists them (round, node): the candidates' order, source_rank's last key
         offers: dict[str, list[tuple[SourceGroup, int]]] = {}
-        for i, s in enumerate(rows):
-            if sources_ok[s.node_id]:
-                offers.setdefault(s.prompt_id, []).append((SourceGroup(source=s.node_id, k=s.k, round=s.round,
-                                                                       order=i), s.n))
+        order = 0
+        with self.index.lock:
+            for r in range(max(min_round, max_round - self.index.keep + 1), max_round + 1):
+                book = self.index.book(r)
+                cols = [(pid, book.cols[pid]) for pid in fails if pid in book.cols]
+                if not cols:
+                    continue
+                nodes = sorted(book.nodes - {receiver})
+                ok = dict(zip(nodes, self._can_source(nodes)))
+                m = book.matrix(nodes)
+                for i, nid in enumerate(nodes):
+                    row = m[i]
+                    for pid, c in cols:
+                        k = int(row[c])
+                        if k >= 0:
+                            order += 1
+                            if ok[nid] and classify(k, self.cfg.n) == "informative":
+                                offers.setdefault(pid, []).append(
+                                    (SourceGroup(source=nid, k=k, round=r, order=order), self.cfg.n))
         best = select_for_receiver(mine, offers, compat)
         self.state.put_matches([MatchRow(round=round, receiver=receiver, prompt_id=pid, source=str(g.source),
                                          source_round=g.round) for pid, g in sorted(best.items())])
@@ -430,18 +459,16 @@ class Federation:
                    for m in matches)
 
     def _complementarity(self, receiver: str, round: int, min_round: int) -> tuple[int, int]:
-        mine = {s.prompt_id: (s.k, s.n) for s in self.state.summaries(round=round, node_id=receiver)}
-        fails = [pid for pid, (k, _) in mine.items() if k == 0]
-        return complementarity(mine, ((s.prompt_id, s.k, s.n)
-                                      for s in self.state.summaries(prompt_ids=fails, min_round=min_round)
-                                      if s.node_id != receiver and s.round <= round))
+        """core.exchange.complementarity of the receiver's all-fail prompts of `round` over the
+        peers' groups of [min_round, round], counted on the round index's arrays."""
+        return self.index.complementarity(receiver, round, min_round)
 
     def _summary(self, node: str, round: int, prompt_id: str) -> SummaryRow | None:
         rows = self.state.summaries(round=round, node_id=node, prompt_ids=[prompt_id])
         return rows[0] if rows else None
 
     def _source_summaries(self, matches: Sequence[MatchRow],
-                          node_id: str | None = None) -> dict[tuple[str, int, str], SummaryRow]:
+                          node_id: str | None = None) -> dict[tuple[str, int, str], SummaryHead]:
         """The source summary of every match, keyed by (node, round, prompt): one indexed query
         per (source, round), which reads exactly the matched rows (not every node's rows for
         the matched prompts)."""
@@ -451,7 +478,7 @@ class Federation:
                 wanted.setdefault((m.source, m.source_round), set()).add(m.prompt_id)
         out = {}
         for (source, rnd), prompt_ids in wanted.items():
-            for s in self.state.summaries(round=rnd, node_id=source, prompt_ids=prompt_ids):
+            for s in self.state.summary_heads(round=rnd, node_id=source, prompt_ids=prompt_ids):
                 out[(s.node_id, s.round, s.prompt_id)] = s
         return out
 
@@ -463,7 +490,7 @@ class Federation:
         for m in matches:
             s = summaries.get((m.source, m.source_round, m.prompt_id))
             if m.source not in sources:
-                sources[m.source] = self.state.get_node(m.source)
+                sources[m.source] = self.registry.get(m.source)
             src = sources[m.source]
             if s is None or src is None:
                 continue
@@ -478,7 +505,7 @@ class Federation:
         return offers
 
     def _upload_requests(self, source: str) -> list[tuple[str, int]]:
-        node = self.state.get_node(source)
+        node = self.registry.get(source)
         if node is None or node.privacy == "summaries_only":
             return []
         # Only a receiver still at the round it was matched in fetches (it waits for uploads
@@ -696,8 +723,8 @@ class Federation:
     # ----- status and retention -------------------------------------------------------------------
 
     def status(self) -> dict:
+        nodes = self.registry.all()
         with self.cond:
-            nodes = self.state.list_nodes()
             now = self.clock()
             exchange = Counter((m.source, m.receiver) for m in self.state.matches())
             compat = {(c.source, c.receiver): c for c in self.state.compat()}
@@ -728,7 +755,10 @@ class Federation:
             keep = self.cfg.keep_rounds
             if keep is not None:
                 latest = self.state.latest_round()
-                rounds = sorted(n.round for n in self.state.list_nodes())
+                rounds = sorted(n.round for n in self.registry.all())
                 agreed = rounds[-2] if len(rounds) >= 2 else latest
                 keep += max(0, latest - max(agreed, 0))
-            return self.state.prune(keep_rounds=keep, max_bundle_bytes=max_bytes)
+            removed = self.state.prune(keep_rounds=keep, max_bundle_bytes=max_bytes)
+            if removed:
+                self.index.clear()  # rebuilt from what the state still holds
+            return removed

@@ -63,7 +63,7 @@ def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndar
     return t
 
 
-def select_sources_arrays(k: np.ndarray, n: np.ndarray, balance: bool,
+def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
                           compat: Mapping[tuple[int, int], float],
                           can_source: Sequence[bool] | None = None,
                           cap: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -71,6 +71,7 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray, balance: bool,
     column order: core.exchange.select_sources' choice (see the module docstring) for the
     (N, P) arrays k and n (k MISSING where a node has no group)."""
     n_nodes = k.shape[0]
+    n = np.broadcast_to(np.asarray(n), k.shape)
     published = k != MISSING
     fail = published & (k == 0)
     inf = published & (k > 0) & (k < n)
