@@ -23,7 +23,7 @@ from graft_fed.broker.matching import select_sources_arrays
 from graft_fed.broker.registry import Registry
 from graft_fed.broker.replay import ReplayGuard
 from graft_fed.broker.roundindex import RoundIndex
-from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow, SummaryHead
+from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow
 from graft_fed.core.exchange import SourceGroup, classify, select_for_receiver
 from graft_fed.core.records import RecordError
 from graft_fed.data.config import load_prompts
@@ -454,9 +454,8 @@ class Federation:
     def _missing_bundles(self, receiver: str, round: int) -> bool:
         """Whether some group the receiver was matched to in `round` has no bundle yet."""
         matches = self.state.matches(round=round, receiver=receiver)
-        summaries = self._source_summaries(matches)
-        return any(not (s := summaries.get((m.source, m.source_round, m.prompt_id))) or not s.bundle_digest
-                   for m in matches)
+        heads = self.state.matched_heads(round, receiver=receiver)
+        return len(heads) < len(matches) or any(not h.bundle_digest for _, h in heads)
 
     def _complementarity(self, receiver: str, round: int, min_round: int) -> tuple[int, int]:
         """core.exchange.complementarity of the receiver's all-fail prompts of `round` over the
@@ -467,41 +466,27 @@ class Federation:
         rows = self.state.summaries(round=round, node_id=node, prompt_ids=[prompt_id])
         return rows[0] if rows else None
 
-    def _source_summaries(self, matches: Sequence[MatchRow],
-                          node_id: str | None = None) -> dict[tuple[str, int, str], SummaryHead]:
-        """The source summary of every match, keyed by (node, round, prompt): one indexed query
-        per (source, round), which reads exactly the matched rows (not every node's rows for
-        the matched prompts)."""
-        wanted: dict[tuple[str, int], set[str]] = {}
-        for m in matches:
-            if node_id is None or m.source == node_id:
-                wanted.setdefault((m.source, m.source_round), set()).add(m.prompt_id)
-        out = {}
-        for (source, rnd), prompt_ids in wanted.items():
-            for s in self.state.summary_heads(round=rnd, node_id=source, prompt_ids=prompt_ids):
-                out[(s.node_id, s.round, s.prompt_id)] = s
-        return out
-
     def _offers(self, receiver: str, round: int) -> list[Offer]:
         offers = []
-        matches = self.state.matches(round=round, receiver=receiver)
-        summaries = self._source_summaries(matches)
         sources: dict[str, NodeRow | None] = {}
-        for m in matches:
-            s = summaries.get((m.source, m.source_round, m.prompt_id))
+        granted = []
+        for m, s in self.state.matched_heads(round, receiver=receiver):  # one indexed join
             if m.source not in sources:
                 sources[m.source] = self.registry.get(m.source)
             src = sources[m.source]
-            if s is None or src is None:
+            if src is None:
                 continue
             if s.bundle_digest:
-                with self._grants_lock:
-                    self._granted.setdefault(s.bundle_digest, set()).add(receiver)
-                    self._granted.move_to_end(s.bundle_digest)
-                    while len(self._granted) > MAX_GRANTS:
-                        self._granted.popitem(last=False)
+                granted.append(s.bundle_digest)
             offers.append(Offer(prompt_id=m.prompt_id, source_node=m.source, source_model=src.model_id,
                                 source_round=m.source_round, k=s.k, n=s.n, digest=s.bundle_digest))
+        if granted:
+            with self._grants_lock:
+                for digest in granted:
+                    self._granted.setdefault(digest, set()).add(receiver)
+                    self._granted.move_to_end(digest)
+                while len(self._granted) > MAX_GRANTS:
+                    self._granted.popitem(last=False)
         return offers
 
     def _upload_requests(self, source: str) -> list[tuple[str, int]]:
@@ -516,14 +501,11 @@ class Federation:
         for n in self.online_nodes():
             if n.node_id != source:
                 waiting.setdefault(n.round, set()).add(n.node_id)
-        matches = [m for r, receivers in sorted(waiting.items())
-                   for m in self.state.matches(round=r, source=source) if m.receiver in receivers]
         out = []
-        summaries = self._source_summaries(matches, node_id=source)
-        for m in matches:
-            s = summaries.get((source, m.source_round, m.prompt_id))
-            if s is not None and not s.bundle_digest:
-                out.append((m.prompt_id, m.source_round))
+        for r, receivers in sorted(waiting.items()):
+            for m, s in self.state.matched_heads(r, source=source):
+                if m.receiver in receivers and not s.bundle_digest:
+                    out.append((m.prompt_id, m.source_round))
         return sorted(set(out))
 
     # ----- bundles ------------------------------------------------------------------------------

@@ -164,6 +164,22 @@ class BrokerState(abc.ABC):
     def matches(self, round: int | None = None, receiver: str | None = None,
                 source: str | None = None) -> list[MatchRow]: ...
 
+    def matched_heads(self, round: int, receiver: str | None = None,
+                      source: str | None = None) -> list[tuple[MatchRow, SummaryHead]]:
+        """The round's matches (filtered like `matches`, same order), each with the head of
+        the source summary it names; a match whose summary is gone (pruned) is left out. This
+        default reads the summaries per (source, round); implementations may join."""
+        matches = self.matches(round=round, receiver=receiver, source=source)
+        wanted: dict[tuple[str, int], set[str]] = {}
+        for m in matches:
+            wanted.setdefault((m.source, m.source_round), set()).add(m.prompt_id)
+        heads = {}
+        for (src, rnd), pids in wanted.items():
+            for h in self.summary_heads(round=rnd, node_id=src, prompt_ids=sorted(pids)):
+                heads[(h.node_id, h.round, h.prompt_id)] = h
+        return [(m, heads[(m.source, m.source_round, m.prompt_id)]) for m in matches
+                if (m.source, m.source_round, m.prompt_id) in heads]
+
     # ----- bundles (content-addressed)
     @abc.abstractmethod
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:

@@ -24,6 +24,8 @@ _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1  # what SQLite's INTEGER holds
 # write. Wrong types raise TypeError, out-of-range values ValueError.
 
 def as_int(value, what: str) -> int:
+    if type(value) is int and _INT_MIN <= value <= _INT_MAX:  # the common case, checked first (publish rates)
+        return value
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an integer, got the bool {value!r}")
     try:
@@ -36,6 +38,8 @@ def as_int(value, what: str) -> int:
 
 
 def as_float(value, what: str) -> float:
+    if type(value) is float:
+        return value
     if isinstance(value, (str, bytes, bytearray)) or value is None:
         raise TypeError(f"{what} must be a number, got {value!r}")
     try:
@@ -45,6 +49,8 @@ def as_float(value, what: str) -> float:
 
 
 def as_str(value, what: str) -> str:
+    if type(value) is str and value.isascii():  # no lone surrogate possible
+        return value
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, got {value!r} ({type(value).__name__})")
     try:
@@ -52,6 +58,22 @@ def as_str(value, what: str) -> str:
     except UnicodeEncodeError:
         raise ValueError(f"{what}={value!r} is not valid Unicode (lone surrogate)") from None
     return str(value)
+
+
+def int_list(values, what: str) -> list[int]:
+    """A fresh list of `as_int` of each value (one pass when they are plain ints already)."""
+    out = list(values)
+    if all(type(v) is int for v in out) and (not out or (_INT_MIN <= min(out) and max(out) <= _INT_MAX)):
+        return out
+    return [as_int(v, what) for v in out]
+
+
+def float_list(values, what: str) -> list[float]:
+    """A fresh list of `as_float` of each value (one pass when they are plain floats already)."""
+    out = list(values)
+    if all(type(v) is float for v in out):
+        return out
+    return [as_float(v, what) for v in out]
 
 
 def norm_node(row: NodeRow) -> NodeRow:
@@ -77,8 +99,8 @@ def norm_summary(row: SummaryRow) -> SummaryRow:
                       n=as_int(row.n, f"{where} n"), k=as_int(row.k, f"{where} k"),
                       reward_mean=as_float(row.reward_mean, f"{where} reward_mean"),
                       reward_std=as_float(row.reward_std, f"{where} reward_std"),
-                      lengths=[as_int(x, f"{where} lengths[]") for x in row.lengths],
-                      mean_logprobs=[as_float(x, f"{where} mean_logprobs[]") for x in row.mean_logprobs],
+                      lengths=int_list(row.lengths, f"{where} lengths[]"),
+                      mean_logprobs=float_list(row.mean_logprobs, f"{where} mean_logprobs[]"),
                       bundle_digest=as_str(row.bundle_digest, f"{where} bundle_digest"))
 
 

@@ -486,16 +486,26 @@ class SqliteState(BrokerState):
     def put_matches(self, rows: Sequence[MatchRow]) -> None:
         batch = [norm_match(r) for r in rows]
         with self._tx() as conn:
-            for m in batch:
-                conn.execute(f"INSERT INTO matches ({_MATCH_COLS}) VALUES (?,?,?,?,?) "
+            conn.executemany(f"INSERT INTO matches ({_MATCH_COLS}) VALUES (?,?,?,?,?) "
                              "ON CONFLICT (round, receiver, prompt_id) DO NOTHING",
-                             (m.round, m.receiver, m.prompt_id, m.source, m.source_round))
+                             [(m.round, m.receiver, m.prompt_id, m.source, m.source_round) for m in batch])
 
     def matches(self, round: int | None = None, receiver: str | None = None,
                 source: str | None = None) -> list[MatchRow]:
         where, params = _filter(round, receiver, source)
         return [MatchRow(*r) for r in self._read(f"SELECT {_MATCH_COLS} FROM matches{where} "
                                                  "ORDER BY round, receiver, prompt_id", params)]
+
+    def matched_heads(self, round: int, receiver: str | None = None,
+                      source: str | None = None) -> list[tuple[MatchRow, SummaryHead]]:
+        where, params = _filter(round, receiver, source)
+        where = where.replace("round =", "m.round =").replace("receiver =", "m.receiver =").replace(
+            "source =", "m.source =")
+        rows = self._read(
+            "SELECT m.round, m.receiver, m.prompt_id, m.source, m.source_round, s.n, s.k, s.bundle_digest "
+            "FROM matches m JOIN summaries s ON s.node_id = m.source AND s.round = m.source_round "
+            f"AND s.prompt_id = m.prompt_id{where} ORDER BY m.round, m.receiver, m.prompt_id", params)
+        return [(MatchRow(*r[:5]), SummaryHead(r[3], r[4], r[2], r[5], r[6], r[7])) for r in rows]
 
     # ----- bundles
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:

@@ -714,3 +714,16 @@ def test_sqlite_group_commit_shares_one_transaction_and_isolates_failures(tmp_pa
             ("b", "p0"), ("b", "p1"), ("d", "p0"), ("e", "p2"), ("e", "p3"), ("e", "p4"), ("lead", "p0")]
     finally:
         s.close()
+
+
+def test_matched_heads_join_matches_to_their_source_summaries(state):
+    state.put_summaries([summ("b", 0, "p0", k=3), summ("b", 0, "p1", k=1), summ("c", 1, "p2", k=2)])
+    state.set_bundle_digest("b", 0, "p1", "d" * 64)
+    state.put_matches([MatchRow(0, "a", "p0", "b", 0), MatchRow(0, "a", "p1", "b", 0), MatchRow(1, "a", "p2", "c", 1),
+                       MatchRow(1, "a", "p9", "c", 1), MatchRow(0, "c", "p0", "b", 0)])  # p9: no summary
+    got = [(m.receiver, m.prompt_id, m.source, h.k, h.n, h.bundle_digest) for m, h in state.matched_heads(0, receiver="a")]
+    assert got == [("a", "p0", "b", 3, 4, ""), ("a", "p1", "b", 1, 4, "d" * 64)]
+    assert [m.prompt_id for m, _ in state.matched_heads(1, receiver="a")] == ["p2"]
+    assert [(m.receiver, m.prompt_id) for m, _ in state.matched_heads(0, source="b")] == [
+        ("a", "p0"), ("a", "p1"), ("c", "p0")]
+    assert state.matched_heads(5) == []
