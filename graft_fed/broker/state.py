@@ -195,6 +195,18 @@ class BrokerState(abc.ABC):
         """(signature, signer certificate DER) stored with a bundle, (b"", b"") when it came
         unsigned, None when the bundle is not held."""
 
+    def read_bundle(self, digest: str, offset: int, length: int) -> bytes | None:
+        """Up to `length` bytes of a bundle from `offset` (b"" past its end), None when the
+        bundle is not held: what a fetch streams, one chunk at a time. This default reads the
+        whole blob; implementations read only the chunk."""
+        data = self.get_bundle(digest)
+        return None if data is None else data[offset:offset + length]
+
+    def bundle_size(self, digest: str) -> int | None:
+        """A held bundle's size in bytes, None when not held."""
+        data = self.get_bundle(digest)
+        return None if data is None else len(data)
+
     @abc.abstractmethod
     def has_bundles(self, digests: Sequence[str]) -> list[str]:
         """The subset of `digests` held, in input order."""

@@ -526,6 +526,30 @@ class SqliteState(BrokerState):
         rows = self._read("SELECT data FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
         return bytes(rows[0][0]) if rows else None
 
+    def read_bundle(self, digest: str, offset: int, length: int) -> bytes | None:
+        digest, offset, length = as_str(digest, "digest"), as_int(offset, "offset"), as_int(length, "length")
+        if offset < 0 or length < 0:
+            raise ValueError(f"offset and length must be >= 0, got {offset}, {length}")
+        with self._lock:
+            rows = self._read("SELECT rowid, size FROM bundles WHERE digest = ?", (digest,))
+            if not rows:
+                return None
+            rowid, size = rows[0]
+            if offset >= size or not length:
+                return b""
+            try:  # incremental blob I/O: only the chunk's pages are read, never the whole bundle
+                with self._conn.blobopen("bundles", "data", rowid, readonly=True) as blob:
+                    blob.seek(offset)
+                    return blob.read(min(length, size - offset))
+            except sqlite3.Error as exc:
+                if not _is_storage_failure(exc):
+                    raise
+                raise self._storage_error(exc, "read") from exc
+
+    def bundle_size(self, digest: str) -> int | None:
+        rows = self._read("SELECT size FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
+        return int(rows[0][0]) if rows else None
+
     def has_bundles(self, digests: Sequence[str]) -> list[str]:
         wanted = norm_digests(digests)
         if not wanted:

@@ -727,3 +727,14 @@ def test_matched_heads_join_matches_to_their_source_summaries(state):
     assert [(m.receiver, m.prompt_id) for m, _ in state.matched_heads(0, source="b")] == [
         ("a", "p0"), ("a", "p1"), ("c", "p0")]
     assert state.matched_heads(5) == []
+
+
+def test_read_bundle_in_chunks(state):
+    data = bytes(range(256)) * 1000
+    state.put_bundle("d" * 64, data)
+    assert state.bundle_size("d" * 64) == len(data) and state.bundle_size("e" * 64) is None
+    chunks = [state.read_bundle("d" * 64, off, 4096) for off in range(0, len(data), 4096)]
+    assert b"".join(chunks) == data and all(len(c) <= 4096 for c in chunks)
+    assert state.read_bundle("d" * 64, len(data), 10) == b"" and state.read_bundle("d" * 64, 5, 0) == b""
+    assert state.read_bundle("d" * 64, len(data) - 3, 10) == data[-3:]
+    assert state.read_bundle("e" * 64, 0, 10) is None
