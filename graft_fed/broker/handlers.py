@@ -93,6 +93,10 @@ class Federation:
         self.registry = Registry(state, clock, cfg.offline_after_s)
         self._latest_round = state.latest_round()  # the highest round with a row (only this class writes rounds)
         self._rounds_lock = threading.Lock()
+        # heavy calls (publishes, matching and answers) take a slot, so that only a few threads
+        # want the interpreter at once and short calls (heartbeats) are served between them
+        self.work = threading.BoundedSemaphore(cfg.work_slots)
+        self._match_lock = threading.Lock()  # one matching at a time; taken before a work slot
         self._warned_unverifiable = False
         self.prompts_by_id = {p.id: p for p in prompts}
         self._verifier = None
@@ -215,6 +219,10 @@ class Federation:
                                   "uploaded")
 
     def publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
+        with self.work:
+            return self._publish(node_id, session_id, round, summaries)
+
+    def _publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
         limit = self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
         if len(summaries) > limit:
             raise ResourceExhausted(f"{len(summaries)} summaries in one publish; at most {limit} per round")
@@ -413,31 +421,8 @@ class Federation:
     def _get_matches(self, node_id: str, session_id: str, round: int, wait_s: float,
                      wait_for_bundles: bool) -> MatchResult:
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
-        with self.cond:
-            self._node(node_id, session_id)
-            if node_id not in self._published_in(round):
-                raise FailedPrecondition(f"node {clip(node_id)} has published nothing for round {round}; "
-                                         "publish its summaries before asking for matches")
-            while True:
-                if self.cfg.mode == "async":
-                    if not self.state.matches(round=round, receiver=node_id):
-                        self._match_one(node_id, round, round - self.cfg.staleness_rounds, round)
-                    break
-                if self._round_ready(round):
-                    rnd = self.state.get_round(round)
-                    assert rnd is not None
-                    if rnd.state != "matched":
-                        self._match_round(round)
-                    elif node_id not in rnd.participants and not self.state.matches(round=round, receiver=node_id):
-                        # published after the round was matched: learn from the stored groups
-                        self._match_one(node_id, round, round, round)
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return MatchResult(ready=False, offers=[], upload_requests=[])
-                rnd = self.state.get_round(round)
-                until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
-                self.cond.wait(timeout=max(0.01, min(remaining, until_deadline, 1.0)))
+        if not self._wait_matched(node_id, session_id, round, deadline):
+            return MatchResult(ready=False, offers=[], upload_requests=[])
         # The answer only reads what matching has written, so it is built outside the lock:
         # with many nodes, publishes and heartbeats no longer queue behind every waiting
         # node's answer (bench/broker/load.py measured heartbeats at seconds).
@@ -446,10 +431,55 @@ class Federation:
                 while self._missing_bundles(node_id, round) and time.monotonic() < deadline:
                     self.cond.wait(timeout=max(0.01, min(deadline - time.monotonic(), 1.0)))
         lo = round - self.cfg.staleness_rounds if self.cfg.mode == "async" else round
-        cands, solved = self._complementarity(node_id, round, lo)
-        return MatchResult(ready=True, offers=self._offers(node_id, round),
-                           upload_requests=self._upload_requests(node_id), candidates=cands,
-                           solved_by_peers=solved)
+        with self.work:
+            cands, solved = self._complementarity(node_id, round, lo)
+            return MatchResult(ready=True, offers=self._offers(node_id, round),
+                               upload_requests=self._upload_requests(node_id), candidates=cands,
+                               solved_by_peers=solved)
+
+    def _wait_matched(self, node_id: str, session_id: str, round: int, deadline: float) -> bool:
+        """Wait until the round is matched for this node, matching it when this call finds it
+        ready; False when the deadline passed first. Matching runs outside the broker's lock,
+        under the match lock and a work slot (always taken in that order, never while holding
+        the broker's lock: a publish holds a slot and then takes the lock briefly)."""
+        action: tuple[str, int] | None = None
+        with self.cond:
+            self._node(node_id, session_id)
+            if node_id not in self._published_in(round):
+                raise FailedPrecondition(f"node {clip(node_id)} has published nothing for round {round}; "
+                                         "publish its summaries before asking for matches")
+            while True:
+                if self.cfg.mode == "async":
+                    if not self.state.matches(round=round, receiver=node_id):
+                        action = ("one", round - self.cfg.staleness_rounds)
+                    break
+                if self._round_ready(round):
+                    rnd = self.state.get_round(round)
+                    assert rnd is not None
+                    if rnd.state != "matched":
+                        action = ("round", round)
+                    elif node_id not in rnd.participants and not self.state.matches(round=round, receiver=node_id):
+                        # published after the round was matched: learn from the stored groups
+                        action = ("one", round)
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                rnd = self.state.get_round(round)
+                until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
+                self.cond.wait(timeout=max(0.01, min(remaining, until_deadline, 1.0)))
+        if action is None:
+            return True
+        with self._match_lock, self.work:  # whoever comes second finds the work done
+            if action[0] == "round":
+                rnd = self.state.get_round(round)
+                if rnd is not None and rnd.state != "matched":
+                    self._match_round(round)
+            elif not self.state.matches(round=round, receiver=node_id):
+                self._match_one(node_id, round, action[1], round)
+        with self.cond:
+            self.cond.notify_all()
+        return True
 
     def _missing_bundles(self, receiver: str, round: int) -> bool:
         """Whether some group the receiver was matched to in `round` has no bundle yet."""
@@ -531,20 +561,22 @@ class Federation:
                                    "(claimed rewards did not re-verify); the operator can release it")
 
     def put_bundle(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str,
-                   data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+                   data: bytes, signature: bytes = b"", signer_cert: bytes = b"", sha256: str | None = None) -> bool:
         """Store a node's bundle. With `signer_cert` (the node's mTLS certificate, DER) a
         signature must verify for this node and digest and is stored with the bytes for
         receivers to check; without a certificate to check it against (no mutual TLS) a
-        signature is dropped and the bundle stored unsigned."""
+        signature is dropped and the bundle stored unsigned. `sha256`: the hex digest of
+        `data` when the caller computed it already (the servicer hashes chunks as they
+        arrive), so the bytes are not hashed again."""
         self.upload_allowed(node_id, session_id)
         quota = self.cfg.max_node_bundle_mib * 2**20
         if quota and self._bundle_bytes[node_id] + len(data) > quota:
             raise ResourceExhausted(f"node {clip(node_id)} exceeded its bundle storage quota of "
                                     f"{self.cfg.max_node_bundle_mib} MiB")
-        if digest_of(data) != digest:
+        if (sha256 if sha256 is not None else digest_of(data)) != digest:
             raise InvalidArgument(f"bundle bytes do not hash to the declared digest {digest[:12]}...")
         try:
-            rec = decode_bundle(data, digest)
+            rec = decode_bundle(data, digest, digest_checked=True)
         except RecordError as exc:
             raise InvalidArgument(f"bundle rejected: {exc}") from None
         if signature and signer_cert:
@@ -589,23 +621,44 @@ class Federation:
     def fetch_bundle(self, node_id: str, session_id: str, digest: str) -> tuple[bytes, bytes, bytes]:
         """(bytes, producer's signature, producer's certificate DER) of a bundle the node was
         matched to; the last two are empty for an unsigned bundle."""
-        if not is_digest(digest):
-            raise InvalidArgument("digest must be 64 lowercase hex digits")
-        with self.cond:
-            self._node(node_id, session_id)
-            with self._grants_lock:
-                granted = node_id in self._granted.get(digest, ())
-            if not granted:
-                if self.state.get_bundle(digest) is None:
-                    raise NotFound(f"no bundle {digest[:12]}...")
-                raise PermissionDenied(f"node {clip(node_id)} was not matched to bundle {digest[:12]}...; ask for "
-                                       "matches first")
-            data = self.state.get_bundle(digest)
-            provenance = self.state.bundle_provenance(digest)
+        self._check_grant(node_id, session_id, digest)
+        data = self.state.get_bundle(digest)
+        provenance = self.state.bundle_provenance(digest)
         if data is None or provenance is None:
             raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
         self.counters["bundle_bytes_out"] += len(data)
         return data, provenance[0], provenance[1]
+
+    def open_bundle(self, node_id: str, session_id: str, digest: str) -> tuple[int, bytes, bytes]:
+        """fetch_bundle without the bytes: (size, signature, certificate DER) of a bundle the
+        node was matched to, whose bytes `read_bundle` then streams a chunk at a time (a
+        fetch holds one chunk in memory, not the bundle)."""
+        self._check_grant(node_id, session_id, digest)
+        size = self.state.bundle_size(digest)
+        provenance = self.state.bundle_provenance(digest)
+        if size is None or provenance is None:
+            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
+        return size, provenance[0], provenance[1]
+
+    def read_bundle(self, digest: str, offset: int, length: int) -> bytes:
+        """One chunk of a bundle `open_bundle` granted; NotFound when it was pruned meanwhile."""
+        data = self.state.read_bundle(digest, offset, length)
+        if data is None:
+            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
+        self.counters["bundle_bytes_out"] += len(data)
+        return data
+
+    def _check_grant(self, node_id: str, session_id: str, digest: str) -> None:
+        if not is_digest(digest):
+            raise InvalidArgument("digest must be 64 lowercase hex digits")
+        self._node(node_id, session_id)
+        with self._grants_lock:
+            granted = node_id in self._granted.get(digest, ())
+        if not granted:
+            if not self.state.has_bundles([digest]):
+                raise NotFound(f"no bundle {digest[:12]}...")
+            raise PermissionDenied(f"node {clip(node_id)} was not matched to bundle {digest[:12]}...; ask for "
+                                   "matches first")
 
     # ----- compatibility -----------------------------------------------------------------------
 
