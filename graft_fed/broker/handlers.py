@@ -13,13 +13,16 @@ import secrets
 import threading
 import time
 import unicodedata
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
 from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.config import BrokerConfig
+from graft_fed.broker.grants import MAX_GRANTS, Grants
 from graft_fed.broker.matching import select_sources_arrays
+from graft_fed.broker.quarantine import quarantined_sources
+from graft_fed.broker.ratelimit import PublishRateLimit
 from graft_fed.broker.registry import Registry
 from graft_fed.broker.replay import ReplayGuard
 from graft_fed.broker.roundindex import RoundIndex
@@ -40,7 +43,6 @@ log = logging.getLogger("graft_fed.broker")
 
 PRIVACY = Privacy.names()
 MAX_SUMMARIES_FACTOR = MAX_PER_ROUND_FACTOR  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
-MAX_GRANTS = 200_000  # bundle digests whose fetch permissions are remembered
 
 
 def _check_id(value: str, what: str, limit: int = MAX_ID_LEN, empty: bool = False) -> None:
@@ -66,7 +68,7 @@ class Federation:
         self.state = state
         self.clock = clock
         self.allowlist = allowlist
-        self._buckets: dict[str, tuple[float, float]] = {}  # node -> (tokens, last refill)
+        self._publish_rate = PublishRateLimit(cfg.max_publishes_per_s)
         # uploaded bytes per node, rebuilt from the durable state (a restart must not reset quotas)
         self._bundle_bytes: Counter[str] = Counter(state.bundle_bytes_by_node())
         prompts = load_prompts(cfg.data)
@@ -79,10 +81,8 @@ class Federation:
             staleness_rounds=cfg.staleness_rounds)
         self.cond = threading.Condition()
         self.counters: Counter[str] = Counter()
-        # bundle digest -> receivers allowed to fetch it; most recent grants last, bounded (a
-        # receiver whose old grant was evicted gets it back by asking for its matches again)
-        self._granted: OrderedDict[str, set[str]] = OrderedDict()
-        self._grants_lock = threading.Lock()  # guards _granted (GetMatches answers outside self.cond)
+        # bundle digest -> receivers allowed to fetch it (what GetMatches offered them)
+        self.grants = Grants(MAX_GRANTS)
         # k per node and prompt of the recent rounds, and who published: what matching,
         # complementarity and round readiness read (rebuilt from the state on a miss, e.g.
         # after a restart), so none of them re-reads and decodes summaries under the lock
@@ -278,22 +278,9 @@ class Federation:
         source's groups it was given, cannot quarantine it alone. Derived from the durable
         compatibility counts, so it survives a restart; the operator's `trusted` list
         exempts a node."""
-        per_source: dict[str, list[tuple[int, int]]] = {}
-        for c in self.state.compat():
-            reported = c.groups + c.rejected
-            if reported:
-                per_source.setdefault(c.source, []).append((c.rejected, reported))
-        rate = self.cfg.quarantine_rejection_rate
-        out = set()
-        for source, pairs in per_source.items():
-            total = sum(n for _, n in pairs)
-            rates = [r / n for r, n in pairs]
-            accusers = sum(1 for x in rates if x >= rate)
-            if (total >= self.cfg.quarantine_min_reports and accusers >= self.cfg.quarantine_min_receivers
-                    and sum(rates) / len(rates) >= rate):
-                if self.allowlist is None or not self.allowlist.is_trusted(source):
-                    out.add(source)
-        return out
+        return quarantined_sources(self.state.compat(), self.cfg.quarantine_rejection_rate,
+                                   self.cfg.quarantine_min_reports, self.cfg.quarantine_min_receivers,
+                                   trusted=self.allowlist.is_trusted if self.allowlist is not None else lambda _: False)
 
     def _can_source(self, node_ids: Sequence[str]) -> list[bool]:
         bad = self.quarantined()
@@ -304,15 +291,7 @@ class Federation:
         return out
 
     def _rate_limit(self, node_id: str) -> None:
-        rate = self.cfg.max_publishes_per_s
-        if not rate:
-            return
-        now = time.monotonic()
-        tokens, last = self._buckets.get(node_id, (4 * rate, now))
-        tokens = min(4 * rate, tokens + (now - last) * rate)
-        if tokens < 1:
-            raise ResourceExhausted(f"node {clip(node_id)} publishes faster than {rate}/s; slow down and retry")
-        self._buckets[node_id] = (tokens - 1, now)
+        self._publish_rate.check(node_id)
 
     def _round_ready(self, round: int) -> bool:
         rnd = self.state.get_round(round)
@@ -511,12 +490,7 @@ class Federation:
             offers.append(Offer(prompt_id=m.prompt_id, source_node=m.source, source_model=src.model_id,
                                 source_round=m.source_round, k=s.k, n=s.n, digest=s.bundle_digest))
         if granted:
-            with self._grants_lock:
-                for digest in granted:
-                    self._granted.setdefault(digest, set()).add(receiver)
-                    self._granted.move_to_end(digest)
-                while len(self._granted) > MAX_GRANTS:
-                    self._granted.popitem(last=False)
+            self.grants.grant(receiver, granted)
         return offers
 
     def _upload_requests(self, source: str) -> list[tuple[str, int]]:
@@ -652,9 +626,7 @@ class Federation:
         if not is_digest(digest):
             raise InvalidArgument("digest must be 64 lowercase hex digits")
         self._node(node_id, session_id)
-        with self._grants_lock:
-            granted = node_id in self._granted.get(digest, ())
-        if not granted:
+        if not self.grants.allowed(node_id, digest):
             if not self.state.has_bundles([digest]):
                 raise NotFound(f"no bundle {digest[:12]}...")
             raise PermissionDenied(f"node {clip(node_id)} was not matched to bundle {digest[:12]}...; ask for "
