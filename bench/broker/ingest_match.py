@@ -23,6 +23,7 @@ the round is ready.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
@@ -57,10 +58,17 @@ class Barrier:
 
 
 def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Path, seed: int,
-                    requests: list[list[pb.PublishRequest]], prompts_path: Path, cell_timeout_s: float) -> dict:
+                    requests: list[list[pb.PublishRequest]], prompts_path: Path, cell_timeout_s: float,
+                    liveness: bool = False, overrides: dict | None = None) -> dict:
     cfg = {"listen": "127.0.0.1:0", "http": "", "db": db, "data": {"source": str(prompts_path)},
            "verifier": {"name": VERIFIER}, "seed": seed, "n": GROUP_N, "prompts_per_round": n_prompts,
            "mode": "sync", "round_deadline_s": 3600.0, "heartbeat_interval_s": 2.0, "offline_after_s": 3600.0}
+    if liveness:  # the broker's defaults (2 s heartbeats, offline after 15 s): a slow broker marks nodes offline
+        cfg["offline_after_s"] = 15.0
+    if n_nodes > 90:  # one waiting GetMatches per node must fit, with threads to spare for the rest
+        cfg["max_long_polls"] = n_nodes + 8
+        cfg["max_workers"] = n_nodes + 64
+    cfg.update(overrides or {})
     server = ChildServer("broker", cfg=cfg)
     prompts = load_prompts(DataConfig(source=str(prompts_path)))
     manifest = Manifest(federation_id="graft-fed", protocol_version=PROTOCOL_VERSION, dataset_id=prompts[0].dataset,
@@ -97,6 +105,7 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
                 t_ready[r][i] = time.perf_counter()
 
         hb_lat: list[float] = []
+        hb_online: list[int] = []
         hb_stop = threading.Event()
 
         def probe() -> None:
@@ -106,11 +115,12 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
             while not hb_stop.wait(0.05):
                 t0 = time.perf_counter()
                 try:
-                    c.stub.Heartbeat(pb.HeartbeatRequest(node_id=c.node_id, session_id=c.session, round=0,
-                                                         tag=new_tag()), timeout=cell_timeout_s)
+                    resp = c.stub.Heartbeat(pb.HeartbeatRequest(node_id=c.node_id, session_id=c.session, round=0,
+                                                                tag=new_tag()), timeout=cell_timeout_s)
                 except grpc.RpcError:
                     continue
                 hb_lat.append(time.perf_counter() - t0)
+                hb_online.append(resp.online_nodes)
 
         prober = threading.Thread(target=probe, daemon=True)
         prober.start()
@@ -135,6 +145,7 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
             "getmatches_calls": sum(sum(p) for p in polls),
             "heartbeats": len(hb_lat), "heartbeat_p50_s": percentile(hb_lat, 50),
             "heartbeat_p99_s": percentile(hb_lat, 99), "heartbeat_max_s": max(hb_lat, default=float("nan")),
+            "online_min": min(hb_online, default=-1), "offline_after_s": cfg["offline_after_s"],
             "servicer": stats}
 
 
@@ -177,6 +188,11 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip cells predicted to overrun this")
     ap.add_argument("--cell-timeout-s", type=float, default=240.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--liveness", action="store_true",
+                    help="the broker's default offline cut-off (15 s) instead of 3600 s; online_min then shows whether "
+                         "any live node was marked offline")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="broker config override (VALUE parsed as JSON when it parses), e.g. --set work_slots=64")
     ap.add_argument("--k-mix", choices=sorted(K_MIX), default="realistic",
                     help="k per group: realistic (30%% all-fail, 50%% informative, 20%% all-pass) or uniform in 0..n")
     ap.add_argument("--name", default=None, help="results file stem (default ingest_match[_quick])")
@@ -184,6 +200,13 @@ def main() -> int:
     if args.quick:
         args.nodes, args.prompts, args.rounds = [2, 4], [32, 128], 2
     backends = ["sqlite", "memory"] if args.db == "both" else [args.db]
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except ValueError:
+            overrides[key] = value
     name = args.name or ("ingest_match_quick" if args.quick else "ingest_match")
     info = machine()
     t_start = time.monotonic()
@@ -221,7 +244,7 @@ def main() -> int:
                 db = ":memory:" if b == "memory" else str(tmp / f"broker-{n_nodes}-{n_prompts}.sqlite")
                 t0 = time.monotonic()
                 res = run_broker_cell(n_nodes, n_prompts, rounds, db, tmp, args.seed, requests, prompts_path,
-                                      args.cell_timeout_s)
+                                      args.cell_timeout_s, liveness=args.liveness, overrides=overrides)
                 res["cell_s"] = time.monotonic() - t0
                 coef[b] = max(coef.get(b, 0.0), max(res["round_s"]) / (n_nodes ** 1.5 * n_prompts))
                 raw_summaries_per_s = cell["raw"]["msgs_per_s"] * n_prompts
@@ -234,24 +257,24 @@ def main() -> int:
                 r = cell[b]
                 line += (f" | {b}: ingest {r['ingest_per_s']:>9,.0f}/s ({r['ratio_vs_raw']:.3f}x raw) match p50 "
                          f"{1e3 * r['match_p50_s']:.1f} ms p99 {1e3 * r['match_p99_s']:.1f} ms hb p99 "
-                         f"{1e3 * r['heartbeat_p99_s']:.1f} ms")
+                         f"{1e3 * r['heartbeat_p99_s']:.1f} ms online min {r['online_min']}/{n_nodes}")
             print(line, flush=True)
     payload = {"machine": info, "command": " ".join(["bench/broker/ingest_match.py", *sys.argv[1:]]),
-               "n": GROUP_N, "backends": backends, "cells": cells, "skipped": skipped,
+               "n": GROUP_N, "backends": backends, "overrides": overrides, "cells": cells, "skipped": skipped,
                "total_s": time.monotonic() - t_start}
     md = [f"### Broker ingest and match latency ({info['date']})", "",
           f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
           f"git {info['git']}. Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}, k mix {args.k_mix}.", "",
           "| nodes | prompts/round | rounds | state | broker ingest (summaries/s) | raw gRPC (summaries/s) | ratio | "
-          "match p50 (ms) | match p99 (ms) | publish p99 (ms) | heartbeat p99 (ms) |",
-          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+          "match p50 (ms) | match p99 (ms) | publish p99 (ms) | heartbeat p99 (ms) | online min |",
+          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         for b in backends:
             r = c[b]
             md.append(f"| {c['nodes']} | {c['prompts']} | {c['rounds']} | {b} | {r['ingest_per_s']:,.0f} | "
                       f"{c['raw']['summaries_per_s']:,.0f} | {r['ratio_vs_raw']:.3f} | {1e3 * r['match_p50_s']:.1f} | "
                       f"{1e3 * r['match_p99_s']:.1f} | {1e3 * r['publish_p99_s']:.1f} | "
-                      f"{1e3 * r['heartbeat_p99_s']:.1f} |")
+                      f"{1e3 * r['heartbeat_p99_s']:.1f} | {r['online_min']}/{c['nodes']} |")
     if skipped:
         md += ["", "Skipped (time budget " + f"{args.budget_s:.0f} s): " + "; ".join(
             f"N={s['nodes']} P={s['prompts']} ({s['why']})" for s in skipped) + "."]
