@@ -93,6 +93,8 @@ class Federation:
         self.registry = Registry(state, clock, cfg.offline_after_s)
         self._latest_round = state.latest_round()  # the highest round with a row (only this class writes rounds)
         self._rounds_lock = threading.Lock()
+        self._rounds: dict[int, RoundRow] = {}  # round rows, written through (only this class writes them)
+        self._ready_memo: dict[tuple[int, int], tuple[float, bool]] = {}
         # heavy calls (publishes, matching and answers) take a slot, so that only a few threads
         # want the interpreter at once and short calls (heartbeats) are served between them
         self.work = threading.BoundedSemaphore(cfg.work_slots)
@@ -174,6 +176,21 @@ class Federation:
         self.state.put_round(row)
         with self._rounds_lock:
             self._latest_round = max(self._latest_round, row.round)
+            self._rounds[row.round] = row
+            if len(self._rounds) > 256:
+                for old in sorted(self._rounds)[:-128]:
+                    del self._rounds[old]
+
+    def _get_round(self, round: int) -> RoundRow | None:
+        """The round's row (a cached copy of the state's; do not mutate it)."""
+        with self._rounds_lock:
+            row = self._rounds.get(round)
+        if row is None:
+            row = self.state.get_round(round)
+            if row is not None:
+                with self._rounds_lock:
+                    self._rounds.setdefault(round, row)
+        return row
 
     def _plausible_round(self, round: int) -> int:
         """A node's claimed round, clamped to at most MAX_ROUNDS_AHEAD past the federation's
@@ -237,7 +254,7 @@ class Federation:
         with self.cond:
             node = self._node(node_id, session_id)
             self._rate_limit(node_id)
-            rnd = self.state.get_round(round)
+            rnd = self._get_round(round)
             if rnd is None:
                 if round > self.current_round() + 1000:
                     raise FailedPrecondition(f"round {round} is implausibly far ahead of the federation "
@@ -294,20 +311,35 @@ class Federation:
         self._publish_rate.check(node_id)
 
     def _round_ready(self, round: int) -> bool:
-        rnd = self.state.get_round(round)
+        rnd = self._get_round(round)
         if rnd is None:
             return False
         if rnd.state == "matched":
             return True
+        if self.clock() - rnd.opened_at >= self.cfg.round_deadline_s:
+            return True
+        # Every waiting GetMatches asks this on every wake-up (each publish wakes them all):
+        # with a thousand nodes, a thousand callers each scanning a thousand nodes per publish.
+        # The answer for a round and a count of publishers is reused for a quarter second
+        # (liveness and rounds change no faster than that matters; a stale "not yet" is
+        # asked again at the next wake-up, at most a second later).
+        count = self.index.published_count(round)
+        key = (round, count)
+        now = time.monotonic()
+        cached = self._ready_memo.get(key)
+        if cached is not None and now - cached[0] < 0.25:
+            return cached[1]
         published = self._published_in(round)
         # Wait for online nodes working near this round: at it, or one behind. One far behind
         # (a late joiner replaying early rounds) is not waited for, and neither is one past it
         # (it will not publish this round any more; and a node claiming a round far ahead
         # must not stall every round until its deadline).
-        waiting = [n.node_id for n in self.online_nodes()
-                   if n.node_id not in published and round - 1 <= n.round <= round]
-        quorum = len(published) >= self.cfg.min_nodes
-        return (not waiting and quorum) or self.clock() - rnd.opened_at >= self.cfg.round_deadline_s
+        waiting = any(n.node_id not in published and round - 1 <= n.round <= round for n in self.online_nodes())
+        ready = not waiting and len(published) >= self.cfg.min_nodes
+        if len(self._ready_memo) > 64:
+            self._ready_memo.clear()
+        self._ready_memo[key] = (now, ready)
+        return ready
 
     def _published_in(self, round: int) -> set[str]:
         return self.index.published(round)
@@ -326,7 +358,7 @@ class Federation:
                           for r, (cols, src) in enumerate(chosen) for c, s in zip(cols.tolist(), src.tolist())),
                          key=lambda m: (m.receiver, m.prompt_id))
         self.state.put_matches(matches)
-        rnd = self.state.get_round(round)
+        rnd = self._get_round(round)
         assert rnd is not None
         self._put_round(replace(rnd, state="matched", matched_at=self.clock(), participants=participants))
         self.counters["rounds_matched"] += 1
@@ -424,7 +456,7 @@ class Federation:
         action: tuple[str, int] | None = None
         with self.cond:
             self._node(node_id, session_id)
-            if node_id not in self._published_in(round):
+            if not self.index.has_published(round, node_id):
                 raise FailedPrecondition(f"node {clip(node_id)} has published nothing for round {round}; "
                                          "publish its summaries before asking for matches")
             while True:
@@ -433,7 +465,7 @@ class Federation:
                         action = ("one", round - self.cfg.staleness_rounds)
                     break
                 if self._round_ready(round):
-                    rnd = self.state.get_round(round)
+                    rnd = self._get_round(round)
                     assert rnd is not None
                     if rnd.state != "matched":
                         action = ("round", round)
@@ -444,14 +476,14 @@ class Federation:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                rnd = self.state.get_round(round)
+                rnd = self._get_round(round)
                 until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
                 self.cond.wait(timeout=max(0.01, min(remaining, until_deadline, 1.0)))
         if action is None:
             return True
         with self._match_lock, self.work:  # whoever comes second finds the work done
             if action[0] == "round":
-                rnd = self.state.get_round(round)
+                rnd = self._get_round(round)
                 if rnd is not None and rnd.state != "matched":
                     self._match_round(round)
             elif not self.state.matches(round=round, receiver=node_id):
@@ -768,4 +800,6 @@ class Federation:
             removed = self.state.prune(keep_rounds=keep, max_bundle_bytes=max_bytes)
             if removed:
                 self.index.clear()  # rebuilt from what the state still holds
+                with self._rounds_lock:
+                    self._rounds.clear()
             return removed

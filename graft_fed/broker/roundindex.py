@@ -125,6 +125,14 @@ class RoundIndex:
         with self.lock:
             return self.book(round).nodes
 
+    def published_count(self, round: int) -> int:
+        with self.lock:
+            return len(self.book(round)._rows)
+
+    def has_published(self, round: int, node_id: str) -> bool:
+        with self.lock:
+            return node_id in self.book(round)._rows
+
     def clear(self) -> None:
         """Forget every book (after retention pruned the state); rebuilt on demand."""
         with self.lock:
