@@ -274,7 +274,12 @@ class Federation:
         with self.cond:
             self.counters["summaries"] += accepted
             self.counters["duplicate_summaries"] += dups
-            self.cond.notify_all()
+            # Wake the waiting long-polls only when this publish may have completed the round:
+            # a thousand waiters woken by each of a thousand publishes is a million wake-ups a
+            # round. They also wake on their own at least once a second (and on housekeeping's
+            # tick), which covers a round closed by its deadline or by a node going offline.
+            if self.cfg.mode != "sync" or self._round_ready(round):
+                self.cond.notify_all()
         return accepted, dups
 
     # ----- matching -----------------------------------------------------------------------------
