@@ -349,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"listen": f"127.0.0.1:{port}", "http": "", "db": str(db), "data": {"source": str(prompts_path)},
            "verifier": {"name": VERIFIER}, "seed": args.seed, "n": GROUP_N, "prompts_per_round": args.prompts,
            "tls_cert": str(c / "broker.pem"), "tls_key": str(c / "broker.key"), "client_ca": str(c / "ca.pem")}
+    if args.nodes > 90:  # one waiting GetMatches per node must fit (docs/deploy.md, "What one broker holds")
+        cfg["max_long_polls"] = args.nodes + 8
+        cfg["max_workers"] = args.nodes + 64
     cfg_path = work / "broker.yaml"
     cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
     manifest = {"federation_id": "graft-fed", "protocol_version": PROTOCOL_VERSION,
