@@ -15,7 +15,7 @@ import time
 import unicodedata
 from collections import Counter
 from dataclasses import replace
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.config import BrokerConfig
@@ -650,6 +650,15 @@ class Federation:
         if size is None or provenance is None:
             raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
         return size, provenance[0], provenance[1]
+
+    def stream_bundle(self, digest: str, chunk: int) -> Iterator[bytes]:
+        """The chunks of a bundle `open_bundle` granted; NotFound when it was pruned meanwhile."""
+        chunks = self.state.iter_bundle(digest, chunk)
+        if chunks is None:
+            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
+        for data in chunks:
+            self.counters["bundle_bytes_out"] += len(data)
+            yield data
 
     def read_bundle(self, digest: str, offset: int, length: int) -> bytes:
         """One chunk of a bundle `open_bundle` granted; NotFound when it was pruned meanwhile."""

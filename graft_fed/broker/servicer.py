@@ -275,15 +275,20 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         try:
             self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
             # one chunk read from the state at a time: memory per fetch is bounded by the chunk
-            for off in range(0, max(1, size), self.chunk):
+            chunks = self.fed.stream_bundle(request.digest, self.chunk)
+            off = 0
+            while True:
                 try:
-                    data = self.fed.read_bundle(request.digest, off, self.chunk)
+                    data = next(chunks, None)
                 except FederationError as exc:
                     code, message = to_status(exc)
                     _abort(context, code, message)
+                if data is None:
+                    break
                 yield pb.BundleChunk(digest=request.digest, total_size=size, offset=off,
                                      data=data, signature=signature if off == 0 else b"",
                                      signer_cert=cert if off == 0 else b"")
+                off += len(data)
         finally:
             hold.__exit__(None, None, None)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from graft_fed.federation.messages import SummaryRow
 
@@ -201,6 +201,17 @@ class BrokerState(abc.ABC):
         whole blob; implementations read only the chunk."""
         data = self.get_bundle(digest)
         return None if data is None else data[offset:offset + length]
+
+    def iter_bundle(self, digest: str, chunk: int) -> Iterator[bytes] | None:
+        """The bundle's bytes in chunks of `chunk` bytes (the last may be shorter; one empty
+        chunk for an empty bundle), None when not held. The chunks are those of the bundle
+        as it was when the iteration started, even if it is pruned meanwhile. This default
+        slices the whole blob (fine for an in-memory state, which holds it anyway);
+        implementations on disk read one chunk at a time."""
+        data = self.get_bundle(digest)
+        if data is None:
+            return None
+        return iter([data[off:off + chunk] for off in range(0, max(1, len(data)), chunk)])
 
     def bundle_size(self, digest: str) -> int | None:
         """A held bundle's size in bytes, None when not held."""

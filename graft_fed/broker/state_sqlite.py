@@ -546,6 +546,42 @@ class SqliteState(BrokerState):
                     raise
                 raise self._storage_error(exc, "read") from exc
 
+    def iter_bundle(self, digest: str, chunk: int) -> Iterator[bytes] | None:
+        """One read-only connection of its own per iteration, holding one blob handle: reads
+        walk the bundle's overflow pages once (a new handle per chunk would walk them from
+        the start every time), see one snapshot (WAL), and never take the state's lock."""
+        digest, chunk = as_str(digest, "digest"), as_int(chunk, "chunk")
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        try:
+            conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False, timeout=30.0)
+        except sqlite3.Error as exc:
+            raise self._storage_error(exc, "read") from exc
+        try:
+            conn.execute("BEGIN")  # one snapshot for the whole bundle
+            row = conn.execute("SELECT rowid, size FROM bundles WHERE digest = ?", (digest,)).fetchone()
+            if row is None:
+                conn.close()
+                return None
+            blob = conn.blobopen("bundles", "data", row[0], readonly=True)
+        except sqlite3.Error as exc:
+            conn.close()
+            if not _is_storage_failure(exc):
+                raise
+            raise self._storage_error(exc, "read") from exc
+        size = row[1]
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                if not size:
+                    yield b""
+                for _ in range(0, size, chunk):
+                    yield blob.read(chunk)
+            finally:
+                blob.close()
+                conn.close()
+        return chunks()
+
     def bundle_size(self, digest: str) -> int | None:
         rows = self._read("SELECT size FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
         return int(rows[0][0]) if rows else None

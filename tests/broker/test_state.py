@@ -738,3 +738,17 @@ def test_read_bundle_in_chunks(state):
     assert state.read_bundle("d" * 64, len(data), 10) == b"" and state.read_bundle("d" * 64, 5, 0) == b""
     assert state.read_bundle("d" * 64, len(data) - 3, 10) == data[-3:]
     assert state.read_bundle("e" * 64, 0, 10) is None
+
+
+def test_iter_bundle_streams_a_snapshot(state):
+    data = bytes(range(256)) * 1000
+    state.put_bundle("d" * 64, data)
+    state.put_bundle("e" * 64, b"")
+    chunks = state.iter_bundle("d" * 64, 4096)
+    first = next(chunks)
+    state.prune(max_bundle_bytes=0)  # pruned while being read: the reader finishes what it started
+    rest = list(chunks)
+    assert first + b"".join(rest) == data and all(len(c) == 4096 for c in rest[:-1])
+    assert state.iter_bundle("d" * 64, 4096) is None and state.iter_bundle("f" * 64, 10) is None
+    state.put_bundle("e" * 64, b"")
+    assert list(state.iter_bundle("e" * 64, 10)) == [b""]
