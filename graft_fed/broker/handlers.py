@@ -642,7 +642,7 @@ class Federation:
 
     def open_bundle(self, node_id: str, session_id: str, digest: str) -> tuple[int, bytes, bytes]:
         """fetch_bundle without the bytes: (size, signature, certificate DER) of a bundle the
-        node was matched to, whose bytes `read_bundle` then streams a chunk at a time (a
+        node was matched to, whose bytes `stream_bundle` then yields a chunk at a time (a
         fetch holds one chunk in memory, not the bundle)."""
         self._check_grant(node_id, session_id, digest)
         size = self.state.bundle_size(digest)
@@ -659,14 +659,6 @@ class Federation:
         for data in chunks:
             self.counters["bundle_bytes_out"] += len(data)
             yield data
-
-    def read_bundle(self, digest: str, offset: int, length: int) -> bytes:
-        """One chunk of a bundle `open_bundle` granted; NotFound when it was pruned meanwhile."""
-        data = self.state.read_bundle(digest, offset, length)
-        if data is None:
-            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
-        self.counters["bundle_bytes_out"] += len(data)
-        return data
 
     def _check_grant(self, node_id: str, session_id: str, digest: str) -> None:
         if not is_digest(digest):
