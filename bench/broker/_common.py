@@ -24,14 +24,36 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RAW_SERVICE = "graftbench.Raw"
 
 
-def make_summaries(rng: random.Random, prompt_ids: list[str], round: int, n: int) -> list:
-    """Random but well-formed group summaries (k of n correct, per-response lengths and
-    mean log-probs) for one round: the load the broker benches publish."""
+# Share of groups that are all-fail, informative and all-pass in a round. Real rounds are
+# not uniform in k (which makes only 2 of n + 1 outcomes uninformative): issue 13's external
+# load client and the miniature runs see about 30% all-fail, 50% informative, 20% all-pass.
+# The number of all-fail x informative pairs is what drives matching's cost, so the benches
+# publish this mix unless told otherwise (`uniform` reproduces the older tables).
+K_MIX = {"realistic": (0.3, 0.5, 0.2), "uniform": None}
+
+
+def draw_k(rng: random.Random, n: int, mix: tuple[float, float, float] | None = K_MIX["realistic"]) -> int:
+    """One group's successes: uniform in 0..n (mix None), or all-fail / informative
+    (uniform in 1..n-1) / all-pass with the mix's probabilities."""
+    if mix is None:
+        return rng.randint(0, n)
+    u = rng.random()
+    if u < mix[0]:
+        return 0
+    if u < mix[0] + mix[1] and n > 1:
+        return rng.randint(1, n - 1)
+    return n
+
+
+def make_summaries(rng: random.Random, prompt_ids: list[str], round: int, n: int,
+                   mix: tuple[float, float, float] | None = K_MIX["realistic"]) -> list:
+    """Random but well-formed group summaries (k of n correct, drawn with `mix`, per-response
+    lengths and mean log-probs) for one round: the load the broker benches publish."""
     from graft_fed.proto import broker_pb2 as pb
 
     out = []
     for pid in prompt_ids:
-        k = rng.randint(0, n)
+        k = draw_k(rng, n, mix)
         p = k / n
         out.append(pb.GroupSummary(prompt_id=pid, round=round, policy_version=round, n=n, k=k, reward_mean=p,
                                    reward_std=math.sqrt(p * (1 - p)),

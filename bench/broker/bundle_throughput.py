@@ -64,7 +64,7 @@ def make_record(prompt, size: int, rng: random.Random) -> GroupRecord:
 
 def summary_of(rec: GroupRecord, round: int, k: int | None = None) -> pb.GroupSummary:
     k = rec.k if k is None else k
-    return pb.GroupSummary(prompt_id=rec.prompt_id, round=round, policy_version=round, n=N, k=k, reward_mean=k / N,
+    return pb.GroupSummary(prompt_id=rec.prompt_id, round=round, policy_version=rec.step, n=N, k=k, reward_mean=k / N,
                            reward_std=math.sqrt(k / N * (1 - k / N)), lengths=list(rec.lengths),
                            mean_logprobs=list(rec.mean_logprobs))
 

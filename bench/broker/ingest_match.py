@@ -3,6 +3,7 @@
 A real BrokerServer (SqliteState in a temp dir, or `--db memory`) runs in a child process
 on 127.0.0.1:0 (its own GIL, as a deployed broker has); N node threads, each its own
 BrokerClient, join and, for R rounds, publish P summaries each (random k in 0..n, n = 8,
+k drawn from --k-mix: by default 30% all-fail, 50% informative, 20% all-pass, as real rounds have;
 random lengths and negative mean log-probs) at a barrier, then long-poll GetMatches until
 the round is ready.
 
@@ -22,6 +23,7 @@ the round is ready.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from _common import RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, write_prompts, write_results  # noqa: E402
+from _common import K_MIX, RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, write_prompts, write_results  # noqa: E402
 from graft_fed.federation.transport import grpc_options  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version  # noqa: E402
@@ -56,10 +58,17 @@ class Barrier:
 
 
 def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Path, seed: int,
-                    requests: list[list[pb.PublishRequest]], prompts_path: Path, cell_timeout_s: float) -> dict:
+                    requests: list[list[pb.PublishRequest]], prompts_path: Path, cell_timeout_s: float,
+                    liveness: bool = False, overrides: dict | None = None) -> dict:
     cfg = {"listen": "127.0.0.1:0", "http": "", "db": db, "data": {"source": str(prompts_path)},
            "verifier": {"name": VERIFIER}, "seed": seed, "n": GROUP_N, "prompts_per_round": n_prompts,
            "mode": "sync", "round_deadline_s": 3600.0, "heartbeat_interval_s": 2.0, "offline_after_s": 3600.0}
+    if liveness:  # the broker's defaults (2 s heartbeats, offline after 15 s): a slow broker marks nodes offline
+        cfg["offline_after_s"] = 15.0
+    if n_nodes > 90:  # one waiting GetMatches per node must fit, with threads to spare for the rest
+        cfg["max_long_polls"] = n_nodes + 8
+        cfg["max_workers"] = n_nodes + 64
+    cfg.update(overrides or {})
     server = ChildServer("broker", cfg=cfg)
     prompts = load_prompts(DataConfig(source=str(prompts_path)))
     manifest = Manifest(federation_id="graft-fed", protocol_version=PROTOCOL_VERSION, dataset_id=prompts[0].dataset,
@@ -95,7 +104,31 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
                         break
                 t_ready[r][i] = time.perf_counter()
 
-        run_threads(node, n_nodes, cell_timeout_s * rounds, barrier)
+        hb_lat: list[float] = []
+        hb_online: list[int] = []
+        hb_stop = threading.Event()
+
+        def probe() -> None:
+            # Heartbeats sampled every 50 ms through the whole cell (publishes and matching
+            # included): what a node's liveness waits for while the broker is busy.
+            c = clients[0]
+            while not hb_stop.wait(0.05):
+                t0 = time.perf_counter()
+                try:
+                    resp = c.stub.Heartbeat(pb.HeartbeatRequest(node_id=c.node_id, session_id=c.session, round=0,
+                                                                tag=new_tag()), timeout=cell_timeout_s)
+                except grpc.RpcError:
+                    continue
+                hb_lat.append(time.perf_counter() - t0)
+                hb_online.append(resp.online_nodes)
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        try:
+            run_threads(node, n_nodes, cell_timeout_s * rounds, barrier)
+        finally:
+            hb_stop.set()
+            prober.join(timeout=cell_timeout_s)
         stats = server.rpc_stats()
     finally:
         for c in clients:
@@ -110,6 +143,9 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
             "publish_p50_s": percentile(publish_lat, 50), "publish_p99_s": percentile(publish_lat, 99),
             "round_s": [max(t_ready[r]) - min(t_send[r]) for r in range(rounds)],
             "getmatches_calls": sum(sum(p) for p in polls),
+            "heartbeats": len(hb_lat), "heartbeat_p50_s": percentile(hb_lat, 50),
+            "heartbeat_p99_s": percentile(hb_lat, 99), "heartbeat_max_s": max(hb_lat, default=float("nan")),
+            "online_min": min(hb_online, default=-1), "offline_after_s": cfg["offline_after_s"],
             "servicer": stats}
 
 
@@ -152,11 +188,25 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip cells predicted to overrun this")
     ap.add_argument("--cell-timeout-s", type=float, default=240.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--liveness", action="store_true",
+                    help="the broker's default offline cut-off (15 s) instead of 3600 s; online_min then shows whether "
+                         "any live node was marked offline")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="broker config override (VALUE parsed as JSON when it parses), e.g. --set work_slots=64")
+    ap.add_argument("--k-mix", choices=sorted(K_MIX), default="realistic",
+                    help="k per group: realistic (30%% all-fail, 50%% informative, 20%% all-pass) or uniform in 0..n")
     ap.add_argument("--name", default=None, help="results file stem (default ingest_match[_quick])")
     args = ap.parse_args()
     if args.quick:
         args.nodes, args.prompts, args.rounds = [2, 4], [32, 128], 2
     backends = ["sqlite", "memory"] if args.db == "both" else [args.db]
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except ValueError:
+            overrides[key] = value
     name = args.name or ("ingest_match_quick" if args.quick else "ingest_match")
     info = machine()
     t_start = time.monotonic()
@@ -184,17 +234,17 @@ def main() -> int:
             ids = [p.id for p in load_prompts(DataConfig(source=str(prompts_path)))]
             rng = random.Random(args.seed * 1000003 + n_nodes * 7919 + n_prompts)
             requests = [[pb.PublishRequest(node_id=f"node{i:02d}", session_id="x" * 32, round=r,
-                                           summaries=make_summaries(rng, ids, r, GROUP_N)) for r in range(rounds)]
+                                           summaries=make_summaries(rng, ids, r, GROUP_N, K_MIX[args.k_mix])) for r in range(rounds)]
                         for i in range(n_nodes)]
             payloads = [[req.SerializeToString() for req in per] for per in requests]
-            cell: dict = {"nodes": n_nodes, "prompts": n_prompts, "rounds": rounds,
+            cell: dict = {"nodes": n_nodes, "prompts": n_prompts, "rounds": rounds, "k_mix": args.k_mix,
                           "publish_bytes": len(payloads[0][0])}
             cell["raw"] = run_raw_cell(n_nodes, rounds, payloads, args.cell_timeout_s)
             for b in backends:
                 db = ":memory:" if b == "memory" else str(tmp / f"broker-{n_nodes}-{n_prompts}.sqlite")
                 t0 = time.monotonic()
                 res = run_broker_cell(n_nodes, n_prompts, rounds, db, tmp, args.seed, requests, prompts_path,
-                                      args.cell_timeout_s)
+                                      args.cell_timeout_s, liveness=args.liveness, overrides=overrides)
                 res["cell_s"] = time.monotonic() - t0
                 coef[b] = max(coef.get(b, 0.0), max(res["round_s"]) / (n_nodes ** 1.5 * n_prompts))
                 raw_summaries_per_s = cell["raw"]["msgs_per_s"] * n_prompts
@@ -206,23 +256,25 @@ def main() -> int:
             for b in backends:
                 r = cell[b]
                 line += (f" | {b}: ingest {r['ingest_per_s']:>9,.0f}/s ({r['ratio_vs_raw']:.3f}x raw) match p50 "
-                         f"{1e3 * r['match_p50_s']:.1f} ms p99 {1e3 * r['match_p99_s']:.1f} ms")
+                         f"{1e3 * r['match_p50_s']:.1f} ms p99 {1e3 * r['match_p99_s']:.1f} ms hb p99 "
+                         f"{1e3 * r['heartbeat_p99_s']:.1f} ms online min {r['online_min']}/{n_nodes}")
             print(line, flush=True)
     payload = {"machine": info, "command": " ".join(["bench/broker/ingest_match.py", *sys.argv[1:]]),
-               "n": GROUP_N, "backends": backends, "cells": cells, "skipped": skipped,
+               "n": GROUP_N, "backends": backends, "overrides": overrides, "cells": cells, "skipped": skipped,
                "total_s": time.monotonic() - t_start}
     md = [f"### Broker ingest and match latency ({info['date']})", "",
           f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
-          f"git {info['git']}. Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}.", "",
+          f"git {info['git']}. Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}, k mix {args.k_mix}.", "",
           "| nodes | prompts/round | rounds | state | broker ingest (summaries/s) | raw gRPC (summaries/s) | ratio | "
-          "match p50 (ms) | match p99 (ms) | publish p99 (ms) |",
-          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+          "match p50 (ms) | match p99 (ms) | publish p99 (ms) | heartbeat p99 (ms) | online min |",
+          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         for b in backends:
             r = c[b]
             md.append(f"| {c['nodes']} | {c['prompts']} | {c['rounds']} | {b} | {r['ingest_per_s']:,.0f} | "
                       f"{c['raw']['summaries_per_s']:,.0f} | {r['ratio_vs_raw']:.3f} | {1e3 * r['match_p50_s']:.1f} | "
-                      f"{1e3 * r['match_p99_s']:.1f} | {1e3 * r['publish_p99_s']:.1f} |")
+                      f"{1e3 * r['match_p99_s']:.1f} | {1e3 * r['publish_p99_s']:.1f} | "
+                      f"{1e3 * r['heartbeat_p99_s']:.1f} | {r['online_min']}/{c['nodes']} |")
     if skipped:
         md += ["", "Skipped (time budget " + f"{args.budget_s:.0f} s): " + "; ".join(
             f"N={s['nodes']} P={s['prompts']} ({s['why']})" for s in skipped) + "."]

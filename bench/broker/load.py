@@ -270,7 +270,7 @@ def summarise_latencies(nodes: dict) -> dict:
 def markdown(payload: dict) -> str:
     a, info, v = payload["args"], payload["machine"], payload["verify"]
     lines = [f"### Broker load: {a['nodes']} nodes x {a['prompts']} summaries per round, {a['duration']:.0f} s, "
-             f"restart at {a['restart_at']:.0f} s ({info['date']})", "",
+             "restart at " + ", ".join(f"{t:.0f}" for t in a["restart_at"]) + f" s ({info['date']})", "",
              f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
              f"git {info['git']}. Command: `{payload['command']}`.", "",
              f"- mutual TLS on 127.0.0.1, {a['procs']} node processes, broker defaults (sync, pairwise, SQLite "
@@ -280,7 +280,10 @@ def markdown(payload: dict) -> str:
              f"- broker restart: SIGKILL at {payload['restart']['killed_at_s']:.1f} s, listening again after "
              f"{payload['restart']['start_s']:.2f} s (process start + state open + quick_check on a "
              f"{payload['restart']['db_mib_at_restart']:.0f} MiB file); "
-             f"{payload['restart']['publishes_acknowledged_after']:,} publishes acknowledged after it",
+             f"{payload['restart']['publishes_acknowledged_after']:,} publishes acknowledged after it"
+             + "".join(f"; then SIGKILL at {r['killed_at_s']:.1f} s, listening again after {r['start_s']:.2f} s "
+                       f"({r['db_mib_at_restart']:.0f} MiB), {r['publishes_acknowledged_after']:,} publishes "
+                       "acknowledged after it" for r in payload["restarts"][1:]),
              f"- rounds matched: {v['rounds_matched']}; rounds completed per node: min {payload['rounds']['min']}, "
              f"median {payload['rounds']['median']}, max {payload['rounds']['max']}",
              f"- summaries acknowledged: {v['acknowledged_summaries']:,}; held by the broker: {v['rows']:,} "
@@ -312,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=256, help="summaries per node and round")
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
-    ap.add_argument("--restart-at", type=float, default=None, help="SIGKILL + restart the broker at this second "
-                                                                     "(default: half the duration; < 0 = never)")
+    ap.add_argument("--restart-at", type=float, nargs="*", default=None,
+                    help="SIGKILL + restart the broker at each of these seconds (default: half the duration; "
+                         "< 0 = never)")
     ap.add_argument("--procs", type=int, default=4, help="node worker processes (nodes are threads in them)")
     ap.add_argument("--sample-s", type=float, default=2.0, help="RSS / load sampling interval")
     ap.add_argument("--rpc-timeout-s", type=float, default=30.0)
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--keep", action="store_true", help="keep the work directory (certs, db, broker.log)")
     args = ap.parse_args(argv)
-    restart_at = args.duration / 2 if args.restart_at is None else args.restart_at
+    restart_at = [args.duration / 2] if args.restart_at is None else args.restart_at
     info = machine()
     from graft_fed.data.config import DataConfig, load_prompts
     from graft_fed.federation import certs
@@ -345,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"listen": f"127.0.0.1:{port}", "http": "", "db": str(db), "data": {"source": str(prompts_path)},
            "verifier": {"name": VERIFIER}, "seed": args.seed, "n": GROUP_N, "prompts_per_round": args.prompts,
            "tls_cert": str(c / "broker.pem"), "tls_key": str(c / "broker.key"), "client_ca": str(c / "ca.pem")}
+    if args.nodes > 90:  # one waiting GetMatches per node must fit (docs/deploy.md, "What one broker holds")
+        cfg["max_long_polls"] = args.nodes + 8
+        cfg["max_workers"] = args.nodes + 64
     cfg_path = work / "broker.yaml"
     cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
     manifest = {"federation_id": "graft-fed", "protocol_version": PROTOCOL_VERSION,
@@ -386,17 +393,23 @@ def main(argv: list[str] | None = None) -> int:
         end.value = time.time() + args.duration
         go.set()
         sampler.start()
-        restart = {"killed_at_s": float("nan"), "start_s": float("nan"), "db_mib_at_restart": float("nan"),
-                   "killed_at_unix": float("nan")}
-        if 0 <= restart_at < args.duration:
-            time.sleep(max(0.0, restart_at - (time.monotonic() - t_start)))
+        restarts = []
+        for at in sorted(t for t in restart_at if 0 <= t < args.duration):
+            restart = {"killed_at_s": float("nan"), "start_s": float("nan"), "db_mib_at_restart": float("nan"),
+                       "killed_at_unix": float("nan")}
+            time.sleep(max(0.0, at - (time.monotonic() - t_start)))
             restart["killed_at_s"] = time.monotonic() - t_start
             restart["killed_at_unix"] = time.time()
             broker.kill()
             restart["db_mib_at_restart"] = sum(os.path.getsize(p) for p in work.glob("broker.sqlite*")) / 2**20
             restart["start_s"] = broker.start()
+            restarts.append(restart)
             print(f"broker SIGKILLed at {restart['killed_at_s']:.1f} s, listening again after "
                   f"{restart['start_s']:.2f} s", flush=True)
+        if not restarts:
+            restarts.append({"killed_at_s": float("nan"), "start_s": float("nan"), "db_mib_at_restart": float("nan"),
+                             "killed_at_unix": float("nan")})
+        restart = restarts[0]
         nodes: dict = {}
         deadline = time.monotonic() + args.duration + 4 * args.rpc_timeout_s + 120
         for _ in procs:
@@ -413,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         code = broker.stop()
         broker.log.close()
     v = verify(db, nodes, args.prompts)
-    restart["publishes_acknowledged_after"] = sum(1 for r in nodes.values() for a in r["acked"].values()
-                                                  if a[2] > restart["killed_at_unix"])
+    for r_ in restarts:
+        r_["publishes_acknowledged_after"] = sum(1 for r in nodes.values() for a in r["acked"].values()
+                                                 if a[2] > r_["killed_at_unix"])
     lives = []
     for life in range(len(broker.lives)):
         xs = [s["rss_kib"] / 1024 for s in samples if s["life"] == life]
@@ -427,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         errors.update(r["errors"])
     payload = {
         "machine": info, "command": " ".join(["bench/broker/load.py", *(argv if argv is not None else sys.argv[1:])]),
-        "args": {**vars(args), "restart_at": restart_at}, "broker_exit_code": code, "restart": restart,
+        "args": {**vars(args), "restart_at": restart_at}, "broker_exit_code": code, "restart": restart, "restarts": restarts,
         "verify": v, "latency": summarise_latencies(nodes), "errors": dict(errors),
         "rounds": {"min": rounds[0], "median": rounds[len(rounds) // 2], "max": rounds[-1]},
         "retries": sum(r["retries"] for r in nodes.values()), "joins": sum(r["joins"] for r in nodes.values()),

@@ -107,6 +107,11 @@ class BrokerConfig:
     #: heartbeats and the other short calls always find a thread, and at or above the
     #: number of nodes (each graft-fed node has one waiting at a time).
     max_long_polls: int = 96
+    #: Calls doing heavy CPU work at once (decoding, validating and writing a publish;
+    #: matching a round and building a GetMatches answer); the others wait for a slot,
+    #: blocked. Python runs one thread at a time, so dozens of such calls at once only make
+    #: every call, heartbeats included, wait its turn among them for the interpreter.
+    work_slots: int = 2
     #: Largest gRPC message accepted or sent, MiB (both directions, set explicitly).
     max_message_mib: int = 16
     #: Bundle chunk size, KiB.
@@ -136,6 +141,7 @@ class BrokerConfig:
         require(self.quarantine_min_reports >= 1, "broker.quarantine_min_reports must be >= 1")
         require(self.quarantine_min_receivers >= 1, "broker.quarantine_min_receivers must be >= 1")
         require(self.max_workers >= 8, "broker.max_workers must be >= 8")
+        require(self.work_slots >= 1, "broker.work_slots must be >= 1")
         require(1 <= self.max_long_polls <= self.max_workers - 4,
                 "broker.max_long_polls must be >= 1 and leave at least 4 of max_workers to other calls")
         require(self.max_publishes_per_s >= 0, "broker.max_publishes_per_s must be >= 0 (0 = off)")

@@ -13,20 +13,26 @@ import secrets
 import threading
 import time
 import unicodedata
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import replace
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.config import BrokerConfig
+from graft_fed.broker.grants import MAX_GRANTS, Grants
+from graft_fed.broker.matching import select_sources_arrays
+from graft_fed.broker.quarantine import quarantined_sources
+from graft_fed.broker.ratelimit import PublishRateLimit
+from graft_fed.broker.registry import Registry
 from graft_fed.broker.replay import ReplayGuard
+from graft_fed.broker.roundindex import RoundIndex
 from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow
-from graft_fed.core.exchange import SourceGroup, complementarity, select_for_receiver, select_sources
+from graft_fed.core.exchange import SourceGroup, classify, select_for_receiver
 from graft_fed.core.records import RecordError
 from graft_fed.data.config import load_prompts
 from graft_fed.federation.bundles import decode_bundle, digest_of, is_digest
 from graft_fed.federation.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-                                         ResourceExhausted, StorageFull, Unauthenticated, Unavailable)
+                                         ResourceExhausted)
 from graft_fed.federation.limits import (MAX_DIGESTS_PER_CALL, MAX_ID_LEN, MAX_LONG_POLLS_PER_NODE, MAX_PER_ROUND_FACTOR,
                                          MAX_ROUNDS_AHEAD, MAX_TOKENIZER_ID_LEN, MIN_MEAN_LOGPROB, clip)
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, differences, verifier_version
@@ -37,7 +43,6 @@ log = logging.getLogger("graft_fed.broker")
 
 PRIVACY = Privacy.names()
 MAX_SUMMARIES_FACTOR = MAX_PER_ROUND_FACTOR  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
-MAX_GRANTS = 200_000  # bundle digests whose fetch permissions are remembered
 
 
 def _check_id(value: str, what: str, limit: int = MAX_ID_LEN, empty: bool = False) -> None:
@@ -63,7 +68,7 @@ class Federation:
         self.state = state
         self.clock = clock
         self.allowlist = allowlist
-        self._buckets: dict[str, tuple[float, float]] = {}  # node -> (tokens, last refill)
+        self._publish_rate = PublishRateLimit(cfg.max_publishes_per_s)
         # uploaded bytes per node, rebuilt from the durable state (a restart must not reset quotas)
         self._bundle_bytes: Counter[str] = Counter(state.bundle_bytes_by_node())
         prompts = load_prompts(cfg.data)
@@ -76,13 +81,24 @@ class Federation:
             staleness_rounds=cfg.staleness_rounds)
         self.cond = threading.Condition()
         self.counters: Counter[str] = Counter()
-        # bundle digest -> receivers allowed to fetch it; most recent grants last, bounded (a
-        # receiver whose old grant was evicted gets it back by asking for its matches again)
-        self._granted: OrderedDict[str, set[str]] = OrderedDict()
-        self._grants_lock = threading.Lock()  # guards _granted (GetMatches answers outside self.cond)
-        # round -> nodes that published in it; a cache of the state (rebuilt on a miss, e.g.
-        # after a restart) so that waking long-polls do not re-read every summary of the round
-        self._published: dict[int, set[str]] = {}
+        # bundle digest -> receivers allowed to fetch it (what GetMatches offered them)
+        self.grants = Grants(MAX_GRANTS)
+        # k per node and prompt of the recent rounds, and who published: what matching,
+        # complementarity and round readiness read (rebuilt from the state on a miss, e.g.
+        # after a restart), so none of them re-reads and decodes summaries under the lock
+        self.index = RoundIndex(cfg.n, lambda r: self.state.summary_heads(round=r),
+                                keep=max(16, 2 * cfg.staleness_rounds + 4))
+        # node rows in memory (sessions, liveness), written through to the state: a heartbeat
+        # checks and marks a session without the broker's lock or a disk write
+        self.registry = Registry(state, clock, cfg.offline_after_s)
+        self._latest_round = state.latest_round()  # the highest round with a row (only this class writes rounds)
+        self._rounds_lock = threading.Lock()
+        self._rounds: dict[int, RoundRow] = {}  # round rows, written through (only this class writes them)
+        self._ready_memo: dict[tuple[int, int], tuple[float, bool]] = {}
+        # heavy calls (publishes, matching and answers) take a slot, so that only a few threads
+        # want the interpreter at once and short calls (heartbeats) are served between them
+        self.work = threading.BoundedSemaphore(cfg.work_slots)
+        self._match_lock = threading.Lock()  # one matching at a time; taken before a work slot
         self._warned_unverifiable = False
         self.prompts_by_id = {p.id: p for p in prompts}
         self._verifier = None
@@ -96,21 +112,16 @@ class Federation:
     # ----- sessions -------------------------------------------------------------------------
 
     def _node(self, node_id: str, session_id: str, touch: bool = True) -> NodeRow:
-        node = self.state.get_node(node_id)
-        if node is None or node.state == "left" or not session_id or node.session_id != session_id:
-            raise Unauthenticated(f"node {clip(node_id)} has no live session {session_id[:8]!r}...; call Join again")
-        if touch:
-            node = replace(node, last_seen=self.clock(), state="online")
-            try:
-                self.state.upsert_node(node)
-            except (StorageFull, Unavailable):
-                pass  # liveness is best effort: a full disk must not stop the broker serving reads
-        return node
+        if not touch:
+            return self.registry.check(node_id, session_id)
+        return self.registry.touch(node_id, session_id)
 
     def online_nodes(self) -> list[NodeRow]:
-        now = self.clock()
-        return [n for n in self.state.list_nodes()
-                if n.state != "left" and now - n.last_seen < self.cfg.offline_after_s]
+        return self.registry.online()
+
+    def flush_liveness(self) -> int:
+        """Persist the nodes' last-seen times (the server's housekeeping calls it every second)."""
+        return self.registry.flush()
 
     def node_state(self, node: NodeRow) -> str:
         if node.state in ("left", "registered"):
@@ -131,34 +142,55 @@ class Federation:
                                      + ". Use the broker's dataset, seed (the node's run.schedule_seed, or run.seed "
                                      "when that is unset), n, prompts per round and verifier.")
         session = secrets.token_hex(16)
-        with self.cond:
-            prev = self.state.get_node(node_id)
-            self.state.upsert_node(NodeRow(node_id=node_id, model_id=model_id, tokenizer_id=tokenizer_id,
-                                           privacy=privacy, state="online", session_id=session,
-                                           round=self._plausible_round(resume_round), last_seen=self.clock(),
-                                           published=prev.published if prev else 0))
+        with self.cond, self.registry.node_lock(node_id):
+            prev = self.registry.get(node_id)
+            row = NodeRow(node_id=node_id, model_id=model_id, tokenizer_id=tokenizer_id, privacy=privacy,
+                          state="online", session_id=session, round=self._plausible_round(resume_round),
+                          last_seen=self.clock(), published=prev.published if prev else 0)
+            self.state.upsert_node(row)
+            self.registry.remember(row)
             self.counters["joins"] += 1
             self.cond.notify_all()
         log.info("node %s joined (model %s, privacy %s, round %d)", node_id, model_id, privacy, resume_round)
         return session, self.current_round()
 
     def leave(self, node_id: str, session_id: str) -> None:
-        with self.cond:
+        with self.cond, self.registry.node_lock(node_id):
             node = self._node(node_id, session_id, touch=False)
-            self.state.upsert_node(replace(node, state="left", last_seen=self.clock()))
+            row = replace(node, state="left", last_seen=self.clock())
+            self.state.upsert_node(row)
+            self.registry.remember(row)
             self.cond.notify_all()
         log.info("node %s left", node_id)
 
     def heartbeat(self, node_id: str, session_id: str, round: int) -> tuple[int, int]:
-        with self.cond:
-            node = self._node(node_id, session_id)
-            round = self._plausible_round(round)
-            if round > node.round:
-                self.state.upsert_node(replace(node, round=round, last_seen=self.clock(), state="online"))
-        return self.current_round(), len(self.online_nodes())
+        """Never waits for the broker's lock: a session check and a liveness mark in memory
+        (a higher round is written through), then two cached numbers."""
+        self.registry.touch(node_id, session_id, self._plausible_round(round))
+        return self.current_round(), self.registry.online_count()
 
     def current_round(self) -> int:
-        return max(0, self.state.latest_round())
+        return max(0, self._latest_round)
+
+    def _put_round(self, row: RoundRow) -> None:
+        self.state.put_round(row)
+        with self._rounds_lock:
+            self._latest_round = max(self._latest_round, row.round)
+            self._rounds[row.round] = row
+            if len(self._rounds) > 256:
+                for old in sorted(self._rounds)[:-128]:
+                    del self._rounds[old]
+
+    def _get_round(self, round: int) -> RoundRow | None:
+        """The round's row (a cached copy of the state's; do not mutate it)."""
+        with self._rounds_lock:
+            row = self._rounds.get(round)
+        if row is None:
+            row = self.state.get_round(round)
+            if row is not None:
+                with self._rounds_lock:
+                    self._rounds.setdefault(round, row)
+        return row
 
     def _plausible_round(self, round: int) -> int:
         """A node's claimed round, clamped to at most MAX_ROUNDS_AHEAD past the federation's
@@ -204,6 +236,10 @@ class Federation:
                                   "uploaded")
 
     def publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
+        with self.work:
+            return self._publish(node_id, session_id, round, summaries)
+
+    def _publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
         limit = self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
         if len(summaries) > limit:
             raise ResourceExhausted(f"{len(summaries)} summaries in one publish; at most {limit} per round")
@@ -218,19 +254,32 @@ class Federation:
         with self.cond:
             node = self._node(node_id, session_id)
             self._rate_limit(node_id)
-            rnd = self.state.get_round(round)
+            rnd = self._get_round(round)
             if rnd is None:
                 if round > self.current_round() + 1000:
                     raise FailedPrecondition(f"round {round} is implausibly far ahead of the federation "
                                              f"(current {self.current_round()})")
-                self.state.put_round(RoundRow(round=round, state="open", opened_at=self.clock()))
+                self._put_round(RoundRow(round=round, state="open", opened_at=self.clock()))
+        # The write happens outside the broker's lock, so that concurrent publishes share one
+        # commit (the state's group commit) and nobody else waits for them; one node's
+        # publishes are serialised (its published count). Acknowledged, and visible to
+        # matching through the index, only once durable.
+        with self.registry.node_lock(node_id):
+            node = self.registry.check(node_id, session_id)
+            row = replace(node, round=max(node.round, round), last_seen=self.clock(), state="online")
             # the summaries and the node's count and round in one transaction
-            accepted, dups = self.state.put_summaries(
-                summaries, node=replace(node, round=max(node.round, round), last_seen=self.clock(), state="online"))
-            self._published_in(round).add(node_id)
+            accepted, dups = self.state.put_summaries(summaries, node=row)
+            self.registry.remember(replace(row, published=row.published + accepted))
+            self.index.add(round, node_id, ((s.prompt_id, s.k) for s in summaries))
+        with self.cond:
             self.counters["summaries"] += accepted
             self.counters["duplicate_summaries"] += dups
-            self.cond.notify_all()
+            # Wake the waiting long-polls only when this publish may have completed the round:
+            # a thousand waiters woken by each of a thousand publishes is a million wake-ups a
+            # round. They also wake on their own at least once a second (and on housekeeping's
+            # tick), which covers a round closed by its deadline or by a node going offline.
+            if self.cfg.mode != "sync" or self._round_ready(round):
+                self.cond.notify_all()
         return accepted, dups
 
     # ----- matching -----------------------------------------------------------------------------
@@ -251,81 +300,72 @@ class Federation:
         source's groups it was given, cannot quarantine it alone. Derived from the durable
         compatibility counts, so it survives a restart; the operator's `trusted` list
         exempts a node."""
-        per_source: dict[str, list[tuple[int, int]]] = {}
-        for c in self.state.compat():
-            reported = c.groups + c.rejected
-            if reported:
-                per_source.setdefault(c.source, []).append((c.rejected, reported))
-        rate = self.cfg.quarantine_rejection_rate
-        out = set()
-        for source, pairs in per_source.items():
-            total = sum(n for _, n in pairs)
-            rates = [r / n for r, n in pairs]
-            accusers = sum(1 for x in rates if x >= rate)
-            if (total >= self.cfg.quarantine_min_reports and accusers >= self.cfg.quarantine_min_receivers
-                    and sum(rates) / len(rates) >= rate):
-                if self.allowlist is None or not self.allowlist.is_trusted(source):
-                    out.add(source)
-        return out
+        return quarantined_sources(self.state.compat(), self.cfg.quarantine_rejection_rate,
+                                   self.cfg.quarantine_min_reports, self.cfg.quarantine_min_receivers,
+                                   trusted=self.allowlist.is_trusted if self.allowlist is not None else lambda _: False)
 
     def _can_source(self, node_ids: Sequence[str]) -> list[bool]:
         bad = self.quarantined()
         out = []
         for nid in node_ids:
-            node = self.state.get_node(nid)
+            node = self.registry.get(nid)
             out.append(node is not None and node.privacy != "summaries_only" and nid not in bad)
         return out
 
     def _rate_limit(self, node_id: str) -> None:
-        rate = self.cfg.max_publishes_per_s
-        if not rate:
-            return
-        now = time.monotonic()
-        tokens, last = self._buckets.get(node_id, (4 * rate, now))
-        tokens = min(4 * rate, tokens + (now - last) * rate)
-        if tokens < 1:
-            raise ResourceExhausted(f"node {clip(node_id)} publishes faster than {rate}/s; slow down and retry")
-        self._buckets[node_id] = (tokens - 1, now)
+        self._publish_rate.check(node_id)
 
     def _round_ready(self, round: int) -> bool:
-        rnd = self.state.get_round(round)
+        rnd = self._get_round(round)
         if rnd is None:
             return False
         if rnd.state == "matched":
             return True
+        if self.clock() - rnd.opened_at >= self.cfg.round_deadline_s:
+            return True
+        # Every waiting GetMatches asks this on every wake-up (each publish wakes them all):
+        # with a thousand nodes, a thousand callers each scanning a thousand nodes per publish.
+        # The answer for a round and a count of publishers is reused for a quarter second
+        # (liveness and rounds change no faster than that matters; a stale "not yet" is
+        # asked again at the next wake-up, at most a second later).
+        count = self.index.published_count(round)
+        key = (round, count)
+        now = time.monotonic()
+        cached = self._ready_memo.get(key)
+        if cached is not None and now - cached[0] < 0.25:
+            return cached[1]
         published = self._published_in(round)
         # Wait for online nodes working near this round: at it, or one behind. One far behind
         # (a late joiner replaying early rounds) is not waited for, and neither is one past it
         # (it will not publish this round any more; and a node claiming a round far ahead
         # must not stall every round until its deadline).
-        waiting = [n.node_id for n in self.online_nodes()
-                   if n.node_id not in published and round - 1 <= n.round <= round]
-        quorum = len(published) >= self.cfg.min_nodes
-        return (not waiting and quorum) or self.clock() - rnd.opened_at >= self.cfg.round_deadline_s
+        waiting = any(n.node_id not in published and round - 1 <= n.round <= round for n in self.online_nodes())
+        ready = not waiting and len(published) >= self.cfg.min_nodes
+        if len(self._ready_memo) > 64:
+            self._ready_memo.clear()
+        self._ready_memo[key] = (now, ready)
+        return ready
 
     def _published_in(self, round: int) -> set[str]:
-        if round not in self._published:
-            self._published[round] = {s.node_id for s in self.state.summaries(round=round)}
-            for old in [r for r in sorted(self._published) if r != round][:-64]:  # keep the cache small
-                del self._published[old]
-        return self._published[round]
+        return self.index.published(round)
 
     def _match_round(self, round: int) -> None:
         """Synchronous close: select sources for every participant at once (for two nodes,
-        exactly the paper's balanced rule)."""
-        rows = self.state.summaries(round=round)
-        participants = sorted({s.node_id for s in rows})
-        kn = [{s.prompt_id: (s.k, s.n) for s in rows if s.node_id == p} for p in participants]
-        chosen = select_sources(kn, self.cfg.balance == "pairwise", self._compat_index(participants),
-                                self._can_source(participants),
-                                cap=self.cfg.per_receiver_cap if self.cfg.balance == "per_receiver_cap" else None)
-        matches = [MatchRow(round=round, receiver=participants[r], prompt_id=pid, source=participants[s],
-                            source_round=round)
-                   for r, per in enumerate(chosen) for pid, s in sorted(per.items())]
+        exactly the paper's balanced rule): core.exchange.select_sources, computed on the
+        round index's arrays (broker/matching.py; the same choices)."""
+        participants, pids, k = self.index.kn(round)
+        chosen = select_sources_arrays(k, self.cfg.n, self.cfg.balance == "pairwise",
+                                       self._compat_index(participants), self._can_source(participants),
+                                       cap=self.cfg.per_receiver_cap if self.cfg.balance == "per_receiver_cap"
+                                       else None) if pids else []
+        matches = sorted((MatchRow(round=round, receiver=participants[r], prompt_id=pids[c], source=participants[s],
+                                   source_round=round)
+                          for r, (cols, src) in enumerate(chosen) for c, s in zip(cols.tolist(), src.tolist())),
+                         key=lambda m: (m.receiver, m.prompt_id))
         self.state.put_matches(matches)
-        rnd = self.state.get_round(round)
+        rnd = self._get_round(round)
         assert rnd is not None
-        self.state.put_round(replace(rnd, state="matched", matched_at=self.clock(), participants=participants))
+        self._put_round(replace(rnd, state="matched", matched_at=self.clock(), participants=participants))
         self.counters["rounds_matched"] += 1
         self.counters["matches"] += len(matches)
         log.info("round %d matched: %d nodes, %d transfers", round, len(participants), len(matches))
@@ -335,20 +375,33 @@ class Federation:
         max_round]: the stored mode (a late joiner) and asynchronous mode. Every candidate
         in this one direction; per prompt the source core.exchange.source_rank prefers (the
         most compatible, then the highest k, then the freshest group)."""
-        mine = {s.prompt_id: (s.k, s.n) for s in self.state.summaries(round=round, node_id=receiver)}
-        fails = [pid for pid, (k, _) in mine.items() if k == 0]
+        fails = self.index.fails(receiver, round)
         if not fails:
             return
+        mine = {pid: (0, self.cfg.n) for pid in fails}
         compat = {c.source: c.mean_s for c in self.state.compat() if c.receiver == receiver and c.groups > 0}
-        rows = [s for s in self.state.summaries(prompt_ids=fails, min_round=min_round)
-                if s.node_id != receiver and s.round <= max_round]
-        nodes = sorted({s.node_id for s in rows})
-        sources_ok = dict(zip(nodes, self._can_source(nodes)))
+        # the other nodes' informative groups for these prompts, from the round index, in the
+        # order the state lists them (round, node): the candidates' order, source_rank's last key
         offers: dict[str, list[tuple[SourceGroup, int]]] = {}
-        for i, s in enumerate(rows):
-            if sources_ok[s.node_id]:
-                offers.setdefault(s.prompt_id, []).append((SourceGroup(source=s.node_id, k=s.k, round=s.round,
-                                                                       order=i), s.n))
+        order = 0
+        with self.index.lock:
+            for r in range(max(min_round, max_round - self.index.keep + 1), max_round + 1):
+                book = self.index.book(r)
+                cols = [(pid, book.cols[pid]) for pid in fails if pid in book.cols]
+                if not cols:
+                    continue
+                nodes = sorted(book.nodes - {receiver})
+                ok = dict(zip(nodes, self._can_source(nodes)))
+                m = book.matrix(nodes)
+                for i, nid in enumerate(nodes):
+                    row = m[i]
+                    for pid, c in cols:
+                        k = int(row[c])
+                        if k >= 0:
+                            order += 1
+                            if ok[nid] and classify(k, self.cfg.n) == "informative":
+                                offers.setdefault(pid, []).append(
+                                    (SourceGroup(source=nid, k=k, round=r, order=order), self.cfg.n))
         best = select_for_receiver(mine, offers, compat)
         self.state.put_matches([MatchRow(round=round, receiver=receiver, prompt_id=pid, source=str(g.source),
                                          source_round=g.round) for pid, g in sorted(best.items())])
@@ -384,31 +437,8 @@ class Federation:
     def _get_matches(self, node_id: str, session_id: str, round: int, wait_s: float,
                      wait_for_bundles: bool) -> MatchResult:
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
-        with self.cond:
-            self._node(node_id, session_id)
-            if node_id not in self._published_in(round):
-                raise FailedPrecondition(f"node {clip(node_id)} has published nothing for round {round}; "
-                                         "publish its summaries before asking for matches")
-            while True:
-                if self.cfg.mode == "async":
-                    if not self.state.matches(round=round, receiver=node_id):
-                        self._match_one(node_id, round, round - self.cfg.staleness_rounds, round)
-                    break
-                if self._round_ready(round):
-                    rnd = self.state.get_round(round)
-                    assert rnd is not None
-                    if rnd.state != "matched":
-                        self._match_round(round)
-                    elif node_id not in rnd.participants and not self.state.matches(round=round, receiver=node_id):
-                        # published after the round was matched: learn from the stored groups
-                        self._match_one(node_id, round, round, round)
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return MatchResult(ready=False, offers=[], upload_requests=[])
-                rnd = self.state.get_round(round)
-                until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
-                self.cond.wait(timeout=max(0.01, min(remaining, until_deadline, 1.0)))
+        if not self._wait_matched(node_id, session_id, round, deadline):
+            return MatchResult(ready=False, offers=[], upload_requests=[])
         # The answer only reads what matching has written, so it is built outside the lock:
         # with many nodes, publishes and heartbeats no longer queue behind every waiting
         # node's answer (bench/broker/load.py measured heartbeats at seconds).
@@ -417,68 +447,91 @@ class Federation:
                 while self._missing_bundles(node_id, round) and time.monotonic() < deadline:
                     self.cond.wait(timeout=max(0.01, min(deadline - time.monotonic(), 1.0)))
         lo = round - self.cfg.staleness_rounds if self.cfg.mode == "async" else round
-        cands, solved = self._complementarity(node_id, round, lo)
-        return MatchResult(ready=True, offers=self._offers(node_id, round),
-                           upload_requests=self._upload_requests(node_id), candidates=cands,
-                           solved_by_peers=solved)
+        with self.work:
+            cands, solved = self._complementarity(node_id, round, lo)
+            return MatchResult(ready=True, offers=self._offers(node_id, round),
+                               upload_requests=self._upload_requests(node_id), candidates=cands,
+                               solved_by_peers=solved)
+
+    def _wait_matched(self, node_id: str, session_id: str, round: int, deadline: float) -> bool:
+        """Wait until the round is matched for this node, matching it when this call finds it
+        ready; False when the deadline passed first. Matching runs outside the broker's lock,
+        under the match lock and a work slot (always taken in that order, never while holding
+        the broker's lock: a publish holds a slot and then takes the lock briefly)."""
+        action: tuple[str, int] | None = None
+        with self.cond:
+            self._node(node_id, session_id)
+            if not self.index.has_published(round, node_id):
+                raise FailedPrecondition(f"node {clip(node_id)} has published nothing for round {round}; "
+                                         "publish its summaries before asking for matches")
+            while True:
+                if self.cfg.mode == "async":
+                    if not self.state.matches(round=round, receiver=node_id):
+                        action = ("one", round - self.cfg.staleness_rounds)
+                    break
+                if self._round_ready(round):
+                    rnd = self._get_round(round)
+                    assert rnd is not None
+                    if rnd.state != "matched":
+                        action = ("round", round)
+                    elif node_id not in rnd.participants and not self.state.matches(round=round, receiver=node_id):
+                        # published after the round was matched: learn from the stored groups
+                        action = ("one", round)
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                rnd = self._get_round(round)
+                until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
+                self.cond.wait(timeout=max(0.01, min(remaining, until_deadline, 1.0)))
+        if action is None:
+            return True
+        with self._match_lock, self.work:  # whoever comes second finds the work done
+            if action[0] == "round":
+                rnd = self._get_round(round)
+                if rnd is not None and rnd.state != "matched":
+                    self._match_round(round)
+            elif not self.state.matches(round=round, receiver=node_id):
+                self._match_one(node_id, round, action[1], round)
+        with self.cond:
+            self.cond.notify_all()
+        return True
 
     def _missing_bundles(self, receiver: str, round: int) -> bool:
         """Whether some group the receiver was matched to in `round` has no bundle yet."""
         matches = self.state.matches(round=round, receiver=receiver)
-        summaries = self._source_summaries(matches)
-        return any(not (s := summaries.get((m.source, m.source_round, m.prompt_id))) or not s.bundle_digest
-                   for m in matches)
+        heads = self.state.matched_heads(round, receiver=receiver)
+        return len(heads) < len(matches) or any(not h.bundle_digest for _, h in heads)
 
     def _complementarity(self, receiver: str, round: int, min_round: int) -> tuple[int, int]:
-        mine = {s.prompt_id: (s.k, s.n) for s in self.state.summaries(round=round, node_id=receiver)}
-        fails = [pid for pid, (k, _) in mine.items() if k == 0]
-        return complementarity(mine, ((s.prompt_id, s.k, s.n)
-                                      for s in self.state.summaries(prompt_ids=fails, min_round=min_round)
-                                      if s.node_id != receiver and s.round <= round))
+        """core.exchange.complementarity of the receiver's all-fail prompts of `round` over the
+        peers' groups of [min_round, round], counted on the round index's arrays."""
+        return self.index.complementarity(receiver, round, min_round)
 
     def _summary(self, node: str, round: int, prompt_id: str) -> SummaryRow | None:
         rows = self.state.summaries(round=round, node_id=node, prompt_ids=[prompt_id])
         return rows[0] if rows else None
 
-    def _source_summaries(self, matches: Sequence[MatchRow],
-                          node_id: str | None = None) -> dict[tuple[str, int, str], SummaryRow]:
-        """The source summary of every match, keyed by (node, round, prompt): one indexed query
-        per (source, round), which reads exactly the matched rows (not every node's rows for
-        the matched prompts)."""
-        wanted: dict[tuple[str, int], set[str]] = {}
-        for m in matches:
-            if node_id is None or m.source == node_id:
-                wanted.setdefault((m.source, m.source_round), set()).add(m.prompt_id)
-        out = {}
-        for (source, rnd), prompt_ids in wanted.items():
-            for s in self.state.summaries(round=rnd, node_id=source, prompt_ids=prompt_ids):
-                out[(s.node_id, s.round, s.prompt_id)] = s
-        return out
-
     def _offers(self, receiver: str, round: int) -> list[Offer]:
         offers = []
-        matches = self.state.matches(round=round, receiver=receiver)
-        summaries = self._source_summaries(matches)
         sources: dict[str, NodeRow | None] = {}
-        for m in matches:
-            s = summaries.get((m.source, m.source_round, m.prompt_id))
+        granted = []
+        for m, s in self.state.matched_heads(round, receiver=receiver):  # one indexed join
             if m.source not in sources:
-                sources[m.source] = self.state.get_node(m.source)
+                sources[m.source] = self.registry.get(m.source)
             src = sources[m.source]
-            if s is None or src is None:
+            if src is None:
                 continue
             if s.bundle_digest:
-                with self._grants_lock:
-                    self._granted.setdefault(s.bundle_digest, set()).add(receiver)
-                    self._granted.move_to_end(s.bundle_digest)
-                    while len(self._granted) > MAX_GRANTS:
-                        self._granted.popitem(last=False)
+                granted.append(s.bundle_digest)
             offers.append(Offer(prompt_id=m.prompt_id, source_node=m.source, source_model=src.model_id,
                                 source_round=m.source_round, k=s.k, n=s.n, digest=s.bundle_digest))
+        if granted:
+            self.grants.grant(receiver, granted)
         return offers
 
     def _upload_requests(self, source: str) -> list[tuple[str, int]]:
-        node = self.state.get_node(source)
+        node = self.registry.get(source)
         if node is None or node.privacy == "summaries_only":
             return []
         # Only a receiver still at the round it was matched in fetches (it waits for uploads
@@ -489,14 +542,11 @@ class Federation:
         for n in self.online_nodes():
             if n.node_id != source:
                 waiting.setdefault(n.round, set()).add(n.node_id)
-        matches = [m for r, receivers in sorted(waiting.items())
-                   for m in self.state.matches(round=r, source=source) if m.receiver in receivers]
         out = []
-        summaries = self._source_summaries(matches, node_id=source)
-        for m in matches:
-            s = summaries.get((source, m.source_round, m.prompt_id))
-            if s is not None and not s.bundle_digest:
-                out.append((m.prompt_id, m.source_round))
+        for r, receivers in sorted(waiting.items()):
+            for m, s in self.state.matched_heads(r, source=source):
+                if m.receiver in receivers and not s.bundle_digest:
+                    out.append((m.prompt_id, m.source_round))
         return sorted(set(out))
 
     # ----- bundles ------------------------------------------------------------------------------
@@ -522,20 +572,22 @@ class Federation:
                                    "(claimed rewards did not re-verify); the operator can release it")
 
     def put_bundle(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str,
-                   data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+                   data: bytes, signature: bytes = b"", signer_cert: bytes = b"", sha256: str | None = None) -> bool:
         """Store a node's bundle. With `signer_cert` (the node's mTLS certificate, DER) a
         signature must verify for this node and digest and is stored with the bytes for
         receivers to check; without a certificate to check it against (no mutual TLS) a
-        signature is dropped and the bundle stored unsigned."""
+        signature is dropped and the bundle stored unsigned. `sha256`: the hex digest of
+        `data` when the caller computed it already (the servicer hashes chunks as they
+        arrive), so the bytes are not hashed again."""
         self.upload_allowed(node_id, session_id)
         quota = self.cfg.max_node_bundle_mib * 2**20
         if quota and self._bundle_bytes[node_id] + len(data) > quota:
             raise ResourceExhausted(f"node {clip(node_id)} exceeded its bundle storage quota of "
                                     f"{self.cfg.max_node_bundle_mib} MiB")
-        if digest_of(data) != digest:
+        if (sha256 if sha256 is not None else digest_of(data)) != digest:
             raise InvalidArgument(f"bundle bytes do not hash to the declared digest {digest[:12]}...")
         try:
-            rec = decode_bundle(data, digest)
+            rec = decode_bundle(data, digest, digest_checked=True)
         except RecordError as exc:
             raise InvalidArgument(f"bundle rejected: {exc}") from None
         if signature and signer_cert:
@@ -580,23 +632,43 @@ class Federation:
     def fetch_bundle(self, node_id: str, session_id: str, digest: str) -> tuple[bytes, bytes, bytes]:
         """(bytes, producer's signature, producer's certificate DER) of a bundle the node was
         matched to; the last two are empty for an unsigned bundle."""
-        if not is_digest(digest):
-            raise InvalidArgument("digest must be 64 lowercase hex digits")
-        with self.cond:
-            self._node(node_id, session_id)
-            with self._grants_lock:
-                granted = node_id in self._granted.get(digest, ())
-            if not granted:
-                if self.state.get_bundle(digest) is None:
-                    raise NotFound(f"no bundle {digest[:12]}...")
-                raise PermissionDenied(f"node {clip(node_id)} was not matched to bundle {digest[:12]}...; ask for "
-                                       "matches first")
-            data = self.state.get_bundle(digest)
-            provenance = self.state.bundle_provenance(digest)
+        self._check_grant(node_id, session_id, digest)
+        data = self.state.get_bundle(digest)
+        provenance = self.state.bundle_provenance(digest)
         if data is None or provenance is None:
             raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
         self.counters["bundle_bytes_out"] += len(data)
         return data, provenance[0], provenance[1]
+
+    def open_bundle(self, node_id: str, session_id: str, digest: str) -> tuple[int, bytes, bytes]:
+        """fetch_bundle without the bytes: (size, signature, certificate DER) of a bundle the
+        node was matched to, whose bytes `stream_bundle` then yields a chunk at a time (a
+        fetch holds one chunk in memory, not the bundle)."""
+        self._check_grant(node_id, session_id, digest)
+        size = self.state.bundle_size(digest)
+        provenance = self.state.bundle_provenance(digest)
+        if size is None or provenance is None:
+            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
+        return size, provenance[0], provenance[1]
+
+    def stream_bundle(self, digest: str, chunk: int) -> Iterator[bytes]:
+        """The chunks of a bundle `open_bundle` granted; NotFound when it was pruned meanwhile."""
+        chunks = self.state.iter_bundle(digest, chunk)
+        if chunks is None:
+            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
+        for data in chunks:
+            self.counters["bundle_bytes_out"] += len(data)
+            yield data
+
+    def _check_grant(self, node_id: str, session_id: str, digest: str) -> None:
+        if not is_digest(digest):
+            raise InvalidArgument("digest must be 64 lowercase hex digits")
+        self._node(node_id, session_id)
+        if not self.grants.allowed(node_id, digest):
+            if not self.state.has_bundles([digest]):
+                raise NotFound(f"no bundle {digest[:12]}...")
+            raise PermissionDenied(f"node {clip(node_id)} was not matched to bundle {digest[:12]}...; ask for "
+                                   "matches first")
 
     # ----- compatibility -----------------------------------------------------------------------
 
@@ -696,8 +768,8 @@ class Federation:
     # ----- status and retention -------------------------------------------------------------------
 
     def status(self) -> dict:
+        nodes = self.registry.all()
         with self.cond:
-            nodes = self.state.list_nodes()
             now = self.clock()
             exchange = Counter((m.source, m.receiver) for m in self.state.matches())
             compat = {(c.source, c.receiver): c for c in self.state.compat()}
@@ -729,7 +801,12 @@ class Federation:
             keep = self.cfg.keep_rounds
             if keep is not None:
                 latest = self.state.latest_round()
-                rounds = sorted(n.round for n in self.state.list_nodes())
+                rounds = sorted(n.round for n in self.registry.all())
                 agreed = rounds[-2] if len(rounds) >= 2 else latest
                 keep += max(0, latest - max(agreed, 0))
-            return self.state.prune(keep_rounds=keep, max_bundle_bytes=max_bytes)
+            removed = self.state.prune(keep_rounds=keep, max_bundle_bytes=max_bytes)
+            if removed:
+                self.index.clear()  # rebuilt from what the state still holds
+                with self._rounds_lock:
+                    self._rounds.clear()
+            return removed

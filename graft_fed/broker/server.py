@@ -186,6 +186,10 @@ class BrokerServer:
             with self.fed.cond:
                 self.fed.cond.notify_all()  # wake long-polls whose round deadline passed
             self.fed.replay.expire()
+            try:
+                self.fed.flush_liveness()
+            except Exception:  # noqa: BLE001 - liveness is best effort
+                log.exception("persisting liveness failed")
             if self.cfg.keep_rounds or self.cfg.max_bundle_gib:
                 try:
                     self.fed.prune()
@@ -216,4 +220,8 @@ class BrokerServer:
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
+        try:
+            self.fed.flush_liveness()
+        except Exception:  # noqa: BLE001 - a failing disk must not stop the shutdown
+            log.exception("persisting liveness failed")
         self.state.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import threading
 from collections import abc
 import logging
@@ -175,7 +176,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_rpc
     def PublishSummaries(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
-        rows = summaries_from_pb(request)
+        with self.fed.work:
+            rows = summaries_from_pb(request)
         for s in request.summaries:
             if s.round != request.round:
                 raise InvalidArgument("every summary's round must equal the request's round")
@@ -187,7 +189,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def GetMatches(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
         res = self.fed.get_matches(request.node_id, request.session_id, request.round, request.wait_ms / 1000.0,
                                    wait_for_bundles=request.wait_for_bundles)
-        return match_result_to_pb(res)
+        with self.fed.work:
+            return match_result_to_pb(res)
 
     @_rpc
     def UploadBundle(self, request_iterator: Iterator[pb.BundleChunk], context: Any) -> pb.UploadResponse:
@@ -198,6 +201,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 stack: contextlib.ExitStack) -> pb.UploadResponse:
         first: pb.BundleChunk | None = None
         parts: list[bytes] = []
+        hasher = hashlib.sha256()  # hashed as the chunks arrive (hashlib releases the GIL for large updates)
         received = last = 0
         ticket, applied = None, False
         min_chunk = min(MIN_CHUNK_BYTES, self.chunk)
@@ -229,6 +233,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 if received > first.total_size:
                     raise InvalidArgument("chunks exceed the declared total_size")
                 parts.append(chunk.data)
+                hasher.update(chunk.data)
             if first is None:
                 raise InvalidArgument("empty upload: send at least one chunk")
             if received != first.total_size:
@@ -236,7 +241,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             pem = context.auth_context().get("x509_pem_cert") or []  # the mTLS client certificate, if any
             stored = self.fed.put_bundle(first.node_id, first.session_id, first.prompt_id, first.round, first.digest,
                                          b"".join(parts), signature=first.signature,
-                                         signer_cert=pem_to_der(pem[0]) if pem else b"")
+                                         signer_cert=pem_to_der(pem[0]) if pem else b"", sha256=hasher.hexdigest())
             applied = True
         finally:
             self.fed.replay.end(ticket, applied)
@@ -251,7 +256,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         t0 = time.perf_counter()
         try:
             request = parsed(request)
-            data, signature, cert = self.fed.fetch_bundle(request.node_id, request.session_id, request.digest)
+            size, signature, cert = self.fed.open_bundle(request.node_id, request.session_id, request.digest)
         except FederationError as exc:
             code, message = to_status(exc)
             self.stats.observe("FetchBundle", code, time.perf_counter() - t0)
@@ -269,10 +274,21 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             _abort(context, code, message)
         try:
             self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
-            for off in range(0, max(1, len(data)), self.chunk):
-                yield pb.BundleChunk(digest=request.digest, total_size=len(data), offset=off,
-                                     data=data[off:off + self.chunk], signature=signature if off == 0 else b"",
+            # one chunk read from the state at a time: memory per fetch is bounded by the chunk
+            chunks = self.fed.stream_bundle(request.digest, self.chunk)
+            off = 0
+            while True:
+                try:
+                    data = next(chunks, None)
+                except FederationError as exc:
+                    code, message = to_status(exc)
+                    _abort(context, code, message)
+                if data is None:
+                    break
+                yield pb.BundleChunk(digest=request.digest, total_size=size, offset=off,
+                                     data=data, signature=signature if off == 0 else b"",
                                      signer_cert=cert if off == 0 else b"")
+                off += len(data)
         finally:
             hold.__exit__(None, None, None)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from graft_fed.federation.messages import SummaryRow
 
@@ -42,6 +42,17 @@ class NodeRow:
     round: int  # the node's last reported round
     last_seen: float  # unix time of the last call
     published: int = 0
+
+
+class SummaryHead(NamedTuple):
+    """What matching and offers read of a summary: no per-response lists to decode."""
+
+    node_id: str
+    round: int
+    prompt_id: str
+    n: int
+    k: int
+    bundle_digest: str
 
 
 @dataclass
@@ -98,6 +109,16 @@ class BrokerState(abc.ABC):
     @abc.abstractmethod
     def list_nodes(self) -> list[NodeRow]: ...
 
+    def record_liveness(self, seen: Sequence[tuple[str, float]]) -> None:
+        """Set `last_seen` of the named nodes (at least to the given time: a row that is
+        already later keeps its time), atomically; unknown nodes are skipped. Nothing else of
+        the rows changes. This default is atomic only for one writer; implementations do it in
+        one transaction."""
+        for node_id, last_seen in seen:
+            node = self.get_node(node_id)
+            if node is not None and last_seen > node.last_seen:
+                self.upsert_node(NodeRow(**{**node.__dict__, "last_seen": last_seen}))
+
     # ----- rounds
     @abc.abstractmethod
     def put_round(self, row: RoundRow) -> None:
@@ -123,6 +144,13 @@ class BrokerState(abc.ABC):
                   prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryRow]:
         """Summaries filtered by exact round, node, prompt ids and/or a minimum round."""
 
+    def summary_heads(self, round: int | None = None, node_id: str | None = None,
+                      prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryHead]:
+        """`summaries` without the per-response lists (same filters, same order). This default
+        reads whole rows; implementations may read only the head columns."""
+        return [SummaryHead(s.node_id, s.round, s.prompt_id, s.n, s.k, s.bundle_digest)
+                for s in self.summaries(round=round, node_id=node_id, prompt_ids=prompt_ids, min_round=min_round)]
+
     @abc.abstractmethod
     def set_bundle_digest(self, node_id: str, round: int, prompt_id: str, digest: str) -> bool:
         """Attach an uploaded bundle to its summary; False when no such summary exists."""
@@ -135,6 +163,22 @@ class BrokerState(abc.ABC):
     @abc.abstractmethod
     def matches(self, round: int | None = None, receiver: str | None = None,
                 source: str | None = None) -> list[MatchRow]: ...
+
+    def matched_heads(self, round: int, receiver: str | None = None,
+                      source: str | None = None) -> list[tuple[MatchRow, SummaryHead]]:
+        """The round's matches (filtered like `matches`, same order), each with the head of
+        the source summary it names; a match whose summary is gone (pruned) is left out. This
+        default reads the summaries per (source, round); implementations may join."""
+        matches = self.matches(round=round, receiver=receiver, source=source)
+        wanted: dict[tuple[str, int], set[str]] = {}
+        for m in matches:
+            wanted.setdefault((m.source, m.source_round), set()).add(m.prompt_id)
+        heads = {}
+        for (src, rnd), pids in wanted.items():
+            for h in self.summary_heads(round=rnd, node_id=src, prompt_ids=sorted(pids)):
+                heads[(h.node_id, h.round, h.prompt_id)] = h
+        return [(m, heads[(m.source, m.source_round, m.prompt_id)]) for m in matches
+                if (m.source, m.source_round, m.prompt_id) in heads]
 
     # ----- bundles (content-addressed)
     @abc.abstractmethod
@@ -150,6 +194,29 @@ class BrokerState(abc.ABC):
     def bundle_provenance(self, digest: str) -> tuple[bytes, bytes] | None:
         """(signature, signer certificate DER) stored with a bundle, (b"", b"") when it came
         unsigned, None when the bundle is not held."""
+
+    def read_bundle(self, digest: str, offset: int, length: int) -> bytes | None:
+        """Up to `length` bytes of a bundle from `offset` (b"" past its end), None when the
+        bundle is not held: what a fetch streams, one chunk at a time. This default reads the
+        whole blob; implementations read only the chunk."""
+        data = self.get_bundle(digest)
+        return None if data is None else data[offset:offset + length]
+
+    def iter_bundle(self, digest: str, chunk: int) -> Iterator[bytes] | None:
+        """The bundle's bytes in chunks of `chunk` bytes (the last may be shorter; one empty
+        chunk for an empty bundle), None when not held. The chunks are those of the bundle
+        as it was when the iteration started, even if it is pruned meanwhile. This default
+        slices the whole blob (fine for an in-memory state, which holds it anyway);
+        implementations on disk read one chunk at a time."""
+        data = self.get_bundle(digest)
+        if data is None:
+            return None
+        return iter([data[off:off + chunk] for off in range(0, max(1, len(data)), chunk)])
+
+    def bundle_size(self, digest: str) -> int | None:
+        """A held bundle's size in bytes, None when not held."""
+        data = self.get_bundle(digest)
+        return None if data is None else len(data)
 
     @abc.abstractmethod
     def has_bundles(self, digests: Sequence[str]) -> list[str]:

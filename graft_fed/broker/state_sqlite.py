@@ -6,6 +6,10 @@
 - One connection (`check_same_thread=False`) behind one re-entrant lock: every method,
   read or write, holds the lock, and every mutating method is exactly one
   `BEGIN IMMEDIATE ... COMMIT` transaction, rolled back when anything in it raises.
+- Group commit for publishes: concurrent `put_summaries` calls share one transaction and
+  so one fsync. Each call runs in its own savepoint, so one that raises is rolled back
+  alone and re-raised to its caller; none returns before the shared COMMIT is durable, and
+  a failure of the COMMIT itself fails every call of the group (none of them is stored).
 - The schema is created on first open; a `meta` table holds `schema_version`. A file of
   an older version is migrated in place (one transaction); a file of a newer version, or a
   file that is not a SQLite database, raises `DataError` naming the file and what to do.
@@ -32,11 +36,12 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
-from graft_fed.broker.state_memory import (
-    as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_blob, norm_bytes, norm_compat_args,
+from graft_fed.broker.state import (BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryHead,
+                                    SummaryRow)
+from graft_fed.broker.state_rows import (
+    as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_blob, norm_bytes, norm_compat_args,
     norm_digests, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary, opt_int, opt_str,
     prune_cutoff,
 )
@@ -122,6 +127,19 @@ def _json(values: list) -> str:
     return json.dumps(values, separators=(",", ":"))  # repr of a float round-trips exactly
 
 
+class _Job:
+    """One caller's part of a group commit."""
+
+    __slots__ = ("fn", "done", "lead", "result", "error")
+
+    def __init__(self, fn: Callable[[sqlite3.Connection], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.lead = False  # woken to commit the next group rather than with a result
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
 def _filter(round: int | None, receiver: str | None, source: str | None) -> tuple[str, list[Any]]:
     """` WHERE ...` (or '') and its parameters for the optional round / receiver / source."""
     where, params = [], []
@@ -140,6 +158,11 @@ class SqliteState(BrokerState):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         self._lock = threading.RLock()
+        self._group: list[_Job] = []  # publishes waiting for the next group commit
+        self._group_mu = threading.Lock()
+        self._group_leader = False
+        self.group_commits = 0  # transactions that committed a group (for benches and tests)
+        self.grouped_calls = 0
         self._conn = self._open(self.path)
 
     # ----- opening
@@ -250,6 +273,77 @@ class SqliteState(BrokerState):
                     raise
                 raise self._storage_error(exc, "write") from exc
 
+    def _grouped(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        """Run fn(conn) in the next group commit and return its result once the group is
+        durable. The first caller to find no commit under way leads: it commits every call
+        queued by then in one transaction, then hands the lead to the first call queued
+        during that commit (so a leader's latency is one commit, however busy the broker)."""
+        job = _Job(fn)
+        with self._group_mu:
+            self._group.append(job)
+            lead = not self._group_leader
+            self._group_leader = True
+        if not lead:
+            job.done.wait()
+            if not job.lead:
+                if job.error is not None:
+                    raise job.error
+                return job.result
+        with self._group_mu:
+            batch, self._group = self._group, []
+        try:
+            self._commit_group(batch)
+        finally:
+            with self._group_mu:
+                if self._group:
+                    nxt = self._group[0]
+                    nxt.lead = True
+                    nxt.done.set()
+                else:
+                    self._group_leader = False
+            for j in batch:
+                j.done.set()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _commit_group(self, batch: list[_Job]) -> None:
+        for j in batch:
+            j.lead = False
+            j.done.clear()
+        with self._lock:
+            conn = self._conn
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    for j in batch:
+                        conn.execute("SAVEPOINT grp")
+                        try:
+                            j.result = j.fn(conn)
+                        except sqlite3.Error as exc:
+                            if _is_storage_failure(exc):
+                                raise
+                            conn.execute("ROLLBACK TO grp")
+                            j.error = exc
+                        except Exception as exc:  # noqa: BLE001 - this caller's failure, re-raised to it
+                            conn.execute("ROLLBACK TO grp")
+                            j.error = exc
+                        conn.execute("RELEASE grp")
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+            except BaseException as exc:
+                err: BaseException = exc
+                if isinstance(exc, sqlite3.Error) and _is_storage_failure(exc):
+                    err = self._storage_error(exc, "write")
+                for j in batch:  # nothing of the group was stored
+                    j.result, j.error = None, err
+                return
+        self.group_commits += 1
+        self.grouped_calls += len(batch)
+
     def _read(self, sql: str, params: Sequence = ()) -> list[tuple]:
         with self._lock:
             try:
@@ -286,6 +380,12 @@ class SqliteState(BrokerState):
 
     def list_nodes(self) -> list[NodeRow]:
         return [self._node(r) for r in self._read(f"SELECT {_NODE_COLS} FROM nodes ORDER BY node_id")]
+
+    def record_liveness(self, seen: Sequence[tuple[str, float]]) -> None:
+        batch = [(_f2db(as_float(t, "last_seen")), as_str(node_id, "node_id")) for node_id, t in seen]
+        with self._tx() as conn:
+            conn.executemany("UPDATE nodes SET last_seen = ? WHERE node_id = ? AND last_seen < ?",
+                             [(t, node_id, t) for t, node_id in batch])
 
     # ----- rounds
     @staticmethod
@@ -324,18 +424,23 @@ class SqliteState(BrokerState):
     def put_summaries(self, rows: Sequence[SummaryRow], node: NodeRow | None = None) -> tuple[int, int]:
         batch = [norm_summary(r) for r in rows]
         n = None if node is None else norm_node(node)
-        accepted = 0
-        with self._tx() as conn:
-            for s in batch:
-                cur = conn.execute(f"INSERT INTO summaries ({_SUMMARY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
-                                   "ON CONFLICT (node_id, round, prompt_id) DO NOTHING", self._encode_summary(s))
-                accepted += cur.rowcount
+
+        def write(conn: sqlite3.Connection) -> int:
+            cur = conn.executemany(f"INSERT INTO summaries ({_SUMMARY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
+                                   "ON CONFLICT (node_id, round, prompt_id) DO NOTHING",
+                                   (self._encode_summary(s) for s in batch))
+            accepted = max(0, cur.rowcount) if batch else 0
             if n is not None:
                 self._write_node(conn, dataclasses.replace(n, published=n.published + accepted))
+            return accepted
+
+        accepted = self._grouped(write)
         return accepted, len(batch) - accepted
 
-    def summaries(self, round: int | None = None, node_id: str | None = None,
-                  prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryRow]:
+    @staticmethod
+    def _summary_where(round: int | None, node_id: str | None, prompt_ids: Iterable[str] | None,
+                       min_round: int | None) -> tuple[str, list[Any]] | None:
+        """` WHERE ...` (or '') and its parameters; None when the filter matches nothing."""
         where, params = [], []
         for column, op, value in (("round", "=", opt_int(round, "round")),
                                   ("node_id", "=", opt_str(node_id, "node_id")),
@@ -346,14 +451,28 @@ class SqliteState(BrokerState):
         wanted = norm_prompt_ids(prompt_ids)
         if wanted is not None:
             if not wanted:
-                return []
+                return None
             # one bound parameter however many ids: no SQLITE_MAX_VARIABLE_NUMBER limit
             where.append("prompt_id IN (SELECT value FROM json_each(?))")
             params.append(json.dumps(wanted))
-        sql = f"SELECT {_SUMMARY_COLS} FROM summaries"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        return [self._summary(r) for r in self._read(sql + " ORDER BY round, node_id, prompt_id", params)]
+        return (" WHERE " + " AND ".join(where) if where else ""), params
+
+    def summaries(self, round: int | None = None, node_id: str | None = None,
+                  prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryRow]:
+        found = self._summary_where(round, node_id, prompt_ids, min_round)
+        if found is None:
+            return []
+        sql = f"SELECT {_SUMMARY_COLS} FROM summaries{found[0]} ORDER BY round, node_id, prompt_id"
+        return [self._summary(r) for r in self._read(sql, found[1])]
+
+    def summary_heads(self, round: int | None = None, node_id: str | None = None,
+                      prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryHead]:
+        found = self._summary_where(round, node_id, prompt_ids, min_round)
+        if found is None:
+            return []
+        sql = (f"SELECT node_id, round, prompt_id, n, k, bundle_digest FROM summaries{found[0]} "
+               "ORDER BY round, node_id, prompt_id")
+        return [SummaryHead(*r) for r in self._read(sql, found[1])]
 
     def set_bundle_digest(self, node_id: str, round: int, prompt_id: str, digest: str) -> bool:
         key = (as_str(digest, "digest"), as_str(node_id, "node_id"), as_int(round, "round"),
@@ -367,16 +486,26 @@ class SqliteState(BrokerState):
     def put_matches(self, rows: Sequence[MatchRow]) -> None:
         batch = [norm_match(r) for r in rows]
         with self._tx() as conn:
-            for m in batch:
-                conn.execute(f"INSERT INTO matches ({_MATCH_COLS}) VALUES (?,?,?,?,?) "
+            conn.executemany(f"INSERT INTO matches ({_MATCH_COLS}) VALUES (?,?,?,?,?) "
                              "ON CONFLICT (round, receiver, prompt_id) DO NOTHING",
-                             (m.round, m.receiver, m.prompt_id, m.source, m.source_round))
+                             [(m.round, m.receiver, m.prompt_id, m.source, m.source_round) for m in batch])
 
     def matches(self, round: int | None = None, receiver: str | None = None,
                 source: str | None = None) -> list[MatchRow]:
         where, params = _filter(round, receiver, source)
         return [MatchRow(*r) for r in self._read(f"SELECT {_MATCH_COLS} FROM matches{where} "
                                                  "ORDER BY round, receiver, prompt_id", params)]
+
+    def matched_heads(self, round: int, receiver: str | None = None,
+                      source: str | None = None) -> list[tuple[MatchRow, SummaryHead]]:
+        where, params = _filter(round, receiver, source)
+        where = where.replace("round =", "m.round =").replace("receiver =", "m.receiver =").replace(
+            "source =", "m.source =")
+        rows = self._read(
+            "SELECT m.round, m.receiver, m.prompt_id, m.source, m.source_round, s.n, s.k, s.bundle_digest "
+            "FROM matches m JOIN summaries s ON s.node_id = m.source AND s.round = m.source_round "
+            f"AND s.prompt_id = m.prompt_id{where} ORDER BY m.round, m.receiver, m.prompt_id", params)
+        return [(MatchRow(*r[:5]), SummaryHead(r[3], r[4], r[2], r[5], r[6], r[7])) for r in rows]
 
     # ----- bundles
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
@@ -396,6 +525,66 @@ class SqliteState(BrokerState):
     def get_bundle(self, digest: str) -> bytes | None:
         rows = self._read("SELECT data FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
         return bytes(rows[0][0]) if rows else None
+
+    def read_bundle(self, digest: str, offset: int, length: int) -> bytes | None:
+        digest, offset, length = as_str(digest, "digest"), as_int(offset, "offset"), as_int(length, "length")
+        if offset < 0 or length < 0:
+            raise ValueError(f"offset and length must be >= 0, got {offset}, {length}")
+        with self._lock:
+            rows = self._read("SELECT rowid, size FROM bundles WHERE digest = ?", (digest,))
+            if not rows:
+                return None
+            rowid, size = rows[0]
+            if offset >= size or not length:
+                return b""
+            try:  # incremental blob I/O: only the chunk's pages are read, never the whole bundle
+                with self._conn.blobopen("bundles", "data", rowid, readonly=True) as blob:
+                    blob.seek(offset)
+                    return blob.read(min(length, size - offset))
+            except sqlite3.Error as exc:
+                if not _is_storage_failure(exc):
+                    raise
+                raise self._storage_error(exc, "read") from exc
+
+    def iter_bundle(self, digest: str, chunk: int) -> Iterator[bytes] | None:
+        """One read-only connection of its own per iteration, holding one blob handle: reads
+        walk the bundle's overflow pages once (a new handle per chunk would walk them from
+        the start every time), see one snapshot (WAL), and never take the state's lock."""
+        digest, chunk = as_str(digest, "digest"), as_int(chunk, "chunk")
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        try:
+            conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False, timeout=30.0)
+        except sqlite3.Error as exc:
+            raise self._storage_error(exc, "read") from exc
+        try:
+            conn.execute("BEGIN")  # one snapshot for the whole bundle
+            row = conn.execute("SELECT rowid, size FROM bundles WHERE digest = ?", (digest,)).fetchone()
+            if row is None:
+                conn.close()
+                return None
+            blob = conn.blobopen("bundles", "data", row[0], readonly=True)
+        except sqlite3.Error as exc:
+            conn.close()
+            if not _is_storage_failure(exc):
+                raise
+            raise self._storage_error(exc, "read") from exc
+        size = row[1]
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                if not size:
+                    yield b""
+                for _ in range(0, size, chunk):
+                    yield blob.read(chunk)
+            finally:
+                blob.close()
+                conn.close()
+        return chunks()
+
+    def bundle_size(self, digest: str) -> int | None:
+        rows = self._read("SELECT size FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
+        return int(rows[0][0]) if rows else None
 
     def has_bundles(self, digests: Sequence[str]) -> list[str]:
         wanted = norm_digests(digests)

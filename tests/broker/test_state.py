@@ -166,6 +166,27 @@ def test_summaries_filters(state):
     assert len(state.summaries(prompt_ids=many)) == 6
 
 
+def test_record_liveness_moves_last_seen_forward_only(state):
+    state.upsert_node(node("a", last_seen=10.0, round=3, published=7))
+    state.upsert_node(node("b", last_seen=50.0))
+    state.record_liveness([("a", 20.5), ("b", 40.0), ("ghost", 99.0)])
+    a, b = state.get_node("a"), state.get_node("b")
+    assert (a.last_seen, a.round, a.published, a.session_id) == (20.5, 3, 7, "s1")
+    assert b.last_seen == 50.0  # never moved back
+    assert state.get_node("ghost") is None
+
+
+def test_summary_heads_match_summaries(state):
+    rows = [summ(n, r, p, k=(r + len(p)) % 5) for n in ("a", "b") for r in (0, 1, 2) for p in ("p0", "p1", "p2")]
+    state.put_summaries(list(reversed(rows)))
+    state.set_bundle_digest("b", 1, "p1", "d" * 64)
+    for kw in ({}, {"round": 1}, {"node_id": "b"}, {"prompt_ids": ["p2", "zz"], "min_round": 1}, {"prompt_ids": []},
+               {"round": 2, "node_id": "a", "prompt_ids": ["p0"]}):
+        heads = state.summary_heads(**kw)
+        assert [(h.node_id, h.round, h.prompt_id, h.n, h.k, h.bundle_digest) for h in heads] == [
+            (s.node_id, s.round, s.prompt_id, s.n, s.k, s.bundle_digest) for s in state.summaries(**kw)]
+
+
 def test_set_bundle_digest(state):
     state.put_summaries([summ(), summ(prompt_id="p1")])
     assert state.set_bundle_digest("a", 0, "p0", "d" * 64) is True
@@ -646,3 +667,88 @@ def test_sqlite_batch_failing_midway_is_rolled_back(tmp_path, monkeypatch):
         assert len(s.summaries()) == 6
     finally:
         s.close()
+
+
+def test_sqlite_group_commit_shares_one_transaction_and_isolates_failures(tmp_path, monkeypatch):
+    """Publishes queued while a commit is under way share the next one; a publish that raises
+    inside the group is rolled back alone, and every other one is durable when it returns."""
+    s = SqliteState(tmp_path / "g.db")
+    real = SqliteState._encode_summary
+
+    def encode(self, row):
+        if row.prompt_id == "bad":
+            raise OSError("this publish only")
+        return real(self, row)
+
+    monkeypatch.setattr(SqliteState, "_encode_summary", encode)
+    results: dict[str, object] = {}
+
+    def publish(name: str, prompts: list[str]) -> None:
+        try:
+            results[name] = s.put_summaries([summ(name, 0, p) for p in prompts])
+        except OSError as exc:
+            results[name] = exc
+
+    try:
+        with s._lock:  # a commit under way: the first publisher leads and waits for it
+            threads = [threading.Thread(target=publish, args=("lead", ["p0"]))]
+            threads[0].start()
+            while not s._group_leader or s._group:
+                pass
+            for name, prompts in (("b", ["p0", "p1"]), ("c", ["bad"]), ("d", ["p0"]), ("e", ["p2", "p3", "p4"])):
+                t = threading.Thread(target=publish, args=(name, prompts))
+                t.start()
+                threads.append(t)
+            while len(s._group) < 4:
+                pass
+        for t in threads:
+            t.join(timeout=30)
+        assert results["lead"] == (1, 0) and results["b"] == (2, 0) and results["d"] == (1, 0)
+        assert results["e"] == (3, 0) and isinstance(results["c"], OSError)
+        assert (s.group_commits, s.grouped_calls) == (2, 5)
+    finally:
+        s.close()
+    s = SqliteState(tmp_path / "g.db")
+    try:
+        assert sorted((r.node_id, r.prompt_id) for r in s.summaries()) == [
+            ("b", "p0"), ("b", "p1"), ("d", "p0"), ("e", "p2"), ("e", "p3"), ("e", "p4"), ("lead", "p0")]
+    finally:
+        s.close()
+
+
+def test_matched_heads_join_matches_to_their_source_summaries(state):
+    state.put_summaries([summ("b", 0, "p0", k=3), summ("b", 0, "p1", k=1), summ("c", 1, "p2", k=2)])
+    state.set_bundle_digest("b", 0, "p1", "d" * 64)
+    state.put_matches([MatchRow(0, "a", "p0", "b", 0), MatchRow(0, "a", "p1", "b", 0), MatchRow(1, "a", "p2", "c", 1),
+                       MatchRow(1, "a", "p9", "c", 1), MatchRow(0, "c", "p0", "b", 0)])  # p9: no summary
+    got = [(m.receiver, m.prompt_id, m.source, h.k, h.n, h.bundle_digest) for m, h in state.matched_heads(0, receiver="a")]
+    assert got == [("a", "p0", "b", 3, 4, ""), ("a", "p1", "b", 1, 4, "d" * 64)]
+    assert [m.prompt_id for m, _ in state.matched_heads(1, receiver="a")] == ["p2"]
+    assert [(m.receiver, m.prompt_id) for m, _ in state.matched_heads(0, source="b")] == [
+        ("a", "p0"), ("a", "p1"), ("c", "p0")]
+    assert state.matched_heads(5) == []
+
+
+def test_read_bundle_in_chunks(state):
+    data = bytes(range(256)) * 1000
+    state.put_bundle("d" * 64, data)
+    assert state.bundle_size("d" * 64) == len(data) and state.bundle_size("e" * 64) is None
+    chunks = [state.read_bundle("d" * 64, off, 4096) for off in range(0, len(data), 4096)]
+    assert b"".join(chunks) == data and all(len(c) <= 4096 for c in chunks)
+    assert state.read_bundle("d" * 64, len(data), 10) == b"" and state.read_bundle("d" * 64, 5, 0) == b""
+    assert state.read_bundle("d" * 64, len(data) - 3, 10) == data[-3:]
+    assert state.read_bundle("e" * 64, 0, 10) is None
+
+
+def test_iter_bundle_streams_a_snapshot(state):
+    data = bytes(range(256)) * 1000
+    state.put_bundle("d" * 64, data)
+    state.put_bundle("e" * 64, b"")
+    chunks = state.iter_bundle("d" * 64, 4096)
+    first = next(chunks)
+    state.prune(max_bundle_bytes=0)  # pruned while being read: the reader finishes what it started
+    rest = list(chunks)
+    assert first + b"".join(rest) == data and all(len(c) == 4096 for c in rest[:-1])
+    assert state.iter_bundle("d" * 64, 4096) is None and state.iter_bundle("f" * 64, 10) is None
+    state.put_bundle("e" * 64, b"")
+    assert list(state.iter_bundle("e" * 64, 10)) == [b""]

@@ -1,0 +1,134 @@
+"""core.exchange.select_sources on arrays: the same choices, without Python loops over
+pairs and prompts.
+
+`select_sources` walks every ordered pair of nodes and, for each, every prompt: N^2 x P
+steps of Python, which at 64 nodes x 4,096 prompts took the broker a minute per round
+(issue 13). The rule only needs, per ordered pair (a, b), how many of b's all-fail prompts
+a has an informative group for at each k (SelectWithTies keeps every candidate whose k_S
+reaches the m-th largest, so a histogram of k per pair fixes the threshold), and then, per
+receiver and prompt, the `source_rank` winner among the sources that passed their pair's
+threshold. Both are array operations: one (n - 1)-term sum of (N x P) @ (P x N) products,
+then one masked arg-max per receiver over (N x its failed prompts).
+
+`select_sources_arrays` returns exactly what `select_sources` returns for the same input
+(tests/broker/test_matching.py compares them on random rounds with ties, N > 2, balance on
+and off, sources that may not share, compatibility known and unknown, and a cap).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable, Mapping, Sequence
+
+import numpy as np
+
+MISSING = -1  # k of a prompt the node did not publish
+
+
+def kn_arrays(kn: Sequence[Mapping[Hashable, tuple[int, int]]]) -> tuple[list[Hashable], np.ndarray, np.ndarray]:
+    """(prompt ids, k, n) from select_sources' input: k and n are (N, P) int arrays, k
+    MISSING where a node has no group for the prompt."""
+    pids: dict[Hashable, int] = {}
+    for per in kn:
+        for pid in per:
+            pids.setdefault(pid, len(pids))
+    k = np.full((len(kn), len(pids)), MISSING, dtype=np.int64)
+    n = np.ones((len(kn), len(pids)), dtype=np.int64)
+    for i, per in enumerate(kn):
+        if per:
+            cols = np.fromiter((pids[p] for p in per), dtype=np.int64, count=len(per))
+            vals = np.array(list(per.values()), dtype=np.int64).reshape(-1, 2)
+            k[i, cols] = vals[:, 0]
+            n[i, cols] = vals[:, 1]
+    return list(pids), k, n
+
+
+def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndarray, balance: bool) -> np.ndarray:
+    """t[a, b]: the smallest k_S of a's groups that SelectWithTies keeps in direction a -> b
+    (every candidate with k_S >= t is kept); kmax + 1 when the pair exchanges nothing."""
+    n_nodes = k.shape[0]
+    kmax = int(n[inf_src].max()) - 1 if inf_src.any() else 1
+    failT = fail.T.astype(np.float32)  # (P, N)
+    hist = []  # hist[j - 1][a, b]: a's informative groups with k_S = j on prompts b failed entirely
+    for j in range(1, kmax + 1):
+        a_j = (inf_src & (k == j)).astype(np.float32)
+        hist.append(a_j @ failT if a_j.any() else np.zeros((n_nodes, n_nodes), dtype=np.float32))
+    total = np.sum(hist, axis=0) if hist else np.zeros((n_nodes, n_nodes), dtype=np.float32)
+    m = np.minimum(total, total.T) if balance else total  # how many each direction keeps before ties
+    t = np.full((n_nodes, n_nodes), kmax + 1, dtype=np.int64)
+    ranked = np.zeros((n_nodes, n_nodes), dtype=np.float32)  # candidates with k_S >= j
+    for j in range(kmax, 0, -1):
+        ranked += hist[j - 1]
+        t = np.where((t == kmax + 1) & (m > 0) & (ranked >= m), j, t)
+    return t
+
+
+def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
+                          compat: Mapping[tuple[int, int], float],
+                          can_source: Sequence[bool] | None = None,
+                          cap: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """For every receiver r, (prompt columns, source indices) of its chosen groups, in
+    column order: core.exchange.select_sources' choice (see the module docstring) for the
+    (N, P) arrays k and n (k MISSING where a node has no group)."""
+    n_nodes = k.shape[0]
+    n = np.broadcast_to(np.asarray(n), k.shape)
+    published = k != MISSING
+    fail = published & (k == 0)
+    inf = published & (k > 0) & (k < n)
+    ok = np.ones(n_nodes, dtype=bool) if can_source is None else np.asarray(can_source, dtype=bool)
+    inf_src = inf & ok[:, None]  # a node that may not share offers nothing, in either pair direction's count
+    t = _thresholds(k, n, fail, inf_src, balance)
+    order = np.arange(n_nodes)
+    # est[s, r]: source_rank's first key (an unexplored pair counts as +inf; NaN never wins a
+    # comparison in max(), so it ranks below everything)
+    est_all = np.full((n_nodes, n_nodes), math.inf)
+    for (s, r), v in compat.items():
+        if 0 <= s < n_nodes and 0 <= r < n_nodes:
+            est_all[s, r] = -math.inf if math.isnan(v) else v
+    uniform = not compat
+    # per (source, prompt): k_S where the source offers an informative group (else -1), and
+    # source_rank's last two keys folded into one integer (higher k_S, then lower index)
+    kk = np.where(inf_src, k, -1).astype(np.int32)
+    kspan = int(kk.max()) + 2
+    base = (kk * n_nodes + (n_nodes - 1 - order)[:, None]).astype(np.int64)
+    out = []
+    for r in range(n_nodes):
+        cols = np.flatnonzero(fail[r])
+        if not cols.size:
+            out.append((cols, cols.copy()))
+            continue
+        ks = kk[:, cols]
+        eligible = ks >= t[:, r][:, None]  # t >= 1, so a source without an informative group never is
+        has = eligible.any(axis=0)
+        if not has.all():
+            cols, ks, eligible = cols[has], ks[:, has], eligible[:, has]
+        if not cols.size:
+            out.append((cols, cols.copy()))
+            continue
+        score = base[:, cols]
+        if not uniform:  # compatibility first (unknown = +inf); equal estimates tie
+            est = est_all[:, r]
+            score = score + (np.searchsorted(np.unique(est), est) * (kspan * n_nodes))[:, None]
+        src = np.where(eligible, score, -1).argmax(axis=0)
+        if cap is not None:
+            k_chosen = ks[src, np.arange(cols.size)]
+            if cap <= 0:
+                keep = np.zeros(cols.size, dtype=bool)
+            elif cols.size > cap:
+                keep = k_chosen >= np.sort(k_chosen)[::-1][cap - 1]  # SelectWithTies on k_S
+            else:
+                keep = np.ones(cols.size, dtype=bool)
+            cols, src = cols[keep], src[keep]
+        out.append((cols, src))
+    return out
+
+
+def select_sources_fast(kn: Sequence[Mapping[Hashable, tuple[int, int]]], balance: bool,
+                        compat: Mapping[tuple[int, int], float], can_source: Sequence[bool] | None = None,
+                        cap: int | None = None) -> list[dict[Hashable, int]]:
+    """select_sources' signature and result (prompt id -> source index per receiver)."""
+    pids, k, n = kn_arrays(kn)
+    if not pids:
+        return [{} for _ in kn]
+    return [{pids[c]: int(s) for c, s in zip(cols.tolist(), src.tolist())}
+            for cols, src in select_sources_arrays(k, n, balance, compat, can_source, cap)]

@@ -1,0 +1,131 @@
+"""Sessions and liveness: the broker's node rows in memory, written through to the state.
+
+Every RPC checks the caller's session and marks it alive. That used to be a read and an
+fsynced write of the node's row under the broker's one lock, so heartbeats queued behind
+publishes and matching (2-4 s under the 64-node load, 110 s at 64 x 4,096; issue 13) and
+a larger federation would mark live nodes offline. Here the rows live in a dict behind a
+lock held only for dict operations. What must survive a restart is written through to the
+state before the cache changes (a join, a leave, a node's round, its published count);
+liveness alone (`last_seen`) is persisted in batches by `flush` (every second from the
+broker's housekeeping, one transaction for every node), which only makes a restarted broker
+see a node as last seen up to that much earlier.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from typing import Callable
+
+from graft_fed.broker.state import BrokerState, NodeRow
+from graft_fed.federation.errors import StorageFull, Unauthenticated, Unavailable
+from graft_fed.federation.limits import clip
+
+_STRIPES = 64
+
+
+class Registry:
+    def __init__(self, state: BrokerState, clock: Callable[[], float], offline_after_s: float) -> None:
+        self.state = state
+        self.clock = clock
+        self.offline_after_s = offline_after_s
+        self._lock = threading.Lock()  # guards the dicts only; never held across I/O
+        self._nodes: dict[str, NodeRow] = {n.node_id: n for n in state.list_nodes()}
+        self._persisted: dict[str, float] = {n.node_id: n.last_seen for n in self._nodes.values()}
+        # one writer at a time per node, so the state and the cache see its writes in one order
+        self._stripes = [threading.Lock() for _ in range(_STRIPES)]
+        self._online: tuple[float, int] = (-1.0, 0)  # (monotonic time computed, count)
+
+    def node_lock(self, node_id: str) -> threading.Lock:
+        return self._stripes[hash(node_id) % _STRIPES]
+
+    # ----- reads (no I/O)
+    def get(self, node_id: str) -> NodeRow | None:
+        with self._lock:
+            return self._nodes.get(node_id)
+
+    def all(self) -> list[NodeRow]:
+        with self._lock:
+            return [self._nodes[k] for k in sorted(self._nodes)]
+
+    def online(self) -> list[NodeRow]:
+        now = self.clock()
+        with self._lock:
+            return [self._nodes[k] for k in sorted(self._nodes)
+                    if self._nodes[k].state != "left" and now - self._nodes[k].last_seen < self.offline_after_s]
+
+    def online_count(self, max_age_s: float = 0.5) -> int:
+        """How many nodes are online, recomputed at most every `max_age_s` (every heartbeat
+        answers it; with a thousand nodes a count per heartbeat would be a million steps
+        every interval)."""
+        t, count = self._online
+        if time.monotonic() - t >= max_age_s:
+            count = len(self.online())
+            self._online = (time.monotonic(), count)
+        return count
+
+    def check(self, node_id: str, session_id: str) -> NodeRow:
+        """The node's row when `session_id` is its live session; Unauthenticated otherwise."""
+        node = self.get(node_id)
+        if node is None or node.state == "left" or not session_id or node.session_id != session_id:
+            raise Unauthenticated(f"node {clip(node_id)} has no live session {session_id[:8]!r}...; call Join again")
+        return node
+
+    # ----- writes
+    def put(self, node: NodeRow) -> None:
+        """Write the row to the state, then to the cache (the caller holds no node lock)."""
+        with self.node_lock(node.node_id):
+            self.state.upsert_node(node)
+            self._remember(node)
+
+    def remember(self, node: NodeRow) -> None:
+        """Cache a row the caller has just written to the state itself (holding node_lock)."""
+        self._remember(node)
+
+    def _remember(self, node: NodeRow) -> None:
+        with self._lock:
+            self._nodes[node.node_id] = node
+            self._persisted[node.node_id] = node.last_seen
+
+    def touch(self, node_id: str, session_id: str, round: int | None = None) -> NodeRow:
+        """Check the session and mark the node alive (and at `round`, when that is higher).
+        A changed round or state is written through; liveness alone stays in memory until
+        `flush` (the broker's housekeeping, every second). Liveness is best effort: a full or
+        failing disk does not refuse the call."""
+        node = self.check(node_id, session_id)
+        now = self.clock()
+        if (round is None or round <= node.round) and node.state == "online":
+            with self._lock:
+                current = self._nodes.get(node_id)
+                if current is not None and current.session_id == node.session_id and current.state == "online":
+                    current = self._nodes[node_id] = replace(current, last_seen=max(current.last_seen, now))
+                    return current
+        with self.node_lock(node_id):
+            current = self.check(node_id, session_id)
+            new = replace(current, last_seen=now, state="online",
+                          round=current.round if round is None else max(current.round, round))
+            try:
+                self.state.upsert_node(new)
+            except (StorageFull, Unavailable):
+                with self._lock:  # alive in memory all the same
+                    self._nodes[node_id] = new
+                return new
+            self._remember(new)
+            return new
+
+    def flush(self) -> int:
+        """Persist the liveness that changed since the last write, in one transaction;
+        returns how many nodes it wrote."""
+        with self._lock:
+            due = [(k, n.last_seen) for k, n in self._nodes.items() if n.last_seen > self._persisted.get(k, -1.0)]
+        if not due:
+            return 0
+        try:
+            self.state.record_liveness(due)
+        except (StorageFull, Unavailable):
+            return 0
+        with self._lock:
+            for k, seen in due:
+                self._persisted[k] = max(self._persisted.get(k, -1.0), seen)
+        return len(due)

@@ -1,0 +1,185 @@
+"""The broker's per-round index in memory: k per node and prompt, and who published.
+
+Matching, complementarity and "has this node published" used to re-read (and JSON-decode)
+every node's summaries of the round from the state under the broker's lock: a profile of
+the 64-node load put a third of the broker's CPU in the complementarity counts alone
+(issue 13). The index holds, per round, one small integer array per node (k for each of
+the round's prompt columns, MISSING where the node has no group), filled as publishes are
+acknowledged (after the state made them durable) and rebuilt from the durable state on a
+miss, so a restarted broker answers the same. First write wins, as in the state.
+
+It holds at most `keep` rounds (the most recently used); an evicted round is rebuilt from
+the state when asked for again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from graft_fed.broker.matching import MISSING
+from graft_fed.broker.state import SummaryHead
+
+
+class RoundBook:
+    """One round: its prompt columns and each node's k per column."""
+
+    def __init__(self, round: int) -> None:
+        self.round = round
+        self.cols: dict[str, int] = {}
+        self.pids: list[str] = []
+        self._rows: dict[str, np.ndarray] = {}
+        self.version = 0
+        self._counts: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    @property
+    def nodes(self) -> set[str]:
+        return set(self._rows)
+
+    def add(self, node_id: str, items: Iterable[tuple[str, int]]) -> int:
+        """Record the node's (prompt id, k) groups; a group already held keeps its first k.
+        Returns how many were new."""
+        cols, ks = [], []
+        for pid, k in items:
+            col = self.cols.get(pid)
+            if col is None:
+                col = self.cols[pid] = len(self.pids)
+                self.pids.append(pid)
+            cols.append(col)
+            ks.append(k)
+        row = self._rows.get(node_id)
+        if row is None or row.size < len(self.pids):
+            grown = np.full(max(len(self.pids), 2 * (0 if row is None else row.size)), MISSING, dtype=np.int16)
+            if row is not None:
+                grown[:row.size] = row
+            row = self._rows[node_id] = grown
+        if not cols:
+            return 0
+        c = np.asarray(cols, dtype=np.int64)
+        new = row[c] == MISSING
+        row[c[new]] = np.asarray(ks, dtype=np.int16)[new]
+        self.version += 1
+        return int(new.sum())
+
+    def row(self, node_id: str) -> np.ndarray | None:
+        """The node's k per column (a view; MISSING where it has no group)."""
+        r = self._rows.get(node_id)
+        return None if r is None else r[:len(self.pids)]
+
+    def matrix(self, nodes: Sequence[str]) -> np.ndarray:
+        """(len(nodes), columns) k, MISSING where a node has no group."""
+        out = np.full((len(nodes), len(self.pids)), MISSING, dtype=np.int16)
+        for i, node in enumerate(nodes):
+            r = self._rows.get(node)
+            if r is not None:
+                w = min(r.size, len(self.pids))
+                out[i, :w] = r[:w]
+        return out
+
+    def counts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per column: how many nodes hold an informative group, and how many solved the
+        prompt at least once (k >= 1). Cached until the next publish."""
+        if self._counts is None or self._counts[0] != self.version:
+            m = self.matrix(sorted(self._rows))
+            self._counts = (self.version, ((m > 0) & (m < n)).sum(axis=0), (m >= 1).sum(axis=0))
+        return self._counts[1], self._counts[2]
+
+
+class RoundIndex:
+    """Books of the most recent rounds, rebuilt from `load(round)` (the state's summary
+    heads of that round) on a miss. Thread-safe: one lock, held for short array work."""
+
+    def __init__(self, n: int, load: Callable[[int], Sequence[SummaryHead]], keep: int = 16) -> None:
+        self.n = n
+        self._load = load
+        self.keep = max(2, keep)
+        self._books: OrderedDict[int, RoundBook] = OrderedDict()
+        self.lock = threading.RLock()
+
+    def book(self, round: int) -> RoundBook:
+        with self.lock:
+            book = self._books.get(round)
+            if book is None:
+                book = RoundBook(round)
+                per_node: dict[str, list[tuple[str, int]]] = {}
+                for h in self._load(round):
+                    per_node.setdefault(h.node_id, []).append((h.prompt_id, h.k))
+                for node, items in per_node.items():
+                    book.add(node, items)
+                self._books[round] = book
+                while len(self._books) > self.keep:
+                    self._books.popitem(last=False)
+            else:
+                self._books.move_to_end(round)
+            return book
+
+    def add(self, round: int, node_id: str, items: Iterable[tuple[str, int]]) -> None:
+        """Record groups that the state has made durable (after the write returned)."""
+        with self.lock:
+            self.book(round).add(node_id, items)
+
+    def published(self, round: int) -> set[str]:
+        with self.lock:
+            return self.book(round).nodes
+
+    def published_count(self, round: int) -> int:
+        with self.lock:
+            return len(self.book(round)._rows)
+
+    def has_published(self, round: int, node_id: str) -> bool:
+        with self.lock:
+            return node_id in self.book(round)._rows
+
+    def clear(self) -> None:
+        """Forget every book (after retention pruned the state); rebuilt on demand."""
+        with self.lock:
+            self._books.clear()
+
+    def kn(self, round: int) -> tuple[list[str], list[str], np.ndarray]:
+        """(participants sorted, prompt ids of the columns, k matrix) of one round."""
+        with self.lock:
+            book = self.book(round)
+            nodes = sorted(book.nodes)
+            return nodes, list(book.pids), book.matrix(nodes)
+
+    def fails(self, receiver: str, round: int) -> list[str]:
+        """The prompts the receiver failed entirely in `round`, in column order."""
+        with self.lock:
+            book = self.book(round)
+            row = book.row(receiver)
+            if row is None:
+                return []
+            return [book.pids[c] for c in np.flatnonzero(row == 0).tolist()]
+
+    def complementarity(self, receiver: str, round: int, min_round: int) -> tuple[int, int]:
+        """core.exchange.complementarity over the other nodes' groups of rounds
+        [min_round, round]: (how many of the receiver's all-fail prompts of `round` have an
+        informative peer group, how many some peer solved at least once)."""
+        with self.lock:
+            fails = self.fails(receiver, round)
+            if not fails:
+                return 0, 0
+            informative = np.zeros(len(fails), dtype=bool)
+            solved = np.zeros(len(fails), dtype=bool)
+            for r in range(max(min_round, round - self.keep + 1), round + 1):
+                book = self.book(r)
+                if not book.pids:
+                    continue
+                cols = np.fromiter((book.cols.get(p, -1) for p in fails), dtype=np.int64, count=len(fails))
+                have = cols >= 0
+                if not have.any():
+                    continue
+                inf_count, pos_count = book.counts(self.n)
+                c = cols[have]
+                inf_c, pos_c = inf_count[c].copy(), pos_count[c].copy()
+                own = book.row(receiver)
+                if own is not None:  # the receiver's own groups (other rounds) are not a peer's
+                    k = own[c]
+                    inf_c -= ((k > 0) & (k < self.n)).astype(inf_c.dtype)
+                    pos_c -= (k >= 1).astype(pos_c.dtype)
+                informative[have] |= inf_c > 0
+                solved[have] |= pos_c > 0
+            return int(informative.sum()), int(solved.sum())

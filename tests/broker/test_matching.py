@@ -1,0 +1,55 @@
+"""The broker's array matching chooses exactly what core.exchange.select_sources chooses."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from graft_fed.broker.matching import select_sources_fast
+from graft_fed.core.exchange import select_sources
+
+
+def _round(rng: random.Random, n_nodes: int, n_prompts: int, n: int, partial: bool) -> list[dict[str, tuple[int, int]]]:
+    kn = []
+    for _ in range(n_nodes):
+        per = {}
+        for p in range(n_prompts):
+            if partial and rng.random() < 0.2:
+                continue  # a node that did not publish every prompt
+            u = rng.random()
+            # few distinct k so that ties (SelectWithTies, source_rank) are everywhere
+            k = 0 if u < 0.35 else (n if u < 0.5 else rng.choice([1, n - 1, n // 2]))
+            per[f"p{p:03d}"] = (k, n)
+        kn.append(per)
+    return kn
+
+
+def _compat(rng: random.Random, n_nodes: int) -> dict[tuple[int, int], float]:
+    out = {}
+    for s in range(n_nodes):
+        for r in range(n_nodes):
+            if s != r and rng.random() < 0.5:
+                out[(s, r)] = rng.choice([0.5, 0.9, 1.0, float("inf")])  # repeated values: ties on compat
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fast_path_equals_select_sources(seed: int) -> None:
+    rng = random.Random(seed)
+    n_nodes = rng.choice([1, 2, 2, 3, 4, 7, 12])
+    kn = _round(rng, n_nodes, rng.choice([1, 5, 40, 120]), rng.choice([2, 4, 8]), partial=seed % 3 == 0)
+    compat = _compat(rng, n_nodes) if seed % 2 else {}
+    can = [rng.random() > 0.2 for _ in range(n_nodes)] if seed % 4 == 1 else None
+    for balance in (True, False):
+        for cap in (None, 0, 1, 3, 50):
+            want = select_sources(kn, balance, compat, can, cap=cap)
+            got = select_sources_fast(kn, balance, compat, can, cap=cap)
+            assert got == want, (seed, balance, cap)
+
+
+def test_empty_and_unshared() -> None:
+    assert select_sources_fast([], True, {}) == select_sources([], True, {}) == []
+    kn = [{"a": (0, 4)}, {"a": (2, 4)}]
+    assert select_sources_fast(kn, True, {}, [True, False]) == select_sources(kn, True, {}, [True, False])
+    assert select_sources_fast(kn, False, {}) == select_sources(kn, False, {}) == [{"a": 1}, {}]
