@@ -71,7 +71,8 @@ class ExperimentConfig:
     models: Mapping[str, Any] = field(default_factory=dict)
     #: Pairs of model names, each trained together in the GRAFT arms.
     pairs: tuple[tuple[str, str], ...] = ()
-    #: Arms to run: grpo_n8, grpo_n16, stored, and any of the ablations (graft, no_gate, ...).
+    #: Arms to run: grpo_n8, grpo_n16, stored, replay, any of the ablations (graft, no_gate, ...)
+    #: on each pair, and graft_all, graft_random, no_gate_all, sft_peer on all models together.
     arms: tuple[str, ...] = ("grpo_n8", "grpo_n16", "graft", "stored", "no_gate")
     #: The run config every arm starts from (model and output_dir are set per run).
     base: Mapping[str, Any] = field(default_factory=dict)
