@@ -108,20 +108,20 @@ RECIPES: dict[str, dict[str, ZooSpec]] = {
                                                   mix={"add": 0.05, "sub": 0.25, "mul": 0.70}),
     },
     # Complementary skills (issue 15): every model knows add/sub/mul; `mod` and `lin` are the
-    # withheld sub-skills. llama learns mod but (almost) not lin, gpt2 lin but (almost) not mod,
-    # qwen3 neither, so each withheld slice of a receiver has exactly one peer that solves it.
-    # A withheld family keeps a 1% share, so that the receiver knows its scratchpad's format
-    # (a peer's solution is then not implausible merely for being unfamiliar) but cannot
-    # compute it. gpt2 writes half its scratchpads in the `words` style, which the other two
-    # never saw: the gate has something to reject. Measured in docs/results/miniature.md.
+    # withheld sub-skills. llama learns mod but not lin, gpt2 lin but not mod, qwen3 neither, so
+    # each withheld slice of a receiver has exactly one peer that solves it. A withheld family
+    # is absent from the model's SFT data. gpt2 writes half its scratchpads in the `words`
+    # style, which the other two never saw: the gate has something to reject. Recipe 1 (a 1%
+    # share of each withheld family, llama 800 steps at 25% mod) left qwen3 at 16% on mod and
+    # llama at 25% on mod; every recipe tried is in docs/results/miniature.md (setting D).
     "complementary": {
         "tiny-llama-char": dataclasses.replace(
-            SPECS["tiny-llama-char"], mix={"add": 0.25, "sub": 0.25, "mul": 0.25, "mod": 0.24, "lin": 0.01}),
+            SPECS["tiny-llama-char"], mix={"add": 0.2, "sub": 0.2, "mul": 0.2, "mod": 0.4}, steps=1600),
         "tiny-gpt2-bpe": dataclasses.replace(
-            SPECS["tiny-gpt2-bpe"], mix={"add": 0.25, "sub": 0.25, "mul": 0.24, "mod": 0.01, "lin": 0.25},
+            SPECS["tiny-gpt2-bpe"], mix={"add": 0.2, "sub": 0.2, "mul": 0.2, "lin": 0.4},
             styles={"plain": 0.5, "words": 0.5}),
         "tiny-qwen3-unigram": dataclasses.replace(
-            SPECS["tiny-qwen3-unigram"], mix={"add": 0.33, "sub": 0.33, "mul": 0.32, "mod": 0.01, "lin": 0.01}),
+            SPECS["tiny-qwen3-unigram"], mix={"add": 0.33, "sub": 0.33, "mul": 0.34}),
     },
 }
 
