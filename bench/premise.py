@@ -53,10 +53,17 @@ def _q(values: list[float]) -> dict[str, Any]:
 
 
 def measure(config: str, per_family: int, n: int, seed: int, families: list[str] | None = None,
-            log=print) -> dict[str, Any]:
+            only: list[str] | None = None, models_dir: str | None = None, log=print) -> dict[str, Any]:
     from graft_fed.trainer.grpo import GRPOTrainer
 
     cfg = load_experiment_config(config)
+    models = {m: spec for m, spec in cfg.models.items() if not only or m in only}
+    if models_dir:  # the same models from another build folder (e.g. an earlier recipe)
+        models = {m: str(Path(models_dir) / Path(str(spec)).name) for m, spec in models.items()}
+    pairs = tuple(p for p in cfg.pairs if p[0] in models and p[1] in models)
+    cfg = dataclasses.replace(cfg, models=models, pairs=pairs,
+                              withheld={m: f for m, f in cfg.withheld.items() if m in models},
+                              implausible=cfg.implausible if cfg.implausible in models else None)
     exp = Experiment(cfg)
     fams = list(families or cfg.base.get("data", {}).get("families") or [])
     names = sorted(cfg.models)
@@ -208,11 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--only", action="append", metavar="NAME", help="measure only these models of the config")
+    p.add_argument("--families", default=None, help="comma-separated families (default: the config's)")
+    p.add_argument("--models-dir", default=None, help="take the models from this build folder instead")
     p.add_argument("--out", default=None, help="write the Markdown report here")
     p.add_argument("--json", default=None, help="write the raw numbers here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    res = measure(args.config, args.per_family, args.n, args.seed)
+    fams = [f for f in args.families.split(",") if f] if args.families else None
+    res = measure(args.config, args.per_family, args.n, args.seed, fams, args.only, args.models_dir)
     command = "python bench/premise.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     text = render(res, command)
     print(text)

@@ -601,6 +601,9 @@ def write_report(cfg: ExperimentConfig) -> Path:
              f"Held-out pass@1 (%, mean ± std over seeds {list(cfg.seeds)}) of each receiver after training.",
              "Δ is against GRPO n=8 of the same receiver. Produced by `graft-fed experiment`; config in "
              f"`{root / 'experiment.json'}`.", ""]
+    if cfg.test_eval is not None:
+        lines += ["With `test_eval` set, the tables up to the withheld-slice section score the final checkpoint on "
+                  "`base.eval` (the validation set); the test split's numbers are in that section.", ""]
     lines += _pair_table(cfg, res, arms)
     if _has_pairs(by_seed):
         lines += ["", "## Paired differences", "",
