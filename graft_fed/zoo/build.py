@@ -110,16 +110,17 @@ RECIPES: dict[str, dict[str, ZooSpec]] = {
     # Complementary skills (issue 15): every model knows add/sub/mul; `mod` and `lin` are the
     # withheld sub-skills. llama learns mod but not lin, gpt2 lin but not mod, qwen3 neither, so
     # each withheld slice of a receiver has exactly one peer that solves it. A withheld family
-    # is absent from the model's SFT data. gpt2 writes half its scratchpads in the `words`
-    # style, which the other two never saw: the gate has something to reject. Recipe 1 (a 1%
-    # share of each withheld family, llama 800 steps at 25% mod) left qwen3 at 16% on mod and
-    # llama at 25% on mod; every recipe tried is in docs/results/miniature.md (setting D).
+    # is absent from the model's SFT data. gpt2 writes every scratchpad in the `words` style,
+    # which the other two never saw: the gate has something to reject. Recipe 1 (a 1% share of
+    # each withheld family, llama 800 steps at 25% mod) left qwen3 at 16% on mod and llama at
+    # 25% on mod; recipe 2 (this one, but gpt2 half plain, half words) left gpt2 at 2-6% on
+    # add/sub/mul and 14% on lin. Every recipe tried: docs/results/miniature.md (setting D).
     "complementary": {
         "tiny-llama-char": dataclasses.replace(
             SPECS["tiny-llama-char"], mix={"add": 0.2, "sub": 0.2, "mul": 0.2, "mod": 0.4}, steps=1600),
         "tiny-gpt2-bpe": dataclasses.replace(
             SPECS["tiny-gpt2-bpe"], mix={"add": 0.2, "sub": 0.2, "mul": 0.2, "lin": 0.4},
-            styles={"plain": 0.5, "words": 0.5}),
+            styles={"words": 1.0}),
         "tiny-qwen3-unigram": dataclasses.replace(
             SPECS["tiny-qwen3-unigram"], mix={"add": 0.33, "sub": 0.33, "mul": 0.34}),
     },

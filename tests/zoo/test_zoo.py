@@ -142,7 +142,7 @@ def test_recipes_differ_only_in_the_family_mix_and_never_overwrite_the_shipped_z
 
 def test_complementary_recipe_withholds_one_skill_per_model_and_gives_gpt2_a_second_style():
     """Issue 15: llama knows mod, not lin; gpt2 lin, not mod; qwen3 neither (absent from their
-    SFT data); gpt2 writes half its scratchpads in the `words` style; nothing else of the
+    SFT data); gpt2 writes all its scratchpads in the `words` style; nothing else of the
     shipped specs changes but llama's SFT length."""
     import dataclasses
 
@@ -157,7 +157,7 @@ def test_complementary_recipe_withholds_one_skill_per_model_and_gives_gpt2_a_sec
     assert mix["tiny-llama-char"].get("mod", 0) > 0.2 and mix["tiny-llama-char"].get("lin", 0) == 0
     assert mix["tiny-gpt2-bpe"].get("lin", 0) > 0.2 and mix["tiny-gpt2-bpe"].get("mod", 0) == 0
     assert mix["tiny-qwen3-unigram"].get("mod", 0) == 0 and mix["tiny-qwen3-unigram"].get("lin", 0) == 0
-    assert dict(rec["tiny-gpt2-bpe"].styles) == {"plain": 0.5, "words": 0.5}
+    assert dict(rec["tiny-gpt2-bpe"].styles) == {"words": 1.0}
     assert all(dict(s.styles) == {"plain": 1.0} for n, s in rec.items() if n != "tiny-gpt2-bpe")
 
 
