@@ -596,7 +596,7 @@ def write_report(cfg: ExperimentConfig) -> Path:
     root = Path(cfg.output_dir)
     by_seed = collect_by_seed(cfg)
     res = _in_seed_order(by_seed)
-    arms = [a for a in cfg.arms if a not in BASELINES and a != "graft_all"]
+    arms = [a for a in cfg.arms if a in ABLATIONS or a == "stored"]  # the pair arms
     lines = ["# GRAFT in miniature", "",
              f"Held-out pass@1 (%, mean ± std over seeds {list(cfg.seeds)}) of each receiver after training.",
              "Δ is against GRPO n=8 of the same receiver. Produced by `graft-fed experiment`; config in "
