@@ -113,14 +113,16 @@ RECIPES: dict[str, dict[str, ZooSpec]] = {
     # is absent from the model's SFT data. gpt2 writes every scratchpad in the `words` style,
     # which the other two never saw: the gate has something to reject. Recipe 1 (a 1% share of
     # each withheld family, llama 800 steps at 25% mod) left qwen3 at 16% on mod and llama at
-    # 25% on mod; recipe 2 (this one, but gpt2 half plain, half words) left gpt2 at 2-6% on
-    # add/sub/mul and 14% on lin. Every recipe tried: docs/results/miniature.md (setting D).
+    # 25% on mod; recipe 2 (gpt2 half plain, half words) left gpt2 at 2-6% on add/sub/mul and
+    # 14% on lin, and recipe 3 (words only) at 2-6% and 16%: at 20% a family gpt2 does not
+    # learn in 1200 steps (the shipped zoo's gpt2 has 6.6% on its 20% mul), so recipe 4 (this
+    # one) trains it 2400 steps. Every recipe tried: docs/results/miniature.md (setting D).
     "complementary": {
         "tiny-llama-char": dataclasses.replace(
             SPECS["tiny-llama-char"], mix={"add": 0.2, "sub": 0.2, "mul": 0.2, "mod": 0.4}, steps=1600),
         "tiny-gpt2-bpe": dataclasses.replace(
             SPECS["tiny-gpt2-bpe"], mix={"add": 0.2, "sub": 0.2, "mul": 0.2, "lin": 0.4},
-            styles={"words": 1.0}),
+            styles={"words": 1.0}, steps=2400),
         "tiny-qwen3-unigram": dataclasses.replace(
             SPECS["tiny-qwen3-unigram"], mix={"add": 0.33, "sub": 0.33, "mul": 0.34}),
     },
