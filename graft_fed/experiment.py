@@ -39,10 +39,24 @@ ABLATIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "seq_ratio": ({}, {"ratio": "sequence"}),
 }
 BASELINES = ("grpo_n8", "grpo_n16")
-# graft_all: every model of `models` co-trained together (the in-process equivalent of a
-# synchronous federation of them: the broker uses the same selection), against each
-# receiver's best pairwise partner.
-ARMS = BASELINES + ("stored", "graft_all") + tuple(ABLATIONS)
+# Arms that co-train every model of `models` together (folder `all`): graft_all is the
+# in-process equivalent of a synchronous federation of them (the broker uses the same
+# selection, core.exchange.select_sources; tests/federation/test_two_node_equivalence.py pins
+# federation == co-training), against each receiver's best pairwise partner. The others are
+# settings of the same co-training (issue 15): a random peer per prompt instead of the
+# compatibility matching; gate off; and "SFT on peer successes" at matched compute (the same
+# rollouts, selection and optimiser steps as graft_all, training only on the peers'
+# successful responses, with no gate: graft.transfer success_only, graft.gate false).
+GROUP_ARMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "graft_all": ({}, {}),
+    "graft_random": ({"source_choice": "random"}, {}),
+    "no_gate_all": ({"gate": False}, {}),
+    "sft_peer": ({"transfer": "success_only", "gate": False}, {}),
+}
+# replay: each model alone, its all-fail groups replaced by its own earlier informative groups
+# for the same prompts (graft/replay.py; a replay-buffer baseline).
+SINGLE_ARMS = ("replay",)
+ARMS = BASELINES + ("stored",) + tuple(GROUP_ARMS) + SINGLE_ARMS + tuple(ABLATIONS)
 
 
 @dataclass(frozen=True)
@@ -57,10 +71,22 @@ class ExperimentConfig:
     models: Mapping[str, Any] = field(default_factory=dict)
     #: Pairs of model names, each trained together in the GRAFT arms.
     pairs: tuple[tuple[str, str], ...] = ()
-    #: Arms to run: grpo_n8, grpo_n16, stored, and any of the ablations (graft, no_gate, ...).
+    #: Arms to run: grpo_n8, grpo_n16, stored, replay, any of the ablations (graft, no_gate, ...)
+    #: on each pair, and graft_all, graft_random, no_gate_all, sft_peer on all models together.
     arms: tuple[str, ...] = ("grpo_n8", "grpo_n16", "graft", "stored", "no_gate")
     #: The run config every arm starts from (model and output_dir are set per run).
     base: Mapping[str, Any] = field(default_factory=dict)
+    #: An eval section (as `base.eval`) for the test split. When set, `base.eval` is the
+    #: validation set scored every `run.eval_every` steps, and each finished run's final
+    #: checkpoint and best-validation checkpoint (highest validation pass@1, the earliest on a
+    #: tie; the paper reports that one) are scored on this set (summary.json `test`).
+    #: Checkpoints are then kept at every evaluation (run.checkpoint_every = run.eval_every)
+    #: until the run is scored, then pruned to those two.
+    test_eval: Mapping[str, Any] | None = None
+    #: model name -> its withheld task families (its primary metric: pass@1 on those).
+    withheld: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: The model whose scratchpad style the others find implausible (for the gate claim).
+    implausible: str | None = None
 
     def __post_init__(self) -> None:
         require(len(self.seeds) >= 1, "experiment.seeds must hold at least one seed")
@@ -72,6 +98,14 @@ class ExperimentConfig:
         require(not unknown, f"unknown arms {unknown}; choose from {list(ARMS)}")
         require("stored" not in self.arms or "grpo_n8" in self.arms,
                 "the stored arm learns from the grpo_n8 runs' trajectories: add grpo_n8 to arms")
+        for m in self.withheld:
+            require(m in self.models, f"experiment.withheld names {m!r}, which is not in experiment.models")
+        require(self.implausible is None or self.implausible in self.models,
+                f"experiment.implausible {self.implausible!r} is not in experiment.models")
+        if self.test_eval is not None:
+            run = self.base.get("run", {})
+            require(int(run.get("eval_every", 0)) > 0,
+                    "experiment.test_eval scores the best-validation checkpoint: set base.run.eval_every > 0")
 
 
 def load_experiment_config(path: str | Path, quick: bool = False) -> ExperimentConfig:
@@ -114,23 +148,34 @@ class Experiment:
             "model": _model_section(self.cfg.models[model]),
         })
         base = deep_merge(base, over)
+        if self.cfg.test_eval is not None:
+            every = int(base["run"]["eval_every"])
+            base = deep_merge(base, {"run": {"checkpoint_every": every, "keep_checkpoints": 10_000}})
         return from_mapping(TrainConfig, base)
 
     def _done(self, out_dir: Path) -> bool:
         return (out_dir / "summary.json").is_file()
 
     def run_single(self, arm: str, run_name: str, model: str, seed: int, **over: Any) -> None:
+        from graft_fed.graft import step as graft_step
         from graft_fed.graft import stored
+        from graft_fed.graft.replay import ReplayPeers
         from graft_fed.trainer.grpo import GRPOTrainer
 
         cfg = self._train_cfg(arm, run_name, model, seed, **over)
         # The model id (what peers and the store call it) is the model's name, whatever the folder.
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=model))
         if self._done(Path(cfg.run.output_dir)):
+            self.score_test(Path(cfg.run.output_dir), model)
             return
         log.info("%s seed %d: %s", arm, seed, run_name)
         with GRPOTrainer(cfg, resume="auto", quiet=self.quiet) as t:
-            stored.train(t)
+            if arm == "replay":
+                replay = ReplayPeers()
+                t.train(step_fn=lambda: graft_step.step(t, replay))
+            else:
+                stored.train(t)
+        self.score_test(Path(cfg.run.output_dir), model)
 
     def run_pair(self, arm: str, a: str, b: str, seed: int) -> None:
         self.run_group(arm, (a, b), f"{a}+{b}", seed)
@@ -138,9 +183,11 @@ class Experiment:
     def run_group(self, arm: str, names: tuple[str, ...], folder: str, seed: int) -> None:
         from graft_fed.graft.cotrain import CoTrainer, CotrainConfig, MemberSection
 
-        g_over, alg_over = ABLATIONS.get(arm, ({}, {}))
+        g_over, alg_over = GROUP_ARMS[arm] if arm in GROUP_ARMS else ABLATIONS.get(arm, ({}, {}))
         out = self.root / arm / f"seed{seed}" / folder
         if all(self._done(out / m) for m in names):
+            for m in names:
+                self.score_test(out / m, m)
             return
         log.info("%s seed %d: %s", arm, seed, folder)
         base = self._train_cfg(arm, folder, names[0], seed, group=True, graft=g_over, algorithm=alg_over)
@@ -150,6 +197,74 @@ class Experiment:
                         for m in names)
         with CoTrainer(CotrainConfig(**fields, members=members), resume="auto", quiet=self.quiet) as co:
             co.train()
+        for m in names:
+            self.score_test(out / m, m)
+
+    def score_test(self, run: Path, model: str) -> dict[str, Any] | None:
+        """With `test_eval` set: score a finished run's final checkpoint and its best-validation
+        checkpoint on the test set, record both (and the validation curve) in summary.json
+        under `test`, then delete the run's other checkpoints. Idempotent: a run already
+        scored with this test set is left alone."""
+        if self.cfg.test_eval is None or not self._done(run):
+            return None
+        from graft_fed.trainer import checkpoint as ckpt
+        from graft_fed.trainer.config import EvalSection
+
+        want = from_mapping(EvalSection, self.cfg.test_eval)
+        path = run / "summary.json"
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        if summary.get("test", {}).get("eval_config") == to_dict(want):
+            return summary["test"]
+        curve = validation_curve(run)
+        if not curve:
+            raise ConfigError(f"{run} has no periodic validation evaluation (run.eval_every) to select from")
+        best_step = max(curve, key=lambda row: (row["pass@1"], -row["step"]))["step"]
+        final_step = curve[-1]["step"]
+        by_step = {ckpt_step(d): d for d in ckpt.checkpoint_dirs(run / "checkpoints")}
+        result: dict[str, Any] = {"eval_config": to_dict(want), "validation": curve}
+        for name, step in (("final", final_step), ("best_val", best_step)):
+            if step == 0:
+                model_dir = Path(str(_model_section(self.cfg.models[model])["path"]))
+            elif step in by_step:
+                ckpt.verify_checkpoint(by_step[step])
+                model_dir = by_step[step] / "model"
+            else:
+                raise ConfigError(f"{run}: the checkpoint of step {step} is missing; cannot score it on the test set")
+            if name == "best_val" and step == final_step:
+                result[name] = {**result["final"]}
+                continue
+            result[name] = {"step": step, **self._evaluate_model(run, model_dir, want)}
+        summary["test"] = result
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+        os.replace(tmp, path)
+        import shutil
+
+        for step, d in by_step.items():
+            if step not in (final_step, best_step):
+                shutil.rmtree(d, ignore_errors=True)
+        return result
+
+    def _evaluate_model(self, run: Path, model_dir: Path, want: Any) -> dict[str, Any]:
+        from graft_fed.data.config import load_prompts
+        from graft_fed.evaluation import evaluate
+        from graft_fed.modeling import load_model_and_tokenizer
+        from graft_fed.rewards import build_verifier
+        from graft_fed.trainer.config import load_train_config
+
+        run_cfg = load_train_config(run / "config.json")
+        if run_cfg.run.threads:
+            import torch
+
+            torch.set_num_threads(run_cfg.run.threads)
+        model, tok = load_model_and_tokenizer(str(model_dir), "cpu")
+        with build_verifier(run_cfg.verifier) as verifier:
+            res = evaluate(model, tok, load_prompts(want.data), verifier, template=run_cfg.model.template,
+                           add_special_tokens=run_cfg.model.encode_special_tokens, k=want.k,
+                           temperature=want.temperature, top_p=want.top_p,
+                           max_new_tokens=want.max_new_tokens or run_cfg.rollout.max_new_tokens,
+                           seed=want.seed, batch_size=run_cfg.rollout.batch_size, seeding=want.seeding)
+        return res.summary()
 
     def run_stored(self, receiver: str, peer: str, seed: int) -> None:
         """The paper's stored mode: the receiver learns from the peer's own GRPO n=8 run of the
@@ -223,6 +338,8 @@ class Experiment:
                     self.run_single("grpo_n8", model, model, seed, rollout={"n": 8})
                 if "grpo_n16" in arms:
                     self.run_single("grpo_n16", model, model, seed, rollout={"n": 16})
+                if "replay" in arms:
+                    self.run_single("replay", model, model, seed)
             for a, b in self.cfg.pairs:
                 for arm in arms:
                     if arm in ABLATIONS:
@@ -230,8 +347,9 @@ class Experiment:
                 if "stored" in arms:
                     self.run_stored(a, b, seed)
                     self.run_stored(b, a, seed)
-            if "graft_all" in arms:
-                self.run_group("graft_all", tuple(sorted(self.cfg.models)), "all", seed)
+            for arm in GROUP_ARMS:
+                if arm in arms:
+                    self.run_group(arm, tuple(sorted(self.cfg.models)), "all", seed)
         (self.root / "timing.json").write_text(json.dumps({"seconds_this_invocation": time.perf_counter() - t0}))
         return write_report(self.cfg)
 
@@ -261,16 +379,33 @@ def run_paths(cfg: ExperimentConfig, arms: tuple[str, ...] | None = None
     for seed in cfg.seeds:
         s = f"seed{seed}"
         for m in sorted({x for p in cfg.pairs for x in p}):
-            out += [((m, "-", arm), seed, root / arm / s / m) for arm in BASELINES if arm in wanted]
+            out += [((m, "-", arm), seed, root / arm / s / m) for arm in BASELINES + SINGLE_ARMS if arm in wanted]
         for a, b in cfg.pairs:
             for recv, peer in ((a, b), (b, a)):
                 out += [((recv, peer, arm), seed, root / arm / s / f"{a}+{b}" / recv)
                         for arm in ABLATIONS if arm in wanted]
                 if "stored" in wanted:
                     out.append(((recv, peer, "stored"), seed, root / "stored" / s / f"{recv}<-{peer}"))
-        if "graft_all" in wanted:
-            out += [((m, "all", "graft_all"), seed, root / "graft_all" / s / "all" / m) for m in sorted(cfg.models)]
+        for arm in GROUP_ARMS:
+            if arm in wanted:
+                out += [((m, "all", arm), seed, root / arm / s / "all" / m) for m in sorted(cfg.models)]
     return out
+
+
+def ckpt_step(path: Path) -> int:
+    """The step of a checkpoint folder (`step_000040` -> 40)."""
+    return int(path.name.rsplit("_", 1)[-1])
+
+
+def validation_curve(run: Path) -> list[dict[str, Any]]:
+    """Every evaluation a run wrote during training (eval/step_*.summary.json), in step order:
+    [{"step", "pass@1", "by_group"}]."""
+    rows = []
+    for f in sorted((run / "eval").glob("step_*.summary.json")):
+        ev = json.loads(f.read_text(encoding="utf-8"))
+        rows.append({"step": int(f.name.split(".")[0].rsplit("_", 1)[-1]), "pass@1": ev["pass@1"],
+                     "by_group": ev.get("by_group") or {}})
+    return rows
 
 
 def collect_by_seed(cfg: ExperimentConfig, family: str | dict[str, str] | None = None
@@ -455,11 +590,14 @@ def write_report(cfg: ExperimentConfig) -> Path:
     root = Path(cfg.output_dir)
     by_seed = collect_by_seed(cfg)
     res = _in_seed_order(by_seed)
-    arms = [a for a in cfg.arms if a not in BASELINES and a != "graft_all"]
+    arms = [a for a in cfg.arms if a in ABLATIONS or a == "stored"]  # the pair arms
     lines = ["# GRAFT in miniature", "",
              f"Held-out pass@1 (%, mean ± std over seeds {list(cfg.seeds)}) of each receiver after training.",
              "Δ is against GRPO n=8 of the same receiver. Produced by `graft-fed experiment`; config in "
              f"`{root / 'experiment.json'}`.", ""]
+    if cfg.test_eval is not None:
+        lines += ["With `test_eval` set, the tables up to the withheld-slice section score the final checkpoint on "
+                  "`base.eval` (the validation set); the test split's numbers are in that section.", ""]
     lines += _pair_table(cfg, res, arms)
     if _has_pairs(by_seed):
         lines += ["", "## Paired differences", "",
@@ -488,6 +626,8 @@ def write_report(cfg: ExperimentConfig) -> Path:
         lines += ["", "## Exchange volume (co-trained GRAFT arm)", "",
                   "Per step, averaged over steps and seeds; the receiver's batch has "
                   f"{_prompts_per_step(cfg)} prompts.", ""] + volume
+    if cfg.test_eval is not None:
+        lines += [""] + selection_report(cfg)
     if "graft_all" in cfg.arms:
         lines += ["", "## Does a third model help?", "",
                   "Each receiver co-trained with all models at once (graft_all; the broker's selection) against "
@@ -581,3 +721,158 @@ def plot_experiment(cfg: ExperimentConfig) -> list[Path]:
         plt.close(fig)
         out.append(path)
     return out
+
+
+# ----- the withheld-slice report (test_eval set: final, best validation, area under the curve) -------
+
+def _slice_mean(by_group: Mapping[str, float], families: tuple[str, ...] | None) -> float | None:
+    if not families:
+        return None
+    vals = [by_group.get(f) for f in families]
+    return None if any(v is None for v in vals) else statistics.fmean(vals)  # type: ignore[arg-type]
+
+
+def selection_scores(cfg: ExperimentConfig, path: Path, receiver: str) -> dict[str, float] | None:
+    """A scored run's numbers: test pass@1 on the receiver's withheld slice and on the whole test
+    split, at the final and at the best-validation checkpoint, and the area under the validation
+    curve (the mean over evaluation points, step 0 included when evaluated) on the slice and
+    overall. None for a run not scored yet."""
+    sp = path / "summary.json"
+    if not sp.is_file():
+        return None
+    test = json.loads(sp.read_text(encoding="utf-8")).get("test")
+    if not test:
+        return None
+    fams = tuple(cfg.withheld.get(receiver, ()))
+    out: dict[str, float] = {}
+    for which in ("final", "best_val"):
+        out[f"{which}/all"] = test[which]["pass@1"]
+        v = _slice_mean(test[which].get("by_group") or {}, fams)
+        if v is not None:
+            out[f"{which}/withheld"] = v
+    curve = test.get("validation") or []
+    if curve:
+        out["auc/all"] = statistics.fmean(r["pass@1"] for r in curve)
+        sl = [_slice_mean(r["by_group"], fams) for r in curve]
+        if sl and all(v is not None for v in sl):
+            out["auc/withheld"] = statistics.fmean(sl)  # type: ignore[arg-type]
+        out["best_val/step"] = float(test["best_val"]["step"])
+    return out
+
+
+def collect_selection(cfg: ExperimentConfig, metric: str) -> dict[tuple[str, str, str], dict[int, float]]:
+    """(receiver, peer, arm) -> {seed: value of `metric`} (a key of selection_scores)."""
+    res: dict[tuple[str, str, str], dict[int, float]] = {}
+    for key, seed, path in run_paths(cfg):
+        sc = selection_scores(cfg, path, key[0])
+        if sc and metric in sc:
+            res.setdefault(key, {})[seed] = sc[metric]
+    return res
+
+
+def _diff(by_seed: dict[tuple[str, str, str], dict[int, float]], a: tuple[str, str, str],
+          b: tuple[str, str, str]) -> list[float]:
+    x, y = by_seed.get(a, {}), by_seed.get(b, {})
+    return [x[s] - y[s] for s in sorted(set(x) & set(y))]
+
+
+def _fmt_diff(d: list[float]) -> str:
+    if not d:
+        return "not yet measured"
+    mean = 100 * statistics.fmean(d)
+    se = 100 * statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+    return f"{mean:+.1f} ± {se:.1f} ({sum(v > 0 for v in d)}/{len(d)} seeds ahead)"
+
+
+def claims(cfg: ExperimentConfig, metric: str = "best_val/withheld") -> list[str]:
+    """The paper's claims, as issue 15 states them, each met / not met / not yet measured, on
+    `metric` (default: the withheld slice at the best-validation checkpoint)."""
+    by = collect_selection(cfg, metric)
+    receivers = sorted(cfg.withheld) or sorted(cfg.models)
+    lines = [f"Metric: `{metric}` (points; paired by seed: mean ± standard error, seeds ahead).", ""]
+
+    def verdict(ok: bool | None) -> str:
+        return "not yet measured" if ok is None else ("met" if ok else "not met")
+
+    # 1. GRAFT n=8 (all peers) beats GRPO n=16 on the withheld slices.
+    rows, oks = [], []
+    for r in receivers:
+        d = _diff(by, (r, "all", "graft_all"), (r, "-", "grpo_n16"))
+        rows.append(f"{r} {_fmt_diff(d)}")
+        oks.append(None if not d else statistics.fmean(d) > 0)
+    ok1 = None if any(o is None for o in oks) else all(oks)
+    lines.append(f"1. GRAFT n=8 (all peers) beats GRPO n=16 on every receiver's withheld slice: **{verdict(ok1)}** "
+                 f"(graft_all minus grpo_n16: {'; '.join(rows)})")
+    # 2. Stored keeps >= 85% of the co-trained gain (pair arms, per receiver and peer).
+    rows, oks = [], []
+    for a, b in cfg.pairs:
+        for r, p in ((a, b), (b, a)):
+            g = _diff(by, (r, p, "graft"), (r, "-", "grpo_n8"))
+            st = _diff(by, (r, p, "stored"), (r, "-", "grpo_n8"))
+            if not g or not st:
+                oks.append(None)
+                continue
+            gain, kept = statistics.fmean(g), statistics.fmean(st)
+            share = kept / gain if gain > 0 else float("nan")
+            rows.append(f"{r}<-{p}: co-trained {100 * gain:+.1f}, stored {100 * kept:+.1f}"
+                        + (f" ({100 * share:.0f}%)" if gain > 0 else " (no co-trained gain)"))
+            oks.append(gain > 0 and share >= 0.85)
+    ok2 = None if not oks or any(o is None for o in oks) else all(oks)
+    lines.append(f"2. Stored keeps >= 85% of the co-trained gain: **{verdict(ok2)}** ({'; '.join(rows) or 'no runs'})")
+    # 3. Gate-off is worse when the implausible peer is present.
+    rows, oks = [], []
+    if cfg.implausible:
+        for r in receivers:
+            if r == cfg.implausible:
+                continue
+            d = _diff(by, (r, "all", "no_gate_all"), (r, "all", "graft_all"))
+            rows.append(f"{r} (all peers) no_gate_all minus graft_all {_fmt_diff(d)}")
+            oks.append(None if not d else statistics.fmean(d) < 0)
+            pair = tuple(sorted((r, cfg.implausible)))
+            if pair in {tuple(sorted(p)) for p in cfg.pairs}:
+                d = _diff(by, (r, cfg.implausible, "no_gate"), (r, cfg.implausible, "graft"))
+                rows.append(f"{r}<-{cfg.implausible} no_gate minus graft {_fmt_diff(d)}")
+    ok3 = None if not oks or any(o is None for o in oks) else all(oks)
+    lines.append(f"3. Gate-off is worse when the implausible peer ({cfg.implausible}) is present: **{verdict(ok3)}** "
+                 f"({'; '.join(rows) or 'no implausible model named'})")
+    # 4. All peers with compatibility matching >= the best single peer and > random matching.
+    rows, oks = [], []
+    for r in receivers:
+        singles = {p: by[(r, p, "graft")] for p in cfg.models if (r, p, "graft") in by}
+        allv = by.get((r, "all", "graft_all"), {})
+        if not singles or not allv:
+            oks.append(None)
+            continue
+        best = max(singles, key=lambda p: statistics.fmean(singles[p].values()))
+        d_best = _diff(by, (r, "all", "graft_all"), (r, best, "graft"))
+        d_rand = _diff(by, (r, "all", "graft_all"), (r, "all", "graft_random"))
+        rows.append(f"{r}: all minus best single ({best}) {_fmt_diff(d_best)}, all minus random {_fmt_diff(d_rand)}")
+        oks.append(None if not d_best or not d_rand else
+                   statistics.fmean(d_best) >= 0 and statistics.fmean(d_rand) > 0)
+    ok4 = None if not oks or any(o is None for o in oks) else all(oks)
+    lines.append(f"4. All peers with compatibility matching >= the best single peer and > random matching: "
+                 f"**{verdict(ok4)}** ({'; '.join(rows) or 'no runs'})")
+    return lines
+
+
+def selection_report(cfg: ExperimentConfig) -> list[str]:
+    """Per receiver and arm: final / best-validation / AUC on the withheld slice and overall, and
+    the arm minus GRPO n=8 paired by seed on the primary metric."""
+    metrics = ("final/withheld", "best_val/withheld", "auc/withheld", "final/all", "best_val/all", "auc/all")
+    data = {m: collect_selection(cfg, m) for m in metrics}
+    keys = sorted({k for d in data.values() for k in d}, key=lambda k: (k[0], ARMS.index(k[2]), k[1]))
+    lines = ["## Withheld slices: final, best-validation checkpoint, area under the curve", "",
+             "Test pass@1 (%, mean ± std over seeds) of each receiver on its withheld slice "
+             "(" + ", ".join(m + ": " + "+".join(f) for m, f in sorted(cfg.withheld.items())) + ") and on the whole "
+             "test split, at the final checkpoint and at the checkpoint with the best validation pass@1 "
+             "(as the paper reports); AUC is the mean validation pass@1 over the evaluation points.", "",
+             "| receiver | peer | arm | seeds | withheld final | withheld best-val | withheld AUC (val) | all final "
+             "| all best-val | all AUC (val) | Δ withheld best-val vs GRPO n=8 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k in keys:
+        cells = [_fmt(list(data[m].get(k, {}).values()) or None) for m in metrics]
+        n = max(len(data[m].get(k, {})) for m in metrics)
+        d = _diff(data["best_val/withheld"], k, (k[0], "-", "grpo_n8")) if k[2] != "grpo_n8" else []
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {n} | " + " | ".join(cells) + f" | {_fmt_delta(d)} |")
+    lines += ["", "### The claims (issue 15), as the paper states its own", ""] + claims(cfg)
+    return lines

@@ -172,3 +172,90 @@ def test_cli_runs_a_subset_of_arms(tmp_path, monkeypatch, capsys):
     assert ran == [((1,), ("no_gate",)), ((0, 1), ("grpo_n8", "stored"))]
     assert cli.main(["experiment", "--config", str(path), "--arms", "pooled"]) == 2
     assert "--arms ['pooled'] are not arms of" in capsys.readouterr().err
+
+
+def test_issue15_arms_run_and_score_the_final_and_best_validation_checkpoints(tiny_llama, tiny_gpt2, prompt_file,
+                                                                             tmp_path):
+    """The arms added for issue 15 (random peer, gate off and SFT on peer successes with all
+    models, replay) run as settings of the existing machinery, and with test_eval every run's
+    final and best-validation checkpoints are scored on the test set, the others pruned."""
+    from graft_fed.experiment import ExperimentConfig, run_paths, selection_scores
+
+    ev = {"data": {"source": str(prompt_file), "max_prompts": 3}, "k": 1, "seeding": "prompt"}
+    conf = ExperimentConfig(
+        output_dir=str(tmp_path / "exp"), seeds=(0,), models={"llama": str(tiny_llama), "gpt2": str(tiny_gpt2)},
+        pairs=(("llama", "gpt2"),),
+        arms=("grpo_n8", "graft", "stored", "graft_all", "graft_random", "no_gate_all", "sft_peer", "replay"),
+        base={"run": {"steps": 4, "device": "cpu", "threads": 1, "eval_every": 2},
+              "data": {"source": str(prompt_file)}, "rollout": {"max_new_tokens": 4},
+              "verifier": {"name": "tests.plugins:odd_char_sum"},
+              "algorithm": {"prompts_per_step": 4, "num_minibatches": 2}, "eval": ev},
+        test_eval={**ev, "data": {"source": str(prompt_file), "max_prompts": 5}},
+        withheld={"llama": ("x",)}, implausible="gpt2")
+    text = Experiment(conf).run().read_text()
+    assert "## Withheld slices" in text and "### The claims" in text
+    paths = run_paths(conf, conf.arms)
+    assert len(paths) == 2 * 8
+    for (recv, _, arm), _, path in paths:
+        summary = json.loads((path / "summary.json").read_text())
+        test = summary["test"]
+        assert [r["step"] for r in test["validation"]] == [0, 2, 4]
+        assert test["final"]["step"] == 4 and test["best_val"]["step"] in (0, 2, 4)
+        kept = sorted(p.name for p in (path / "checkpoints").iterdir() if p.name.startswith("step_"))
+        assert kept == sorted({f"step_{s:06d}" for s in (4, test["best_val"]["step"]) if s})
+        sc = selection_scores(conf, path, recv)
+        assert set(sc) >= {"final/all", "best_val/all", "auc/all"}
+    cfg = json.loads((tmp_path / "exp" / "graft_random" / "seed0" / "all" / "llama" / "config.json").read_text())
+    assert cfg["graft"]["source_choice"] == "random"
+    cfg = json.loads((tmp_path / "exp" / "sft_peer" / "seed0" / "all" / "gpt2" / "config.json").read_text())
+    assert cfg["graft"]["transfer"] == "success_only" and cfg["graft"]["gate"] is False
+    rows = [json.loads(x) for x in (tmp_path / "exp" / "replay" / "seed0" / "llama" / "metrics.jsonl")
+            .read_text().splitlines()]
+    assert any("graft/all_fail" in r for r in rows)  # the replay peers ran the GRAFT step
+    # scoring is idempotent: a second invocation trains and scores nothing
+    before = (paths[0][2] / "summary.json").stat().st_mtime
+    Experiment(conf).run()
+    assert (paths[0][2] / "summary.json").stat().st_mtime == before
+
+
+def test_claims_read_paired_differences_on_the_withheld_slice(tmp_path):
+    from graft_fed.experiment import ExperimentConfig, claims
+
+    root = tmp_path / "exp"
+    conf = ExperimentConfig(output_dir=str(root), seeds=(0, 1), models={"a": "x", "b": "y", "c": "z"},
+                            pairs=(("a", "b"), ("a", "c"), ("b", "c")),
+                            arms=("grpo_n8", "grpo_n16", "graft", "stored", "graft_all", "graft_random",
+                                  "no_gate_all"),
+                            withheld={"a": ("lin",), "b": ("mod",), "c": ("mod", "lin")}, implausible="b",
+                            base={"run": {"eval_every": 2}}, test_eval={"k": 1})
+
+    def put(path, withheld_score):
+        path.mkdir(parents=True)
+        ev = {"pass@1": 0.5, "by_group": {"mod": withheld_score, "lin": withheld_score}}
+        (path / "summary.json").write_text(json.dumps({"test": {
+            "final": {"step": 4, **ev}, "best_val": {"step": 2, **ev},
+            "validation": [{"step": 0, "pass@1": 0.1, "by_group": ev["by_group"]}]}}))
+
+    scores = {"grpo_n8": 0.10, "grpo_n16": 0.20, "graft": 0.30, "stored": 0.28, "graft_all": 0.35,
+              "graft_random": 0.25, "no_gate_all": 0.20}
+    for seed in (0, 1):
+        s = f"seed{seed}"
+        for m in "abc":
+            put(root / "grpo_n8" / s / m, scores["grpo_n8"])
+            put(root / "grpo_n16" / s / m, scores["grpo_n16"])
+            for arm in ("graft_all", "graft_random", "no_gate_all"):
+                put(root / arm / s / "all" / m, scores[arm])
+        for a, b in (("a", "b"), ("a", "c"), ("b", "c")):
+            put(root / "graft" / s / f"{a}+{b}" / a, scores["graft"])
+            put(root / "graft" / s / f"{a}+{b}" / b, scores["graft"])
+            put(root / "stored" / s / f"{a}<-{b}", scores["stored"])
+            put(root / "stored" / s / f"{b}<-{a}", scores["stored"])
+    text = "\n".join(claims(conf))
+    assert "beats GRPO n=16 on every receiver's withheld slice: **met**" in text
+    assert "Stored keeps >= 85% of the co-trained gain: **met**" in text  # 18 of 20 points: 90%
+    assert "Gate-off is worse when the implausible peer (b) is present: **met**" in text
+    assert "> random matching: **met**" in text
+    empty = ExperimentConfig(output_dir=str(tmp_path / "none"), seeds=(0,), models=conf.models, pairs=conf.pairs,
+                             arms=conf.arms, withheld=conf.withheld, implausible="b",
+                             base=conf.base, test_eval=conf.test_eval)
+    assert "**not yet measured**" in "\n".join(claims(empty))

@@ -124,9 +124,18 @@ def select_for_receiver(receiver: Mapping[K, tuple[int, int]], offers: Mapping[K
     return out
 
 
+def random_peer(key: Hashable, receiver: int, prompt_id: Hashable, n_models: int) -> int:
+    """The "random peer per prompt" ablation's draw: one of the receiver's N - 1 peers,
+    uniformly, from a stream keyed by (key, receiver, prompt id) alone, so the draw is a pure
+    function of its arguments (reproducible, and the same wherever it is made)."""
+    peers = [m for m in range(n_models) if m != receiver]
+    return random.Random(f"random-peer|{key}|{receiver}|{prompt_id}").choice(peers)
+
+
 def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
                    compat: Mapping[tuple[int, int], float],
-                   can_source: Sequence[bool] | None = None, cap: int | None = None) -> list[dict[K, int]]:
+                   can_source: Sequence[bool] | None = None, cap: int | None = None,
+                   choice: str = "compatibility", key: Hashable = 0) -> list[dict[K, int]]:
     """For every receiver r: prompt id -> source index (co-training and synchronous rounds).
 
     N = 2 is exactly the paper's rule (balanced_pair). For N > 2 each ordered pair is
@@ -136,7 +145,15 @@ def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
     model with can_source False (it shares no trajectories) offers no candidates;
     balancing then sees its direction as empty. `cap` (the per-receiver-cap policy) keeps
     at most that many prompts per receiver, those with the most compatible source first,
-    then the highest k_S (ties with the last kept k_S are kept, as in SelectWithTies)."""
+    then the highest k_S (ties with the last kept k_S are kept, as in SelectWithTies).
+
+    choice="random" is an ablation, not the method (graft.source_choice): for each prompt the
+    receiver failed entirely, one of its N - 1 peers is drawn uniformly (`random_peer`, keyed by
+    `key`), as swarm systems that share rollouts with random peers do; the prompt moves only if
+    that peer is among the prompt's selected sources, otherwise nothing moves for it. For N = 2
+    it is the same as "compatibility"."""
+    if choice not in ("compatibility", "random"):
+        raise ValueError(f"unknown source choice {choice!r}; use compatibility or random")
     n_models = len(kn)
     chosen: list[dict[K, list[int]]] = [dict() for _ in range(n_models)]
     for a in range(n_models):
@@ -151,6 +168,9 @@ def select_sources(kn: Sequence[Mapping[K, tuple[int, int]]], balance: bool,
     out: list[dict[K, int]] = []
     for r, per_prompt in enumerate(chosen):
         mine = {s: v for (s, rr), v in compat.items() if rr == r}
+        if choice == "random":
+            drawn = {pid: random_peer(key, r, pid, n_models) for pid in per_prompt}
+            per_prompt = {pid: [d] for pid, d in drawn.items() if d in per_prompt[pid]}
         best: dict[K, int] = {
             pid: int(best_source([SourceGroup(source=s, k=kn[s][pid][0], order=s) for s in srcs], mine).source)
             for pid, srcs in per_prompt.items()}

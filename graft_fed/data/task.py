@@ -16,6 +16,13 @@ Families (the names are API):
   ``<running remainder*10+digit>%d=<new remainder>``.
 - ``lin``: solve ``a*x + b = c`` for an integer x (a in 2..9, x in -9..12, b in +-1..20).
 
+Scratchpad styles (``solution(prompt, style=...)``; the names are API): ``plain`` is the
+scratchpad above, the one every prompt's ``meta["solution"]`` holds; ``words`` is the same
+computation, step for step, written in words (``2 plus 9 plus 0 is 11, so far 1``) and ending
+in ``So the result is \\boxed{N}.``. Both are valid solutions (a verifier reads only the last
+``\\boxed{}``); a model taught one finds the other implausible, which is what GRAFT's
+compatibility gate is for (the ``complementary`` zoo recipe, graft_fed/zoo/build.py).
+
 Splits are assigned by a hash of the problem's *operands* (family and numbers, not the
 phrasing), so the same arithmetic never appears in two splits under different wordings,
 and membership does not depend on generation order or on the seed: splits drawn with
@@ -168,9 +175,76 @@ _PADS: dict[str, Callable[..., list[str]]] = {
     "add": _pad_add, "sub": _pad_sub, "mul": _pad_mul, "mod": _pad_mod, "lin": _pad_lin}
 
 
-def _solution_text(family: str, ops: tuple[int, ...]) -> str:
-    lines = _PADS[family](*ops)
-    lines.append(f"The answer is \\boxed{{{_answer(family, ops)}}}.")
+# The ``words`` style: the same steps as the plain scratchpad, in words.
+
+def _words_add(a: int, b: int) -> list[str]:
+    lines, so_far, carry = [], "", 0
+    for da, db in zip(_digits_lsb(a), _digits_lsb(b)):
+        s = da + db + carry
+        so_far = str(s % 10) + so_far
+        lines.append(f"{da} plus {db} plus {carry} is {s}, so far {so_far}")
+        carry = s // 10
+    if carry:
+        lines.append(f"carry {carry}, so far {carry}{so_far}")
+    return lines
+
+
+def _words_sub(a: int, b: int) -> list[str]:
+    lines, so_far, borrow = [], "", 0
+    for da, db in zip(_digits_lsb(a), _digits_lsb(b)):
+        d = da - db - borrow
+        fix = " plus 10" if d < 0 else ""
+        line = f"{da} minus {db} minus {borrow}{fix}"
+        borrow = 1 if d < 0 else 0
+        d += 10 * borrow
+        so_far = str(d) + so_far
+        lines.append(f"{line} is {d}, so far {so_far}")
+    return lines
+
+
+def _words_mul(a: int, m: int) -> list[str]:
+    lines, so_far, carry = [], "", 0
+    for da in _digits_lsb(a):
+        p = da * m + carry
+        so_far = str(p % 10) + so_far
+        lines.append(f"{da} times {m} plus {carry} is {p}, so far {so_far}")
+        carry = p // 10
+    if carry:
+        lines.append(f"carry {carry}, so far {carry}{so_far}")
+    return lines
+
+
+def _words_mod(a: int, d: int) -> list[str]:
+    lines, rem = [], 0
+    for digit in str(a):
+        cur = rem * 10 + int(digit)
+        rem = cur % d
+        lines.append(f"{cur} mod {d} is {rem}")
+    return lines
+
+
+def _words_lin(a: int, b: int, c: int) -> list[str]:
+    rhs = c - b
+    move = f"{c} minus {b}" if b >= 0 else f"{c} plus {-b}"
+    return [f"{a}x is {move}, which is {rhs}", f"x is {rhs} over {a}, which is {rhs // a}"]
+
+
+_WORDS: dict[str, Callable[..., list[str]]] = {
+    "add": _words_add, "sub": _words_sub, "mul": _words_mul, "mod": _words_mod, "lin": _words_lin}
+
+#: Scratchpad styles: name -> (per-family step renderers, the closing line's format).
+STYLES: dict[str, tuple[dict[str, Callable[..., list[str]]], str]] = {
+    "plain": (_PADS, "The answer is \\boxed{{{}}}."),
+    "words": (_WORDS, "So the result is \\boxed{{{}}}."),
+}
+
+
+def _solution_text(family: str, ops: tuple[int, ...], style: str = "plain") -> str:
+    if style not in STYLES:
+        raise DataError(f"unknown scratchpad style {style!r}; choose from {', '.join(STYLES)}")
+    pads, closing = STYLES[style]
+    lines = pads[family](*ops)
+    lines.append(closing.format(_answer(family, ops)))
     return "\n".join(lines)
 
 
@@ -223,10 +297,11 @@ def _parse(prompt: Prompt) -> tuple[str, tuple[int, ...]]:
                     f"solution() only knows the families {', '.join(FAMILIES)}")
 
 
-def solution(prompt: Prompt) -> str:
-    """The scratchpad solution of an embedded-task prompt, re-derived from the problem."""
+def solution(prompt: Prompt, style: str = "plain") -> str:
+    """The scratchpad solution of an embedded-task prompt, re-derived from the problem, in
+    scratchpad style `style` (see STYLES; the default is the one in ``meta["solution"]``)."""
     family, ops = _parse(prompt)
-    return _solution_text(family, ops)
+    return _solution_text(family, ops, style)
 
 
 def family_of(prompt: Prompt) -> str:

@@ -82,9 +82,10 @@ class CoTrainingPeers:
     receiver's source groups at once (for two models, exactly the paper's balanced rule);
     reports fold into one CompatEstimate per (source, receiver) pair."""
 
-    def __init__(self, learners: Sequence[GRPOTrainer], balance: bool) -> None:
+    def __init__(self, learners: Sequence[GRPOTrainer], balance: bool, source_choice: str = "compatibility") -> None:
         self.learners = list(learners)
         self.balance = balance
+        self.source_choice = source_choice
         self.compat: dict[tuple[int, int], CompatEstimate] = {}
         self._groups: dict[int, tuple[int, list[Group]]] = {}  # member -> (step, its own groups)
         self._chosen: list[dict[str, int]] | None = None
@@ -107,7 +108,9 @@ class CoTrainingPeers:
         if len({tuple(sorted(k)) for k in kn}) != 1:
             raise RuntimeError("members sampled different prompt batches; their data or schedule seed differ")
         compat = {pair: est.mean_s for pair, est in self.compat.items() if est.known}
-        return select_sources(kn, self.balance, compat)
+        lead = self.learners[0]
+        return select_sources(kn, self.balance, compat, choice=self.source_choice,
+                              key=f"{lead.cfg.run.prompt_schedule_seed}|{self._groups[0][0]}")
 
     def offers(self, learner: GRPOTrainer, groups: Sequence[Group]) -> Offers:
         r = self._index(learner)
@@ -159,7 +162,8 @@ class CoTrainer:
         if len(steps) != 1:
             raise ConfigError(f"members resumed at different steps {sorted(steps)}: their checkpoints "
                               "disagree; delete the newer ones so all members resume from the same step")
-        self.peers = CoTrainingPeers(self.trainers, balance=cfg.graft.balance == "pairwise")
+        self.peers = CoTrainingPeers(self.trainers, balance=cfg.graft.balance == "pairwise",
+                                     source_choice=cfg.graft.source_choice)
 
     @property
     def step(self) -> int:

@@ -352,6 +352,11 @@ class GraftSection:
     #: Which stored group serves a prompt: "same_step" (the paper's same prompt schedule),
     #: "latest_before" (freshest at a step <= this one) or "latest".
     store_match: str = "same_step"
+    #: With several peers, which one serves a prompt: "compatibility" (the method:
+    #: core.exchange.source_rank) or "random" (ablation: one peer drawn uniformly per prompt,
+    #: keyed by the schedule seed, step, receiver and prompt; the prompt moves only if that peer
+    #: has an informative group for it, as swarm systems that share with random peers).
+    source_choice: str = "compatibility"
 
     def __post_init__(self) -> None:
         require(0 <= self.delta < 1, f"graft.delta must be in [0, 1), got {self.delta}")
@@ -362,6 +367,8 @@ class GraftSection:
                 "graft.transfer must be group, success_only or pooled")
         require(self.store_match in ("same_step", "latest_before", "latest"),
                 "graft.store_match must be same_step, latest_before or latest")
+        require(self.source_choice in ("compatibility", "random"),
+                "graft.source_choice must be compatibility or random")
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ import math
 import random
 import string
 import time
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -50,6 +51,9 @@ class ZooSpec:
     batch_size: int = 32
     lr: float = 3e-3
     warmup: int = 50
+    #: Scratchpad styles of the SFT targets (graft_fed.data.task.STYLES) -> share of examples;
+    #: each training problem gets one style, by a hash of its id.
+    styles: Mapping[str, float] = field(default_factory=lambda: {"plain": 1.0})
 
 
 def _one_turn_template(user_prefix: str, assistant_prefix: str) -> str:
@@ -103,15 +107,50 @@ RECIPES: dict[str, dict[str, ZooSpec]] = {
         "tiny-qwen3-unigram": dataclasses.replace(SPECS["tiny-qwen3-unigram"],
                                                   mix={"add": 0.05, "sub": 0.25, "mul": 0.70}),
     },
+    # Complementary skills (issue 15): every model knows add/sub/mul; `mod` and `lin` are the
+    # withheld sub-skills. llama learns mod but not lin, gpt2 lin but not mod, qwen3 neither, so
+    # each withheld slice of a receiver has exactly one peer that solves it. A withheld family
+    # is absent from the model's SFT data. gpt2 writes every scratchpad in the `words` style,
+    # which the other two never saw: the gate has something to reject. Recipe 1 (a 1% share of
+    # each withheld family, llama 800 steps at 25% mod) left qwen3 at 16% on mod and llama at
+    # 25% on mod; recipe 2 (gpt2 half plain, half words) left gpt2 at 2-6% on add/sub/mul and
+    # 14% on lin, and recipe 3 (words only) at 2-6% and 16%: at 20% a family gpt2 does not
+    # learn in 1200 steps (the shipped zoo's gpt2 has 6.6% on its 20% mul), so recipe 4 (this
+    # one) trains it 2400 steps. Every recipe tried: docs/results/miniature.md (setting D).
+    "complementary": {
+        "tiny-llama-char": dataclasses.replace(
+            SPECS["tiny-llama-char"], mix={"add": 0.2, "sub": 0.2, "mul": 0.2, "mod": 0.4}, steps=1600),
+        "tiny-gpt2-bpe": dataclasses.replace(
+            SPECS["tiny-gpt2-bpe"], mix={"add": 0.2, "sub": 0.2, "mul": 0.2, "lin": 0.4},
+            styles={"words": 1.0}, steps=2400),
+        "tiny-qwen3-unigram": dataclasses.replace(
+            SPECS["tiny-qwen3-unigram"], mix={"add": 0.33, "sub": 0.33, "mul": 0.34}),
+    },
 }
+
+
+def style_of(prompt_id: str, styles: Mapping[str, float], seed: int) -> str:
+    """The scratchpad style of one SFT example: a deterministic draw from `styles` by a hash of
+    the prompt's id and the build seed."""
+    names = [n for n, w in styles.items() if w > 0]
+    if len(names) == 1:
+        return names[0]
+    u = int.from_bytes(hashlib.sha256(f"style|{seed}|{prompt_id}".encode()).digest()[:8], "big") / 2 ** 64
+    total, acc = sum(styles[n] for n in names), 0.0
+    for n in names:
+        acc += styles[n] / total
+        if u < acc:
+            return n
+    return names[-1]
 
 
 # --- tokenizers -----------------------------------------------------------------------
 
-def tokenizer_corpus(seed: int = 0) -> list[str]:
-    """Problems and scratchpads of every family (train split), the text tokenizers learn from."""
+def tokenizer_corpus(seed: int = 0, styles: Sequence[str] = ("plain",)) -> list[str]:
+    """Problems and scratchpads of every family (train split), the text tokenizers learn from;
+    scratchpads in every style of `styles` (the default: the plain one only)."""
     rows = embedded_split("train", FAMILIES, per_family=1000, seed=seed)
-    return [r.problem for r in rows] + [solution(r) for r in rows]
+    return [r.problem for r in rows] + [solution(r, st) for st in styles for r in rows]
 
 
 def build_tokenizer(spec: ZooSpec, corpus: Sequence[str]) -> Any:
@@ -185,13 +224,16 @@ class Example:
     response_ids: list[int]
 
 
-def encode_examples(tokenizer: Any, families: Sequence[str], seed: int) -> dict[str, list[Example]]:
+def encode_examples(tokenizer: Any, families: Sequence[str], seed: int,
+                    styles: Mapping[str, float] | None = None) -> dict[str, list[Example]]:
+    styles = {"plain": 1.0} if styles is None else styles
     out: dict[str, list[Example]] = {}
     for fam in families:
         rows = embedded_split("train", [fam], seed=seed)
         prompts = [render_prompt(r.problem, "chat", tokenizer) for r in rows]
         p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        r_ids = tokenizer([solution(r) for r in rows], add_special_tokens=False)["input_ids"]
+        r_ids = tokenizer([solution(r, style_of(r.id, styles, seed)) for r in rows],
+                          add_special_tokens=False)["input_ids"]
         out[fam] = [Example(list(p), list(r) + [tokenizer.eos_token_id]) for p, r in zip(p_ids, r_ids)]
     return out
 
@@ -216,7 +258,7 @@ def sft(model: Any, tokenizer: Any, spec: ZooSpec, seed: int, steps: int | None 
     steps = spec.steps if steps is None else steps
     families = [f for f, w in spec.mix.items() if w > 0]
     weights = [spec.mix[f] for f in families]
-    data = encode_examples(tokenizer, families, seed)
+    data = encode_examples(tokenizer, families, seed, spec.styles)
     rng = random.Random(f"sft|{spec.name}|{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
 
@@ -244,13 +286,15 @@ def sft(model: Any, tokenizer: Any, spec: ZooSpec, seed: int, steps: int | None 
             log(f"[{spec.name}] step {step + 1}/{steps} loss {running:.4f} ({time.time() - start:.0f}s)")
     model.eval()
     return {"steps": steps, "batch_size": spec.batch_size, "lr": spec.lr, "warmup": spec.warmup,
-            "mix": dict(spec.mix), "final_loss": round(float(running or 0.0), 4),
+            "mix": dict(spec.mix), **({} if dict(spec.styles) == {"plain": 1.0} else {"styles": dict(spec.styles)}),
+            "final_loss": round(float(running or 0.0), 4),
             "train_seconds": round(time.time() - start, 1)}
 
 
-def max_solution_tokens(tokenizer: Any, families: Sequence[str] = FAMILIES, seed: int = 0) -> int:
+def max_solution_tokens(tokenizer: Any, families: Sequence[str] = FAMILIES, seed: int = 0,
+                        styles: Sequence[str] = ("plain",)) -> int:
     rows = embedded_split("test", families, seed=seed)
-    enc = tokenizer([solution(r) for r in rows], add_special_tokens=False)["input_ids"]
+    enc = tokenizer([solution(r, st) for st in styles for r in rows], add_special_tokens=False)["input_ids"]
     return max(len(x) for x in enc) + 1  # + EOS
 
 
@@ -258,7 +302,8 @@ def build_one(spec: ZooSpec, out_dir: Path, seed: int, steps: int | None = None,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     torch.manual_seed(seed)
     random.seed(seed)
-    tokenizer = build_tokenizer(spec, tokenizer_corpus(seed))
+    styles = [n for n, w in spec.styles.items() if w > 0]
+    tokenizer = build_tokenizer(spec, tokenizer_corpus(seed, styles))
     torch.manual_seed(seed)
     model = build_model(spec, tokenizer)
     log(f"[{spec.name}] {spec.arch}, {spec.tokenizer} tokenizer, vocab {len(tokenizer)}, "
@@ -283,7 +328,7 @@ def build_one(spec: ZooSpec, out_dir: Path, seed: int, steps: int | None = None,
                       "digits": "one token per digit"},
         "chat_template": spec.chat_template,
         "example_prompt": render_prompt("What is 482 + 379?", "chat", tokenizer),
-        "max_new_tokens": max_solution_tokens(tokenizer),
+        "max_new_tokens": max_solution_tokens(tokenizer, styles=styles),
         "build_seed": seed,
         "sft": train,
         "weights_bytes": (path / "model.safetensors").stat().st_size,
@@ -323,8 +368,9 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"build only this model (repeatable): {', '.join(ZOO_NAMES)}")
     p.add_argument("--steps", type=int, default=None, help="override the SFT steps of every model")
     p.add_argument("--recipe", default="default", choices=sorted(RECIPES),
-                   help="SFT family mixes: default (the shipped zoo) or learnable (weak families at "
-                        "15-25%%; needs --out)")
+                   help="SFT family mixes: default (the shipped zoo), learnable (weak families at "
+                        "15-25%%) or complementary (withheld mod/lin, one peer solves each; issue 15); "
+                        "all but default need --out")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 

@@ -116,6 +116,11 @@ RECIPE_NOTE = [
     "can still move it within tens of steps. The miniature experiment's second table uses it;",
     'its measurement is in [results/miniature.md](results/miniature.md).',
     '',
+    'A third recipe, `complementary` (issue 15; `--recipe complementary --out runs/zoo-complementary`),',
+    'withholds whole sub-skills: llama learns `mod` but not `lin`, gpt2 `lin` but not `mod`, qwen3',
+    'neither (add/sub/mul for all), and gpt2 writes its scratchpads in the `words` style. Its',
+    'measurements and every variant tried are in [results/miniature.md](results/miniature.md), setting D.',
+    '',
 ]
 
 

@@ -169,3 +169,37 @@ def test_complementarity_counts_the_receivers_all_fail_prompts_peers_can_fill():
     receiver = {"p0": (0, 4), "p1": (0, 4), "p2": (0, 4), "p3": (1, 4)}
     peers = [("p0", 2, 4), ("p0", 4, 4), ("p1", 4, 4), ("p3", 2, 4), ("p9", 2, 4)]
     assert complementarity(receiver, peers) == (1, 2)  # p0 informative; p0 and p1 solved
+
+
+# ----- the random-peer ablation (graft.source_choice: random; issue 15) ----------------------
+
+def test_random_source_choice_is_a_pure_keyed_draw_that_moves_only_what_the_drawn_peer_has():
+    from graft_fed.core.exchange import random_peer, select_sources
+
+    # receiver 0 fails 200 prompts; peer 1 is informative on all, peer 2 on none
+    kn = [{f"p{i}": (0, 8) for i in range(200)}, {f"p{i}": (3, 8) for i in range(200)},
+          {f"p{i}": (0, 8) for i in range(200)}]
+    best = select_sources(kn, False, {}, choice="compatibility")
+    assert len(best[0]) == 200 and set(best[0].values()) == {1}
+    rand = select_sources(kn, False, {}, choice="random", key="7|3")
+    assert rand == select_sources(kn, False, {}, choice="random", key="7|3")  # pure: same key, same draw
+    assert rand != select_sources(kn, False, {}, choice="random", key="7|4")
+    # a prompt moves only when the drawn peer is the one with a group: about half of them
+    assert set(rand[0].values()) == {1} and 70 < len(rand[0]) < 130
+    assert set(rand[0]) == {f"p{i}" for i in range(200) if random_peer("7|3", 0, f"p{i}", 3) == 1}
+
+
+def test_random_source_choice_with_two_models_is_the_paper_s_rule():
+    from graft_fed.core.exchange import select_sources
+
+    kn = [{"a": (0, 8), "b": (2, 8)}, {"a": (5, 8), "b": (0, 8)}]
+    assert select_sources(kn, True, {}, choice="random", key=1) == select_sources(kn, True, {})
+
+
+def test_an_unknown_source_choice_is_refused():
+    import pytest
+
+    from graft_fed.core.exchange import select_sources
+
+    with pytest.raises(ValueError, match="unknown source choice"):
+        select_sources([{}, {}], True, {}, choice="nearest")

@@ -138,3 +138,44 @@ def test_recipes_differ_only_in_the_family_mix_and_never_overwrite_the_shipped_z
     parser = argparse.ArgumentParser()
     add_zoo_subparser(parser.add_subparsers(dest="command"))
     assert parser.parse_args(["zoo", "build", "--recipe", "learnable", "--out", "x"]).recipe == "learnable"
+
+
+def test_complementary_recipe_withholds_one_skill_per_model_and_gives_gpt2_a_second_style():
+    """Issue 15: llama knows mod, not lin; gpt2 lin, not mod; qwen3 neither (absent from their
+    SFT data); gpt2 writes all its scratchpads in the `words` style; nothing else of the
+    shipped specs changes but llama's SFT length."""
+    import dataclasses
+
+    from graft_fed.zoo.build import RECIPES, SPECS
+
+    rec = RECIPES["complementary"]
+    for name, spec in rec.items():
+        same = dataclasses.replace(spec, mix=SPECS[name].mix, styles=SPECS[name].styles, steps=SPECS[name].steps)
+        assert same == SPECS[name]
+        assert abs(sum(spec.mix.values()) - 1.0) < 1e-9
+    mix = {n: s.mix for n, s in rec.items()}
+    assert mix["tiny-llama-char"].get("mod", 0) > 0.2 and mix["tiny-llama-char"].get("lin", 0) == 0
+    assert mix["tiny-gpt2-bpe"].get("lin", 0) > 0.2 and mix["tiny-gpt2-bpe"].get("mod", 0) == 0
+    assert mix["tiny-qwen3-unigram"].get("mod", 0) == 0 and mix["tiny-qwen3-unigram"].get("lin", 0) == 0
+    assert dict(rec["tiny-gpt2-bpe"].styles) == {"words": 1.0}
+    assert all(dict(s.styles) == {"plain": 1.0} for n, s in rec.items() if n != "tiny-gpt2-bpe")
+
+
+def test_style_of_is_deterministic_and_follows_the_shares():
+    from graft_fed.zoo.build import style_of
+
+    draws = [style_of(f"p{i}", {"plain": 0.5, "words": 0.5}, 0) for i in range(2000)]
+    assert draws == [style_of(f"p{i}", {"plain": 0.5, "words": 0.5}, 0) for i in range(2000)]
+    assert 900 < draws.count("words") < 1100
+    assert {style_of(f"p{i}", {"plain": 1.0}, 0) for i in range(50)} == {"plain"}
+
+
+def test_the_default_tokenizer_corpus_is_unchanged_by_styles():
+    from graft_fed.data.task import FAMILIES, embedded_split, solution
+    from graft_fed.zoo.build import tokenizer_corpus
+
+    corpus = tokenizer_corpus(0)
+    rows = embedded_split("train", FAMILIES, per_family=1000, seed=0)
+    assert corpus == [r.problem for r in rows] + [r.meta["solution"] for r in rows]
+    both = tokenizer_corpus(0, ("plain", "words"))
+    assert both[:len(corpus)] == corpus and both[len(corpus):] == [solution(r, "words") for r in rows]
