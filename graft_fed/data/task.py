@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from graft_fed.data.prompts import Prompt
 from graft_fed.errors import DataError
@@ -119,131 +119,91 @@ def _digits_lsb(n: int) -> list[int]:
     return [int(d) for d in reversed(str(n))]
 
 
-def _pad_add(a: int, b: int) -> list[str]:
-    lines, so_far, carry = [], "", 0
+# Each family's scratchpad is a list of steps, (kind, fields); a style writes every kind of
+# step with a template of its own, so the styles cannot drift apart in what they compute.
+
+Step = tuple[str, dict[str, Any]]
+
+
+def _steps_add(a: int, b: int) -> list[Step]:
+    steps, so_far, carry = [], "", 0
     for da, db in zip(_digits_lsb(a), _digits_lsb(b)):
         s = da + db + carry
         so_far = str(s % 10) + so_far
-        lines.append(f"{da}+{db}+{carry}={s} r{so_far}")
+        steps.append(("add", dict(x=da, y=db, carry=carry, out=s, so_far=so_far)))
         carry = s // 10
     if carry:
-        lines.append(f"c{carry} r{carry}{so_far}")
-    return lines
+        steps.append(("carry", dict(carry=carry, so_far=so_far)))
+    return steps
 
 
-def _pad_sub(a: int, b: int) -> list[str]:
-    lines, so_far, borrow = [], "", 0
+def _steps_sub(a: int, b: int) -> list[Step]:
+    steps, so_far, borrow = [], "", 0
     for da, db in zip(_digits_lsb(a), _digits_lsb(b)):
         d = da - db - borrow
-        fix = "+10" if d < 0 else ""
-        line = f"{da}-{db}-{borrow}{fix}"
+        kind = "sub_borrow" if d < 0 else "sub"
+        used = borrow
         borrow = 1 if d < 0 else 0
         d += 10 * borrow
         so_far = str(d) + so_far
-        lines.append(f"{line}={d} r{so_far}")
-    return lines
+        steps.append((kind, dict(x=da, y=db, borrow=used, out=d, so_far=so_far)))
+    return steps
 
 
-def _pad_mul(a: int, m: int) -> list[str]:
-    lines, so_far, carry = [], "", 0
+def _steps_mul(a: int, m: int) -> list[Step]:
+    steps, so_far, carry = [], "", 0
     for da in _digits_lsb(a):
         p = da * m + carry
         so_far = str(p % 10) + so_far
-        lines.append(f"{da}*{m}+{carry}={p} r{so_far}")
+        steps.append(("mul", dict(x=da, m=m, carry=carry, out=p, so_far=so_far)))
         carry = p // 10
     if carry:
-        lines.append(f"c{carry} r{carry}{so_far}")
-    return lines
+        steps.append(("carry", dict(carry=carry, so_far=so_far)))
+    return steps
 
 
-def _pad_mod(a: int, d: int) -> list[str]:
-    lines, rem = [], 0
+def _steps_mod(a: int, d: int) -> list[Step]:
+    steps, rem = [], 0
     for digit in str(a):
         cur = rem * 10 + int(digit)
         rem = cur % d
-        lines.append(f"{cur}%{d}={rem}")
-    return lines
+        steps.append(("mod", dict(cur=cur, d=d, rem=rem)))
+    return steps
 
 
-def _pad_lin(a: int, b: int, c: int) -> list[str]:
+def _steps_lin(a: int, b: int, c: int) -> list[Step]:
     rhs = c - b
-    move = f"{c}-{b}" if b >= 0 else f"{c}+{-b}"
-    return [f"{a}x={move}={rhs}", f"x={rhs}/{a}={rhs // a}"]
+    move = ("lin_minus", dict(a=a, c=c, b=b, rhs=rhs)) if b >= 0 else ("lin_plus", dict(a=a, c=c, b=-b, rhs=rhs))
+    return [move, ("lin_div", dict(a=a, rhs=rhs, x=rhs // a))]
 
 
-_PADS: dict[str, Callable[..., list[str]]] = {
-    "add": _pad_add, "sub": _pad_sub, "mul": _pad_mul, "mod": _pad_mod, "lin": _pad_lin}
+_STEPS: dict[str, Callable[..., list[Step]]] = {
+    "add": _steps_add, "sub": _steps_sub, "mul": _steps_mul, "mod": _steps_mod, "lin": _steps_lin}
 
-
-# The ``words`` style: the same steps as the plain scratchpad, in words.
-
-def _words_add(a: int, b: int) -> list[str]:
-    lines, so_far, carry = [], "", 0
-    for da, db in zip(_digits_lsb(a), _digits_lsb(b)):
-        s = da + db + carry
-        so_far = str(s % 10) + so_far
-        lines.append(f"{da} plus {db} plus {carry} is {s}, so far {so_far}")
-        carry = s // 10
-    if carry:
-        lines.append(f"carry {carry}, so far {carry}{so_far}")
-    return lines
-
-
-def _words_sub(a: int, b: int) -> list[str]:
-    lines, so_far, borrow = [], "", 0
-    for da, db in zip(_digits_lsb(a), _digits_lsb(b)):
-        d = da - db - borrow
-        fix = " plus 10" if d < 0 else ""
-        line = f"{da} minus {db} minus {borrow}{fix}"
-        borrow = 1 if d < 0 else 0
-        d += 10 * borrow
-        so_far = str(d) + so_far
-        lines.append(f"{line} is {d}, so far {so_far}")
-    return lines
-
-
-def _words_mul(a: int, m: int) -> list[str]:
-    lines, so_far, carry = [], "", 0
-    for da in _digits_lsb(a):
-        p = da * m + carry
-        so_far = str(p % 10) + so_far
-        lines.append(f"{da} times {m} plus {carry} is {p}, so far {so_far}")
-        carry = p // 10
-    if carry:
-        lines.append(f"carry {carry}, so far {carry}{so_far}")
-    return lines
-
-
-def _words_mod(a: int, d: int) -> list[str]:
-    lines, rem = [], 0
-    for digit in str(a):
-        cur = rem * 10 + int(digit)
-        rem = cur % d
-        lines.append(f"{cur} mod {d} is {rem}")
-    return lines
-
-
-def _words_lin(a: int, b: int, c: int) -> list[str]:
-    rhs = c - b
-    move = f"{c} minus {b}" if b >= 0 else f"{c} plus {-b}"
-    return [f"{a}x is {move}, which is {rhs}", f"x is {rhs} over {a}, which is {rhs // a}"]
-
-
-_WORDS: dict[str, Callable[..., list[str]]] = {
-    "add": _words_add, "sub": _words_sub, "mul": _words_mul, "mod": _words_mod, "lin": _words_lin}
-
-#: Scratchpad styles: name -> (per-family step renderers, the closing line's format).
-STYLES: dict[str, tuple[dict[str, Callable[..., list[str]]], str]] = {
-    "plain": (_PADS, "The answer is \\boxed{{{}}}."),
-    "words": (_WORDS, "So the result is \\boxed{{{}}}."),
+#: Scratchpad styles: name -> (a template per kind of step, the closing line). `plain` is the
+#: scratchpad the zoo was always taught; `words` writes the same steps in words.
+STYLES: dict[str, tuple[dict[str, str], str]] = {
+    "plain": ({"add": "{x}+{y}+{carry}={out} r{so_far}", "carry": "c{carry} r{carry}{so_far}",
+               "sub": "{x}-{y}-{borrow}={out} r{so_far}", "sub_borrow": "{x}-{y}-{borrow}+10={out} r{so_far}",
+               "mul": "{x}*{m}+{carry}={out} r{so_far}", "mod": "{cur}%{d}={rem}",
+               "lin_minus": "{a}x={c}-{b}={rhs}", "lin_plus": "{a}x={c}+{b}={rhs}", "lin_div": "x={rhs}/{a}={x}"},
+              "The answer is \\boxed{{{}}}."),
+    "words": ({"add": "{x} plus {y} plus {carry} is {out}, so far {so_far}",
+               "carry": "carry {carry}, so far {carry}{so_far}",
+               "sub": "{x} minus {y} minus {borrow} is {out}, so far {so_far}",
+               "sub_borrow": "{x} minus {y} minus {borrow} plus 10 is {out}, so far {so_far}",
+               "mul": "{x} times {m} plus {carry} is {out}, so far {so_far}", "mod": "{cur} mod {d} is {rem}",
+               "lin_minus": "{a}x is {c} minus {b}, which is {rhs}", "lin_plus": "{a}x is {c} plus {b}, which is {rhs}",
+               "lin_div": "x is {rhs} over {a}, which is {x}"},
+              "So the result is \\boxed{{{}}}."),
 }
 
 
 def _solution_text(family: str, ops: tuple[int, ...], style: str = "plain") -> str:
     if style not in STYLES:
         raise DataError(f"unknown scratchpad style {style!r}; choose from {', '.join(STYLES)}")
-    pads, closing = STYLES[style]
-    lines = pads[family](*ops)
+    templates, closing = STYLES[style]
+    lines = [templates[kind].format(**fields) for kind, fields in _STEPS[family](*ops)]
     lines.append(closing.format(_answer(family, ops)))
     return "\n".join(lines)
 
