@@ -233,7 +233,7 @@ class Experiment:
             if name == "best_val" and step == final_step:
                 result[name] = {**result["final"]}
                 continue
-            result[name] = {"step": step, **self._evaluate_model(run, model_dir, want)}
+            result[name] = {"step": step, **self._evaluate_model(run, model_dir, want).summary()}
         summary["test"] = result
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
@@ -245,7 +245,9 @@ class Experiment:
                 shutil.rmtree(d, ignore_errors=True)
         return result
 
-    def _evaluate_model(self, run: Path, model_dir: Path, want: Any) -> dict[str, Any]:
+    def _evaluate_model(self, run: Path, model_dir: Path, want: Any) -> Any:
+        """An EvalResult of `model_dir` with the eval settings `want`, keeping the run's own
+        model template, verifier, rollout batch size and thread count."""
         from graft_fed.data.config import load_prompts
         from graft_fed.evaluation import evaluate
         from graft_fed.modeling import load_model_and_tokenizer
@@ -264,7 +266,7 @@ class Experiment:
                            temperature=want.temperature, top_p=want.top_p,
                            max_new_tokens=want.max_new_tokens or run_cfg.rollout.max_new_tokens,
                            seed=want.seed, batch_size=run_cfg.rollout.batch_size, seeding=want.seeding)
-        return res.summary()
+        return res
 
     def run_stored(self, receiver: str, peer: str, seed: int) -> None:
         """The paper's stored mode: the receiver learns from the peer's own GRPO n=8 run of the
@@ -282,10 +284,7 @@ class Experiment:
         without retraining; returns the number of runs re-scored. The run's own model
         template, verifier and rollout batch size are kept. Re-scoring with the settings a
         run was evaluated with gives the same result (keyed sampling) or an equivalent draw."""
-        from graft_fed.data.config import load_prompts
-        from graft_fed.evaluation import evaluate, write_eval
-        from graft_fed.modeling import load_model_and_tokenizer
-        from graft_fed.rewards import build_verifier
+        from graft_fed.evaluation import write_eval
         from graft_fed.trainer import checkpoint as ckpt
         from graft_fed.trainer.config import EvalSection, load_train_config
 
@@ -306,17 +305,7 @@ class Experiment:
             final = checkpoints[-1]
             ckpt.verify_checkpoint(final)
             log.info("re-evaluating %s", final)
-            if run_cfg.run.threads:
-                import torch
-
-                torch.set_num_threads(run_cfg.run.threads)
-            model, tok = load_model_and_tokenizer(str(final / "model"), "cpu")
-            with build_verifier(run_cfg.verifier) as verifier:
-                result = evaluate(model, tok, load_prompts(want.data), verifier, template=run_cfg.model.template,
-                                  add_special_tokens=run_cfg.model.encode_special_tokens, k=want.k,
-                                  temperature=want.temperature, top_p=want.top_p,
-                                  max_new_tokens=want.max_new_tokens or run_cfg.rollout.max_new_tokens,
-                                  seed=want.seed, batch_size=run_cfg.rollout.batch_size, seeding=want.seeding)
+            result = self._evaluate_model(run, final / "model", want)
             write_eval(result, run / "eval", final.name)
             summary["eval_after"] = result.summary()
             summary["eval_config"] = want_dict
