@@ -34,6 +34,17 @@ class RoundBook:
         self._rows: dict[str, np.ndarray] = {}
         self.version = 0
         self._counts: tuple[int, np.ndarray, np.ndarray] | None = None
+        # bundle digests attached to the round's summaries: node -> prompt id -> digest
+        self.digests: dict[str, dict[str, str]] = {}
+        self.digest_version = 0  # bumped by every attached digest (answers cached on it)
+
+    def set_digest(self, node_id: str, prompt_id: str, digest: str) -> None:
+        if prompt_id not in self.cols or node_id not in self._rows:
+            return
+        per = self.digests.setdefault(node_id, {})
+        if per.get(prompt_id) != digest:
+            per[prompt_id] = digest
+            self.digest_version += 1
 
     @property
     def nodes(self) -> set[str]:
@@ -105,10 +116,15 @@ class RoundIndex:
             if book is None:
                 book = RoundBook(round)
                 per_node: dict[str, list[tuple[str, int]]] = {}
+                digests = []
                 for h in self._load(round):
                     per_node.setdefault(h.node_id, []).append((h.prompt_id, h.k))
+                    if h.bundle_digest:
+                        digests.append((h.node_id, h.prompt_id, h.bundle_digest))
                 for node, items in per_node.items():
                     book.add(node, items)
+                for node, pid, digest in digests:
+                    book.set_digest(node, pid, digest)
                 self._books[round] = book
                 while len(self._books) > self.keep:
                     self._books.popitem(last=False)
@@ -120,6 +136,11 @@ class RoundIndex:
         """Record groups that the state has made durable (after the write returned)."""
         with self.lock:
             self.book(round).add(node_id, items)
+
+    def set_digest(self, round: int, node_id: str, prompt_id: str, digest: str) -> None:
+        """Record a bundle attached to a summary the state holds (after the write returned)."""
+        with self.lock:
+            self.book(round).set_digest(node_id, prompt_id, digest)
 
     def published(self, round: int) -> set[str]:
         with self.lock:

@@ -21,8 +21,9 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from graft_fed.broker.handlers import Federation
-from graft_fed.federation.codec import (manifest_from_pb, manifest_to_pb, match_result_to_pb, privacy_from_pb,
-                                        report_entries_from_pb, summaries_from_pb)
+from graft_fed.federation.codec import (OfferEncoder, manifest_from_pb, manifest_to_pb, match_result_to_wire,
+                                        offers_wire, privacy_from_pb, report_entries_from_pb, summaries_from_pb,
+                                        upload_requests_wire)
 from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted
 from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES,
                                          check_message, clip)
@@ -186,11 +187,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         return pb.PublishResponse(accepted=accepted, duplicates=dups)
 
     @_rpc
-    def GetMatches(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
+    def GetMatches(self, request: pb.MatchRequest, context: Any) -> bytes:
+        # the answer leaves as bytes: its offers were encoded once per round (see the codec)
         res = self.fed.get_matches(request.node_id, request.session_id, request.round, request.wait_ms / 1000.0,
-                                   wait_for_bundles=request.wait_for_bundles)
-        with self.fed.work:
-            return match_result_to_pb(res)
+                                   wait_for_bundles=request.wait_for_bundles,
+                                   encode=(OfferEncoder, upload_requests_wire, offers_wire))
+        return match_result_to_wire(res)
 
     @_rpc
     def UploadBundle(self, request_iterator: Iterator[pb.BundleChunk], context: Any) -> pb.UploadResponse:
@@ -337,6 +339,14 @@ METHODS: dict[str, tuple[str, Any, Any]] = {
 }
 
 
+def _serializer(resp: Any) -> Callable[[Any], bytes]:
+    """The response serializer: a message is serialised, bytes (an answer the servicer
+    encoded itself, GetMatches) pass as they are."""
+    def serialize(message: Any) -> bytes:
+        return message if isinstance(message, bytes) else message.SerializeToString()
+    return serialize
+
+
 def add_to_server(servicer: BrokerServicer, server: grpc.Server) -> None:
     """Register the servicer's methods with deserializers that never raise (see the module
     docstring): the replacement for the generated add_BrokerServicer_to_server."""
@@ -344,6 +354,6 @@ def add_to_server(servicer: BrokerServicer, server: grpc.Server) -> None:
                  "stream_unary": grpc.stream_unary_rpc_method_handler,
                  "unary_stream": grpc.unary_stream_rpc_method_handler}
     handlers = {name: factories[kind](getattr(servicer, name), request_deserializer=_parser(req),
-                                      response_serializer=resp.SerializeToString)
+                                      response_serializer=_serializer(resp))
                 for name, (kind, req, resp) in METHODS.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -50,7 +50,7 @@ from graft_fed.federation.errors import StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -94,7 +94,12 @@ CREATE TABLE reports (
     mean_s NOT NULL, admitted_fraction NOT NULL, rejected INTEGER NOT NULL,
     PRIMARY KEY (round, receiver, source, prompt_id));
 """
-_MIGRATIONS = {2: _MIGRATE_2}  # version reached -> statements from the version before
+# Schema version 2 -> 3: a synchronous round's matches as one blob (broker/matchset.py), one
+# write per round instead of a row per match (issue 13).
+_MIGRATE_3 = """
+CREATE TABLE match_sets (round INTEGER PRIMARY KEY, data BLOB NOT NULL);
+"""
+_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3}  # version reached -> statements from the version before
 
 _SUMMARY_COLS = ("node_id, round, prompt_id, policy_version, n, k, reward_mean, reward_std, lengths, "
                  "mean_logprobs, bundle_digest")
@@ -507,6 +512,20 @@ class SqliteState(BrokerState):
             f"AND s.prompt_id = m.prompt_id{where} ORDER BY m.round, m.receiver, m.prompt_id", params)
         return [(MatchRow(*r[:5]), SummaryHead(r[3], r[4], r[2], r[5], r[6], r[7])) for r in rows]
 
+    def put_match_set(self, round: int, data: bytes) -> bool:
+        round, blob = as_int(round, "round"), norm_blob(data, "match set")
+        with self._tx() as conn:
+            cur = conn.execute("INSERT INTO match_sets (round, data) VALUES (?, ?) ON CONFLICT (round) DO NOTHING",
+                               (round, blob))
+            return cur.rowcount == 1
+
+    def match_set(self, round: int) -> bytes | None:
+        rows = self._read("SELECT data FROM match_sets WHERE round = ?", (as_int(round, "round"),))
+        return bytes(rows[0][0]) if rows else None
+
+    def match_set_rounds(self) -> list[int]:
+        return [r[0] for r in self._read("SELECT round FROM match_sets ORDER BY round")]
+
     # ----- bundles
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
         digest = as_str(digest, "digest")
@@ -661,7 +680,7 @@ class SqliteState(BrokerState):
             (latest,), = conn.execute("SELECT MAX(round) FROM rounds").fetchall()
             cutoff = prune_cutoff(-1 if latest is None else latest, keep_rounds)
             if cutoff is not None:
-                for table in ("summaries", "matches", "reports", "rounds"):
+                for table in ("summaries", "matches", "match_sets", "reports", "rounds"):
                     removed += conn.execute(f"DELETE FROM {table} WHERE round < ?", (cutoff,)).rowcount
             if max_bundle_bytes is not None:
                 drop = bundles_to_drop(conn.execute("SELECT digest, size FROM bundles ORDER BY rowid").fetchall(),

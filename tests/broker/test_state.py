@@ -213,6 +213,21 @@ def test_matches_idempotent_and_filters(state):
     assert len(state.matches()) == 3
 
 
+def test_match_sets_first_write_wins_and_prune_with_their_round(state):
+    assert state.match_set(0) is None and state.match_set_rounds() == []
+    assert state.put_match_set(1, b"one") is True
+    assert state.put_match_set(1, b"other") is False  # the first set of a round wins
+    assert state.put_match_set(0, b"zero") is True
+    assert state.match_set(1) == b"one" and state.match_set_rounds() == [0, 1]
+    assert state.matches() == []  # a set is not rows
+    with pytest.raises(TypeError):
+        state.put_match_set(2, "text")
+    for r in range(3):
+        state.put_round(RoundRow(round=r, state="open", opened_at=0.0))
+    state.prune(keep_rounds=2)
+    assert state.match_set_rounds() == [1] and state.match_set(0) is None
+
+
 def test_bundles(state):
     assert state.bundle_stats() == (0, 0) and state.get_bundle("x") is None
     assert state.put_bundle("d1", b"abc") is True
@@ -468,6 +483,10 @@ class SameBehaviour(RuleBasedStateMachine):
     def put_matches(self, rows):
         self.both("put_matches", rows)
 
+    @rule(r=_rounds, data=st.sampled_from([b"s0", b"s1", b""]))
+    def put_match_set(self, r, data):
+        self.both("put_match_set", r, data)
+
     @rule(bundles=st.lists(st.tuples(st.sampled_from(["d0", "d1", "d2", "d3"]), st.binary(max_size=20),
                                      st.sampled_from([b"", b"sig1", b"sig2"])), min_size=1, max_size=3))
     def put_bundles(self, bundles):
@@ -511,6 +530,8 @@ class SameBehaviour(RuleBasedStateMachine):
             self.both("bundle_provenance", d)
         for r in range(7):
             self.both("get_round", r)
+            self.both("match_set", r)
+        self.both("match_set_rounds")
 
     def teardown(self):
         self.mem.close()
@@ -534,13 +555,15 @@ def _populate(s):
     s.put_bundle("d0", b"bundle bytes", signature=b"sig", signer_cert=b"cert")
     s.set_bundle_digest("a", 0, "p0", "d0")
     s.put_matches([MatchRow(3, "a", "p0", "b", 2)])
+    s.put_match_set(3, b"GFM1 a round's matching")
     s.update_compat("b", "a", 0.25, 0.5, False)
     s.update_compat("b", "a", 0.0, 0.0, True)
     s.put_reports([rep(round=3, receiver="a", source="b", mean_s=1 / 3)])
 
 
 def _observe(s):
-    return _obs([s.list_nodes(), s.get_round(3), s.latest_round(), s.summaries(), s.matches(), s.compat(),
+    return _obs([s.list_nodes(), s.get_round(3), s.latest_round(), s.summaries(), s.matches(), s.match_set(3),
+                 s.match_set_rounds(), s.compat(),
                  s.bundle_stats(), s.get_bundle("d0"), s.bundle_provenance("d0"), s.reports()])
 
 
@@ -624,6 +647,7 @@ def test_sqlite_migrates_a_version_1_file_in_place(tmp_path):
     _populate(s)
     s.close()
     with sqlite3.connect(path) as c:  # what graft-fed 0.1 (schema version 1) wrote
+        c.execute("DROP TABLE match_sets")
         c.execute("DROP TABLE reports")
         c.execute("ALTER TABLE bundles DROP COLUMN signature")
         c.execute("ALTER TABLE bundles DROP COLUMN signer_cert")
@@ -637,6 +661,24 @@ def test_sqlite_migrates_a_version_1_file_in_place(tmp_path):
         assert s.put_reports([rep(round=3, receiver="a", source="b")]) == (1, 0)
         assert s.put_bundle("d1", b"new", signature=b"sig", signer_cert=b"cert")
         assert s.bundle_provenance("d1") == (b"sig", b"cert")
+    finally:
+        s.close()
+
+
+def test_sqlite_migrates_a_version_2_file_in_place(tmp_path):
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    _populate(s)
+    s.close()
+    with sqlite3.connect(path) as c:  # schema version 2: matches only as rows
+        c.execute("DROP TABLE match_sets")
+        c.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    c.close()
+    s = SqliteState(path)
+    try:
+        assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        assert len(s.matches()) == 1 and s.match_set_rounds() == []
+        assert s.put_match_set(3, b"set") and s.match_set(3) == b"set"
     finally:
         s.close()
 
