@@ -41,6 +41,7 @@ from graft_fed.federation.limits import (MAX_DIGESTS_PER_CALL, MAX_ID_LEN, MAX_L
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, differences, verifier_version
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
 from graft_fed.federation.signing import ProvenanceError, common_name, load_certificate_der, verify_signature
+from graft_fed.federation.summaryblock import SummaryBlock
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -254,9 +255,22 @@ class Federation:
 
     def publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
         with self.work:
-            return self._publish(node_id, session_id, round, summaries)
+            self._validate_rows(node_id, round, summaries)
+            block = SummaryBlock.from_rows(list(summaries)) if summaries else SummaryBlock.from_columns(
+                node_id, round, [], *([[]] * 9))
+            return self._publish(node_id, session_id, round, block)
 
-    def _publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
+    def publish_block(self, node_id: str, session_id: str, round: int, block: SummaryBlock) -> tuple[int, int]:
+        """`publish` for summaries as columns (the servicer reads a publish in bulk): the same
+        checks, on arrays; a block that fails one is checked row by row, so that the error
+        is the one `publish` raises."""
+        with self.work:
+            if not self._block_valid(node_id, round, block):
+                self._validate_rows(node_id, round, block.rows())
+                raise InvalidArgument("the summaries are malformed")  # not reached: the row checks raise
+            return self._publish(node_id, session_id, round, block)
+
+    def _validate_rows(self, node_id: str, round: int, summaries: Sequence[SummaryRow]) -> None:
         limit = self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
         if len(summaries) > limit:
             raise ResourceExhausted(f"{len(summaries)} summaries in one publish; at most {limit} per round")
@@ -268,6 +282,38 @@ class Federation:
                 raise InvalidArgument(f"prompt {clip(s.prompt_id)} appears twice in one publish")
             seen.add(s.prompt_id)
             self._validate_summary(s)
+
+    def _block_valid(self, node_id: str, round: int, b: SummaryBlock) -> bool:
+        """Every check of `_validate_rows` on the block's columns at once."""
+        count = len(b)
+        if count > self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR:
+            return False
+        if b.node_id != node_id or b.round != round or b.digests is not None:
+            return False
+        if not count:
+            return True
+        if len(set(b.prompt_ids)) != count or not self.known_prompts.issuperset(b.prompt_ids):
+            return False
+        n = self.manifest.n
+        if not ((b.n == n).all() and (b.k >= 0).all() and (b.k <= n).all() and (b.n_lengths == n).all()
+                and (b.n_logprobs == n).all() and (b.lengths >= 1).all()):
+            return False
+        lp, mean, std = b.mean_logprobs, b.reward_mean, b.reward_std
+        with np.errstate(invalid="ignore"):
+            if not (np.isfinite(mean).all() and np.isfinite(std).all() and np.isfinite(lp).all()
+                    and (lp <= 1e-6).all() and (lp >= MIN_MEAN_LOGPROB).all()):
+                return False
+            p = b.k / n
+            if not (np.abs(mean - p) <= 1e-6).all():
+                return False
+            var = p * (1 - p)  # reward_std: the population or the sample std of k ones and n - k zeros
+            pop = np.sqrt(var)
+            sample = np.sqrt(var * n / (n - 1)) if n > 1 else np.zeros_like(var)
+            ok = ((np.abs(std - pop) <= 1e-6 * np.maximum(1.0, pop))
+                  | (np.abs(std - sample) <= 1e-6 * np.maximum(1.0, sample)))
+        return bool(ok.all())
+
+    def _publish(self, node_id: str, session_id: str, round: int, summaries: SummaryBlock) -> tuple[int, int]:
         with self.cond:
             node = self._node(node_id, session_id)
             self._rate_limit(node_id)
@@ -285,9 +331,9 @@ class Federation:
             node = self.registry.check(node_id, session_id)
             row = replace(node, round=max(node.round, round), last_seen=self.clock(), state="online")
             # the summaries and the node's count and round in one transaction
-            accepted, dups = self.state.put_summaries(summaries, node=row)
+            accepted, dups = self.state.put_summary_block(summaries, node=row)
             self.registry.remember(replace(row, published=row.published + accepted))
-            self.index.add(round, node_id, ((s.prompt_id, s.k) for s in summaries))
+            self.index.add_columns(round, node_id, summaries.prompt_ids, summaries.k)
         with self.cond:
             self.counters["summaries"] += accepted
             self.counters["duplicate_summaries"] += dups

@@ -53,14 +53,24 @@ class RoundBook:
     def add(self, node_id: str, items: Iterable[tuple[str, int]]) -> int:
         """Record the node's (prompt id, k) groups; a group already held keeps its first k.
         Returns how many were new."""
-        cols, ks = [], []
+        pids, ks = [], []
         for pid, k in items:
-            col = self.cols.get(pid)
-            if col is None:
-                col = self.cols[pid] = len(self.pids)
-                self.pids.append(pid)
-            cols.append(col)
+            pids.append(pid)
             ks.append(k)
+        return self.add_columns(node_id, pids, np.asarray(ks, dtype=np.int16))
+
+    def add_columns(self, node_id: str, pids: Sequence[str], ks: np.ndarray) -> int:
+        """`add` for a publish's prompt ids and k as an array (one pass in C for the ids the
+        round already has columns for)."""
+        cols = list(map(self.cols.get, pids))
+        if None in cols:
+            for i, col in enumerate(cols):
+                if col is None:
+                    col = self.cols.get(pids[i])
+                    if col is None:
+                        col = self.cols[pids[i]] = len(self.pids)
+                        self.pids.append(pids[i])
+                    cols[i] = col
         row = self._rows.get(node_id)
         if row is None or row.size < len(self.pids):
             grown = np.full(max(len(self.pids), 2 * (0 if row is None else row.size)), MISSING, dtype=np.int16)
@@ -71,7 +81,7 @@ class RoundBook:
             return 0
         c = np.asarray(cols, dtype=np.int64)
         new = row[c] == MISSING
-        row[c[new]] = np.asarray(ks, dtype=np.int16)[new]
+        row[c[new]] = np.asarray(ks).astype(np.int16)[new]
         self.version += 1
         return int(new.sum())
 
@@ -136,6 +146,11 @@ class RoundIndex:
         """Record groups that the state has made durable (after the write returned)."""
         with self.lock:
             self.book(round).add(node_id, items)
+
+    def add_columns(self, round: int, node_id: str, pids: Sequence[str], ks: np.ndarray) -> None:
+        """`add` for one publish as columns."""
+        with self.lock:
+            self.book(round).add_columns(node_id, pids, ks)
 
     def set_digest(self, round: int, node_id: str, prompt_id: str, digest: str) -> None:
         """Record a bundle attached to a summary the state holds (after the write returned)."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from graft_fed.federation.messages import SummaryRow
+from graft_fed.federation.summaryblock import SummaryBlock
 
 NODE_STATES = ("registered", "online", "offline", "left")
 
@@ -139,6 +140,12 @@ class BrokerState(abc.ABC):
 
         `node`, when given, is stored in the same transaction with `published` increased by the
         number accepted, so a crash never leaves the count out of step with the summaries."""
+
+    def put_summary_block(self, block: SummaryBlock, node: NodeRow | None = None) -> tuple[int, int]:
+        """`put_summaries` for one publish as columns (graft_fed/federation/summaryblock.py):
+        the same result and the same idempotence. This default turns the block into rows;
+        SQLite stores it as one blob."""
+        return self.put_summaries(block.rows(), node=node)
 
     @abc.abstractmethod
     def summaries(self, round: int | None = None, node_id: str | None = None,

@@ -12,7 +12,10 @@ if TYPE_CHECKING:
 
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
+from graft_fed.federation.limits import INT64_MAX, MAX_REPEATED, MAX_STRING_LEN
+from graft_fed.federation.summaryblock import SummaryBlock
 from graft_fed.proto import broker_pb2 as pb
+from graft_fed.proto import views_pb2
 
 MODES = {pb.MODE_SYNC: "sync", pb.MODE_ASYNC: "async"}
 MODE_CODES = {v: k for k, v in MODES.items()}
@@ -52,6 +55,79 @@ def summaries_from_pb(request: pb.PublishRequest) -> list[SummaryRow]:
                        reward_std=s.reward_std, lengths=list(s.lengths), mean_logprobs=list(s.mean_logprobs),
                        bundle_digest=s.bundle_digest)
             for s in request.summaries]
+
+
+class SummariesInBulk:
+    """A PublishRequest's summaries read in bulk (`summaries_in_bulk`): the block, and what the
+    uniform bounds of federation/limits.py need to know about the summaries."""
+
+    __slots__ = ("block", "rounds", "policy_versions")
+
+    def __init__(self, block: SummaryBlock, rounds: "np.ndarray", policy_versions: "np.ndarray") -> None:
+        self.block, self.rounds, self.policy_versions = block, rounds, policy_versions
+
+    def within_bounds(self) -> bool:
+        """What check_message would find for the summaries: integers fit int64, strings and
+        lists within their bounds."""
+        b = self.block
+        return bool((not len(b) or (int(self.rounds.max()) <= INT64_MAX and int(self.policy_versions.max()) <= INT64_MAX
+                                    and int(b.n_lengths.max()) <= MAX_REPEATED
+                                    and int(b.n_logprobs.max()) <= MAX_REPEATED
+                                    and max(map(len, b.prompt_ids)) <= MAX_STRING_LEN))
+                    and (b.digests is None or max(map(len, b.digests)) <= MAX_STRING_LEN))
+
+
+def _varints(raw: bytes) -> "np.ndarray | None":
+    """Packed uint32 varints as int64 (truncated to 32 bits as protobuf does); None when the
+    bytes do not end a varint or one is longer than 10 bytes."""
+    import numpy as np
+
+    b = np.frombuffer(raw, dtype=np.uint8)
+    last = b < 0x80  # the last byte of each varint
+    if last.all():
+        return b.astype(np.int64)
+    if not last[-1]:
+        return None
+    ends = np.flatnonzero(last)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    if int((ends - starts).max()) >= 10:
+        return None
+    group = np.repeat(np.arange(ends.size), ends - starts + 1)  # which varint each byte belongs to
+    shift = (np.arange(b.size) - starts[group]) * 7
+    parts = (b & 0x7F).astype(np.uint64) << np.minimum(shift, 63).astype(np.uint64)
+    parts[shift > 63] = 0
+    vals = np.add.reduceat(parts, starts)  # the 7-bit groups do not overlap: their sum is their OR
+    return (vals & np.uint64(0xFFFFFFFF)).astype(np.int64)
+
+
+def summaries_in_bulk(request: pb.PublishRequest, raw: bytes) -> SummariesInBulk | None:
+    """The request's summaries as one SummaryBlock, reading the per-response lists as raw
+    packed bytes (graft_fed.v1 views.proto) rather than one Python number at a time. `raw`
+    are the bytes `request` was parsed from. None when some list is not packed (a legal but
+    unusual encoding): then read the summaries one by one (`summaries_from_pb`)."""
+    import numpy as np
+
+    summaries = request.summaries
+    if not summaries:
+        return SummariesInBulk(SummaryBlock.from_columns(request.node_id, request.round, [], *([[]] * 9)),
+                               np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64))
+    cols = [(s.prompt_id, s.round, s.policy_version, s.n, s.k, s.reward_mean, s.reward_std, len(s.lengths),
+             len(s.mean_logprobs), s.bundle_digest) for s in summaries]
+    pids, rounds, versions, n, k, rmean, rstd, n_len, n_lp, digests = zip(*cols)
+    lists = views_pb2.SummaryListsView.FromString(b"".join(views_pb2.PublishSummariesView.FromString(raw).summaries))
+    n_len_a, n_lp_a = np.array(n_len, dtype=np.int64), np.array(n_lp, dtype=np.int64)
+    lp_raw = b"".join(lists.mean_logprobs)
+    if len(lp_raw) != 8 * int(n_lp_a.sum()):
+        return None
+    lengths = _varints(b"".join(lists.lengths))
+    if lengths is None or lengths.size != int(n_len_a.sum()):
+        return None
+    rounds_a, versions_a = np.array(rounds, dtype=np.uint64), np.array(versions, dtype=np.uint64)
+    block = SummaryBlock(request.node_id, request.round, list(pids), versions_a.astype(np.int64),
+                         np.array(n, dtype=np.int64), np.array(k, dtype=np.int64), np.array(rmean, dtype=np.float64),
+                         np.array(rstd, dtype=np.float64), n_len_a, n_lp_a, lengths,
+                         np.frombuffer(lp_raw, dtype="<f8").astype(np.float64), list(digests) if any(digests) else None)
+    return SummariesInBulk(block, rounds_a, versions_a)
 
 
 def match_result_to_pb(res: MatchResult) -> pb.MatchResponse:

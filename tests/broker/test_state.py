@@ -5,6 +5,7 @@ refusal of foreign or newer files, and rollback of a batch that fails half way."
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sqlite3
 import subprocess
@@ -641,13 +642,31 @@ def test_sqlite_refuses_a_newer_schema(tmp_path):
         SqliteState(path)
 
 
+def _as_version_2(s, c):
+    """Turn the file of SqliteState `s` (open on connection `c`) back into schema version 2:
+    summaries as rows (lists as JSON), no match sets."""
+    rows = s.summaries()
+    c.execute("""CREATE TABLE summaries (
+        node_id TEXT NOT NULL, round INTEGER NOT NULL, prompt_id TEXT NOT NULL,
+        policy_version INTEGER NOT NULL, n INTEGER NOT NULL, k INTEGER NOT NULL,
+        reward_mean NOT NULL, reward_std NOT NULL, lengths TEXT NOT NULL, mean_logprobs TEXT NOT NULL,
+        bundle_digest TEXT NOT NULL DEFAULT '', PRIMARY KEY (node_id, round, prompt_id))""")
+    c.executemany("INSERT INTO summaries VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                  [(r.node_id, r.round, r.prompt_id, r.policy_version, r.n, r.k, r.reward_mean, r.reward_std,
+                    json.dumps(r.lengths), json.dumps(r.mean_logprobs), r.bundle_digest) for r in rows])
+    for table in ("match_sets", "summary_blocks", "summary_digests"):
+        c.execute(f"DROP TABLE {table}")
+    c.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+
+
 def test_sqlite_migrates_a_version_1_file_in_place(tmp_path):
     path = tmp_path / "b.db"
     s = SqliteState(path)
     _populate(s)
-    s.close()
+    before = s.summaries()
     with sqlite3.connect(path) as c:  # what graft-fed 0.1 (schema version 1) wrote
-        c.execute("DROP TABLE match_sets")
+        _as_version_2(s, c)
+        s.close()
         c.execute("DROP TABLE reports")
         c.execute("ALTER TABLE bundles DROP COLUMN signature")
         c.execute("ALTER TABLE bundles DROP COLUMN signer_cert")
@@ -657,7 +676,7 @@ def test_sqlite_migrates_a_version_1_file_in_place(tmp_path):
     try:
         assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
         assert s.get_bundle("d0") == b"bundle bytes" and s.bundle_provenance("d0") == (b"", b"")  # kept, unsigned
-        assert len(s.summaries()) == 2 and s.reports() == [] and s.compat()[0].rejected == 1
+        assert s.summaries() == before and s.reports() == [] and s.compat()[0].rejected == 1
         assert s.put_reports([rep(round=3, receiver="a", source="b")]) == (1, 0)
         assert s.put_bundle("d1", b"new", signature=b"sig", signer_cert=b"cert")
         assert s.bundle_provenance("d1") == (b"sig", b"cert")
@@ -669,14 +688,17 @@ def test_sqlite_migrates_a_version_2_file_in_place(tmp_path):
     path = tmp_path / "b.db"
     s = SqliteState(path)
     _populate(s)
-    s.close()
-    with sqlite3.connect(path) as c:  # schema version 2: matches only as rows
-        c.execute("DROP TABLE match_sets")
-        c.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    before = _observe(s)
+    with sqlite3.connect(path) as c:  # schema version 2: summaries and matches as rows
+        _as_version_2(s, c)
+        s.close()
     c.close()
     s = SqliteState(path)
     try:
         assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        after = _observe(s)
+        assert after[:5] == before[:5] and after[7:] == before[7:]  # all but the match set
+        assert s.summaries()[0].bundle_digest == "d0" and s.put_summaries([summ()]) == (0, 1)
         assert len(s.matches()) == 1 and s.match_set_rounds() == []
         assert s.put_match_set(3, b"set") and s.match_set(3) == b"set"
     finally:
@@ -687,21 +709,23 @@ def test_sqlite_batch_failing_midway_is_rolled_back(tmp_path, monkeypatch):
     s = SqliteState(tmp_path / "b.db")
     try:
         s.put_summaries([summ(prompt_id="old")])
-        real, calls = SqliteState._encode_summary, []
+        real, calls = SqliteState._write_block.__func__, []
 
-        def flaky(self, row):
-            calls.append(row.prompt_id)
-            if len(calls) == 3:
+        def flaky(cls, conn, block):
+            calls.append(block.round)
+            written = real(cls, conn, block)
+            if len(calls) == 2:
                 raise OSError("disk on fire")
-            return real(self, row)
+            return written
 
-        monkeypatch.setattr(SqliteState, "_encode_summary", flaky)
+        monkeypatch.setattr(SqliteState, "_write_block", classmethod(flaky))
+        batch = [summ(prompt_id=f"p{i}", round=0 if i < 2 else 1) for i in range(5)]  # two blocks
         with pytest.raises(OSError, match="disk on fire"):
-            s.put_summaries([summ(prompt_id=f"p{i}") for i in range(5)])
-        assert calls == ["p0", "p1", "p2"]  # two rows had been inserted when it failed
+            s.put_summaries(batch)
+        assert calls == [0, 1]  # both blocks had been inserted when it failed
         assert [r.prompt_id for r in s.summaries()] == ["old"]
         monkeypatch.undo()
-        assert s.put_summaries([summ(prompt_id=f"p{i}") for i in range(5)]) == (5, 0)  # the state is usable
+        assert s.put_summaries(batch) == (5, 0)  # the state is usable
     finally:
         s.close()
     s = SqliteState(tmp_path / "b.db")
@@ -715,14 +739,14 @@ def test_sqlite_group_commit_shares_one_transaction_and_isolates_failures(tmp_pa
     """Publishes queued while a commit is under way share the next one; a publish that raises
     inside the group is rolled back alone, and every other one is durable when it returns."""
     s = SqliteState(tmp_path / "g.db")
-    real = SqliteState._encode_summary
+    real = SqliteState._write_block.__func__
 
-    def encode(self, row):
-        if row.prompt_id == "bad":
+    def write(cls, conn, block):
+        if "bad" in block.prompt_ids:
             raise OSError("this publish only")
-        return real(self, row)
+        return real(cls, conn, block)
 
-    monkeypatch.setattr(SqliteState, "_encode_summary", encode)
+    monkeypatch.setattr(SqliteState, "_write_block", classmethod(write))
     results: dict[str, object] = {}
 
     def publish(name: str, prompts: list[str]) -> None:

@@ -10,7 +10,8 @@ summary, a report re-checked), from the blob.
 
 Per-response lists may have any length here (the state does not judge them; the broker's
 handlers require n of each): `lengths` and `mean_logprobs` are flat arrays with a count per
-summary.
+summary. `digests` (None when all are empty) are the summaries' bundle digests as given:
+the state keeps digests apart from the blob (they arrive later, with the bundles).
 
 The encoding: b"GFS1", a 4-byte little-endian length, a JSON header {"node_id", "round",
 "prompt_ids", "nl", "nm"}, then little-endian arrays: policy_version, n, k (int64),
@@ -38,16 +39,18 @@ class SummaryBlockError(ValueError):
 
 class SummaryBlock:
     __slots__ = ("node_id", "round", "prompt_ids", "policy_version", "n", "k", "reward_mean", "reward_std",
-                 "n_lengths", "n_logprobs", "lengths", "mean_logprobs")
+                 "n_lengths", "n_logprobs", "lengths", "mean_logprobs", "digests")
 
     def __init__(self, node_id: str, round: int, prompt_ids: list[str], policy_version: np.ndarray, n: np.ndarray,
                  k: np.ndarray, reward_mean: np.ndarray, reward_std: np.ndarray, n_lengths: np.ndarray,
-                 n_logprobs: np.ndarray, lengths: np.ndarray, mean_logprobs: np.ndarray) -> None:
+                 n_logprobs: np.ndarray, lengths: np.ndarray, mean_logprobs: np.ndarray,
+                 digests: list[str] | None = None) -> None:
         self.node_id, self.round, self.prompt_ids = node_id, round, prompt_ids
         self.policy_version, self.n, self.k = policy_version, n, k
         self.reward_mean, self.reward_std = reward_mean, reward_std
         self.n_lengths, self.n_logprobs = n_lengths, n_logprobs
         self.lengths, self.mean_logprobs = lengths, mean_logprobs
+        self.digests = digests if digests is not None and any(digests) else None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -56,7 +59,7 @@ class SummaryBlock:
     def from_columns(cls, node_id: str, round: int, prompt_ids: list[str], policy_version: Sequence[int],
                      n: Sequence[int], k: Sequence[int], reward_mean: Sequence[float], reward_std: Sequence[float],
                      n_lengths: Sequence[int], n_logprobs: Sequence[int], lengths: Sequence[int],
-                     mean_logprobs: Sequence[float]) -> "SummaryBlock":
+                     mean_logprobs: Sequence[float], digests: list[str] | None = None) -> "SummaryBlock":
         """From plain sequences (or arrays); integers must fit int64 (OverflowError, else)."""
         def ints(v) -> np.ndarray:
             return np.asarray(v, dtype=np.int64) if len(v) else np.zeros(0, dtype=np.int64)
@@ -65,7 +68,8 @@ class SummaryBlock:
             return np.asarray(v, dtype=np.float64) if len(v) else np.zeros(0, dtype=np.float64)
 
         return cls(node_id, round, list(prompt_ids), ints(policy_version), ints(n), ints(k), floats(reward_mean),
-                   floats(reward_std), ints(n_lengths), ints(n_logprobs), ints(lengths), floats(mean_logprobs))
+                   floats(reward_std), ints(n_lengths), ints(n_logprobs), ints(lengths), floats(mean_logprobs),
+                   digests)
 
     @classmethod
     def from_rows(cls, rows: Sequence[SummaryRow]) -> "SummaryBlock":
@@ -75,7 +79,7 @@ class SummaryBlock:
             [r.policy_version for r in rows], [r.n for r in rows], [r.k for r in rows],
             [r.reward_mean for r in rows], [r.reward_std for r in rows], [len(r.lengths) for r in rows],
             [len(r.mean_logprobs) for r in rows], [x for r in rows for x in r.lengths],
-            [x for r in rows for x in r.mean_logprobs])
+            [x for r in rows for x in r.mean_logprobs], [r.bundle_digest for r in rows])
 
     def select(self, keep: np.ndarray) -> "SummaryBlock":
         """The block's summaries where `keep` (bool, one per summary) is true."""
@@ -84,17 +88,20 @@ class SummaryBlock:
         return SummaryBlock(self.node_id, self.round, [p for p, w in zip(self.prompt_ids, keep.tolist()) if w],
                             self.policy_version[keep], self.n[keep], self.k[keep], self.reward_mean[keep],
                             self.reward_std[keep], self.n_lengths[keep], self.n_logprobs[keep], self.lengths[lo_l],
-                            self.mean_logprobs[lo_m])
+                            self.mean_logprobs[lo_m],
+                            None if self.digests is None else [d for d, w in zip(self.digests, keep.tolist()) if w])
 
     def rows(self, digests: dict[str, str] | None = None, wanted: set[str] | None = None) -> list[SummaryRow]:
-        """SummaryRows (with their bundle digests from `digests`, prompt id -> digest), only
-        those whose prompt id is in `wanted` when given; in block order."""
+        """SummaryRows (with their bundle digests from `digests`, prompt id -> digest; the
+        block's own when None), only those whose prompt id is in `wanted` when given; in
+        block order."""
         ol = np.concatenate([[0], np.cumsum(self.n_lengths)]).tolist()
         om = np.concatenate([[0], np.cumsum(self.n_logprobs)]).tolist()
         lengths, logprobs = self.lengths.tolist(), self.mean_logprobs.tolist()
         cols = zip(self.prompt_ids, self.policy_version.tolist(), self.n.tolist(), self.k.tolist(),
                    self.reward_mean.tolist(), self.reward_std.tolist())
-        digests = digests or {}
+        if digests is None:
+            digests = dict(zip(self.prompt_ids, self.digests)) if self.digests is not None else {}
         out = []
         for i, (pid, pv, n, k, rm, rs) in enumerate(cols):
             if wanted is not None and pid not in wanted:
