@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpc  # noqa: E402
 
 from _common import K_MIX, RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, write_prompts, write_results  # noqa: E402
+from graft_fed.federation.codec import columns_to_pb  # noqa: E402
 from graft_fed.federation.transport import grpc_options  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version  # noqa: E402
@@ -203,6 +204,8 @@ def main() -> int:
                     help="broker config override (VALUE parsed as JSON when it parses), e.g. --set work_slots=64")
     ap.add_argument("--k-mix", choices=sorted(K_MIX), default="realistic",
                     help="k per group: realistic (30%% all-fail, 50%% informative, 20%% all-pass) or uniform in 0..n")
+    ap.add_argument("--wire", choices=["columns", "messages"], default="columns",
+                    help="publish as SummaryColumns (what nodes send) or as one GroupSummary message per group")
     ap.add_argument("--name", default=None, help="results file stem (default ingest_match[_quick])")
     args = ap.parse_args()
     if args.quick:
@@ -241,11 +244,16 @@ def main() -> int:
             prompts_path = write_prompts(tmp / f"prompts-{n_prompts}.jsonl", n_prompts)
             ids = [p.id for p in load_prompts(DataConfig(source=str(prompts_path)))]
             rng = random.Random(args.seed * 1000003 + n_nodes * 7919 + n_prompts)
-            requests = [[pb.PublishRequest(node_id=f"node{i:02d}", session_id="x" * 32, round=r,
-                                           summaries=make_summaries(rng, ids, r, GROUP_N, K_MIX[args.k_mix])) for r in range(rounds)]
-                        for i in range(n_nodes)]
+            def request(i: int, r: int) -> pb.PublishRequest:
+                groups = make_summaries(rng, ids, r, GROUP_N, K_MIX[args.k_mix])
+                if args.wire == "columns":  # what BrokerClient.publish sends
+                    return pb.PublishRequest(node_id=f"node{i:02d}", session_id="x" * 32, round=r,
+                                             columns=columns_to_pb(groups))
+                return pb.PublishRequest(node_id=f"node{i:02d}", session_id="x" * 32, round=r, summaries=groups)
+
+            requests = [[request(i, r) for r in range(rounds)] for i in range(n_nodes)]
             payloads = [[req.SerializeToString() for req in per] for per in requests]
-            cell: dict = {"nodes": n_nodes, "prompts": n_prompts, "rounds": rounds, "k_mix": args.k_mix,
+            cell: dict = {"nodes": n_nodes, "prompts": n_prompts, "rounds": rounds, "k_mix": args.k_mix, "wire": args.wire,
                           "publish_bytes": len(payloads[0][0])}
             cell["raw"] = run_raw_cell(n_nodes, rounds, payloads, args.cell_timeout_s)
             for b in backends:
@@ -272,7 +280,7 @@ def main() -> int:
                "total_s": time.monotonic() - t_start}
     md = [f"### Broker ingest and match latency ({info['date']})", "",
           f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
-          f"git {info['git']}. Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}, k mix {args.k_mix}.", "",
+          f"git {info['git']}. Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}, k mix {args.k_mix}, publishes as {args.wire}.", "",
           "| nodes | prompts/round | rounds | state | broker ingest (summaries/s) | raw gRPC (summaries/s) | ratio | "
           "match p50 (ms) | match p99 (ms) | publish p99 (ms) | heartbeat p99 (ms) | online min |",
           "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

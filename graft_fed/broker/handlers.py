@@ -258,7 +258,7 @@ class Federation:
             self._validate_rows(node_id, round, summaries)
             block = SummaryBlock.from_rows(list(summaries)) if summaries else SummaryBlock.from_columns(
                 node_id, round, [], *([[]] * 9))
-            return self._publish(node_id, session_id, round, block)
+        return self._publish(node_id, session_id, round, block)
 
     def publish_block(self, node_id: str, session_id: str, round: int, block: SummaryBlock) -> tuple[int, int]:
         """`publish` for summaries as columns (the servicer reads a publish in bulk): the same
@@ -268,7 +268,7 @@ class Federation:
             if not self._block_valid(node_id, round, block):
                 self._validate_rows(node_id, round, block.rows())
                 raise InvalidArgument("the summaries are malformed")  # not reached: the row checks raise
-            return self._publish(node_id, session_id, round, block)
+        return self._publish(node_id, session_id, round, block)
 
     def _validate_rows(self, node_id: str, round: int, summaries: Sequence[SummaryRow]) -> None:
         limit = self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
@@ -323,8 +323,9 @@ class Federation:
                     raise FailedPrecondition(f"round {round} is implausibly far ahead of the federation "
                                              f"(current {self.current_round()})")
                 self._put_round(RoundRow(round=round, state="open", opened_at=self.clock()))
-        # The write happens outside the broker's lock, so that concurrent publishes share one
-        # commit (the state's group commit) and nobody else waits for them; one node's
+        # The write happens outside the broker's lock and outside a work slot (it waits for
+        # the disk, not for the interpreter), so that concurrent publishes share one commit
+        # (the state's group commit) and nobody else waits for them; one node's
         # publishes are serialised (its published count). Acknowledged, and visible to
         # matching through the index, only once durable.
         with self.registry.node_lock(node_id):

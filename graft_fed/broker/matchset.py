@@ -10,7 +10,7 @@ from it in memory.
 
 The encoding (`to_bytes`, `from_bytes`): the magic b"GFM1", a 4-byte little-endian length,
 a JSON header {"round", "nodes", "pids", "count"}, then the four arrays as little-endian
-int32. Neither graft_fed.proto nor any state implementation is imported here: both state
+int32. It imports neither the generated protobuf code nor a state implementation: both state
 backends and the handlers use it.
 """
 

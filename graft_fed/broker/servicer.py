@@ -22,8 +22,8 @@ import grpc
 
 from graft_fed.broker.handlers import Federation
 from graft_fed.federation.codec import (OfferEncoder, manifest_from_pb, manifest_to_pb, match_result_to_wire,
-                                        offers_wire, privacy_from_pb, report_entries_from_pb, summaries_from_pb,
-                                        summaries_in_bulk, upload_requests_wire)
+                                        offers_wire, privacy_from_pb, report_entries_from_pb, summaries_from_columns,
+                                        summaries_from_pb, summaries_in_bulk, upload_requests_wire)
 from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted
 from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES,
                                          check_message, clip)
@@ -202,11 +202,18 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def PublishSummaries(self, raw: RawPublish, context: Any) -> pb.PublishResponse:
         request = raw.message
         with self.fed.work:
-            bulk = summaries_in_bulk(request, raw.raw)
-            if bulk is None or not bulk.within_bounds():
-                check_message(request)  # the summaries one by one: raises what a bound says
-                bulk = None
-                rows = summaries_from_pb(request)
+            if request.HasField("columns"):
+                if request.summaries:
+                    raise InvalidArgument("a publish carries summaries or columns, not both")
+                bulk = summaries_from_columns(request)
+                if not bulk.within_bounds():
+                    raise InvalidArgument("columns.policy_versions: a value does not fit a signed 64-bit integer")
+            else:
+                bulk = summaries_in_bulk(request, raw.raw)
+                if bulk is None or not bulk.within_bounds():
+                    check_message(request)  # the summaries one by one: raises what a bound says
+                    bulk = None
+                    rows = summaries_from_pb(request)
         if bulk is not None:
             if (bulk.rounds != request.round).any():
                 raise InvalidArgument("every summary's round must equal the request's round")

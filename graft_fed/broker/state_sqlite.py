@@ -54,6 +54,7 @@ from graft_fed.federation.errors import StorageFull, Unavailable
 log = logging.getLogger("graft_fed.broker")
 
 SCHEMA_VERSION = 3
+PAGE_SIZE = 65536
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -238,6 +239,10 @@ class SqliteState(BrokerState):
         return conn
 
     def _init_schema(self, conn: sqlite3.Connection, path: str) -> None:
+        # 64 KiB pages for a new file (an existing one keeps its size): a publish is one blob
+        # of a few hundred KiB, which 4 KiB pages split into ~80 overflow pages, each one
+        # write to the WAL and, at checkpoints, one more to the file.
+        conn.execute(f"PRAGMA page_size={PAGE_SIZE}")
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() not in ("wal", "memory"):
             raise self._fail(path, f"SQLite could not switch it to WAL mode (journal_mode={mode}); "

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
+from graft_fed.federation.errors import InvalidArgument
 from graft_fed.federation.limits import INT64_MAX, MAX_REPEATED, MAX_STRING_LEN
 from graft_fed.federation.summaryblock import SummaryBlock
 from graft_fed.proto import broker_pb2 as pb
@@ -128,6 +129,55 @@ def summaries_in_bulk(request: pb.PublishRequest, raw: bytes) -> SummariesInBulk
                          np.array(rstd, dtype=np.float64), n_len_a, n_lp_a, lengths,
                          np.frombuffer(lp_raw, dtype="<f8").astype(np.float64), list(digests) if any(digests) else None)
     return SummariesInBulk(block, rounds_a, versions_a)
+
+
+def columns_to_pb(summaries: Sequence) -> "pb.SummaryColumns | None":
+    """SummaryColumns for SummaryRows or GroupSummary messages; None when they do not fit
+    columns (a bundle digest, differing counts of lengths and mean log-probs), which then
+    travel as `summaries` so the broker judges exactly what was sent."""
+    import numpy as np
+
+    if any(s.bundle_digest or len(s.lengths) != len(s.mean_logprobs) for s in summaries):
+        return None
+    return pb.SummaryColumns(
+        prompt_ids=[s.prompt_id for s in summaries],
+        policy_versions=np.array([s.policy_version for s in summaries], dtype="<u8").tobytes(),
+        n=np.array([s.n for s in summaries], dtype="<u4").tobytes(),
+        k=np.array([s.k for s in summaries], dtype="<u4").tobytes(),
+        reward_means=np.array([s.reward_mean for s in summaries], dtype="<f8").tobytes(),
+        reward_stds=np.array([s.reward_std for s in summaries], dtype="<f8").tobytes(),
+        n_responses=np.array([len(s.lengths) for s in summaries], dtype="<u4").tobytes(),
+        lengths=np.array([x for s in summaries for x in s.lengths], dtype="<u4").tobytes(),
+        mean_logprobs=np.array([x for s in summaries for x in s.mean_logprobs], dtype="<f8").tobytes())
+
+
+def summaries_from_columns(request: pb.PublishRequest) -> SummariesInBulk:
+    """The request's SummaryColumns as a block; InvalidArgument when an array's size does
+    not fit the number of prompt ids."""
+    import numpy as np
+
+    c = request.columns
+    count = len(c.prompt_ids)
+    for name, width in (("policy_versions", 8), ("n", 4), ("k", 4), ("reward_means", 8), ("reward_stds", 8),
+                        ("n_responses", 4)):
+        size = len(getattr(c, name))
+        if size != width * count:
+            raise InvalidArgument(f"columns.{name} holds {size} bytes; {count} groups need {width * count}")
+    per = np.frombuffer(c.n_responses, dtype="<u4").astype(np.int64)
+    total = int(per.sum())
+    for name, width in (("lengths", 4), ("mean_logprobs", 8)):
+        size = len(getattr(c, name))
+        if size != width * total:
+            raise InvalidArgument(f"columns.{name} holds {size} bytes; n_responses say {total} values of {width}")
+    versions = np.frombuffer(c.policy_versions, dtype="<u8")
+    block = SummaryBlock(request.node_id, request.round, list(c.prompt_ids), versions.astype(np.int64),
+                         np.frombuffer(c.n, dtype="<u4").astype(np.int64),
+                         np.frombuffer(c.k, dtype="<u4").astype(np.int64),
+                         np.frombuffer(c.reward_means, dtype="<f8").astype(np.float64),
+                         np.frombuffer(c.reward_stds, dtype="<f8").astype(np.float64), per, per,
+                         np.frombuffer(c.lengths, dtype="<u4").astype(np.int64),
+                         np.frombuffer(c.mean_logprobs, dtype="<f8").astype(np.float64))
+    return SummariesInBulk(block, np.full(count, request.round, dtype=np.uint64), versions)
 
 
 def match_result_to_pb(res: MatchResult) -> pb.MatchResponse:
