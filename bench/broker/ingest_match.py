@@ -117,8 +117,8 @@ def _client_proc(conn, address: str, ids: list[int], payloads: list[list[bytes]]
         run_threads(lambda k: run_node(clients[order[k]], order[k], requests[order[k]], rounds, shared, timeout_s, out),
                     len(order), timeout_s * rounds, shared)
         conn.send(out)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        conn.send(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent (as text: gRPC errors do not pickle)
+        conn.send(RuntimeError(f"client process of nodes {ids[0]}.. failed: {exc!r}"[:2000]))
     finally:
         for c in clients.values():
             c.close()
@@ -202,7 +202,10 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
 
     def probe(c: BrokerClient) -> None:
         # Heartbeats sampled every 50 ms through the whole cell (publishes and matching
-        # included): what a node's liveness waits for while the broker is busy.
+        # included): what a node's liveness waits for while the broker is busy. The online
+        # count is taken from 1 s on: the broker caches it for 0.5 s, and the first answers
+        # may still count the joins of the moment before.
+        t_start = time.perf_counter()
         while not hb_stop.wait(0.05):
             t0 = time.perf_counter()
             try:
@@ -211,7 +214,8 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
             except grpc.RpcError:
                 continue
             hb_lat.append(time.perf_counter() - t0)
-            hb_online.append(resp.online_nodes)
+            if t0 - t_start >= 1.0:
+                hb_online.append(resp.online_nodes)
 
     try:
         if client_procs <= 1:
