@@ -19,8 +19,9 @@
   (RESOURCE_EXHAUSTED to the caller) and any other storage failure `Unavailable`; the
   transaction is rolled back, so what was acknowledged before is intact, and reads go on.
 - Float columns carry no declared type (a `REAL` column turns -0.0 into 0.0) and NaN is
-  stored as the text 'nan' (SQLite turns a NaN into NULL); lists are JSON text. So every
-  float reads back bit for bit (NaN as a NaN).
+  stored as the text 'nan' (SQLite turns a NaN into NULL). A publish's summaries are one
+  blob of little-endian columns (federation/summaryblock.py) and a synchronous round's
+  matches another (broker/matchset.py). So every float reads back bit for bit (NaN as a NaN).
 
 See docs/broker-state.md for the schema and the contract.
 """
