@@ -138,8 +138,11 @@ def _raw_server(conn, max_message_mib: int, chunk: int) -> None:
 
 
 def _broker_server(conn, cfg_map: dict) -> None:
+    import faulthandler
     import logging
+    import signal
 
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck cell)
     logging.basicConfig(level=logging.WARNING)
     from graft_fed.broker.config import BrokerConfig
     from graft_fed.broker.server import BrokerServer

@@ -10,7 +10,9 @@ the round is ready.
 - ingest: summaries accepted / (first publish sent .. last publish acknowledged), per round,
   aggregated over rounds.
 - match latency: last publish acknowledged .. each node's GetMatches returning ready=true
-  (the broker matches the round inside the first GetMatches that finds it complete).
+  (the broker matches the round inside the first GetMatches that finds it complete). The
+  node threads call the stub and let protobuf parse the answer; they do not build Python
+  objects per offer (64 threads share this process's interpreter, a real node does not).
 - baseline, same run, same cell: a no-op unary gRPC server (generic handler, bytes in, a
   2-byte ack out, same thread pool and channel options) in a child process receiving the
   same serialized PublishRequest bytes from the same N threads at the same barrier.
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpc  # noqa: E402
 
 from _common import K_MIX, RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, write_prompts, write_results  # noqa: E402
+from graft_fed.federation.codec import columns_to_pb  # noqa: E402
 from graft_fed.federation.transport import grpc_options  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version  # noqa: E402
@@ -57,9 +60,119 @@ class Barrier:
         self.b.wait()
 
 
+def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds: int, barrier, timeout_s: float,
+             out: dict) -> None:
+    """One simulated node's rounds: publish at the barrier, then long-poll until matched."""
+    for r in range(rounds):
+        req = requests[r]
+        req.session_id = c.session
+        req.tag.CopyFrom(new_tag())  # replay protection: fresh id and send time per request
+        barrier.wait()
+        out["t_send"][r][i] = time.perf_counter()
+        resp = c.stub.PublishSummaries(req, timeout=timeout_s)
+        out["t_ack"][r][i] = time.perf_counter()
+        out["accepted"][r][i] = resp.accepted
+        while True:
+            out["polls"][r][i] += 1
+            # the raw stub: the answer parsed by protobuf (C), not turned into Python Offer
+            # objects, so that node threads sharing a process's GIL do not add their
+            # decoding to each other's latency (a real node is a process)
+            m = c.stub.GetMatches(pb.MatchRequest(node_id=c.node_id, session_id=c.session, round=r, wait_ms=30000),
+                                  timeout=timeout_s)
+            if m.ready:
+                break
+        out["t_ready"][r][i] = time.perf_counter()
+        out["offers"][r][i] = len(m.offers)
+
+
+class _SharedBarrier:
+    """A barrier shared by the node threads of several processes (run_threads aborts `.b`)."""
+
+    def __init__(self, b) -> None:
+        self.b = b
+
+    def wait(self) -> None:
+        self.b.wait()
+
+
+def _client_proc(conn, address: str, ids: list[int], payloads: list[list[bytes]], rounds: int, manifest: Manifest,
+                 timeout_s: float, barrier) -> None:
+    """Child process: the nodes `ids`, each a thread with its own channel and heartbeat
+    thread. Reports the sessions after joining, waits for "go", reports the timings
+    (time.perf_counter is CLOCK_MONOTONIC on Linux: one clock for every process)."""
+    clients = {i: BrokerClient(address, f"node{i:02d}", rpc_timeout_s=timeout_s) for i in ids}
+    out = {key: [dict() for _ in range(rounds)] for key in ("t_send", "t_ack", "t_ready", "accepted", "polls",
+                                                             "offers")}
+    for key in ("accepted", "polls", "offers"):
+        for per in out[key]:
+            per.update({i: 0 for i in ids})
+    try:
+        for i, c in clients.items():
+            c.join(f"model{i}", "tok", manifest, "share_all", 0)
+        conn.send({f"node{i:02d}": c.session for i, c in clients.items()})
+        conn.recv()  # go
+        requests = {i: [pb.PublishRequest.FromString(b) for b in payloads[k]] for k, i in enumerate(ids)}
+        order = list(ids)
+        shared = _SharedBarrier(barrier)
+        run_threads(lambda k: run_node(clients[order[k]], order[k], requests[order[k]], rounds, shared, timeout_s, out),
+                    len(order), timeout_s * rounds, shared)
+        conn.send(out)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent (as text: gRPC errors do not pickle)
+        conn.send(RuntimeError(f"client process of nodes {ids[0]}.. failed: {exc!r}"[:2000]))
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def run_client_procs(address: str, n_nodes: int, procs: int, requests: list[list[pb.PublishRequest]], rounds: int,
+                     manifest: Manifest, timeout_s: float, prober_client: BrokerClient, probe, hb_stop) -> list[dict]:
+    """The nodes spread over `procs` spawned processes (node i in process i % procs)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(n_nodes, timeout=timeout_s)
+    children = []
+    for p in range(procs):
+        ids = list(range(p, n_nodes, procs))
+        mine, theirs = ctx.Pipe()
+        payloads = [[req.SerializeToString() for req in requests[i]] for i in ids]
+        proc = ctx.Process(target=_client_proc, args=(theirs, address, ids, payloads, rounds, manifest, timeout_s,
+                                                      barrier), daemon=True)
+        proc.start()
+        children.append((proc, mine))
+    try:
+        sessions = {}
+        for proc, conn in children:
+            got = conn.recv() if conn.poll(timeout_s) else RuntimeError("a client process did not join")
+            if isinstance(got, Exception):
+                raise got
+            sessions.update(got)
+        prober_client.session = sessions["node00"]
+        prober = threading.Thread(target=probe, args=(prober_client,), daemon=True)
+        prober.start()
+        try:
+            for _, conn in children:
+                conn.send("go")
+            results = []
+            for proc, conn in children:
+                got = conn.recv() if conn.poll(timeout_s * rounds) else RuntimeError("a client process timed out")
+                if isinstance(got, Exception):
+                    raise got
+                results.append(got)
+        finally:
+            hb_stop.set()
+            prober.join(timeout=timeout_s)
+        return results
+    finally:
+        for proc, _ in children:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
 def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Path, seed: int,
                     requests: list[list[pb.PublishRequest]], prompts_path: Path, cell_timeout_s: float,
-                    liveness: bool = False, overrides: dict | None = None) -> dict:
+                    liveness: bool = False, overrides: dict | None = None, client_procs: int = 1) -> dict:
     cfg = {"listen": "127.0.0.1:0", "http": "", "db": db, "data": {"source": str(prompts_path)},
            "verifier": {"name": VERIFIER}, "seed": seed, "n": GROUP_N, "prompts_per_round": n_prompts,
            "mode": "sync", "round_deadline_s": 3600.0, "heartbeat_interval_s": 2.0, "offline_after_s": 3600.0}
@@ -75,64 +188,67 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
                         dataset_hash=dataset_hash(prompts), seed=seed, n=GROUP_N, prompts_per_round=n_prompts,
                         mode="sync", verifier_name=VERIFIER,
                         verifier_version=verifier_version(VerifierConfig(name=VERIFIER)), staleness_rounds=4)
-    clients = [BrokerClient(server.address, f"node{i:02d}", rpc_timeout_s=cell_timeout_s) for i in range(n_nodes)]
     t_send = [[0.0] * n_nodes for _ in range(rounds)]
     t_ack = [[0.0] * n_nodes for _ in range(rounds)]
     t_ready = [[0.0] * n_nodes for _ in range(rounds)]
     accepted = [[0] * n_nodes for _ in range(rounds)]
     polls = [[0] * n_nodes for _ in range(rounds)]
-    barrier = Barrier(n_nodes, timeout=cell_timeout_s)
-    try:
-        for i, c in enumerate(clients):
-            c.join(f"model{i}", "tok", manifest, "share_all", 0)
+    offers = [[0] * n_nodes for _ in range(rounds)]
+    out = {"t_send": t_send, "t_ack": t_ack, "t_ready": t_ready, "accepted": accepted, "polls": polls,
+           "offers": offers}
+    hb_lat: list[float] = []
+    hb_online: list[int] = []
+    hb_stop = threading.Event()
 
-        def node(i: int) -> None:
-            c = clients[i]
-            for r in range(rounds):
-                req = requests[i][r]
-                req.session_id = c.session
-                req.tag.CopyFrom(new_tag())  # replay protection: fresh id and send time per request
-                barrier.wait()
-                t_send[r][i] = time.perf_counter()
-                resp = c.stub.PublishSummaries(req, timeout=cell_timeout_s)
-                t_ack[r][i] = time.perf_counter()
-                accepted[r][i] = resp.accepted
-                while True:
-                    polls[r][i] += 1
-                    m = c.get_matches(r, wait_s=30.0)
-                    if m.ready:
-                        break
-                t_ready[r][i] = time.perf_counter()
-
-        hb_lat: list[float] = []
-        hb_online: list[int] = []
-        hb_stop = threading.Event()
-
-        def probe() -> None:
-            # Heartbeats sampled every 50 ms through the whole cell (publishes and matching
-            # included): what a node's liveness waits for while the broker is busy.
-            c = clients[0]
-            while not hb_stop.wait(0.05):
-                t0 = time.perf_counter()
-                try:
-                    resp = c.stub.Heartbeat(pb.HeartbeatRequest(node_id=c.node_id, session_id=c.session, round=0,
-                                                                tag=new_tag()), timeout=cell_timeout_s)
-                except grpc.RpcError:
-                    continue
-                hb_lat.append(time.perf_counter() - t0)
+    def probe(c: BrokerClient) -> None:
+        # Heartbeats sampled every 50 ms through the whole cell (publishes and matching
+        # included): what a node's liveness waits for while the broker is busy. The online
+        # count is taken from 1 s on: the broker caches it for 0.5 s, and the first answers
+        # may still count the joins of the moment before.
+        t_start = time.perf_counter()
+        while not hb_stop.wait(0.05):
+            t0 = time.perf_counter()
+            try:
+                resp = c.stub.Heartbeat(pb.HeartbeatRequest(node_id=c.node_id, session_id=c.session, round=0,
+                                                            tag=new_tag()), timeout=cell_timeout_s)
+            except grpc.RpcError:
+                continue
+            hb_lat.append(time.perf_counter() - t0)
+            if t0 - t_start >= 1.0:
                 hb_online.append(resp.online_nodes)
 
-        prober = threading.Thread(target=probe, daemon=True)
-        prober.start()
-        try:
-            run_threads(node, n_nodes, cell_timeout_s * rounds, barrier)
-        finally:
-            hb_stop.set()
-            prober.join(timeout=cell_timeout_s)
+    try:
+        if client_procs <= 1:
+            clients = [BrokerClient(server.address, f"node{i:02d}", rpc_timeout_s=cell_timeout_s) for i in range(n_nodes)]
+            barrier = Barrier(n_nodes, timeout=cell_timeout_s)
+            try:
+                for i, c in enumerate(clients):
+                    c.join(f"model{i}", "tok", manifest, "share_all", 0)
+                prober = threading.Thread(target=probe, args=(clients[0],), daemon=True)
+                prober.start()
+                try:
+                    run_threads(lambda i: run_node(clients[i], i, requests[i], rounds, barrier, cell_timeout_s, out),
+                                n_nodes, cell_timeout_s * rounds, barrier)
+                finally:
+                    hb_stop.set()
+                    prober.join(timeout=cell_timeout_s)
+            finally:
+                for c in clients:
+                    c.close()
+        else:
+            prober_client = BrokerClient(server.address, "node00", rpc_timeout_s=cell_timeout_s)
+            try:
+                results = run_client_procs(server.address, n_nodes, client_procs, requests, rounds, manifest,
+                                           cell_timeout_s, prober_client, probe, hb_stop)
+            finally:
+                prober_client.close()
+            for res in results:
+                for key, per_round in res.items():
+                    for r, values in enumerate(per_round):
+                        for i, v in values.items():
+                            out[key][r][i] = v
         stats = server.rpc_stats()
     finally:
-        for c in clients:
-            c.close()
         server.stop()
     windows = [max(t_ack[r]) - min(t_send[r]) for r in range(rounds)]
     total = sum(sum(a) for a in accepted)
@@ -142,7 +258,7 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
             "match_p50_s": percentile(lat, 50), "match_p99_s": percentile(lat, 99), "match_max_s": max(lat),
             "publish_p50_s": percentile(publish_lat, 50), "publish_p99_s": percentile(publish_lat, 99),
             "round_s": [max(t_ready[r]) - min(t_send[r]) for r in range(rounds)],
-            "getmatches_calls": sum(sum(p) for p in polls),
+            "getmatches_calls": sum(sum(p) for p in polls), "offers": sum(sum(o) for o in offers),
             "heartbeats": len(hb_lat), "heartbeat_p50_s": percentile(hb_lat, 50),
             "heartbeat_p99_s": percentile(hb_lat, 99), "heartbeat_max_s": max(hb_lat, default=float("nan")),
             "online_min": min(hb_online, default=-1), "offline_after_s": cfg["offline_after_s"],
@@ -195,6 +311,11 @@ def main() -> int:
                     help="broker config override (VALUE parsed as JSON when it parses), e.g. --set work_slots=64")
     ap.add_argument("--k-mix", choices=sorted(K_MIX), default="realistic",
                     help="k per group: realistic (30%% all-fail, 50%% informative, 20%% all-pass) or uniform in 0..n")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="spread the simulated nodes over this many processes (each node a thread with its own "
+                         "channel and heartbeat thread), so that 1,000 clients do not starve in one interpreter")
+    ap.add_argument("--wire", choices=["columns", "messages"], default="columns",
+                    help="publish as SummaryColumns (what nodes send) or as one GroupSummary message per group")
     ap.add_argument("--name", default=None, help="results file stem (default ingest_match[_quick])")
     args = ap.parse_args()
     if args.quick:
@@ -233,18 +354,24 @@ def main() -> int:
             prompts_path = write_prompts(tmp / f"prompts-{n_prompts}.jsonl", n_prompts)
             ids = [p.id for p in load_prompts(DataConfig(source=str(prompts_path)))]
             rng = random.Random(args.seed * 1000003 + n_nodes * 7919 + n_prompts)
-            requests = [[pb.PublishRequest(node_id=f"node{i:02d}", session_id="x" * 32, round=r,
-                                           summaries=make_summaries(rng, ids, r, GROUP_N, K_MIX[args.k_mix])) for r in range(rounds)]
-                        for i in range(n_nodes)]
+            def request(i: int, r: int) -> pb.PublishRequest:
+                groups = make_summaries(rng, ids, r, GROUP_N, K_MIX[args.k_mix])
+                if args.wire == "columns":  # what BrokerClient.publish sends
+                    return pb.PublishRequest(node_id=f"node{i:02d}", session_id="x" * 32, round=r,
+                                             columns=columns_to_pb(groups))
+                return pb.PublishRequest(node_id=f"node{i:02d}", session_id="x" * 32, round=r, summaries=groups)
+
+            requests = [[request(i, r) for r in range(rounds)] for i in range(n_nodes)]
             payloads = [[req.SerializeToString() for req in per] for per in requests]
-            cell: dict = {"nodes": n_nodes, "prompts": n_prompts, "rounds": rounds, "k_mix": args.k_mix,
+            cell: dict = {"nodes": n_nodes, "prompts": n_prompts, "rounds": rounds, "k_mix": args.k_mix, "wire": args.wire,
                           "publish_bytes": len(payloads[0][0])}
             cell["raw"] = run_raw_cell(n_nodes, rounds, payloads, args.cell_timeout_s)
             for b in backends:
                 db = ":memory:" if b == "memory" else str(tmp / f"broker-{n_nodes}-{n_prompts}.sqlite")
                 t0 = time.monotonic()
                 res = run_broker_cell(n_nodes, n_prompts, rounds, db, tmp, args.seed, requests, prompts_path,
-                                      args.cell_timeout_s, liveness=args.liveness, overrides=overrides)
+                                      args.cell_timeout_s, liveness=args.liveness, overrides=overrides,
+                                      client_procs=args.client_procs)
                 res["cell_s"] = time.monotonic() - t0
                 coef[b] = max(coef.get(b, 0.0), max(res["round_s"]) / (n_nodes ** 1.5 * n_prompts))
                 raw_summaries_per_s = cell["raw"]["msgs_per_s"] * n_prompts
@@ -260,11 +387,12 @@ def main() -> int:
                          f"{1e3 * r['heartbeat_p99_s']:.1f} ms online min {r['online_min']}/{n_nodes}")
             print(line, flush=True)
     payload = {"machine": info, "command": " ".join(["bench/broker/ingest_match.py", *sys.argv[1:]]),
+               "client_procs": args.client_procs,
                "n": GROUP_N, "backends": backends, "overrides": overrides, "cells": cells, "skipped": skipped,
                "total_s": time.monotonic() - t_start}
     md = [f"### Broker ingest and match latency ({info['date']})", "",
           f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
-          f"git {info['git']}. Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}, k mix {args.k_mix}.", "",
+          f"git {info['git']}. Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}, k mix {args.k_mix}, publishes as {args.wire}.", "",
           "| nodes | prompts/round | rounds | state | broker ingest (summaries/s) | raw gRPC (summaries/s) | ratio | "
           "match p50 (ms) | match p99 (ms) | publish p99 (ms) | heartbeat p99 (ms) | online min |",
           "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -40,7 +40,6 @@ import os
 import random
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -220,17 +219,19 @@ def free_port() -> int:
 # ----- verification -------------------------------------------------------------------------------
 
 def verify(db: Path, nodes: dict, n_prompts: int) -> dict:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    from graft_fed.broker.state_sqlite import SqliteState
+
+    st = SqliteState(db)  # the broker has stopped; summaries are stored as blocks, read through the state
     try:
-        rows = Counter({(n, r): c for n, r, c in con.execute(
-            "SELECT node_id, round, COUNT(*) FROM summaries GROUP BY node_id, round")})
-        dup_keys = con.execute("SELECT COUNT(*) FROM (SELECT 1 FROM summaries GROUP BY node_id, round, prompt_id "
-                               "HAVING COUNT(*) > 1)").fetchone()[0]
-        published = dict(con.execute("SELECT node_id, published FROM nodes").fetchall())
-        rounds_matched = con.execute("SELECT COUNT(*) FROM rounds WHERE state = 'matched'").fetchone()[0]
-        total_rows = con.execute("SELECT COUNT(*) FROM summaries").fetchone()[0]
+        heads = st.summary_heads()
+        keys = Counter((h.node_id, h.round, h.prompt_id) for h in heads)
+        rows = Counter((h.node_id, h.round) for h in heads)
+        dup_keys = sum(1 for c in keys.values() if c > 1)
+        published = {n.node_id: n.published for n in st.list_nodes()}
+        rounds_matched = st._read("SELECT COUNT(*) FROM rounds WHERE state = 'matched'")[0][0]
+        total_rows = len(heads)
     finally:
-        con.close()
+        st.close()
     lost = extra = acked_summaries = 0
     lost_where: list[str] = []
     unacked_rows = 0

@@ -13,14 +13,17 @@ import secrets
 import threading
 import time
 import unicodedata
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
 
 from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.grants import MAX_GRANTS, Grants
 from graft_fed.broker.matching import select_sources_arrays
+from graft_fed.broker.matchset import MatchSet
 from graft_fed.broker.quarantine import quarantined_sources
 from graft_fed.broker.ratelimit import PublishRateLimit
 from graft_fed.broker.registry import Registry
@@ -38,8 +41,13 @@ from graft_fed.federation.limits import (MAX_DIGESTS_PER_CALL, MAX_ID_LEN, MAX_L
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, differences, verifier_version
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
 from graft_fed.federation.signing import ProvenanceError, common_name, load_certificate_der, verify_signature
+from graft_fed.federation.summaryblock import SummaryBlock
 
 log = logging.getLogger("graft_fed.broker")
+
+#: what the servicer passes to encode answers (federation/codec.py): the offer encoder of a
+#: round's match set (its class), the writer of upload requests and that of offer tuples
+Encoders = tuple[Callable, Callable[[Iterable[tuple[str, int]]], bytes], Callable[[Iterable[tuple]], bytes]]
 
 PRIVACY = Privacy.names()
 MAX_SUMMARIES_FACTOR = MAX_PER_ROUND_FACTOR  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
@@ -108,6 +116,16 @@ class Federation:
         self._polls_lock = threading.Lock()
         # request ids of applied state-changing requests, per node, within the replay window
         self.replay = ReplayGuard(cfg.replay_window_s, cfg.require_request_ids, clock=clock)
+        # synchronous rounds' matchings (one blob each in the state), the recent ones decoded
+        self._sets: OrderedDict[int, MatchSet] = OrderedDict()
+        self._sets_lock = threading.Lock()
+        # per (round, receiver): the answer's offers, granted digests and encoded bytes, valid
+        # while the round's digests and the sources' models are as they were
+        self._answers: OrderedDict[tuple[int, str], tuple] = OrderedDict()
+        self._answers_lock = threading.Lock()
+        self._answer_build_lock = threading.Lock()
+        self._exchange: Counter[tuple[str, str]] | None = None  # matches per (source, receiver)
+        self._exchange_lock = threading.Lock()
 
     # ----- sessions -------------------------------------------------------------------------
 
@@ -237,9 +255,22 @@ class Federation:
 
     def publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
         with self.work:
-            return self._publish(node_id, session_id, round, summaries)
+            self._validate_rows(node_id, round, summaries)
+            block = SummaryBlock.from_rows(list(summaries)) if summaries else SummaryBlock.from_columns(
+                node_id, round, [], *([[]] * 9))
+        return self._publish(node_id, session_id, round, block)
 
-    def _publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
+    def publish_block(self, node_id: str, session_id: str, round: int, block: SummaryBlock) -> tuple[int, int]:
+        """`publish` for summaries as columns (the servicer reads a publish in bulk): the same
+        checks, on arrays; a block that fails one is checked row by row, so that the error
+        is the one `publish` raises."""
+        with self.work:
+            if not self._block_valid(node_id, round, block):
+                self._validate_rows(node_id, round, block.rows())
+                raise InvalidArgument("the summaries are malformed")  # not reached: the row checks raise
+        return self._publish(node_id, session_id, round, block)
+
+    def _validate_rows(self, node_id: str, round: int, summaries: Sequence[SummaryRow]) -> None:
         limit = self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
         if len(summaries) > limit:
             raise ResourceExhausted(f"{len(summaries)} summaries in one publish; at most {limit} per round")
@@ -251,6 +282,38 @@ class Federation:
                 raise InvalidArgument(f"prompt {clip(s.prompt_id)} appears twice in one publish")
             seen.add(s.prompt_id)
             self._validate_summary(s)
+
+    def _block_valid(self, node_id: str, round: int, b: SummaryBlock) -> bool:
+        """Every check of `_validate_rows` on the block's columns at once."""
+        count = len(b)
+        if count > self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR:
+            return False
+        if b.node_id != node_id or b.round != round or b.digests is not None:
+            return False
+        if not count:
+            return True
+        if len(set(b.prompt_ids)) != count or not self.known_prompts.issuperset(b.prompt_ids):
+            return False
+        n = self.manifest.n
+        if not ((b.n == n).all() and (b.k >= 0).all() and (b.k <= n).all() and (b.n_lengths == n).all()
+                and (b.n_logprobs == n).all() and (b.lengths >= 1).all()):
+            return False
+        lp, mean, std = b.mean_logprobs, b.reward_mean, b.reward_std
+        with np.errstate(invalid="ignore"):
+            if not (np.isfinite(mean).all() and np.isfinite(std).all() and np.isfinite(lp).all()
+                    and (lp <= 1e-6).all() and (lp >= MIN_MEAN_LOGPROB).all()):
+                return False
+            p = b.k / n
+            if not (np.abs(mean - p) <= 1e-6).all():
+                return False
+            var = p * (1 - p)  # reward_std: the population or the sample std of k ones and n - k zeros
+            pop = np.sqrt(var)
+            sample = np.sqrt(var * n / (n - 1)) if n > 1 else np.zeros_like(var)
+            ok = ((np.abs(std - pop) <= 1e-6 * np.maximum(1.0, pop))
+                  | (np.abs(std - sample) <= 1e-6 * np.maximum(1.0, sample)))
+        return bool(ok.all())
+
+    def _publish(self, node_id: str, session_id: str, round: int, summaries: SummaryBlock) -> tuple[int, int]:
         with self.cond:
             node = self._node(node_id, session_id)
             self._rate_limit(node_id)
@@ -260,17 +323,18 @@ class Federation:
                     raise FailedPrecondition(f"round {round} is implausibly far ahead of the federation "
                                              f"(current {self.current_round()})")
                 self._put_round(RoundRow(round=round, state="open", opened_at=self.clock()))
-        # The write happens outside the broker's lock, so that concurrent publishes share one
-        # commit (the state's group commit) and nobody else waits for them; one node's
+        # The write happens outside the broker's lock and outside a work slot (it waits for
+        # the disk, not for the interpreter), so that concurrent publishes share one commit
+        # (the state's group commit) and nobody else waits for them; one node's
         # publishes are serialised (its published count). Acknowledged, and visible to
         # matching through the index, only once durable.
         with self.registry.node_lock(node_id):
             node = self.registry.check(node_id, session_id)
             row = replace(node, round=max(node.round, round), last_seen=self.clock(), state="online")
             # the summaries and the node's count and round in one transaction
-            accepted, dups = self.state.put_summaries(summaries, node=row)
+            accepted, dups = self.state.put_summary_block(summaries, node=row)
             self.registry.remember(replace(row, published=row.published + accepted))
-            self.index.add(round, node_id, ((s.prompt_id, s.k) for s in summaries))
+            self.index.add_columns(round, node_id, summaries.prompt_ids, summaries.k)
         with self.cond:
             self.counters["summaries"] += accepted
             self.counters["duplicate_summaries"] += dups
@@ -358,17 +422,63 @@ class Federation:
                                        self._compat_index(participants), self._can_source(participants),
                                        cap=self.cfg.per_receiver_cap if self.cfg.balance == "per_receiver_cap"
                                        else None) if pids else []
-        matches = sorted((MatchRow(round=round, receiver=participants[r], prompt_id=pids[c], source=participants[s],
-                                   source_round=round)
-                          for r, (cols, src) in enumerate(chosen) for c, s in zip(cols.tolist(), src.tolist())),
-                         key=lambda m: (m.receiver, m.prompt_id))
-        self.state.put_matches(matches)
+        ms = MatchSet.from_choice(round, participants, pids, k, chosen)
+        # one write for the whole round; a set stored before (a crash between this write and
+        # the round's row) wins, so a restarted broker answers what it answered before
+        if not self.state.put_match_set(round, ms.to_bytes()):
+            stored = self._match_set(round)
+            assert stored is not None
+            ms = stored
+        self._remember_set(ms)
+        with self._exchange_lock:
+            if self._exchange is not None:
+                self._exchange.update(ms.pairs())
         rnd = self._get_round(round)
         assert rnd is not None
-        self._put_round(replace(rnd, state="matched", matched_at=self.clock(), participants=participants))
+        self._put_round(replace(rnd, state="matched", matched_at=self.clock(), participants=ms.nodes))
         self.counters["rounds_matched"] += 1
-        self.counters["matches"] += len(matches)
-        log.info("round %d matched: %d nodes, %d transfers", round, len(participants), len(matches))
+        self.counters["matches"] += len(ms)
+        log.info("round %d matched: %d nodes, %d transfers", round, len(ms.nodes), len(ms))
+
+    def _remember_set(self, ms: MatchSet) -> None:
+        with self._sets_lock:
+            self._sets[ms.round] = ms
+            self._sets.move_to_end(ms.round)
+            while len(self._sets) > max(16, 2 * self.cfg.staleness_rounds + 4):
+                self._sets.popitem(last=False)
+
+    def _match_set(self, round: int) -> MatchSet | None:
+        """The round's matching when it was matched as a whole (synchronous), else None."""
+        with self._sets_lock:
+            ms = self._sets.get(round)
+        if ms is not None:
+            return ms
+        data = self.state.match_set(round)
+        if data is None:
+            return None
+        ms = MatchSet.from_bytes(data)
+        self._remember_set(ms)
+        return ms
+
+    def _matches_of(self, round: int, receiver: str) -> list[MatchRow]:
+        """The receiver's matches of `round`: from the round's match set and from single rows
+        (a late joiner, asynchronous mode)."""
+        ms = self._match_set(round)
+        rows = ms.rows(receiver=receiver) if ms is not None else []
+        return rows + self.state.matches(round=round, receiver=receiver)
+
+    def _exchange_counts(self) -> Counter[tuple[str, str]]:
+        """Matches per (source, receiver) over every stored round (built once from the state,
+        then kept up to date by matching)."""
+        with self._exchange_lock:
+            if self._exchange is None:
+                counts: Counter[tuple[str, str]] = Counter((m.source, m.receiver) for m in self.state.matches())
+                for r in self.state.match_set_rounds():
+                    ms = self._match_set(r)
+                    if ms is not None:
+                        counts.update(ms.pairs())
+                self._exchange = counts
+            return Counter(self._exchange)
 
     def _match_one(self, receiver: str, round: int, min_round: int, max_round: int) -> None:
         """Match one receiver on its own against every other node's groups in [min_round,
@@ -403,18 +513,24 @@ class Federation:
                                 offers.setdefault(pid, []).append(
                                     (SourceGroup(source=nid, k=k, round=r, order=order), self.cfg.n))
         best = select_for_receiver(mine, offers, compat)
-        self.state.put_matches([MatchRow(round=round, receiver=receiver, prompt_id=pid, source=str(g.source),
-                                         source_round=g.round) for pid, g in sorted(best.items())])
+        rows = [MatchRow(round=round, receiver=receiver, prompt_id=pid, source=str(g.source), source_round=g.round)
+                for pid, g in sorted(best.items())]
+        self.state.put_matches(rows)
+        with self._exchange_lock:
+            self._exchange = None  # recounted on the next status (a retried match writes nothing new)
         self.counters["matches"] += len(best)
 
     def get_matches(self, node_id: str, session_id: str, round: int, wait_s: float,
-                    wait_for_bundles: bool = False) -> MatchResult:
+                    wait_for_bundles: bool = False, encode: Encoders | None = None) -> MatchResult:
         """The round's matches for a node, waiting up to `wait_s` (at most 60 s) for the round
         to be matched and, with `wait_for_bundles`, then for every offered bundle to be
         uploaded (a receiver waiting for its sources: woken by each upload, never polling).
         At most MAX_LONG_POLLS_PER_NODE calls of one node wait at once, and at most
         `max_long_polls` in all (RESOURCE_EXHAUSTED beyond), so that long-polls never hold
-        every worker thread and heartbeats are always served."""
+        every worker thread and heartbeats are always served. With `encode` (the codec's
+        writers of MatchResponse.offers and .upload_requests, passed by the servicer) the
+        answer carries them encoded (`offers_wire`, `uploads_wire`), the offers from a cache
+        kept per round and receiver."""
         with self.cond:
             self._node(node_id, session_id)
         with self._polls_lock:
@@ -427,7 +543,7 @@ class Federation:
                 raise ResourceExhausted("the broker has too many GetMatches calls waiting; retry shortly")
             self._polls[node_id] += 1
         try:
-            return self._get_matches(node_id, session_id, round, wait_s, wait_for_bundles)
+            return self._get_matches(node_id, session_id, round, wait_s, wait_for_bundles, encode)
         finally:
             with self._polls_lock:
                 self._polls[node_id] -= 1
@@ -435,7 +551,7 @@ class Federation:
                     del self._polls[node_id]
 
     def _get_matches(self, node_id: str, session_id: str, round: int, wait_s: float,
-                     wait_for_bundles: bool) -> MatchResult:
+                     wait_for_bundles: bool, encode: Encoders | None = None) -> MatchResult:
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
         if not self._wait_matched(node_id, session_id, round, deadline):
             return MatchResult(ready=False, offers=[], upload_requests=[])
@@ -449,9 +565,13 @@ class Federation:
         lo = round - self.cfg.staleness_rounds if self.cfg.mode == "async" else round
         with self.work:
             cands, solved = self._complementarity(node_id, round, lo)
-            return MatchResult(ready=True, offers=self._offers(node_id, round),
-                               upload_requests=self._upload_requests(node_id), candidates=cands,
-                               solved_by_peers=solved)
+            offers, offers_wire = self._offers(node_id, round, encode)
+            uploads = self._upload_requests(node_id)
+            if encode is None:
+                return MatchResult(ready=True, offers=offers, upload_requests=uploads, candidates=cands,
+                                   solved_by_peers=solved)
+            return MatchResult(ready=True, offers=[], upload_requests=[], candidates=cands, solved_by_peers=solved,
+                               offers_wire=offers_wire, uploads_wire=encode[1](uploads))
 
     def _wait_matched(self, node_id: str, session_id: str, round: int, deadline: float) -> bool:
         """Wait until the round is matched for this node, matching it when this call finds it
@@ -499,6 +619,11 @@ class Federation:
 
     def _missing_bundles(self, receiver: str, round: int) -> bool:
         """Whether some group the receiver was matched to in `round` has no bundle yet."""
+        ms = self._match_set(round)
+        if ms is not None and ms.index(receiver) is not None:
+            offers, left_out = self._receiver_offers(ms, receiver)
+            if left_out or any(not o[6] for o in offers):
+                return True
         matches = self.state.matches(round=round, receiver=receiver)
         heads = self.state.matched_heads(round, receiver=receiver)
         return len(heads) < len(matches) or any(not h.bundle_digest for _, h in heads)
@@ -512,7 +637,100 @@ class Federation:
         rows = self.state.summaries(round=round, node_id=node, prompt_ids=[prompt_id])
         return rows[0] if rows else None
 
-    def _offers(self, receiver: str, round: int) -> list[Offer]:
+    def _answer_key(self, ms: MatchSet) -> tuple:
+        """(round book, the sources' models, the key the round's cached answers are valid for:
+        the same book, its digests and the sources' models unchanged)."""
+        book = self.index.book(ms.round)
+        models = tuple(None if node is None else node.model_id for node in map(self.registry.get, ms.nodes))
+        return book, models, (id(book), book.digest_version, models)
+
+    def _digests_of(self, ms: MatchSet, book, col: np.ndarray, src: np.ndarray) -> list[str] | None:
+        """The bundle digest of each (column, source) group; None when the round has none."""
+        if not book.digests:
+            return None
+        out = [""] * len(col)
+        pids = ms.pids
+        for name, per in list(book.digests.items()):
+            j = ms.index(name)
+            if j is None or not per:
+                continue
+            for i in np.flatnonzero(src == j).tolist():
+                out[i] = per.get(pids[int(col[i])], "")
+        return out
+
+    def _receiver_offers(self, ms: MatchSet, receiver: str) -> tuple[list[tuple], int]:
+        """(offer tuples (prompt, source, model, round, k, n, digest), offers left out because
+        their source is unknown) of one receiver in a round's match set."""
+        book, models, _ = self._answer_key(ms)
+        col, src, k = ms.for_receiver(receiver)
+        digests = self._digests_of(ms, book, col, src)
+        offers, left_out = [], 0
+        pids, nodes, n, rnd = ms.pids, ms.nodes, self.cfg.n, ms.round
+        for i, (c, s_, kk) in enumerate(zip(col.tolist(), src.tolist(), k.tolist())):
+            model = models[s_]
+            if model is None:
+                left_out += 1
+                continue
+            offers.append((pids[c], nodes[s_], model, rnd, kk, n, digests[i] if digests else ""))
+        return offers, left_out
+
+    def _set_answer(self, ms: MatchSet, receiver: str, make_encoder: Callable) -> tuple:
+        """(key, granted digests, encoded offers) of a receiver in a round's match set. The
+        first call after matching (or after a digest of the round arrived) encodes the answers
+        of every receiver of the round at once; later calls find theirs in the cache."""
+        key = self._answer_key(ms)[2]
+        with self._answers_lock:
+            entry = self._answers.get((ms.round, receiver))
+        if entry is not None and entry[0] == key:
+            return entry
+        with self._answer_build_lock:  # whoever comes second finds the answers built
+            book, models, key = self._answer_key(ms)
+            with self._answers_lock:
+                entry = self._answers.get((ms.round, receiver))
+            if entry is not None and entry[0] == key:
+                return entry
+            known = np.fromiter((m is not None for m in models), dtype=bool, count=len(models))
+            keep = known[ms.source] if len(ms) else np.zeros(0, dtype=bool)
+            col, src, k, recv = ms.col[keep], ms.source[keep], ms.k[keep], ms.receiver[keep]
+            digests = self._digests_of(ms, book, col, src)
+            encoder = make_encoder(ms.pids, ms.nodes, [m or "" for m in models], ms.round, self.cfg.n)
+            parts = encoder.encode(col, src, k, digests)
+            bounds = np.searchsorted(recv, np.arange(len(ms.nodes) + 1)).tolist()
+            built = {}
+            for i, name in enumerate(ms.nodes):
+                lo, hi = bounds[i], bounds[i + 1]
+                granted = [d for d in digests[lo:hi] if d] if digests is not None else []
+                built[(ms.round, name)] = (key, granted, b"".join(parts[lo:hi]))
+            with self._answers_lock:
+                for k_, v in built.items():
+                    self._answers[k_] = v
+                    self._answers.move_to_end(k_)
+                while len(self._answers) > 4 * max(64, len(ms.nodes)):
+                    self._answers.popitem(last=False)
+            return built.get((ms.round, receiver), (key, [], b""))
+
+    def _offers(self, receiver: str, round: int, encode: Encoders | None = None) -> tuple[list[Offer], bytes | None]:
+        """The receiver's offers of `round` (empty with `encode`) and, with `encode`, the
+        same encoded; the receiver is granted the offered bundles."""
+        ms = self._match_set(round)
+        head: list[tuple] = []
+        wire = b"" if encode is not None else None
+        if ms is not None and ms.index(receiver) is not None:
+            if encode is not None:
+                _, granted, wire = self._set_answer(ms, receiver, encode[0])
+            else:
+                head = self._receiver_offers(ms, receiver)[0]
+                granted = [t[6] for t in head if t[6]]
+            if granted:
+                self.grants.grant(receiver, granted)
+        rows = self._row_offers(receiver, round)
+        if encode is not None:
+            return [], wire + (encode[2]([(o.prompt_id, o.source_node, o.source_model, o.source_round, o.k, o.n,
+                                           o.digest) for o in rows]) if rows else b"")
+        return [Offer(*t) for t in head] + rows, None
+
+    def _row_offers(self, receiver: str, round: int) -> list[Offer]:
+        """Offers from matches stored as rows (a late joiner, asynchronous mode)."""
         offers = []
         sources: dict[str, NodeRow | None] = {}
         granted = []
@@ -544,6 +762,17 @@ class Federation:
                 waiting.setdefault(n.round, set()).add(n.node_id)
         out = []
         for r, receivers in sorted(waiting.items()):
+            ms = self._match_set(r)
+            if ms is not None:
+                rows = ms.for_source(source)
+                if rows.size:
+                    wanted = np.fromiter((name in receivers for name in ms.nodes), dtype=bool, count=len(ms.nodes))
+                    rows = rows[wanted[ms.receiver[rows]]]
+                if rows.size:
+                    with self.index.lock:
+                        have = self.index.book(r).digests.get(source, {})
+                    pids = ms.pids
+                    out.extend((pids[c], r) for c in set(ms.col[rows].tolist()) if pids[c] not in have)
             for m, s in self.state.matched_heads(r, source=source):
                 if m.receiver in receivers and not s.bundle_digest:
                     out.append((m.prompt_id, m.source_round))
@@ -621,6 +850,7 @@ class Federation:
                 self._bundle_bytes[node_id] += len(data)
                 self.counters["bundles_signed" if signature else "bundles_unsigned"] += 1
             self.state.set_bundle_digest(node_id, round, prompt_id, digest)
+            self.index.set_digest(round, node_id, prompt_id, digest)
             self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
             self.counters["bundle_bytes_in"] += len(data)
             self.cond.notify_all()
@@ -703,7 +933,7 @@ class Federation:
                     raise InvalidArgument(f"unknown source node {clip(source)}")
             # a receiver reports only on groups it was matched to: otherwise one node could
             # invent rejections of an honest source's groups and push it into quarantine
-            matched = {(m.source, m.prompt_id): m for m in self.state.matches(round=round, receiver=node_id)}
+            matched = {(m.source, m.prompt_id): m for m in self._matches_of(round, node_id)}
             for e in entries:
                 if (e.source, e.prompt_id) not in matched:
                     raise FailedPrecondition(f"{clip(node_id)} was not matched to {clip(e.source)}'s group for "
@@ -771,7 +1001,7 @@ class Federation:
         nodes = self.registry.all()
         with self.cond:
             now = self.clock()
-            exchange = Counter((m.source, m.receiver) for m in self.state.matches())
+            exchange = self._exchange_counts()
             compat = {(c.source, c.receiver): c for c in self.state.compat()}
             n_bundles, n_bytes = self.state.bundle_stats()
             bad = self.quarantined()
@@ -809,4 +1039,10 @@ class Federation:
                 self.index.clear()  # rebuilt from what the state still holds
                 with self._rounds_lock:
                     self._rounds.clear()
+                with self._sets_lock:
+                    self._sets.clear()
+                with self._answers_lock:
+                    self._answers.clear()
+                with self._exchange_lock:
+                    self._exchange = None
             return removed

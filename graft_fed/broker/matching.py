@@ -91,27 +91,53 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     kk = np.where(inf_src, k, -1).astype(np.int32)
     kspan = int(kk.max()) + 2
     base = (kk * n_nodes + (n_nodes - 1 - order)[:, None]).astype(np.int64)
+    # Prompt-major copies: a receiver's failed columns are then whole rows (a gather of rows
+    # is a copy of contiguous memory; one of columns was most of the time at 64 x 4,096).
+    kkT = np.ascontiguousarray(kk.T)  # (P, N)
+    baseT = np.ascontiguousarray(base.T)
+    # Without compatibility estimates the score of a (source, prompt) does not depend on the
+    # receiver: the best-scored source of each prompt wins wherever it passes its pair's
+    # threshold, which it usually does; only the other prompts need the masked arg-max.
+    top = baseT.argmax(axis=1) if uniform else None  # (P,)
+    top_k = kkT[np.arange(kkT.shape[0]), top] if uniform else None
     out = []
     for r in range(n_nodes):
         cols = np.flatnonzero(fail[r])
         if not cols.size:
             out.append((cols, cols.copy()))
             continue
-        ks = kk[:, cols]
-        eligible = ks >= t[:, r][:, None]  # t >= 1, so a source without an informative group never is
-        has = eligible.any(axis=0)
-        if not has.all():
-            cols, ks, eligible = cols[has], ks[:, has], eligible[:, has]
+        t_r = t[:, r]
+        if uniform:
+            src = top[cols]
+            done = top_k[cols] >= t_r[src]
+            if not done.all():
+                rest = cols[~done]
+                ks = kkT[rest]  # (C, N)
+                eligible = ks >= t_r[None, :]
+                src = src.copy()
+                src[~done] = np.where(eligible, baseT[rest], -1).argmax(axis=1)
+                has = np.ones(cols.size, dtype=bool)
+                has[~done] = eligible.any(axis=1)
+                if not has.all():
+                    cols, src = cols[has], src[has]
+        else:
+            ks = kkT[cols]  # (C, N)
+            eligible = ks >= t_r[None, :]  # t >= 1, so a source without an informative group never is
+            has = eligible.any(axis=1)
+            if not has.all():
+                cols, ks, eligible = cols[has], ks[has], eligible[has]
+            if not cols.size:
+                out.append((cols, cols.copy()))
+                continue
+            # compatibility first (unknown = +inf); equal estimates tie
+            est = est_all[:, r]
+            score = baseT[cols] + (np.searchsorted(np.unique(est), est) * (kspan * n_nodes))[None, :]
+            src = np.where(eligible, score, -1).argmax(axis=1)
         if not cols.size:
             out.append((cols, cols.copy()))
             continue
-        score = base[:, cols]
-        if not uniform:  # compatibility first (unknown = +inf); equal estimates tie
-            est = est_all[:, r]
-            score = score + (np.searchsorted(np.unique(est), est) * (kspan * n_nodes))[:, None]
-        src = np.where(eligible, score, -1).argmax(axis=0)
         if cap is not None:
-            k_chosen = ks[src, np.arange(cols.size)]
+            k_chosen = kkT[cols, src]
             if cap <= 0:
                 keep = np.zeros(cols.size, dtype=bool)
             elif cols.size > cap:

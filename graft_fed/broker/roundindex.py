@@ -34,6 +34,17 @@ class RoundBook:
         self._rows: dict[str, np.ndarray] = {}
         self.version = 0
         self._counts: tuple[int, np.ndarray, np.ndarray] | None = None
+        # bundle digests attached to the round's summaries: node -> prompt id -> digest
+        self.digests: dict[str, dict[str, str]] = {}
+        self.digest_version = 0  # bumped by every attached digest (answers cached on it)
+
+    def set_digest(self, node_id: str, prompt_id: str, digest: str) -> None:
+        if prompt_id not in self.cols or node_id not in self._rows:
+            return
+        per = self.digests.setdefault(node_id, {})
+        if per.get(prompt_id) != digest:
+            per[prompt_id] = digest
+            self.digest_version += 1
 
     @property
     def nodes(self) -> set[str]:
@@ -42,14 +53,24 @@ class RoundBook:
     def add(self, node_id: str, items: Iterable[tuple[str, int]]) -> int:
         """Record the node's (prompt id, k) groups; a group already held keeps its first k.
         Returns how many were new."""
-        cols, ks = [], []
+        pids, ks = [], []
         for pid, k in items:
-            col = self.cols.get(pid)
-            if col is None:
-                col = self.cols[pid] = len(self.pids)
-                self.pids.append(pid)
-            cols.append(col)
+            pids.append(pid)
             ks.append(k)
+        return self.add_columns(node_id, pids, np.asarray(ks, dtype=np.int16))
+
+    def add_columns(self, node_id: str, pids: Sequence[str], ks: np.ndarray) -> int:
+        """`add` for a publish's prompt ids and k as an array (one pass in C for the ids the
+        round already has columns for)."""
+        cols = list(map(self.cols.get, pids))
+        if None in cols:
+            for i, col in enumerate(cols):
+                if col is None:
+                    col = self.cols.get(pids[i])
+                    if col is None:
+                        col = self.cols[pids[i]] = len(self.pids)
+                        self.pids.append(pids[i])
+                    cols[i] = col
         row = self._rows.get(node_id)
         if row is None or row.size < len(self.pids):
             grown = np.full(max(len(self.pids), 2 * (0 if row is None else row.size)), MISSING, dtype=np.int16)
@@ -60,7 +81,7 @@ class RoundBook:
             return 0
         c = np.asarray(cols, dtype=np.int64)
         new = row[c] == MISSING
-        row[c[new]] = np.asarray(ks, dtype=np.int16)[new]
+        row[c[new]] = np.asarray(ks).astype(np.int16)[new]
         self.version += 1
         return int(new.sum())
 
@@ -105,10 +126,15 @@ class RoundIndex:
             if book is None:
                 book = RoundBook(round)
                 per_node: dict[str, list[tuple[str, int]]] = {}
+                digests = []
                 for h in self._load(round):
                     per_node.setdefault(h.node_id, []).append((h.prompt_id, h.k))
+                    if h.bundle_digest:
+                        digests.append((h.node_id, h.prompt_id, h.bundle_digest))
                 for node, items in per_node.items():
                     book.add(node, items)
+                for node, pid, digest in digests:
+                    book.set_digest(node, pid, digest)
                 self._books[round] = book
                 while len(self._books) > self.keep:
                     self._books.popitem(last=False)
@@ -120,6 +146,16 @@ class RoundIndex:
         """Record groups that the state has made durable (after the write returned)."""
         with self.lock:
             self.book(round).add(node_id, items)
+
+    def add_columns(self, round: int, node_id: str, pids: Sequence[str], ks: np.ndarray) -> None:
+        """`add` for one publish as columns."""
+        with self.lock:
+            self.book(round).add_columns(node_id, pids, ks)
+
+    def set_digest(self, round: int, node_id: str, prompt_id: str, digest: str) -> None:
+        """Record a bundle attached to a summary the state holds (after the write returned)."""
+        with self.lock:
+            self.book(round).set_digest(node_id, prompt_id, digest)
 
     def published(self, round: int) -> set[str]:
         with self.lock:

@@ -21,8 +21,9 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from graft_fed.broker.handlers import Federation
-from graft_fed.federation.codec import (manifest_from_pb, manifest_to_pb, match_result_to_pb, privacy_from_pb,
-                                        report_entries_from_pb, summaries_from_pb)
+from graft_fed.federation.codec import (OfferEncoder, manifest_from_pb, manifest_to_pb, match_result_to_wire,
+                                        offers_wire, privacy_from_pb, report_entries_from_pb, summaries_from_columns,
+                                        summaries_from_pb, summaries_in_bulk, upload_requests_wire)
 from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted
 from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES,
                                          check_message, clip)
@@ -55,10 +56,33 @@ def _parser(cls: Any) -> Callable[[bytes], Any]:
     return parse
 
 
+class RawPublish:
+    """A PublishRequest with the bytes it was parsed from: its summaries are read in bulk
+    from those bytes (federation/codec.py::summaries_in_bulk)."""
+
+    __slots__ = ("message", "raw")
+
+    def __init__(self, message: pb.PublishRequest, raw: bytes) -> None:
+        self.message, self.raw = message, raw
+
+    @property
+    def node_id(self) -> str:  # what the identity interceptor reads
+        return self.message.node_id
+
+
+def _publish_parser(data: bytes) -> Any:
+    request = _parser(pb.PublishRequest)(data)
+    return request if isinstance(request, Malformed) else RawPublish(request, data)
+
+
 def parsed(request: Any) -> Any:
-    """The request, checked against the uniform bounds; InvalidArgument when it is malformed."""
+    """The request, checked against the uniform bounds; InvalidArgument when it is malformed.
+    A publish's summaries are only counted here: PublishSummaries checks them in bulk."""
     if isinstance(request, Malformed):
         raise InvalidArgument(f"the request does not parse as a {request.message} ({request.error})")
+    if isinstance(request, RawPublish):
+        check_message(request.message, shallow=("summaries",))
+        return request
     check_message(request)
     return request
 
@@ -175,22 +199,43 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         return pb.HeartbeatResponse(current_round=current, online_nodes=online)
 
     @_rpc
-    def PublishSummaries(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
+    def PublishSummaries(self, raw: RawPublish, context: Any) -> pb.PublishResponse:
+        request = raw.message
         with self.fed.work:
-            rows = summaries_from_pb(request)
-        for s in request.summaries:
-            if s.round != request.round:
+            if request.HasField("columns"):
+                if request.summaries:
+                    raise InvalidArgument("a publish carries summaries or columns, not both")
+                bulk = summaries_from_columns(request)
+                if not bulk.within_bounds():
+                    raise InvalidArgument("columns.policy_versions: a value does not fit a signed 64-bit integer")
+            else:
+                bulk = summaries_in_bulk(request, raw.raw)
+                if bulk is None or not bulk.within_bounds():
+                    check_message(request)  # the summaries one by one: raises what a bound says
+                    bulk = None
+                    rows = summaries_from_pb(request)
+        if bulk is not None:
+            if (bulk.rounds != request.round).any():
                 raise InvalidArgument("every summary's round must equal the request's round")
+        else:
+            for s in request.summaries:
+                if s.round != request.round:
+                    raise InvalidArgument("every summary's round must equal the request's round")
         with self.fed.replay.admit("PublishSummaries", request.node_id, *_tag(request)):
-            accepted, dups = self.fed.publish(request.node_id, request.session_id, request.round, rows)
+            if bulk is not None:
+                accepted, dups = self.fed.publish_block(request.node_id, request.session_id, request.round,
+                                                        bulk.block)
+            else:
+                accepted, dups = self.fed.publish(request.node_id, request.session_id, request.round, rows)
         return pb.PublishResponse(accepted=accepted, duplicates=dups)
 
     @_rpc
-    def GetMatches(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
+    def GetMatches(self, request: pb.MatchRequest, context: Any) -> bytes:
+        # the answer leaves as bytes: its offers were encoded once per round (see the codec)
         res = self.fed.get_matches(request.node_id, request.session_id, request.round, request.wait_ms / 1000.0,
-                                   wait_for_bundles=request.wait_for_bundles)
-        with self.fed.work:
-            return match_result_to_pb(res)
+                                   wait_for_bundles=request.wait_for_bundles,
+                                   encode=(OfferEncoder, upload_requests_wire, offers_wire))
+        return match_result_to_wire(res)
 
     @_rpc
     def UploadBundle(self, request_iterator: Iterator[pb.BundleChunk], context: Any) -> pb.UploadResponse:
@@ -337,13 +382,22 @@ METHODS: dict[str, tuple[str, Any, Any]] = {
 }
 
 
+def _serializer(resp: Any) -> Callable[[Any], bytes]:
+    """The response serializer: a message is serialised, bytes (an answer the servicer
+    encoded itself, GetMatches) pass as they are."""
+    def serialize(message: Any) -> bytes:
+        return message if isinstance(message, bytes) else message.SerializeToString()
+    return serialize
+
+
 def add_to_server(servicer: BrokerServicer, server: grpc.Server) -> None:
     """Register the servicer's methods with deserializers that never raise (see the module
     docstring): the replacement for the generated add_BrokerServicer_to_server."""
     factories = {"unary_unary": grpc.unary_unary_rpc_method_handler,
                  "stream_unary": grpc.stream_unary_rpc_method_handler,
                  "unary_stream": grpc.unary_stream_rpc_method_handler}
-    handlers = {name: factories[kind](getattr(servicer, name), request_deserializer=_parser(req),
-                                      response_serializer=resp.SerializeToString)
+    handlers = {name: factories[kind](getattr(servicer, name),
+                                      request_deserializer=_publish_parser if name == "PublishSummaries" else _parser(req),
+                                      response_serializer=_serializer(resp))
                 for name, (kind, req, resp) in METHODS.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -6,10 +6,11 @@ each implementation):
 - Every mutating method is atomic: it either applies completely or not at all, and a
   method that raises leaves the state exactly as it was.
 - Writes are durable when the method returns (for persistent implementations): a crash
-  after `put_summaries`, `put_bundle`, `put_matches` or `update_compat` returned loses
+  after `put_summaries`, `put_bundle`, `put_matches`, `put_match_set` or `update_compat` returned loses
   nothing; a crash before leaves no partial write.
 - `put_summaries` is idempotent on (node_id, round, prompt_id): a retried publish never
   duplicates; the first write wins and later ones are counted as duplicates.
+- `put_match_set` is idempotent on the round: the first set stored wins.
 - `put_bundle` is idempotent on the digest; the bytes, and the provenance (the producing
   node's signature and certificate) that came with them, are stored once: the first
   upload wins.
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from graft_fed.federation.messages import SummaryRow
+from graft_fed.federation.summaryblock import SummaryBlock
 
 NODE_STATES = ("registered", "online", "offline", "left")
 
@@ -139,6 +141,12 @@ class BrokerState(abc.ABC):
         `node`, when given, is stored in the same transaction with `published` increased by the
         number accepted, so a crash never leaves the count out of step with the summaries."""
 
+    def put_summary_block(self, block: SummaryBlock, node: NodeRow | None = None) -> tuple[int, int]:
+        """`put_summaries` for one publish as columns (graft_fed/federation/summaryblock.py):
+        the same result and the same idempotence. This default turns the block into rows;
+        SQLite stores it as one blob."""
+        return self.put_summaries(block.rows(), node=node)
+
     @abc.abstractmethod
     def summaries(self, round: int | None = None, node_id: str | None = None,
                   prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryRow]:
@@ -162,7 +170,22 @@ class BrokerState(abc.ABC):
 
     @abc.abstractmethod
     def matches(self, round: int | None = None, receiver: str | None = None,
-                source: str | None = None) -> list[MatchRow]: ...
+                source: str | None = None) -> list[MatchRow]:
+        """Matches stored as rows (`put_matches`; a round's match set is separate)."""
+
+    @abc.abstractmethod
+    def put_match_set(self, round: int, data: bytes) -> bool:
+        """Store a synchronous round's whole matching as one opaque blob (the encoding of
+        graft_fed/broker/matchset.py: one write instead of a row per match). The first set
+        stored for a round wins; False when the round already has one (nothing rewritten)."""
+
+    @abc.abstractmethod
+    def match_set(self, round: int) -> bytes | None:
+        """The round's stored match set, None when it has none."""
+
+    @abc.abstractmethod
+    def match_set_rounds(self) -> list[int]:
+        """Rounds that have a match set, ascending."""
 
     def matched_heads(self, round: int, receiver: str | None = None,
                       source: str | None = None) -> list[tuple[MatchRow, SummaryHead]]:

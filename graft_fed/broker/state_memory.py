@@ -44,6 +44,7 @@ class InMemoryState(BrokerState):
         self._rounds: dict[int, RoundRow] = {}
         self._summaries: dict[tuple[str, int, str], SummaryRow] = {}
         self._matches: dict[tuple[int, str, str], MatchRow] = {}
+        self._match_sets: dict[int, bytes] = {}
         self._bundles: dict[str, bytes] = {}  # insertion order is age: oldest first
         self._provenance: dict[str, tuple[bytes, bytes]] = {}  # digest -> (signature, signer cert)
         self._reports: dict[tuple[int, str, str, str], ReportRow] = {}
@@ -146,6 +147,23 @@ class InMemoryState(BrokerState):
         out.sort(key=match_key)
         return out
 
+    def put_match_set(self, round: int, data: bytes) -> bool:
+        round, blob = as_int(round, "round"), norm_blob(data, "match set")
+        with self._lock:
+            if round in self._match_sets:
+                return False
+            self._match_sets[round] = blob
+            return True
+
+    def match_set(self, round: int) -> bytes | None:
+        round = as_int(round, "round")
+        with self._lock:
+            return self._match_sets.get(round)
+
+    def match_set_rounds(self) -> list[int]:
+        with self._lock:
+            return sorted(self._match_sets)
+
     # ----- bundles
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
         digest = as_str(digest, "digest")
@@ -220,6 +238,7 @@ class InMemoryState(BrokerState):
             cutoff = prune_cutoff(self.latest_round(), keep_rounds)
             if cutoff is not None:
                 for table, round_of in ((self._summaries, lambda k: k[1]), (self._matches, lambda k: k[0]),
+                                        (self._match_sets, lambda k: k),
                                         (self._reports, lambda k: k[0]), (self._rounds, lambda k: k)):
                     old = [k for k in table if round_of(k) < cutoff]
                     for k in old:

@@ -11,8 +11,11 @@ from __future__ import annotations
 import operator
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.core.exchange import CompatEstimate
+from graft_fed.federation.summaryblock import SummaryBlock
 
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1  # what SQLite's INTEGER holds
 
@@ -102,6 +105,32 @@ def norm_summary(row: SummaryRow) -> SummaryRow:
                       lengths=int_list(row.lengths, f"{where} lengths[]"),
                       mean_logprobs=float_list(row.mean_logprobs, f"{where} mean_logprobs[]"),
                       bundle_digest=as_str(row.bundle_digest, f"{where} bundle_digest"))
+
+
+def norm_block(block: SummaryBlock) -> SummaryBlock:
+    """A copy of a summary block with its types checked (what `norm_summary` is for rows)."""
+    if not isinstance(block, SummaryBlock):
+        raise TypeError(f"expected a SummaryBlock, got {type(block).__name__}")
+    count = len(block.prompt_ids)
+    arrays = (block.policy_version, block.n, block.k, block.reward_mean, block.reward_std, block.n_lengths,
+              block.n_logprobs)
+    if any(not isinstance(a, np.ndarray) or a.shape != (count,) for a in arrays):
+        raise ValueError("every column of a summary block holds one value per summary")
+    if int(block.n_lengths.sum()) != block.lengths.size or int(block.n_logprobs.sum()) != block.mean_logprobs.size:
+        raise ValueError("a summary block's per-summary counts disagree with its flat arrays")
+    if block.digests is not None and len(block.digests) != count:
+        raise ValueError("a summary block's digests hold one value per summary")
+    ints = [np.asarray(a).astype(np.int64, casting="safe") for a in (block.policy_version, block.n, block.k,
+                                                                       block.n_lengths, block.n_logprobs,
+                                                                       block.lengths)]
+    floats = [np.asarray(a).astype(np.float64, casting="safe") for a in (block.reward_mean, block.reward_std,
+                                                                         block.mean_logprobs)]
+    pids = list(block.prompt_ids)
+    if not (all(type(p) is str for p in pids) and "".join(pids).isascii()):  # else one by one (lone surrogates)
+        pids = [as_str(p, "prompt_id") for p in pids]
+    return SummaryBlock(as_str(block.node_id, "node_id"), as_int(block.round, "round"), pids, ints[0], ints[1], ints[2], floats[0],
+                        floats[1], ints[3], ints[4], ints[5], floats[2],
+                        None if block.digests is None else [as_str(d, "bundle_digest") for d in block.digests])
 
 
 def norm_match(row: MatchRow) -> MatchRow:

@@ -19,8 +19,9 @@
   (RESOURCE_EXHAUSTED to the caller) and any other storage failure `Unavailable`; the
   transaction is rolled back, so what was acknowledged before is intact, and reads go on.
 - Float columns carry no declared type (a `REAL` column turns -0.0 into 0.0) and NaN is
-  stored as the text 'nan' (SQLite turns a NaN into NULL); lists are JSON text. So every
-  float reads back bit for bit (NaN as a NaN).
+  stored as the text 'nan' (SQLite turns a NaN into NULL). A publish's summaries are one
+  blob of little-endian columns (federation/summaryblock.py) and a synchronous round's
+  matches another (broker/matchset.py). So every float reads back bit for bit (NaN as a NaN).
 
 See docs/broker-state.md for the schema and the contract.
 """
@@ -38,19 +39,23 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+import numpy as np
+
 from graft_fed.broker.state import (BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryHead,
                                     SummaryRow)
 from graft_fed.broker.state_rows import (
-    as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_blob, norm_bytes, norm_compat_args,
-    norm_digests, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary, opt_int, opt_str,
-    prune_cutoff,
+    as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_blob, norm_block, norm_bytes,
+    norm_compat_args, norm_digests, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary,
+    opt_int, opt_str, prune_cutoff, summary_key,
 )
 from graft_fed.errors import DataError
+from graft_fed.federation.summaryblock import SummaryBlock, group_rows
 from graft_fed.federation.errors import StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+PAGE_SIZE = 65536
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -94,10 +99,45 @@ CREATE TABLE reports (
     mean_s NOT NULL, admitted_fraction NOT NULL, rejected INTEGER NOT NULL,
     PRIMARY KEY (round, receiver, source, prompt_id));
 """
-_MIGRATIONS = {2: _MIGRATE_2}  # version reached -> statements from the version before
+# Schema version 2 -> 3 (issue 13): a synchronous round's matches as one blob
+# (broker/matchset.py), one write per round instead of a row per match; and one publish's
+# summaries as one blob (federation/summaryblock.py) instead of a row per summary, their
+# bundle digests in a table of their own. `_convert_summaries` moves the rows of an older
+# file into blocks in the same transaction.
+_MIGRATE_3 = """
+CREATE TABLE match_sets (round INTEGER PRIMARY KEY, data BLOB NOT NULL);
+CREATE TABLE summary_blocks (
+    node_id TEXT NOT NULL, round INTEGER NOT NULL, seq INTEGER NOT NULL, count INTEGER NOT NULL,
+    data BLOB NOT NULL, PRIMARY KEY (node_id, round, seq));
+CREATE INDEX summary_blocks_by_round ON summary_blocks (round, node_id);
+CREATE TABLE summary_digests (
+    node_id TEXT NOT NULL, round INTEGER NOT NULL, prompt_id TEXT NOT NULL, digest TEXT NOT NULL,
+    PRIMARY KEY (node_id, round, prompt_id));
+CREATE INDEX summary_digests_by_digest ON summary_digests (digest);
+"""
+_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3}
 
-_SUMMARY_COLS = ("node_id, round, prompt_id, policy_version, n, k, reward_mean, reward_std, lengths, "
-                 "mean_logprobs, bundle_digest")
+
+def _convert_summaries(conn: sqlite3.Connection) -> None:
+    """Schema 3: every (node, round)'s summary rows become one block; the table goes."""
+    groups: dict[tuple[str, int], list[SummaryRow]] = {}
+    for r in conn.execute("SELECT node_id, round, prompt_id, policy_version, n, k, reward_mean, reward_std, lengths, "
+                          "mean_logprobs, bundle_digest FROM summaries ORDER BY round, node_id, prompt_id"):
+        row = SummaryRow(node_id=r[0], round=r[1], prompt_id=r[2], policy_version=r[3], n=r[4], k=r[5],
+                         reward_mean=_db2f(r[6]), reward_std=_db2f(r[7]), lengths=json.loads(r[8]),
+                         mean_logprobs=[float(x) for x in json.loads(r[9])], bundle_digest=r[10])
+        groups.setdefault((row.node_id, row.round), []).append(row)
+    for (node_id, round), rows in groups.items():
+        block = SummaryBlock.from_rows(rows)
+        conn.execute("INSERT INTO summary_blocks (node_id, round, seq, count, data) VALUES (?,?,0,?,?)",
+                     (node_id, round, len(block), block.to_bytes()))
+        conn.executemany("INSERT INTO summary_digests (node_id, round, prompt_id, digest) VALUES (?,?,?,?)",
+                         [(node_id, round, r.prompt_id, r.bundle_digest) for r in rows if r.bundle_digest])
+    conn.execute("DROP TABLE summaries")
+
+
+_CONVERSIONS = {3: _convert_summaries}  # version reached -> data conversion after its statements  # version reached -> statements from the version before
+
 _MATCH_COLS = "round, receiver, prompt_id, source, source_round"
 _NODE_COLS = "node_id, model_id, tokenizer_id, privacy, state, session_id, round, last_seen, published"
 _COMPAT_COLS = "source, receiver, groups, mean_s, admitted_fraction, rejected"
@@ -200,6 +240,10 @@ class SqliteState(BrokerState):
         return conn
 
     def _init_schema(self, conn: sqlite3.Connection, path: str) -> None:
+        # 64 KiB pages for a new file (an existing one keeps its size): a publish is one blob
+        # of a few hundred KiB, which 4 KiB pages split into ~80 overflow pages, each one
+        # write to the WAL and, at checkpoints, one more to the file.
+        conn.execute(f"PRAGMA page_size={PAGE_SIZE}")
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() not in ("wal", "memory"):
             raise self._fail(path, f"SQLite could not switch it to WAL mode (journal_mode={mode}); "
@@ -209,9 +253,15 @@ class SqliteState(BrokerState):
         try:
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if not tables:
-                for stmt in (_SCHEMA + "".join(_MIGRATIONS[v] for v in sorted(_MIGRATIONS))).split(";"):
+                for stmt in _SCHEMA.split(";"):
                     if stmt.strip():
                         conn.execute(stmt)
+                for v in sorted(_MIGRATIONS):
+                    for stmt in _MIGRATIONS[v].split(";"):
+                        if stmt.strip():
+                            conn.execute(stmt)
+                    if v in _CONVERSIONS:
+                        _CONVERSIONS[v](conn)
                 conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             elif "meta" not in tables:
                 raise self._fail(path, f"is a SQLite database but not a graft-fed broker state (tables: "
@@ -224,6 +274,8 @@ class SqliteState(BrokerState):
                         for stmt in _MIGRATIONS[v].split(";"):
                             if stmt.strip():
                                 conn.execute(stmt)
+                        if v in _CONVERSIONS:
+                            _CONVERSIONS[v](conn)
                     conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
                     version = SCHEMA_VERSION
                 if str(version) != str(SCHEMA_VERSION):
@@ -410,37 +462,62 @@ class SqliteState(BrokerState):
         (latest,), = self._read("SELECT MAX(round) FROM rounds")
         return -1 if latest is None else latest
 
-    # ----- summaries
-    def _encode_summary(self, s: SummaryRow) -> tuple:
-        return (s.node_id, s.round, s.prompt_id, s.policy_version, s.n, s.k, _f2db(s.reward_mean),
-                _f2db(s.reward_std), _json(s.lengths), _json(s.mean_logprobs), s.bundle_digest)
-
+    # ----- summaries (one block per publish: federation/summaryblock.py)
     @staticmethod
-    def _summary(r: tuple) -> SummaryRow:
-        return SummaryRow(node_id=r[0], round=r[1], prompt_id=r[2], policy_version=r[3], n=r[4], k=r[5],
-                          reward_mean=_db2f(r[6]), reward_std=_db2f(r[7]), lengths=json.loads(r[8]),
-                          mean_logprobs=[float(x) for x in json.loads(r[9])], bundle_digest=r[10])
+    def _held_ids(conn: sqlite3.Connection, node_id: str, round: int) -> tuple[set[str], int]:
+        """(prompt ids the node holds in `round`, the next block's seq)."""
+        held: set[str] = set()
+        seq = 0
+        for data, s_ in conn.execute("SELECT data, seq FROM summary_blocks WHERE node_id = ? AND round = ?",
+                                     (node_id, round)):
+            held.update(SummaryBlock.header(data)[0]["prompt_ids"])
+            seq = max(seq, s_ + 1)
+        return held, seq
+
+    @classmethod
+    def _write_block(cls, conn: sqlite3.Connection, block: SummaryBlock) -> int:
+        """Insert the block's summaries not held yet (first write wins, inside the block too);
+        returns how many."""
+        held, seq = cls._held_ids(conn, block.node_id, block.round)
+        if held or len(set(block.prompt_ids)) != len(block):
+            keep = np.zeros(len(block), dtype=bool)
+            for i, pid in enumerate(block.prompt_ids):
+                if pid not in held:
+                    held.add(pid)
+                    keep[i] = True
+            if not keep.all():
+                block = block.select(keep)
+        if not len(block):
+            return 0
+        conn.execute("INSERT INTO summary_blocks (node_id, round, seq, count, data) VALUES (?,?,?,?,?)",
+                     (block.node_id, block.round, seq, len(block), block.to_bytes()))
+        if block.digests is not None:
+            conn.executemany("INSERT OR REPLACE INTO summary_digests (node_id, round, prompt_id, digest) "
+                             "VALUES (?,?,?,?)", [(block.node_id, block.round, pid, d)
+                                                  for pid, d in zip(block.prompt_ids, block.digests) if d])
+        return len(block)
 
     def put_summaries(self, rows: Sequence[SummaryRow], node: NodeRow | None = None) -> tuple[int, int]:
         batch = [norm_summary(r) for r in rows]
+        return self._put_blocks([SummaryBlock.from_rows(g) for g in group_rows(batch)], len(batch), node)
+
+    def put_summary_block(self, block: SummaryBlock, node: NodeRow | None = None) -> tuple[int, int]:
+        return self._put_blocks([norm_block(block)], len(block), node)
+
+    def _put_blocks(self, blocks: list[SummaryBlock], total: int, node: NodeRow | None) -> tuple[int, int]:
         n = None if node is None else norm_node(node)
 
         def write(conn: sqlite3.Connection) -> int:
-            cur = conn.executemany(f"INSERT INTO summaries ({_SUMMARY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?) "
-                                   "ON CONFLICT (node_id, round, prompt_id) DO NOTHING",
-                                   (self._encode_summary(s) for s in batch))
-            accepted = max(0, cur.rowcount) if batch else 0
+            accepted = sum(self._write_block(conn, b) for b in blocks)
             if n is not None:
                 self._write_node(conn, dataclasses.replace(n, published=n.published + accepted))
             return accepted
 
         accepted = self._grouped(write)
-        return accepted, len(batch) - accepted
+        return accepted, total - accepted
 
     @staticmethod
-    def _summary_where(round: int | None, node_id: str | None, prompt_ids: Iterable[str] | None,
-                       min_round: int | None) -> tuple[str, list[Any]] | None:
-        """` WHERE ...` (or '') and its parameters; None when the filter matches nothing."""
+    def _block_where(round: int | None, node_id: str | None, min_round: int | None) -> tuple[str, list[Any]]:
         where, params = [], []
         for column, op, value in (("round", "=", opt_int(round, "round")),
                                   ("node_id", "=", opt_str(node_id, "node_id")),
@@ -448,39 +525,63 @@ class SqliteState(BrokerState):
             if value is not None:
                 where.append(f"{column} {op} ?")
                 params.append(value)
-        wanted = norm_prompt_ids(prompt_ids)
-        if wanted is not None:
-            if not wanted:
-                return None
-            # one bound parameter however many ids: no SQLITE_MAX_VARIABLE_NUMBER limit
-            where.append("prompt_id IN (SELECT value FROM json_each(?))")
-            params.append(json.dumps(wanted))
         return (" WHERE " + " AND ".join(where) if where else ""), params
+
+    def _blocks_and_digests(self, round: int | None, node_id: str | None, min_round: int | None
+                            ) -> tuple[list[tuple], dict[tuple[str, int], dict[str, str]]]:
+        where, params = self._block_where(round, node_id, min_round)
+        with self._lock:
+            blocks = self._read(f"SELECT node_id, round, data FROM summary_blocks{where} ORDER BY round, node_id, seq",
+                                params)
+            digests: dict[tuple[str, int], dict[str, str]] = {}
+            for nid, rnd, pid, d in self._read(f"SELECT node_id, round, prompt_id, digest FROM summary_digests{where}",
+                                               params):
+                digests.setdefault((nid, rnd), {})[pid] = d
+        return blocks, digests
 
     def summaries(self, round: int | None = None, node_id: str | None = None,
                   prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryRow]:
-        found = self._summary_where(round, node_id, prompt_ids, min_round)
-        if found is None:
+        wanted = norm_prompt_ids(prompt_ids)
+        blocks, digests = self._blocks_and_digests(round, node_id, min_round)
+        if wanted is not None and not wanted:
             return []
-        sql = f"SELECT {_SUMMARY_COLS} FROM summaries{found[0]} ORDER BY round, node_id, prompt_id"
-        return [self._summary(r) for r in self._read(sql, found[1])]
+        wanted_set = None if wanted is None else set(wanted)
+        out: list[SummaryRow] = []
+        for nid, rnd, data in blocks:
+            out.extend(SummaryBlock.from_bytes(data).rows(digests.get((nid, rnd), {}), wanted_set))
+        out.sort(key=summary_key)
+        return out
 
     def summary_heads(self, round: int | None = None, node_id: str | None = None,
                       prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryHead]:
-        found = self._summary_where(round, node_id, prompt_ids, min_round)
-        if found is None:
+        wanted = norm_prompt_ids(prompt_ids)
+        blocks, digests = self._blocks_and_digests(round, node_id, min_round)
+        if wanted is not None and not wanted:
             return []
-        sql = (f"SELECT node_id, round, prompt_id, n, k, bundle_digest FROM summaries{found[0]} "
-               "ORDER BY round, node_id, prompt_id")
-        return [SummaryHead(*r) for r in self._read(sql, found[1])]
+        wanted_set = None if wanted is None else set(wanted)
+        out: list[SummaryHead] = []
+        for nid, rnd, data in blocks:
+            pids, n, k = SummaryBlock.heads_of(data)
+            dg = digests.get((nid, rnd), {})
+            out.extend(SummaryHead(nid, rnd, pid, nn, kk, dg.get(pid, ""))
+                       for pid, nn, kk in zip(pids, n.tolist(), k.tolist())
+                       if wanted_set is None or pid in wanted_set)
+        out.sort(key=lambda h: (h.round, h.node_id, h.prompt_id))
+        return out
 
     def set_bundle_digest(self, node_id: str, round: int, prompt_id: str, digest: str) -> bool:
-        key = (as_str(digest, "digest"), as_str(node_id, "node_id"), as_int(round, "round"),
-               as_str(prompt_id, "prompt_id"))
+        key = (as_str(node_id, "node_id"), as_int(round, "round"), as_str(prompt_id, "prompt_id"),
+               as_str(digest, "digest"))
         with self._tx() as conn:
-            cur = conn.execute("UPDATE summaries SET bundle_digest = ? WHERE node_id = ? AND round = ? "
-                               "AND prompt_id = ?", key)
-            return cur.rowcount == 1
+            if key[2] not in self._held_ids(conn, key[0], key[1])[0]:
+                return False
+            if key[3]:
+                conn.execute("INSERT OR REPLACE INTO summary_digests (node_id, round, prompt_id, digest) "
+                             "VALUES (?,?,?,?)", key)
+            else:
+                conn.execute("DELETE FROM summary_digests WHERE node_id = ? AND round = ? AND prompt_id = ?",
+                             key[:3])
+            return True
 
     # ----- matches
     def put_matches(self, rows: Sequence[MatchRow]) -> None:
@@ -496,16 +597,19 @@ class SqliteState(BrokerState):
         return [MatchRow(*r) for r in self._read(f"SELECT {_MATCH_COLS} FROM matches{where} "
                                                  "ORDER BY round, receiver, prompt_id", params)]
 
-    def matched_heads(self, round: int, receiver: str | None = None,
-                      source: str | None = None) -> list[tuple[MatchRow, SummaryHead]]:
-        where, params = _filter(round, receiver, source)
-        where = where.replace("round =", "m.round =").replace("receiver =", "m.receiver =").replace(
-            "source =", "m.source =")
-        rows = self._read(
-            "SELECT m.round, m.receiver, m.prompt_id, m.source, m.source_round, s.n, s.k, s.bundle_digest "
-            "FROM matches m JOIN summaries s ON s.node_id = m.source AND s.round = m.source_round "
-            f"AND s.prompt_id = m.prompt_id{where} ORDER BY m.round, m.receiver, m.prompt_id", params)
-        return [(MatchRow(*r[:5]), SummaryHead(r[3], r[4], r[2], r[5], r[6], r[7])) for r in rows]
+    def put_match_set(self, round: int, data: bytes) -> bool:
+        round, blob = as_int(round, "round"), norm_blob(data, "match set")
+        with self._tx() as conn:
+            cur = conn.execute("INSERT INTO match_sets (round, data) VALUES (?, ?) ON CONFLICT (round) DO NOTHING",
+                               (round, blob))
+            return cur.rowcount == 1
+
+    def match_set(self, round: int) -> bytes | None:
+        rows = self._read("SELECT data FROM match_sets WHERE round = ?", (as_int(round, "round"),))
+        return bytes(rows[0][0]) if rows else None
+
+    def match_set_rounds(self) -> list[int]:
+        return [r[0] for r in self._read("SELECT round FROM match_sets ORDER BY round")]
 
     # ----- bundles
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
@@ -595,9 +699,8 @@ class SqliteState(BrokerState):
         return [d for d in wanted if d in held]
 
     def bundle_bytes_by_node(self) -> dict[str, int]:
-        rows = self._read("SELECT s.node_id, SUM(b.size) FROM (SELECT DISTINCT node_id, bundle_digest FROM summaries "
-                          "WHERE bundle_digest != '') s JOIN bundles b ON b.digest = s.bundle_digest "
-                          "GROUP BY s.node_id")
+        rows = self._read("SELECT s.node_id, SUM(b.size) FROM (SELECT DISTINCT node_id, digest FROM summary_digests) s "
+                          "JOIN bundles b ON b.digest = s.digest GROUP BY s.node_id")
         return {node: int(total) for node, total in rows}
 
     def bundle_stats(self) -> tuple[int, int]:
@@ -661,7 +764,12 @@ class SqliteState(BrokerState):
             (latest,), = conn.execute("SELECT MAX(round) FROM rounds").fetchall()
             cutoff = prune_cutoff(-1 if latest is None else latest, keep_rounds)
             if cutoff is not None:
-                for table in ("summaries", "matches", "reports", "rounds"):
+                (held,), = conn.execute("SELECT COALESCE(SUM(count), 0) FROM summary_blocks WHERE round < ?",
+                                        (cutoff,)).fetchall()
+                conn.execute("DELETE FROM summary_blocks WHERE round < ?", (cutoff,))
+                conn.execute("DELETE FROM summary_digests WHERE round < ?", (cutoff,))
+                removed += held  # summaries, as the other tables count rows
+                for table in ("matches", "match_sets", "reports", "rounds"):
                     removed += conn.execute(f"DELETE FROM {table} WHERE round < ?", (cutoff,)).rowcount
             if max_bundle_bytes is not None:
                 drop = bundles_to_drop(conn.execute("SELECT digest, size FROM bundles ORDER BY rowid").fetchall(),
@@ -670,6 +778,6 @@ class SqliteState(BrokerState):
                     ids = json.dumps(drop)
                     removed += conn.execute("DELETE FROM bundles WHERE digest IN (SELECT value FROM json_each(?))",
                                             (ids,)).rowcount
-                    conn.execute("UPDATE summaries SET bundle_digest = '' WHERE bundle_digest IN "
-                                 "(SELECT value FROM json_each(?))", (ids,))
+                    conn.execute("DELETE FROM summary_digests WHERE digest IN (SELECT value FROM json_each(?))",
+                                 (ids,))
         return removed

@@ -63,10 +63,12 @@ def check_int64(value: int, what: str) -> int:
     return value
 
 
-def check_message(msg: Any, where: str = "") -> None:
+def check_message(msg: Any, where: str = "", shallow: tuple[str, ...] = ()) -> None:
     """Uniform bounds on a parsed protobuf request, field by field: integers fit int64,
     strings and bytes are bounded, repeated fields hold at most MAX_REPEATED entries.
-    Raises InvalidArgument naming the field (never quoting more than a prefix)."""
+    Raises InvalidArgument naming the field (never quoting more than a prefix). Message
+    fields named in `shallow` are counted but not entered (their caller checks them in bulk:
+    a publish's summaries, see broker/servicer.py)."""
     from google.protobuf.descriptor import FieldDescriptor as F
 
     for field, value in msg.ListFields():
@@ -75,6 +77,8 @@ def check_message(msg: Any, where: str = "") -> None:
         values = value if repeated else (value,)
         if repeated and len(values) > MAX_REPEATED:
             raise InvalidArgument(f"{name} has {len(values)} entries; at most {MAX_REPEATED}")
+        if field.name in shallow:
+            continue
         if field.type in (F.TYPE_UINT64, F.TYPE_FIXED64, F.TYPE_INT64, F.TYPE_SINT64, F.TYPE_SFIXED64):
             for v in values:
                 if not -INT64_MAX - 1 <= v <= INT64_MAX:

@@ -78,6 +78,11 @@ class MatchResult:
     upload_requests: list[tuple[str, int]]  # (prompt id, round) of the caller's own groups
     candidates: int = 0  # the caller's all-fail prompts with an informative peer group
     solved_by_peers: int = 0  # the caller's all-fail prompts some peer solved at least once
+    # The broker's answers as the servicer sends them: offers and upload requests already
+    # encoded as MatchResponse fields (federation/codec.py), `offers` and
+    # `upload_requests` then left empty. None: not encoded (what every other caller sees).
+    offers_wire: bytes | None = None
+    uploads_wire: bytes | None = None
 
 
 @dataclass(frozen=True)

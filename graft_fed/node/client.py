@@ -19,8 +19,8 @@ from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
 from graft_fed.federation.errors import FederationError
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
-from graft_fed.federation.codec import (PRIVACY_CODES, manifest_from_pb, manifest_to_pb, match_result_from_pb,
-                                        report_entries_to_pb, summary_to_pb)
+from graft_fed.federation.codec import (PRIVACY_CODES, columns_to_pb, manifest_from_pb, manifest_to_pb,
+                                        match_result_from_pb, report_entries_to_pb, summary_to_pb)
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, ReportEntry, SummaryRow
 from graft_fed.federation.signing import BundleSigner, ProvenanceVerifier, common_name, load_certificate_der
@@ -88,6 +88,7 @@ class BrokerClient:
         refused (RecordError) before it is buffered."""
         self.address = address
         self.retries = retries
+        self._rows_only = False  # set when the broker predates summary columns
         self._retry_rng = random.Random()
         #: retries the broker answered ALREADY_EXISTS: the first attempt was applied, its reply lost
         self.applied_on_retry = 0
@@ -213,6 +214,20 @@ class BrokerClient:
 
     # ----- rounds -------------------------------------------------------------------------------
     def publish(self, round: int, summaries: Sequence[SummaryRow | pb.GroupSummary]) -> tuple[int, int]:
+        columns = columns_to_pb(summaries) if summaries and not self._rows_only else None
+        if columns is not None and all(s.round == round for s in summaries):
+            req = pb.PublishRequest(node_id=self.node_id, session_id=self.session, round=round, columns=columns,
+                                    tag=new_tag())
+            resp = self._call("PublishSummaries", lambda: req, self.timeout)
+            if resp is None:  # applied by an attempt whose reply was lost: every summary is held
+                return 0, len(summaries)
+            if resp.accepted + resp.duplicates:
+                return resp.accepted, resp.duplicates
+            # nothing acknowledged of a non-empty publish: a broker from before columns,
+            # which ignored them; from now on this node sends summaries one message each
+            log.info("broker %s does not read summary columns; node %s sends them one by one", self.address,
+                     self.node_id)
+            self._rows_only = True
         msgs = [s if isinstance(s, pb.GroupSummary) else summary_to_pb(s) for s in summaries]
         req = pb.PublishRequest(node_id=self.node_id, session_id=self.session, round=round, summaries=msgs,
                                 tag=new_tag())

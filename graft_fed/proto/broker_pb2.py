@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19graft_fed/v1/broker.proto\x12\x0cgraft_fed.v1\"\x86\x02\n\x08Manifest\x12\x15\n\rfederation_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\ndataset_id\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x61taset_hash\x18\x04 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\t\n\x01n\x18\x06 \x01(\r\x12\x19\n\x11prompts_per_round\x18\x07 \x01(\r\x12 \n\x04mode\x18\x08 \x01(\x0e\x32\x12.graft_fed.v1.Mode\x12\x15\n\rverifier_name\x18\t \x01(\t\x12\x18\n\x10verifier_version\x18\n \x01(\t\x12\x18\n\x10staleness_rounds\x18\x0b \x01(\r\"4\n\nRequestTag\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsent_at_ms\x18\x02 \x01(\x04\"\xd5\x01\n\x0bJoinRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x03 \x01(\t\x12(\n\x08manifest\x18\x04 \x01(\x0b\x32\x16.graft_fed.v1.Manifest\x12&\n\x07privacy\x18\x05 \x01(\x0e\x32\x15.graft_fed.v1.Privacy\x12\x14\n\x0cresume_round\x18\x06 \x01(\x04\x12%\n\x03tag\x18\x07 \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\"\x82\x01\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x08manifest\x18\x02 \x01(\x0b\x32\x16.graft_fed.v1.Manifest\x12\x15\n\rcurrent_round\x18\x03 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\"Z\n\x0cLeaveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12%\n\x03tag\x18\x03 \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\"\x0f\n\rLeaveResponse\"m\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12%\n\x03tag\x18\x04 \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\"@\n\x11HeartbeatResponse\x12\x15\n\rcurrent_round\x18\x01 \x01(\x04\x12\x14\n\x0conline_nodes\x18\x02 \x01(\r\"\xc6\x01\n\x0cGroupSummary\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\t\n\x01n\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12\x13\n\x0breward_mean\x18\x06 \x01(\x01\x12\x12\n\nreward_std\x18\x07 \x01(\x01\x12\x0f\n\x07lengths\x18\x08 \x03(\r\x12\x15\n\rmean_logprobs\x18\t \x03(\x01\x12\x15\n\rbundle_digest\x18\n \x01(\t\"\x9a\x01\n\x0ePublishRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12-\n\tsummaries\x18\x04 \x03(\x0b\x32\x1a.graft_fed.v1.GroupSummary\x12%\n\x03tag\x18\x05 \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\"7\n\x0fPublishResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\"\xa1\x01\n\nMatchOffer\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x16\n\x0esource_node_id\x18\x02 \x01(\t\x12\x17\n\x0fsource_model_id\x18\x03 \x01(\t\x12\x14\n\x0csource_round\x18\x04 \x01(\x04\x12\x10\n\x08source_k\x18\x05 \x01(\r\x12\x10\n\x08source_n\x18\x06 \x01(\r\x12\x15\n\rbundle_digest\x18\x07 \x01(\t\"m\n\x0cMatchRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x04 \x01(\r\x12\x18\n\x10wait_for_bundles\x18\x05 \x01(\x08\"1\n\rUploadRequest\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\"\xab\x01\n\rMatchResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12(\n\x06offers\x18\x02 \x03(\x0b\x32\x18.graft_fed.v1.MatchOffer\x12\x34\n\x0fupload_requests\x18\x03 \x03(\x0b\x32\x1b.graft_fed.v1.UploadRequest\x12\x12\n\ncandidates\x18\x04 \x01(\r\x12\x17\n\x0fsolved_by_peers\x18\x05 \x01(\r\"\xe5\x01\n\x0b\x42undleChunk\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x11\n\tprompt_id\x18\x07 \x01(\t\x12\r\n\x05round\x18\x08 \x01(\x04\x12\x11\n\tsignature\x18\t \x01(\x0c\x12\x13\n\x0bsigner_cert\x18\n \x01(\x0c\x12%\n\x03tag\x18\x0b \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\"0\n\x0eUploadResponse\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x01(\x08\"I\n\x11HasBundlesRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07\x64igests\x18\x03 \x03(\t\"%\n\x12HasBundlesResponse\x12\x0f\n\x07present\x18\x01 \x03(\t\"I\n\x12\x46\x65tchBundleRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\"\x9b\x02\n\x13\x43ompatibilityReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x38\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\'.graft_fed.v1.CompatibilityReport.Entry\x12%\n\x03tag\x18\x05 \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\x1ao\n\x05\x45ntry\x12\x16\n\x0esource_node_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x0e\n\x06mean_s\x18\x03 \x01(\x01\x12\x19\n\x11\x61\x64mitted_fraction\x18\x04 \x01(\x01\x12\x10\n\x08rejected\x18\x05 \x01(\x08\"6\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\"\x0f\n\rStatusRequest\"\xc4\x03\n\x0eStatusResponse\x12(\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.graft_fed.v1.Manifest\x12\x15\n\rcurrent_round\x18\x02 \x01(\x04\x12\x30\n\x05nodes\x18\x03 \x03(\x0b\x32!.graft_fed.v1.StatusResponse.Node\x12\x30\n\x05pairs\x18\x04 \x03(\x0b\x32!.graft_fed.v1.StatusResponse.Pair\x12\x0f\n\x07\x62undles\x18\x05 \x01(\x04\x12\x14\n\x0c\x62undle_bytes\x18\x06 \x01(\x04\x1ao\n\x04Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x11\n\tpublished\x18\x05 \x01(\x04\x12\x13\n\x0blast_seen_s\x18\x06 \x01(\x01\x1au\n\x04Pair\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x10\n\x08receiver\x18\x02 \x01(\t\x12\x0e\n\x06groups\x18\x03 \x01(\x04\x12\x0e\n\x06mean_s\x18\x04 \x01(\x01\x12\x19\n\x11\x61\x64mitted_fraction\x18\x05 \x01(\x01\x12\x10\n\x08rejected\x18\x06 \x01(\x04\"%\n\x06Scalar\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\"j\n\x0eScalarsRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12%\n\x07scalars\x18\x04 \x03(\x0b\x32\x14.graft_fed.v1.Scalar\"\x11\n\x0fScalarsResponse*;\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_SYNC\x10\x01\x12\x0e\n\nMODE_ASYNC\x10\x02*o\n\x07Privacy\x12\x17\n\x13PRIVACY_UNSPECIFIED\x10\x00\x12\x15\n\x11PRIVACY_SHARE_ALL\x10\x01\x12\x18\n\x14PRIVACY_MATCHED_ONLY\x10\x02\x12\x1a\n\x16PRIVACY_SUMMARIES_ONLY\x10\x03\x32\xc7\x06\n\x06\x42roker\x12=\n\x04Join\x12\x19.graft_fed.v1.JoinRequest\x1a\x1a.graft_fed.v1.JoinResponse\x12@\n\x05Leave\x12\x1a.graft_fed.v1.LeaveRequest\x1a\x1b.graft_fed.v1.LeaveResponse\x12L\n\tHeartbeat\x12\x1e.graft_fed.v1.HeartbeatRequest\x1a\x1f.graft_fed.v1.HeartbeatResponse\x12O\n\x10PublishSummaries\x12\x1c.graft_fed.v1.PublishRequest\x1a\x1d.graft_fed.v1.PublishResponse\x12\x45\n\nGetMatches\x12\x1a.graft_fed.v1.MatchRequest\x1a\x1b.graft_fed.v1.MatchResponse\x12I\n\x0cUploadBundle\x12\x19.graft_fed.v1.BundleChunk\x1a\x1c.graft_fed.v1.UploadResponse(\x01\x12O\n\nHasBundles\x12\x1f.graft_fed.v1.HasBundlesRequest\x1a .graft_fed.v1.HasBundlesResponse\x12L\n\x0b\x46\x65tchBundle\x12 .graft_fed.v1.FetchBundleRequest\x1a\x19.graft_fed.v1.BundleChunk0\x01\x12V\n\x13ReportCompatibility\x12!.graft_fed.v1.CompatibilityReport\x1a\x1c.graft_fed.v1.ReportResponse\x12\x46\n\tGetStatus\x12\x1b.graft_fed.v1.StatusRequest\x1a\x1c.graft_fed.v1.StatusResponse\x12L\n\rReportScalars\x12\x1c.graft_fed.v1.ScalarsRequest\x1a\x1d.graft_fed.v1.ScalarsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19graft_fed/v1/broker.proto\x12\x0cgraft_fed.v1\"\x86\x02\n\x08Manifest\x12\x15\n\rfederation_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\ndataset_id\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x61taset_hash\x18\x04 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\t\n\x01n\x18\x06 \x01(\r\x12\x19\n\x11prompts_per_round\x18\x07 \x01(\r\x12 \n\x04mode\x18\x08 \x01(\x0e\x32\x12.graft_fed.v1.Mode\x12\x15\n\rverifier_name\x18\t \x01(\t\x12\x18\n\x10verifier_version\x18\n \x01(\t\x12\x18\n\x10staleness_rounds\x18\x0b \x01(\r\"4\n\nRequestTag\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsent_at_ms\x18\x02 \x01(\x04\"\xd5\x01\n\x0bJoinRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x03 \x01(\t\x12(\n\x08manifest\x18\x04 \x01(\x0b\x32\x16.graft_fed.v1.Manifest\x12&\n\x07privacy\x18\x05 \x01(\x0e\x32\x15.graft_fed.v1.Privacy\x12\x14\n\x0cresume_round\x18\x06 \x01(\x04\x12%\n\x03tag\x18\x07 \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\"\x82\x01\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12(\n\x08manifest\x18\x02 \x01(\x0b\x32\x16.graft_fed.v1.Manifest\x12\x15\n\rcurrent_round\x18\x03 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\"Z\n\x0cLeaveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12%\n\x03tag\x18\x03 \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\"\x0f\n\rLeaveResponse\"m\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12%\n\x03tag\x18\x04 \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\"@\n\x11HeartbeatResponse\x12\x15\n\rcurrent_round\x18\x01 \x01(\x04\x12\x14\n\x0conline_nodes\x18\x02 \x01(\r\"\xc6\x01\n\x0cGroupSummary\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\t\n\x01n\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12\x13\n\x0breward_mean\x18\x06 \x01(\x01\x12\x12\n\nreward_std\x18\x07 \x01(\x01\x12\x0f\n\x07lengths\x18\x08 \x03(\r\x12\x15\n\rmean_logprobs\x18\t \x03(\x01\x12\x15\n\rbundle_digest\x18\n \x01(\t\"\xc9\x01\n\x0ePublishRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12-\n\tsummaries\x18\x04 \x03(\x0b\x32\x1a.graft_fed.v1.GroupSummary\x12%\n\x03tag\x18\x05 \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\x12-\n\x07\x63olumns\x18\x06 \x01(\x0b\x32\x1c.graft_fed.v1.SummaryColumns\"\xbb\x01\n\x0eSummaryColumns\x12\x12\n\nprompt_ids\x18\x01 \x03(\t\x12\x17\n\x0fpolicy_versions\x18\x02 \x01(\x0c\x12\t\n\x01n\x18\x03 \x01(\x0c\x12\t\n\x01k\x18\x04 \x01(\x0c\x12\x14\n\x0creward_means\x18\x05 \x01(\x0c\x12\x13\n\x0breward_stds\x18\x06 \x01(\x0c\x12\x13\n\x0bn_responses\x18\x07 \x01(\x0c\x12\x0f\n\x07lengths\x18\x08 \x01(\x0c\x12\x15\n\rmean_logprobs\x18\t \x01(\x0c\"7\n\x0fPublishResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\"\xa1\x01\n\nMatchOffer\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x16\n\x0esource_node_id\x18\x02 \x01(\t\x12\x17\n\x0fsource_model_id\x18\x03 \x01(\t\x12\x14\n\x0csource_round\x18\x04 \x01(\x04\x12\x10\n\x08source_k\x18\x05 \x01(\r\x12\x10\n\x08source_n\x18\x06 \x01(\r\x12\x15\n\rbundle_digest\x18\x07 \x01(\t\"m\n\x0cMatchRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x04 \x01(\r\x12\x18\n\x10wait_for_bundles\x18\x05 \x01(\x08\"1\n\rUploadRequest\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\"\xab\x01\n\rMatchResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12(\n\x06offers\x18\x02 \x03(\x0b\x32\x18.graft_fed.v1.MatchOffer\x12\x34\n\x0fupload_requests\x18\x03 \x03(\x0b\x32\x1b.graft_fed.v1.UploadRequest\x12\x12\n\ncandidates\x18\x04 \x01(\r\x12\x17\n\x0fsolved_by_peers\x18\x05 \x01(\r\"\xe5\x01\n\x0b\x42undleChunk\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x11\n\tprompt_id\x18\x07 \x01(\t\x12\r\n\x05round\x18\x08 \x01(\x04\x12\x11\n\tsignature\x18\t \x01(\x0c\x12\x13\n\x0bsigner_cert\x18\n \x01(\x0c\x12%\n\x03tag\x18\x0b \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\"0\n\x0eUploadResponse\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x01(\x08\"I\n\x11HasBundlesRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07\x64igests\x18\x03 \x03(\t\"%\n\x12HasBundlesResponse\x12\x0f\n\x07present\x18\x01 \x03(\t\"I\n\x12\x46\x65tchBundleRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\"\x9b\x02\n\x13\x43ompatibilityReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x38\n\x07\x65ntries\x18\x04 \x03(\x0b\x32\'.graft_fed.v1.CompatibilityReport.Entry\x12%\n\x03tag\x18\x05 \x01(\x0b\x32\x18.graft_fed.v1.RequestTag\x1ao\n\x05\x45ntry\x12\x16\n\x0esource_node_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x0e\n\x06mean_s\x18\x03 \x01(\x01\x12\x19\n\x11\x61\x64mitted_fraction\x18\x04 \x01(\x01\x12\x10\n\x08rejected\x18\x05 \x01(\x08\"6\n\x0eReportResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nduplicates\x18\x02 \x01(\r\"\x0f\n\rStatusRequest\"\xc4\x03\n\x0eStatusResponse\x12(\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.graft_fed.v1.Manifest\x12\x15\n\rcurrent_round\x18\x02 \x01(\x04\x12\x30\n\x05nodes\x18\x03 \x03(\x0b\x32!.graft_fed.v1.StatusResponse.Node\x12\x30\n\x05pairs\x18\x04 \x03(\x0b\x32!.graft_fed.v1.StatusResponse.Pair\x12\x0f\n\x07\x62undles\x18\x05 \x01(\x04\x12\x14\n\x0c\x62undle_bytes\x18\x06 \x01(\x04\x1ao\n\x04Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x11\n\tpublished\x18\x05 \x01(\x04\x12\x13\n\x0blast_seen_s\x18\x06 \x01(\x01\x1au\n\x04Pair\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x10\n\x08receiver\x18\x02 \x01(\t\x12\x0e\n\x06groups\x18\x03 \x01(\x04\x12\x0e\n\x06mean_s\x18\x04 \x01(\x01\x12\x19\n\x11\x61\x64mitted_fraction\x18\x05 \x01(\x01\x12\x10\n\x08rejected\x18\x06 \x01(\x04\"%\n\x06Scalar\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\"j\n\x0eScalarsRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12%\n\x07scalars\x18\x04 \x03(\x0b\x32\x14.graft_fed.v1.Scalar\"\x11\n\x0fScalarsResponse*;\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_SYNC\x10\x01\x12\x0e\n\nMODE_ASYNC\x10\x02*o\n\x07Privacy\x12\x17\n\x13PRIVACY_UNSPECIFIED\x10\x00\x12\x15\n\x11PRIVACY_SHARE_ALL\x10\x01\x12\x18\n\x14PRIVACY_MATCHED_ONLY\x10\x02\x12\x1a\n\x16PRIVACY_SUMMARIES_ONLY\x10\x03\x32\xc7\x06\n\x06\x42roker\x12=\n\x04Join\x12\x19.graft_fed.v1.JoinRequest\x1a\x1a.graft_fed.v1.JoinResponse\x12@\n\x05Leave\x12\x1a.graft_fed.v1.LeaveRequest\x1a\x1b.graft_fed.v1.LeaveResponse\x12L\n\tHeartbeat\x12\x1e.graft_fed.v1.HeartbeatRequest\x1a\x1f.graft_fed.v1.HeartbeatResponse\x12O\n\x10PublishSummaries\x12\x1c.graft_fed.v1.PublishRequest\x1a\x1d.graft_fed.v1.PublishResponse\x12\x45\n\nGetMatches\x12\x1a.graft_fed.v1.MatchRequest\x1a\x1b.graft_fed.v1.MatchResponse\x12I\n\x0cUploadBundle\x12\x19.graft_fed.v1.BundleChunk\x1a\x1c.graft_fed.v1.UploadResponse(\x01\x12O\n\nHasBundles\x12\x1f.graft_fed.v1.HasBundlesRequest\x1a .graft_fed.v1.HasBundlesResponse\x12L\n\x0b\x46\x65tchBundle\x12 .graft_fed.v1.FetchBundleRequest\x1a\x19.graft_fed.v1.BundleChunk0\x01\x12V\n\x13ReportCompatibility\x12!.graft_fed.v1.CompatibilityReport\x1a\x1c.graft_fed.v1.ReportResponse\x12\x46\n\tGetStatus\x12\x1b.graft_fed.v1.StatusRequest\x1a\x1c.graft_fed.v1.StatusResponse\x12L\n\rReportScalars\x12\x1c.graft_fed.v1.ScalarsRequest\x1a\x1d.graft_fed.v1.ScalarsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'graft_fed.v1.broker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=3363
-  _globals['_MODE']._serialized_end=3422
-  _globals['_PRIVACY']._serialized_start=3424
-  _globals['_PRIVACY']._serialized_end=3535
+  _globals['_MODE']._serialized_start=3600
+  _globals['_MODE']._serialized_end=3659
+  _globals['_PRIVACY']._serialized_start=3661
+  _globals['_PRIVACY']._serialized_end=3772
   _globals['_MANIFEST']._serialized_start=44
   _globals['_MANIFEST']._serialized_end=306
   _globals['_REQUESTTAG']._serialized_start=308
@@ -54,47 +54,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GROUPSUMMARY']._serialized_start=998
   _globals['_GROUPSUMMARY']._serialized_end=1196
   _globals['_PUBLISHREQUEST']._serialized_start=1199
-  _globals['_PUBLISHREQUEST']._serialized_end=1353
-  _globals['_PUBLISHRESPONSE']._serialized_start=1355
-  _globals['_PUBLISHRESPONSE']._serialized_end=1410
-  _globals['_MATCHOFFER']._serialized_start=1413
-  _globals['_MATCHOFFER']._serialized_end=1574
-  _globals['_MATCHREQUEST']._serialized_start=1576
-  _globals['_MATCHREQUEST']._serialized_end=1685
-  _globals['_UPLOADREQUEST']._serialized_start=1687
-  _globals['_UPLOADREQUEST']._serialized_end=1736
-  _globals['_MATCHRESPONSE']._serialized_start=1739
-  _globals['_MATCHRESPONSE']._serialized_end=1910
-  _globals['_BUNDLECHUNK']._serialized_start=1913
-  _globals['_BUNDLECHUNK']._serialized_end=2142
-  _globals['_UPLOADRESPONSE']._serialized_start=2144
-  _globals['_UPLOADRESPONSE']._serialized_end=2192
-  _globals['_HASBUNDLESREQUEST']._serialized_start=2194
-  _globals['_HASBUNDLESREQUEST']._serialized_end=2267
-  _globals['_HASBUNDLESRESPONSE']._serialized_start=2269
-  _globals['_HASBUNDLESRESPONSE']._serialized_end=2306
-  _globals['_FETCHBUNDLEREQUEST']._serialized_start=2308
-  _globals['_FETCHBUNDLEREQUEST']._serialized_end=2381
-  _globals['_COMPATIBILITYREPORT']._serialized_start=2384
-  _globals['_COMPATIBILITYREPORT']._serialized_end=2667
-  _globals['_COMPATIBILITYREPORT_ENTRY']._serialized_start=2556
-  _globals['_COMPATIBILITYREPORT_ENTRY']._serialized_end=2667
-  _globals['_REPORTRESPONSE']._serialized_start=2669
-  _globals['_REPORTRESPONSE']._serialized_end=2723
-  _globals['_STATUSREQUEST']._serialized_start=2725
-  _globals['_STATUSREQUEST']._serialized_end=2740
-  _globals['_STATUSRESPONSE']._serialized_start=2743
-  _globals['_STATUSRESPONSE']._serialized_end=3195
-  _globals['_STATUSRESPONSE_NODE']._serialized_start=2965
-  _globals['_STATUSRESPONSE_NODE']._serialized_end=3076
-  _globals['_STATUSRESPONSE_PAIR']._serialized_start=3078
-  _globals['_STATUSRESPONSE_PAIR']._serialized_end=3195
-  _globals['_SCALAR']._serialized_start=3197
-  _globals['_SCALAR']._serialized_end=3234
-  _globals['_SCALARSREQUEST']._serialized_start=3236
-  _globals['_SCALARSREQUEST']._serialized_end=3342
-  _globals['_SCALARSRESPONSE']._serialized_start=3344
-  _globals['_SCALARSRESPONSE']._serialized_end=3361
-  _globals['_BROKER']._serialized_start=3538
-  _globals['_BROKER']._serialized_end=4377
+  _globals['_PUBLISHREQUEST']._serialized_end=1400
+  _globals['_SUMMARYCOLUMNS']._serialized_start=1403
+  _globals['_SUMMARYCOLUMNS']._serialized_end=1590
+  _globals['_PUBLISHRESPONSE']._serialized_start=1592
+  _globals['_PUBLISHRESPONSE']._serialized_end=1647
+  _globals['_MATCHOFFER']._serialized_start=1650
+  _globals['_MATCHOFFER']._serialized_end=1811
+  _globals['_MATCHREQUEST']._serialized_start=1813
+  _globals['_MATCHREQUEST']._serialized_end=1922
+  _globals['_UPLOADREQUEST']._serialized_start=1924
+  _globals['_UPLOADREQUEST']._serialized_end=1973
+  _globals['_MATCHRESPONSE']._serialized_start=1976
+  _globals['_MATCHRESPONSE']._serialized_end=2147
+  _globals['_BUNDLECHUNK']._serialized_start=2150
+  _globals['_BUNDLECHUNK']._serialized_end=2379
+  _globals['_UPLOADRESPONSE']._serialized_start=2381
+  _globals['_UPLOADRESPONSE']._serialized_end=2429
+  _globals['_HASBUNDLESREQUEST']._serialized_start=2431
+  _globals['_HASBUNDLESREQUEST']._serialized_end=2504
+  _globals['_HASBUNDLESRESPONSE']._serialized_start=2506
+  _globals['_HASBUNDLESRESPONSE']._serialized_end=2543
+  _globals['_FETCHBUNDLEREQUEST']._serialized_start=2545
+  _globals['_FETCHBUNDLEREQUEST']._serialized_end=2618
+  _globals['_COMPATIBILITYREPORT']._serialized_start=2621
+  _globals['_COMPATIBILITYREPORT']._serialized_end=2904
+  _globals['_COMPATIBILITYREPORT_ENTRY']._serialized_start=2793
+  _globals['_COMPATIBILITYREPORT_ENTRY']._serialized_end=2904
+  _globals['_REPORTRESPONSE']._serialized_start=2906
+  _globals['_REPORTRESPONSE']._serialized_end=2960
+  _globals['_STATUSREQUEST']._serialized_start=2962
+  _globals['_STATUSREQUEST']._serialized_end=2977
+  _globals['_STATUSRESPONSE']._serialized_start=2980
+  _globals['_STATUSRESPONSE']._serialized_end=3432
+  _globals['_STATUSRESPONSE_NODE']._serialized_start=3202
+  _globals['_STATUSRESPONSE_NODE']._serialized_end=3313
+  _globals['_STATUSRESPONSE_PAIR']._serialized_start=3315
+  _globals['_STATUSRESPONSE_PAIR']._serialized_end=3432
+  _globals['_SCALAR']._serialized_start=3434
+  _globals['_SCALAR']._serialized_end=3471
+  _globals['_SCALARSREQUEST']._serialized_start=3473
+  _globals['_SCALARSREQUEST']._serialized_end=3579
+  _globals['_SCALARSRESPONSE']._serialized_start=3581
+  _globals['_SCALARSRESPONSE']._serialized_end=3598
+  _globals['_BROKER']._serialized_start=3775
+  _globals['_BROKER']._serialized_end=4614
 # @@protoc_insertion_point(module_scope)

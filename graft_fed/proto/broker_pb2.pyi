@@ -150,18 +150,42 @@ class GroupSummary(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., round: _Optional[int] = ..., policy_version: _Optional[int] = ..., n: _Optional[int] = ..., k: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., lengths: _Optional[_Iterable[int]] = ..., mean_logprobs: _Optional[_Iterable[float]] = ..., bundle_digest: _Optional[str] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("node_id", "session_id", "round", "summaries", "tag")
+    __slots__ = ("node_id", "session_id", "round", "summaries", "tag", "columns")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SUMMARIES_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_id: str
     round: int
     summaries: _containers.RepeatedCompositeFieldContainer[GroupSummary]
     tag: RequestTag
-    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., summaries: _Optional[_Iterable[_Union[GroupSummary, _Mapping]]] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ...) -> None: ...
+    columns: SummaryColumns
+    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., summaries: _Optional[_Iterable[_Union[GroupSummary, _Mapping]]] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ..., columns: _Optional[_Union[SummaryColumns, _Mapping]] = ...) -> None: ...
+
+class SummaryColumns(_message.Message):
+    __slots__ = ("prompt_ids", "policy_versions", "n", "k", "reward_means", "reward_stds", "n_responses", "lengths", "mean_logprobs")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEANS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_STDS_FIELD_NUMBER: _ClassVar[int]
+    N_RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[str]
+    policy_versions: bytes
+    n: bytes
+    k: bytes
+    reward_means: bytes
+    reward_stds: bytes
+    n_responses: bytes
+    lengths: bytes
+    mean_logprobs: bytes
+    def __init__(self, prompt_ids: _Optional[_Iterable[str]] = ..., policy_versions: _Optional[bytes] = ..., n: _Optional[bytes] = ..., k: _Optional[bytes] = ..., reward_means: _Optional[bytes] = ..., reward_stds: _Optional[bytes] = ..., n_responses: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., mean_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("accepted", "duplicates")

@@ -5,6 +5,7 @@ refusal of foreign or newer files, and rollback of a batch that fails half way."
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sqlite3
 import subprocess
@@ -211,6 +212,21 @@ def test_matches_idempotent_and_filters(state):
     assert state.matches(round=1, receiver="r1", source="s2") == []
     state.put_matches([])
     assert len(state.matches()) == 3
+
+
+def test_match_sets_first_write_wins_and_prune_with_their_round(state):
+    assert state.match_set(0) is None and state.match_set_rounds() == []
+    assert state.put_match_set(1, b"one") is True
+    assert state.put_match_set(1, b"other") is False  # the first set of a round wins
+    assert state.put_match_set(0, b"zero") is True
+    assert state.match_set(1) == b"one" and state.match_set_rounds() == [0, 1]
+    assert state.matches() == []  # a set is not rows
+    with pytest.raises(TypeError):
+        state.put_match_set(2, "text")
+    for r in range(3):
+        state.put_round(RoundRow(round=r, state="open", opened_at=0.0))
+    state.prune(keep_rounds=2)
+    assert state.match_set_rounds() == [1] and state.match_set(0) is None
 
 
 def test_bundles(state):
@@ -468,6 +484,10 @@ class SameBehaviour(RuleBasedStateMachine):
     def put_matches(self, rows):
         self.both("put_matches", rows)
 
+    @rule(r=_rounds, data=st.sampled_from([b"s0", b"s1", b""]))
+    def put_match_set(self, r, data):
+        self.both("put_match_set", r, data)
+
     @rule(bundles=st.lists(st.tuples(st.sampled_from(["d0", "d1", "d2", "d3"]), st.binary(max_size=20),
                                      st.sampled_from([b"", b"sig1", b"sig2"])), min_size=1, max_size=3))
     def put_bundles(self, bundles):
@@ -511,6 +531,8 @@ class SameBehaviour(RuleBasedStateMachine):
             self.both("bundle_provenance", d)
         for r in range(7):
             self.both("get_round", r)
+            self.both("match_set", r)
+        self.both("match_set_rounds")
 
     def teardown(self):
         self.mem.close()
@@ -534,13 +556,15 @@ def _populate(s):
     s.put_bundle("d0", b"bundle bytes", signature=b"sig", signer_cert=b"cert")
     s.set_bundle_digest("a", 0, "p0", "d0")
     s.put_matches([MatchRow(3, "a", "p0", "b", 2)])
+    s.put_match_set(3, b"GFM1 a round's matching")
     s.update_compat("b", "a", 0.25, 0.5, False)
     s.update_compat("b", "a", 0.0, 0.0, True)
     s.put_reports([rep(round=3, receiver="a", source="b", mean_s=1 / 3)])
 
 
 def _observe(s):
-    return _obs([s.list_nodes(), s.get_round(3), s.latest_round(), s.summaries(), s.matches(), s.compat(),
+    return _obs([s.list_nodes(), s.get_round(3), s.latest_round(), s.summaries(), s.matches(), s.match_set(3),
+                 s.match_set_rounds(), s.compat(),
                  s.bundle_stats(), s.get_bundle("d0"), s.bundle_provenance("d0"), s.reports()])
 
 
@@ -618,12 +642,31 @@ def test_sqlite_refuses_a_newer_schema(tmp_path):
         SqliteState(path)
 
 
+def _as_version_2(s, c):
+    """Turn the file of SqliteState `s` (open on connection `c`) back into schema version 2:
+    summaries as rows (lists as JSON), no match sets."""
+    rows = s.summaries()
+    c.execute("""CREATE TABLE summaries (
+        node_id TEXT NOT NULL, round INTEGER NOT NULL, prompt_id TEXT NOT NULL,
+        policy_version INTEGER NOT NULL, n INTEGER NOT NULL, k INTEGER NOT NULL,
+        reward_mean NOT NULL, reward_std NOT NULL, lengths TEXT NOT NULL, mean_logprobs TEXT NOT NULL,
+        bundle_digest TEXT NOT NULL DEFAULT '', PRIMARY KEY (node_id, round, prompt_id))""")
+    c.executemany("INSERT INTO summaries VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                  [(r.node_id, r.round, r.prompt_id, r.policy_version, r.n, r.k, r.reward_mean, r.reward_std,
+                    json.dumps(r.lengths), json.dumps(r.mean_logprobs), r.bundle_digest) for r in rows])
+    for table in ("match_sets", "summary_blocks", "summary_digests"):
+        c.execute(f"DROP TABLE {table}")
+    c.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+
+
 def test_sqlite_migrates_a_version_1_file_in_place(tmp_path):
     path = tmp_path / "b.db"
     s = SqliteState(path)
     _populate(s)
-    s.close()
+    before = s.summaries()
     with sqlite3.connect(path) as c:  # what graft-fed 0.1 (schema version 1) wrote
+        _as_version_2(s, c)
+        s.close()
         c.execute("DROP TABLE reports")
         c.execute("ALTER TABLE bundles DROP COLUMN signature")
         c.execute("ALTER TABLE bundles DROP COLUMN signer_cert")
@@ -633,10 +676,31 @@ def test_sqlite_migrates_a_version_1_file_in_place(tmp_path):
     try:
         assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
         assert s.get_bundle("d0") == b"bundle bytes" and s.bundle_provenance("d0") == (b"", b"")  # kept, unsigned
-        assert len(s.summaries()) == 2 and s.reports() == [] and s.compat()[0].rejected == 1
+        assert s.summaries() == before and s.reports() == [] and s.compat()[0].rejected == 1
         assert s.put_reports([rep(round=3, receiver="a", source="b")]) == (1, 0)
         assert s.put_bundle("d1", b"new", signature=b"sig", signer_cert=b"cert")
         assert s.bundle_provenance("d1") == (b"sig", b"cert")
+    finally:
+        s.close()
+
+
+def test_sqlite_migrates_a_version_2_file_in_place(tmp_path):
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    _populate(s)
+    before = _observe(s)
+    with sqlite3.connect(path) as c:  # schema version 2: summaries and matches as rows
+        _as_version_2(s, c)
+        s.close()
+    c.close()
+    s = SqliteState(path)
+    try:
+        assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        after = _observe(s)
+        assert after[:5] == before[:5] and after[7:] == before[7:]  # all but the match set
+        assert s.summaries()[0].bundle_digest == "d0" and s.put_summaries([summ()]) == (0, 1)
+        assert len(s.matches()) == 1 and s.match_set_rounds() == []
+        assert s.put_match_set(3, b"set") and s.match_set(3) == b"set"
     finally:
         s.close()
 
@@ -645,21 +709,23 @@ def test_sqlite_batch_failing_midway_is_rolled_back(tmp_path, monkeypatch):
     s = SqliteState(tmp_path / "b.db")
     try:
         s.put_summaries([summ(prompt_id="old")])
-        real, calls = SqliteState._encode_summary, []
+        real, calls = SqliteState._write_block.__func__, []
 
-        def flaky(self, row):
-            calls.append(row.prompt_id)
-            if len(calls) == 3:
+        def flaky(cls, conn, block):
+            calls.append(block.round)
+            written = real(cls, conn, block)
+            if len(calls) == 2:
                 raise OSError("disk on fire")
-            return real(self, row)
+            return written
 
-        monkeypatch.setattr(SqliteState, "_encode_summary", flaky)
+        monkeypatch.setattr(SqliteState, "_write_block", classmethod(flaky))
+        batch = [summ(prompt_id=f"p{i}", round=0 if i < 2 else 1) for i in range(5)]  # two blocks
         with pytest.raises(OSError, match="disk on fire"):
-            s.put_summaries([summ(prompt_id=f"p{i}") for i in range(5)])
-        assert calls == ["p0", "p1", "p2"]  # two rows had been inserted when it failed
+            s.put_summaries(batch)
+        assert calls == [0, 1]  # both blocks had been inserted when it failed
         assert [r.prompt_id for r in s.summaries()] == ["old"]
         monkeypatch.undo()
-        assert s.put_summaries([summ(prompt_id=f"p{i}") for i in range(5)]) == (5, 0)  # the state is usable
+        assert s.put_summaries(batch) == (5, 0)  # the state is usable
     finally:
         s.close()
     s = SqliteState(tmp_path / "b.db")
@@ -673,14 +739,14 @@ def test_sqlite_group_commit_shares_one_transaction_and_isolates_failures(tmp_pa
     """Publishes queued while a commit is under way share the next one; a publish that raises
     inside the group is rolled back alone, and every other one is durable when it returns."""
     s = SqliteState(tmp_path / "g.db")
-    real = SqliteState._encode_summary
+    real = SqliteState._write_block.__func__
 
-    def encode(self, row):
-        if row.prompt_id == "bad":
+    def write(cls, conn, block):
+        if "bad" in block.prompt_ids:
             raise OSError("this publish only")
-        return real(self, row)
+        return real(cls, conn, block)
 
-    monkeypatch.setattr(SqliteState, "_encode_summary", encode)
+    monkeypatch.setattr(SqliteState, "_write_block", classmethod(write))
     results: dict[str, object] = {}
 
     def publish(name: str, prompts: list[str]) -> None:

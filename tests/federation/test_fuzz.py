@@ -101,6 +101,20 @@ def test_fuzz_unary_rpcs(fed, data):
     elif rpc == "PublishSummaries":
         req = pb.PublishRequest(node_id=node, session_id=session, round=data.draw(u64),
                                 summaries=data.draw(summaries_st(prompts)))
+        if data.draw(st.booleans()):  # the columns nodes send (issue 13): sizes and values at random
+            cols = data.draw(st.builds(pb.SummaryColumns, prompt_ids=st.lists(
+                st.one_of(text, st.sampled_from([p.id for p in prompts])), max_size=4),
+                **{f: st.binary(max_size=40) for f in ("policy_versions", "n", "k", "reward_means", "reward_stds",
+                                                        "n_responses", "lengths", "mean_logprobs")}))
+            if data.draw(st.booleans()):  # well-formed sizes, values at random
+                count = len(cols.prompt_ids)
+                for f, w in (("policy_versions", 8), ("n", 4), ("k", 4), ("reward_means", 8), ("reward_stds", 8)):
+                    setattr(cols, f, data.draw(st.binary(min_size=w * count, max_size=w * count)))
+                resp = data.draw(st.lists(st.integers(0, 3), min_size=count, max_size=count))
+                cols.n_responses = b"".join(r.to_bytes(4, "little") for r in resp)
+                cols.lengths = data.draw(st.binary(min_size=4 * sum(resp), max_size=4 * sum(resp)))
+                cols.mean_logprobs = data.draw(st.binary(min_size=8 * sum(resp), max_size=8 * sum(resp)))
+            req.columns.CopyFrom(cols)
     elif rpc == "GetMatches":
         req = pb.MatchRequest(node_id=node, session_id=session, round=data.draw(u64), wait_ms=data.draw(
             st.integers(0, 50)))

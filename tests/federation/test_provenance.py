@@ -135,6 +135,7 @@ def tamper(broker, digest, rec, provenance=None, run_id=""):
     sig, cert = provenance(new) if provenance else broker.state.bundle_provenance(digest)
     broker.state.put_bundle(new, data, signature=sig, signer_cert=cert)
     broker.state.set_bundle_digest("alice", 0, rec.prompt_id, new)
+    broker.fed.index.set_digest(0, "alice", rec.prompt_id, new)  # the broker answers from its round index
     return new
 
 

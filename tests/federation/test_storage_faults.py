@@ -46,8 +46,16 @@ def filled_state(path):
     st.put_summaries([SummaryRow("a", r, f"p{i}", r, 8, 1, 0.125, 0.33, [5] * 8, [-0.5] * 8)
                       for r in range(100) for i in range(20)])
     st.close()
-    assert os.path.getsize(path) > 20 * PAGE
+    assert os.path.getsize(path) > 4 * page_size(path)
     return path
+
+
+def page_size(path):
+    """The file's SQLite page size (header bytes 16-17; 1 means 65536)."""
+    with open(path, "rb") as fh:
+        fh.seek(16)
+        size = int.from_bytes(fh.read(2), "big")
+    return 65536 if size == 1 else size
 
 
 # ----- damaged files ------------------------------------------------------------------------------
@@ -56,7 +64,7 @@ def filled_state(path):
 def test_broker_refuses_a_damaged_state_file_at_start(how, prompt_file, tmp_path, capsys):
     db = filled_state(tmp_path / "broker.sqlite")
     if how == "pages":  # the header and schema are fine; data pages in the middle are not
-        damage(db, 8 * PAGE, 4 * PAGE)
+        damage(db, 2 * page_size(db), page_size(db))
     elif how == "truncated":
         with open(db, "r+b") as fh:
             fh.truncate(os.path.getsize(db) // 2)
@@ -155,7 +163,7 @@ def test_broker_full_disk_refuses_the_write_keeps_the_acknowledged_and_serves_re
             cap_pages(broker.state._conn)
         # publish rounds until the database cannot grow
         acked, failed = {0: 8}, None
-        for rnd in range(1, 200):
+        for rnd in range(1, 2000):  # 64 KiB pages: the last ones may take many small publishes
             try:
                 assert a.publish(rnd, [summary(p, 1, round=rnd) for p in prompts[:8]]) == (8, 0)
                 acked[rnd] = 8

@@ -1,0 +1,149 @@
+"""One synchronous round's matches as arrays, stored as one blob.
+
+A round of 64 nodes x 4,096 prompts has some 80,000 matches. Writing them as one SQLite row
+each, and reading them back per receiver to build its answer, took seconds after the last
+publish (issue 13). A `MatchSet` holds the round's participants, its prompt columns and
+four int32 arrays (receiver, column, source: participant indices and column numbers; and
+the source group's k), sorted by (receiver, prompt id) - the order `BrokerState.matches` lists them in. It is
+written once, in one transaction, and read back whole after a restart; the broker answers
+from it in memory.
+
+The encoding (`to_bytes`, `from_bytes`): the magic b"GFM1", a 4-byte little-endian length,
+a JSON header {"round", "nodes", "pids", "count"}, then the four arrays as little-endian
+int32. It imports neither the generated protobuf code nor a state implementation: both state
+backends and the handlers use it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+
+from graft_fed.broker.state import MatchRow
+
+MAGIC = b"GFM1"
+
+
+class MatchSetError(ValueError):
+    """A stored match set that does not decode (a damaged state file)."""
+
+
+class MatchSet:
+    def __init__(self, round: int, nodes: Sequence[str], pids: Sequence[str], receiver: np.ndarray,
+                 col: np.ndarray, source: np.ndarray, k: np.ndarray) -> None:
+        self.round = int(round)
+        self.nodes = list(nodes)
+        self.pids = list(pids)
+        self.receiver = np.ascontiguousarray(receiver, dtype=np.int32)
+        self.col = np.ascontiguousarray(col, dtype=np.int32)
+        self.source = np.ascontiguousarray(source, dtype=np.int32)
+        self.k = np.ascontiguousarray(k, dtype=np.int32)
+        self._pos = {n: i for i, n in enumerate(self.nodes)}
+        # receiver i's matches are [start[i], start[i + 1]) (rows are sorted by receiver)
+        self._start = np.searchsorted(self.receiver, np.arange(len(self.nodes) + 1)).astype(np.int64)
+        self._by_source: np.ndarray | None = None
+
+    @classmethod
+    def from_choice(cls, round: int, nodes: Sequence[str], pids: Sequence[str], k: np.ndarray,
+                    chosen: Sequence[tuple[np.ndarray, np.ndarray]]) -> "MatchSet":
+        """From broker.matching.select_sources_arrays' result (per receiver index:
+        (columns, source indices)) on the (N, P) matrix `k`; rows sorted by (receiver,
+        prompt id)."""
+        empty = np.zeros(0, dtype=np.int32)
+        if not chosen:
+            return cls(round, nodes, pids, empty, empty, empty, empty)
+        rank = np.empty(len(pids), dtype=np.int64)  # a column's place in prompt-id order
+        rank[np.argsort(np.asarray(pids, dtype=object), kind="stable")] = np.arange(len(pids))
+        recv, cols, srcs = [], [], []
+        for r, (c, s) in enumerate(chosen):
+            if not len(c):
+                continue
+            order = np.argsort(rank[c], kind="stable")
+            recv.append(np.full(len(c), r, dtype=np.int32))
+            cols.append(np.asarray(c)[order])
+            srcs.append(np.asarray(s)[order])
+        if not recv:
+            return cls(round, nodes, pids, empty, empty, empty, empty)
+        col, src = np.concatenate(cols), np.concatenate(srcs)
+        return cls(round, nodes, pids, np.concatenate(recv), col, src, np.asarray(k)[src, col])
+
+    def __len__(self) -> int:
+        return int(self.receiver.size)
+
+    def index(self, node: str) -> int | None:
+        return self._pos.get(node)
+
+    def for_receiver(self, node: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(columns, source indices, k) of the receiver's matches, in prompt-id order."""
+        i = self._pos.get(node)
+        if i is None:
+            empty = np.zeros(0, dtype=np.int32)
+            return empty, empty, empty
+        lo, hi = int(self._start[i]), int(self._start[i + 1])
+        return self.col[lo:hi], self.source[lo:hi], self.k[lo:hi]
+
+    def for_source(self, node: str) -> np.ndarray:
+        """Row numbers of the matches whose source is `node`."""
+        j = self._pos.get(node)
+        if j is None:
+            return np.zeros(0, dtype=np.int64)
+        if self._by_source is None:
+            self._by_source = np.argsort(self.source, kind="stable")
+        order = self._by_source
+        lo, hi = np.searchsorted(self.source[order], [j, j + 1])
+        return order[lo:hi]
+
+    def rows(self, receiver: str | None = None, source: str | None = None) -> list[MatchRow]:
+        """MatchRows (source_round = round), in (receiver, prompt id) order."""
+        if receiver is not None:
+            i = self._pos.get(receiver)
+            if i is None:
+                return []
+            sel = np.arange(int(self._start[i]), int(self._start[i + 1]))
+        else:
+            sel = np.arange(len(self))
+        if source is not None:
+            j = self._pos.get(source)
+            if j is None:
+                return []
+            sel = sel[self.source[sel] == j]
+        nodes, pids, r = self.nodes, self.pids, self.round
+        return [MatchRow(round=r, receiver=nodes[a], prompt_id=pids[c], source=nodes[s], source_round=r)
+                for a, c, s in zip(self.receiver[sel].tolist(), self.col[sel].tolist(), self.source[sel].tolist())]
+
+    def pairs(self) -> Counter[tuple[str, str]]:
+        """Matches per (source, receiver)."""
+        n = max(1, len(self.nodes))
+        counts = np.bincount(self.source.astype(np.int64) * n + self.receiver, minlength=n * n)
+        return Counter({(self.nodes[i // n], self.nodes[i % n]): int(counts[i]) for i in np.flatnonzero(counts)})
+
+    def to_bytes(self) -> bytes:
+        header = json.dumps({"round": self.round, "nodes": self.nodes, "pids": self.pids, "count": len(self)},
+                            separators=(",", ":")).encode("utf-8")
+        return b"".join([MAGIC, len(header).to_bytes(4, "little"), header, self.receiver.astype("<i4").tobytes(),
+                         self.col.astype("<i4").tobytes(), self.source.astype("<i4").tobytes(),
+                         self.k.astype("<i4").tobytes()])
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "MatchSet":
+        try:
+            if data[:4] != MAGIC:
+                raise ValueError("bad magic")
+            size = int.from_bytes(data[4:8], "little")
+            head = json.loads(data[8:8 + size].decode("utf-8"))
+            count = int(head["count"])
+            body = memoryview(data)[8 + size:]
+            if len(body) != 16 * count:
+                raise ValueError(f"{len(body)} bytes of arrays for {count} matches")
+            arrays = [np.frombuffer(body[i * 4 * count:(i + 1) * 4 * count], dtype="<i4") for i in range(4)]
+            out = cls(head["round"], head["nodes"], head["pids"], *arrays)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise MatchSetError(f"a stored match set does not decode ({exc})") from None
+        n_nodes, n_cols = len(out.nodes), len(out.pids)
+        for a, hi in ((out.receiver, n_nodes), (out.col, n_cols), (out.source, n_nodes)):
+            if a.size and (int(a.min()) < 0 or int(a.max()) >= hi):
+                raise MatchSetError("a stored match set refers to nodes or prompts it does not hold")
+        return out
