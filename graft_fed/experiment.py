@@ -106,6 +106,11 @@ class ExperimentConfig:
             run = self.base.get("run", {})
             require(int(run.get("eval_every", 0)) > 0,
                     "experiment.test_eval scores the best-validation checkpoint: set base.run.eval_every > 0")
+            scored = (self.test_eval.get("data") or {}).get("families")
+            for m, fams in self.withheld.items():
+                missing = [f for f in fams if scored is not None and f not in scored]
+                require(not missing, f"experiment.withheld[{m!r}] names {missing}, which test_eval.data.families "
+                                     f"({list(scored or [])}) does not score: add them there")
 
 
 def load_experiment_config(path: str | Path, quick: bool = False) -> ExperimentConfig:

@@ -259,3 +259,20 @@ def test_claims_read_paired_differences_on_the_withheld_slice(tmp_path):
                              arms=conf.arms, withheld=conf.withheld, implausible="b",
                              base=conf.base, test_eval=conf.test_eval)
     assert "**not yet measured**" in "\n".join(claims(empty))
+
+
+def test_a_withheld_slice_the_test_split_does_not_score_is_refused(tmp_path):
+    """A withheld slice missing from test_eval's families would report nothing for the primary
+    metric: the config is refused, naming the slice and where to add it."""
+    import pytest
+
+    from graft_fed.errors import ConfigError
+    from graft_fed.experiment import ExperimentConfig
+
+    ev = {"data": {"source": "embedded:arith-v1", "split": "test", "families": ["add_nocarry", "mul"]}}
+    with pytest.raises(ConfigError, match=r"withheld\['qwen3'\] names \['add_carry'\].*add them there"):
+        ExperimentConfig(output_dir=str(tmp_path), seeds=(0,), models={"llama": "a", "qwen3": "b"},
+                         base={"run": {"eval_every": 2}}, test_eval=ev, withheld={"qwen3": ("add_carry",)})
+    ExperimentConfig(output_dir=str(tmp_path), seeds=(0,), models={"llama": "a", "qwen3": "b"},
+                     base={"run": {"eval_every": 2}}, test_eval={"data": {**ev["data"], "families": ["add_carry"]}},
+                     withheld={"qwen3": ("add_carry",)})
