@@ -258,6 +258,10 @@ def _check_families(families: Sequence[str] | None) -> tuple[str, ...]:
     for f in families:
         if f not in FAMILIES and f not in VARIANTS:
             raise _unknown_family(f)
+    for f in families:
+        if f in VARIANTS and VARIANTS[f][0] in families:
+            raise DataError(f"families {VARIANTS[f][0]!r} and {f!r} overlap ({f} is a slice of {VARIANTS[f][0]}): "
+                            f"the same problem would appear twice; name the family or its sub-families, not both")
     return tuple(dict.fromkeys(families))
 
 

@@ -153,3 +153,9 @@ def test_sub_families_partition_their_family():
 def test_sub_family_names_in_errors():
     with pytest.raises(DataError, match="sub-family: add_carry"):
         embedded_split("test", ["add_carr"], per_family=1)
+
+
+def test_a_family_and_its_sub_family_together_are_refused():
+    with pytest.raises(DataError, match="'add' and 'add_carry' overlap"):
+        embedded_split("test", ["add", "add_carry"], per_family=1)
+    assert len(embedded_split("test", ["add_nocarry", "add_carry", "sub"], per_family=3)) == 9
