@@ -255,7 +255,33 @@ def test_claims_read_paired_differences_on_the_withheld_slice(tmp_path):
     assert "Stored keeps >= 85% of the co-trained gain: **met**" in text  # 18 of 20 points: 90%
     assert "Gate-off is worse when the implausible peer (b) is present: **met**" in text
     assert "> random matching: **met**" in text
+    assert "a +15.0 ± 0.0 (2/2 seeds ahead): met" in text  # each receiver's own verdict
+    # one receiver without the gain: the claim is not met, and the rows say for whom
+    for seed in (0, 1):
+        (root / "graft_all" / f"seed{seed}" / "all" / "c" / "summary.json").unlink()
+        (root / "graft_all" / f"seed{seed}" / "all" / "c").rmdir()
+        put(root / "graft_all" / f"seed{seed}" / "all" / "c", 0.15)
+    text = "\n".join(claims(conf))
+    assert "withheld slice: **not met**" in text
+    assert "a +15.0 ± 0.0 (2/2 seeds ahead): met" in text and "c -5.0 ± 0.0 (0/2 seeds ahead): not met" in text
     empty = ExperimentConfig(output_dir=str(tmp_path / "none"), seeds=(0,), models=conf.models, pairs=conf.pairs,
                              arms=conf.arms, withheld=conf.withheld, implausible="b",
                              base=conf.base, test_eval=conf.test_eval)
     assert "**not yet measured**" in "\n".join(claims(empty))
+
+
+def test_a_withheld_slice_the_test_split_does_not_score_is_refused(tmp_path):
+    """A withheld slice missing from test_eval's families would report nothing for the primary
+    metric: the config is refused, naming the slice and where to add it."""
+    import pytest
+
+    from graft_fed.errors import ConfigError
+    from graft_fed.experiment import ExperimentConfig
+
+    ev = {"data": {"source": "embedded:arith-v1", "split": "test", "families": ["add_nocarry", "mul"]}}
+    with pytest.raises(ConfigError, match=r"withheld\['qwen3'\] names \['add_carry'\].*add them there"):
+        ExperimentConfig(output_dir=str(tmp_path), seeds=(0,), models={"llama": "a", "qwen3": "b"},
+                         base={"run": {"eval_every": 2}}, test_eval=ev, withheld={"qwen3": ("add_carry",)})
+    ExperimentConfig(output_dir=str(tmp_path), seeds=(0,), models={"llama": "a", "qwen3": "b"},
+                     base={"run": {"eval_every": 2}}, test_eval={"data": {**ev["data"], "families": ["add_carry"]}},
+                     withheld={"qwen3": ("add_carry",)})

@@ -38,7 +38,7 @@ class DataConfig:
     source: str = "embedded:arith-v1"
     #: Split to load: used by embedded and hf sources; a file or benchmark IS one split.
     split: str = "train"
-    #: Embedded task families to include (embedded only); empty means all.
+    #: Embedded task families (or sub-families such as add_carry) to include (embedded only); empty means all.
     families: tuple[str, ...] = ()
     #: Prompts per family (embedded only); None means the task's default for the split.
     per_family: int | None = None

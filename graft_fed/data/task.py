@@ -16,6 +16,17 @@ Families (the names are API):
   ``<running remainder*10+digit>%d=<new remainder>``.
 - ``lin``: solve ``a*x + b = c`` for an integer x (a in 2..9, x in -9..12, b in +-1..20).
 
+Sub-families (``VARIANTS``; not in ``FAMILIES``, so the default dataset is unchanged): a
+slice of one family's operands, written, phrased, verified and split exactly as that family
+(an operand tuple is in the same split under both names), but labelled with its own name in
+``meta["family"]`` so a model can be taught without it and scored on it alone:
+
+- ``add_carry``: the ``add`` problems whose sum has four digits, so the scratchpad ends in a
+  carry-out line (``c1 r1<so far>``);
+- ``add_nocarry``: the other ``add`` problems (sum below 1000);
+- ``sub_borrow``: the ``sub`` problems where some column borrows (a ``top-bottom-borrow+10``
+  line); ``sub_noborrow``: the others.
+
 Scratchpad styles (``solution(prompt, style=...)``; the names are API): ``plain`` is the
 scratchpad above, the one every prompt's ``meta["solution"]`` holds; ``words`` is the same
 computation, step for step, written in words (``2 plus 9 plus 0 is 11, so far 1``) and ending
@@ -48,6 +59,24 @@ DEFAULT_PER_FAMILY = {"train": 2000, "validation": 100, "test": 200}
 # Share of the operand space (out of 100 hash buckets) that belongs to each split.
 # Small families (mul, mod, lin: about 7,000 operand tuples each) still give a test
 # split of ~700 and a validation split of ~350 distinct problems.
+#: Sub-family -> (its family, which of that family's operand tuples belong to it).
+VARIANTS: dict[str, tuple[str, Callable[[tuple[int, ...]], bool]]] = {
+    "add_carry": ("add", lambda ops: ops[0] + ops[1] >= 1000),
+    "add_nocarry": ("add", lambda ops: ops[0] + ops[1] < 1000),
+    "sub_borrow": ("sub", lambda ops: _borrows(*ops)),
+    "sub_noborrow": ("sub", lambda ops: not _borrows(*ops)),
+}
+
+
+def _borrows(a: int, b: int) -> bool:
+    return any(kind == "sub_borrow" for kind, _ in _steps_sub(a, b))
+
+
+def base_family(family: str) -> str:
+    """The family whose problems a family or sub-family name draws (``add_carry`` -> ``add``)."""
+    return VARIANTS[family][0] if family in VARIANTS else family
+
+
 _SPLIT_BUCKETS = {"test": range(0, 10), "validation": range(10, 15), "train": range(15, 100)}
 
 _PHRASINGS: dict[str, tuple[str, ...]] = {
@@ -79,6 +108,12 @@ _PARSERS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
 # --- operand sampling -----------------------------------------------------------------
 
 def _operands(family: str, rng: random.Random) -> tuple[int, ...]:
+    if family in VARIANTS:
+        base, member = VARIANTS[family]
+        while True:  # every sub-family holds a large share of its family's operands
+            ops = _operands(base, rng)
+            if member(ops):
+                return ops
     if family == "add":
         return rng.randint(100, 999), rng.randint(100, 999)
     if family == "sub":
@@ -211,7 +246,8 @@ def _solution_text(family: str, ops: tuple[int, ...], style: str = "plain") -> s
 # --- public API -----------------------------------------------------------------------
 
 def _unknown_family(family: str) -> DataError:
-    return DataError(f"unknown embedded task family {family!r}; choose from {', '.join(FAMILIES)}")
+    return DataError(f"unknown embedded task family {family!r}; choose from "
+                     f"{', '.join(FAMILIES)} or a sub-family: {', '.join(VARIANTS)}")
 
 
 def _check_families(families: Sequence[str] | None) -> tuple[str, ...]:
@@ -220,29 +256,36 @@ def _check_families(families: Sequence[str] | None) -> tuple[str, ...]:
     if isinstance(families, str):
         families = [families]
     for f in families:
-        if f not in FAMILIES:
+        if f not in FAMILIES and f not in VARIANTS:
             raise _unknown_family(f)
+    for f in families:
+        if f in VARIANTS and VARIANTS[f][0] in families:
+            raise DataError(f"families {VARIANTS[f][0]!r} and {f!r} overlap ({f} is a slice of {VARIANTS[f][0]}): "
+                            f"the same problem would appear twice; name the family or its sub-families, not both")
     return tuple(dict.fromkeys(families))
 
 
 def _make(family: str, ops: tuple[int, ...], phrasing: str) -> Prompt:
-    return Prompt.make(DATASET_ID, _problem_text(family, ops, phrasing), str(_answer(family, ops)),
-                       family=family, operands=list(ops), solution=_solution_text(family, ops))
+    base = base_family(family)
+    return Prompt.make(DATASET_ID, _problem_text(base, ops, phrasing), str(_answer(base, ops)),
+                       family=family, operands=list(ops), solution=_solution_text(base, ops))
 
 
 def make_prompt(family: str, rng: random.Random) -> Prompt:
-    """One random problem of `family`; meta holds family, operands and the scratchpad."""
-    if family not in FAMILIES:
+    """One random problem of `family` (or sub-family); meta holds family, operands and the
+    scratchpad."""
+    if family not in FAMILIES and family not in VARIANTS:
         raise _unknown_family(family)
     ops = _operands(family, rng)
-    return _make(family, ops, rng.choice(_PHRASINGS[family]))
+    return _make(family, ops, rng.choice(_PHRASINGS[base_family(family)]))
 
 
 def _parse(prompt: Prompt) -> tuple[str, tuple[int, ...]]:
     meta = prompt.meta or {}
     family, ops = meta.get("family"), meta.get("operands")
-    if family in FAMILIES and ops:
+    if (family in FAMILIES or family in VARIANTS) and ops:
         return family, tuple(int(x) for x in ops)
+    family = base_family(family) if isinstance(family, str) else family
     text = " ".join(prompt.problem.split())
     for fam, rx in _PARSERS:
         if family not in (None, fam):
@@ -261,15 +304,16 @@ def solution(prompt: Prompt, style: str = "plain") -> str:
     """The scratchpad solution of an embedded-task prompt, re-derived from the problem, in
     scratchpad style `style` (see STYLES; the default is the one in ``meta["solution"]``)."""
     family, ops = _parse(prompt)
-    return _solution_text(family, ops, style)
+    return _solution_text(base_family(family), ops, style)
 
 
 def family_of(prompt: Prompt) -> str:
+    """The prompt's family, or its sub-family where ``meta`` names one."""
     return _parse(prompt)[0]
 
 
 def _split_bucket(family: str, ops: tuple[int, ...]) -> int:
-    key = f"{DATASET_ID}|{family}|{','.join(map(str, ops))}".encode()
+    key = f"{DATASET_ID}|{base_family(family)}|{','.join(map(str, ops))}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 100
 
 
@@ -307,7 +351,7 @@ def embedded_split(split: str, families: Sequence[str] | None = None,
                     f"could only find {len(rows)} distinct {family!r} problems for split {split!r} "
                     f"(asked for {n}); the family's operand space is too small: ask for fewer")
             ops = _operands(family, rng)
-            phrasing = rng.choice(_PHRASINGS[family])
+            phrasing = rng.choice(_PHRASINGS[base_family(family)])
             if ops in seen or _split_bucket(family, ops) not in buckets:
                 continue
             seen.add(ops)

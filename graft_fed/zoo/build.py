@@ -126,6 +126,22 @@ RECIPES: dict[str, dict[str, ZooSpec]] = {
         "tiny-qwen3-unigram": dataclasses.replace(
             SPECS["tiny-qwen3-unigram"], mix={"add": 0.33, "sub": 0.33, "mul": 0.34}),
     },
+    # A missing sub-skill inside a known family (issue 15, setting E): the `complementary` recipe
+    # showed that a model never taught a whole family finds a peer's solutions of it implausible
+    # (s = 0.00 on every withheld slice), so the gate admits none. Here each receiver misses a
+    # few steps of a family it otherwise knows: qwen3 never sees an addition with a carry-out
+    # (add_carry), llama never a subtraction that borrows (sub_borrow). Each slice has one
+    # plausible solver (the other plain-style model) and one implausible one (gpt2, in words,
+    # the same model as in `complementary`).
+    "carry": {
+        "tiny-llama-char": dataclasses.replace(
+            SPECS["tiny-llama-char"], mix={"add": 0.33, "sub_noborrow": 0.33, "mul": 0.34}, steps=1200),
+        "tiny-gpt2-bpe": dataclasses.replace(
+            SPECS["tiny-gpt2-bpe"], mix={"add": 0.2, "sub": 0.2, "mul": 0.2, "lin": 0.4},
+            styles={"words": 1.0}, steps=2400),
+        "tiny-qwen3-unigram": dataclasses.replace(
+            SPECS["tiny-qwen3-unigram"], mix={"add_nocarry": 0.33, "sub": 0.33, "mul": 0.34}),
+    },
 }
 
 

@@ -108,3 +108,54 @@ def test_errors():
         embedded_split("validation", families=["lin"], per_family=1000)
     with pytest.raises(DataError, match="not an embedded"):
         solution(Prompt.make("x", "What is love?", "1"))
+
+
+# --- sub-families (issue 15, setting E) -------------------------------------------------
+
+from graft_fed.data.task import VARIANTS, base_family, family_of  # noqa: E402
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_sub_families_are_slices_of_their_family(variant):
+    """A sub-family's problems are its family's problems (same text, answer, scratchpad, split
+    and prompt id) restricted to its operands, labelled with its own name."""
+    base, member = VARIANTS[variant]
+    assert base_family(variant) == base and base_family(base) == base
+    for split in ("train", "test"):
+        rows = embedded_split(split, [variant], per_family=60, seed=3)
+        assert len({r.id for r in rows}) == 60
+        for r in rows:
+            ops = tuple(r.meta["operands"])
+            assert member(ops) and r.meta["family"] == variant and family_of(r) == variant
+            assert split_of(r) == split
+            plain = Prompt.make(DATASET_ID, r.problem, r.answer)  # no meta: read from the text
+            assert plain.id == r.id and family_of(plain) == base
+            assert solution(plain) == solution(r) == r.meta["solution"]
+            assert r.answer == BOXED.findall(r.meta["solution"])[-1]
+            _check_arithmetic(Prompt.make(DATASET_ID, r.problem, r.answer, family=base, operands=list(ops)),
+                              r.meta["solution"])
+
+
+def test_sub_families_partition_their_family():
+    """Each pair of sub-families splits its family's operands in two, by the scratchpad step
+    that names them: a carry-out line for add_carry, a +10 line for sub_borrow."""
+    add = embedded_split("test", ["add"], per_family=200)
+    carry = [r for r in add if VARIANTS["add_carry"][1](tuple(r.meta["operands"]))]
+    assert all(("\nc1 r1" in r.meta["solution"]) == (r in carry) for r in add)
+    assert all(VARIANTS["add_carry"][1](tuple(r.meta["operands"]))
+               != VARIANTS["add_nocarry"][1](tuple(r.meta["operands"])) for r in add)
+    sub = embedded_split("test", ["sub"], per_family=200)
+    assert all(("+10=" in r.meta["solution"]) == VARIANTS["sub_borrow"][1](tuple(r.meta["operands"]))
+               != VARIANTS["sub_noborrow"][1](tuple(r.meta["operands"])) for r in sub)
+    assert 0.2 < len(carry) / len(add) < 0.8
+
+
+def test_sub_family_names_in_errors():
+    with pytest.raises(DataError, match="sub-family: add_carry"):
+        embedded_split("test", ["add_carr"], per_family=1)
+
+
+def test_a_family_and_its_sub_family_together_are_refused():
+    with pytest.raises(DataError, match="'add' and 'add_carry' overlap"):
+        embedded_split("test", ["add", "add_carry"], per_family=1)
+    assert len(embedded_split("test", ["add_nocarry", "add_carry", "sub"], per_family=3)) == 9
