@@ -250,14 +250,18 @@ def _unknown_family(family: str) -> DataError:
                      f"{', '.join(FAMILIES)} or a sub-family: {', '.join(VARIANTS)}")
 
 
+def _require_known(family: str) -> None:
+    if family not in FAMILIES and family not in VARIANTS:
+        raise _unknown_family(family)
+
+
 def _check_families(families: Sequence[str] | None) -> tuple[str, ...]:
     if families is None:
         return FAMILIES
     if isinstance(families, str):
         families = [families]
     for f in families:
-        if f not in FAMILIES and f not in VARIANTS:
-            raise _unknown_family(f)
+        _require_known(f)
     for f in families:
         if f in VARIANTS and VARIANTS[f][0] in families:
             raise DataError(f"families {VARIANTS[f][0]!r} and {f!r} overlap ({f} is a slice of {VARIANTS[f][0]}): "
@@ -274,8 +278,7 @@ def _make(family: str, ops: tuple[int, ...], phrasing: str) -> Prompt:
 def make_prompt(family: str, rng: random.Random) -> Prompt:
     """One random problem of `family` (or sub-family); meta holds family, operands and the
     scratchpad."""
-    if family not in FAMILIES and family not in VARIANTS:
-        raise _unknown_family(family)
+    _require_known(family)
     ops = _operands(family, rng)
     return _make(family, ops, rng.choice(_PHRASINGS[base_family(family)]))
 
