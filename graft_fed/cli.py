@@ -559,6 +559,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    code = _run(args)
+    # a torchrun process ends here, without the interpreter finalisation that races torch's
+    # gloo threads (end_process); the module is loaded only by commands that can join a group
+    dist_module = sys.modules.get("graft_fed.trainer.distributed")
+    return dist_module.end_process(code) if dist_module is not None else code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command not in ("train", "cotrain", "node") and "WORLD_SIZE" in os.environ:
             from graft_fed.trainer.distributed import launched_by_torchrun

@@ -19,7 +19,7 @@ def main(prefix: str, config: str, fault: str) -> None:
 
     from graft_fed.errors import CheckpointError
     from graft_fed.trainer.config import load_train_config
-    from graft_fed.trainer.distributed import DistributedGRPOTrainer, shutdown
+    from graft_fed.trainer.distributed import DistributedGRPOTrainer, end_process, shutdown
 
     what, rank_s = fault.split("@")
     with DistributedGRPOTrainer(load_train_config(config), quiet=True) as tr:
@@ -50,6 +50,7 @@ def main(prefix: str, config: str, fault: str) -> None:
     with open(f"{prefix}.{rank}.json", "w") as fh:
         json.dump(outcome, fh)
     shutdown()
+    end_process(0)  # as the CLI ends a torchrun process
 
 
 if __name__ == "__main__":

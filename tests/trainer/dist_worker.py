@@ -16,7 +16,7 @@ import torch
 
 def main(out: str, configs: list[str]) -> None:
     from graft_fed.trainer.config import load_train_config
-    from graft_fed.trainer.distributed import DistributedGRPOTrainer, shutdown
+    from graft_fed.trainer.distributed import DistributedGRPOTrainer, end_process, shutdown
 
     grads, rows = [], []
     rank = 0
@@ -32,6 +32,7 @@ def main(out: str, configs: list[str]) -> None:
     if rank == 0:
         torch.save({"grads": grads, "rows": rows}, out)
     shutdown()
+    end_process(0)  # as the CLI ends a torchrun process
 
 
 if __name__ == "__main__":

@@ -313,3 +313,26 @@ def test_a_save_failing_on_one_process_fails_cleanly_on_all(tmp_path, fault):
     ckpts = tmp_path / "faulty" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000"]
     ckpt.verify_checkpoint(ckpts / "step_000000")
+
+
+def test_a_process_that_joined_a_group_ends_with_its_code_and_everything_written(tmp_path):
+    """end_process: the CLI's way out of a torchrun process (no interpreter finalisation, which
+    races gloo's threads). Whatever was printed or logged before still arrives, and the code is
+    the command's; outside a group it only returns the code."""
+    from graft_fed.trainer import distributed
+
+    assert distributed.end_process(3) == 3  # this pytest process joined no group
+    log = tmp_path / "log.txt"
+    script = ("import logging, sys\n"
+              "from graft_fed.trainer import distributed\n"
+              f"logging.basicConfig(filename={str(log)!r}, level=logging.INFO)\n"
+              "distributed._joined_group = True\n"
+              "print('to stdout', end='')\n"
+              "sys.stderr.write('to stderr')\n"
+              "logging.getLogger('x').info('logged')\n"
+              "distributed.end_process(3)\n"
+              "print('not reached')\n")
+    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (res.returncode, res.stdout, res.stderr) == (3, "to stdout", "to stderr")
+    assert "logged" in log.read_text()
