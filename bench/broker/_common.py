@@ -149,6 +149,9 @@ def _broker_server(conn, cfg_map: dict) -> None:
     from graft_fed.configbase import from_mapping
 
     server = BrokerServer(from_mapping(BrokerConfig, cfg_map)).start()
+    every = float(os.environ.get("GRAFT_BENCH_PROGRESS_S", "0"))
+    if every > 0:  # a line every `every` seconds on stderr: where a long cell stands
+        threading.Thread(target=_progress, args=(server, every), daemon=True).start()
     conn.send(server.port)
     msg = conn.recv()
     out = {}
@@ -159,6 +162,20 @@ def _broker_server(conn, cfg_map: dict) -> None:
         conn.recv()
     server.stop(0.5)
     conn.send("stopped")
+
+
+def _progress(server, every: float) -> None:
+    import sys
+
+    fed, t0 = server.fed, time.monotonic()
+    while True:
+        time.sleep(every)
+        r = fed.current_round()
+        calls = {m: n for (m, code), n in sorted(server.servicer.stats.calls.items())}
+        print(f"[broker +{time.monotonic() - t0:.0f}s] threads {threading.active_count()} round {r} published "
+              f"{[fed.index.published_count(x) for x in range(max(0, r - 1), r + 1)]} online "
+              f"{fed.registry.online_count()} polls waiting {sum(fed._polls.values())} calls {calls}",
+              file=sys.stderr, flush=True)
 
 
 class ChildServer:

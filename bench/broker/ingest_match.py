@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -69,7 +70,8 @@ def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds:
         req.tag.CopyFrom(new_tag())  # replay protection: fresh id and send time per request
         barrier.wait()
         out["t_send"][r][i] = time.perf_counter()
-        resp = c.stub.PublishSummaries(req, timeout=timeout_s)
+        resp = _traced(f"{c.node_id} round {r} PublishSummaries", out["t_send"][r][i],
+                       lambda: c.stub.PublishSummaries(req, timeout=timeout_s))
         out["t_ack"][r][i] = time.perf_counter()
         out["accepted"][r][i] = resp.accepted
         while True:
@@ -77,26 +79,47 @@ def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds:
             # the raw stub: the answer parsed by protobuf (C), not turned into Python Offer
             # objects, so that node threads sharing a process's GIL do not add their
             # decoding to each other's latency (a real node is a process)
-            m = c.stub.GetMatches(pb.MatchRequest(node_id=c.node_id, session_id=c.session, round=r, wait_ms=30000),
-                                  timeout=timeout_s)
+            m = _traced(f"{c.node_id} round {r} GetMatches #{out['polls'][r][i]}", out["t_send"][r][i],
+                        lambda: c.stub.GetMatches(pb.MatchRequest(node_id=c.node_id, session_id=c.session, round=r,
+                                                                  wait_ms=30000), timeout=timeout_s))
             if m.ready:
                 break
         out["t_ready"][r][i] = time.perf_counter()
         out["offers"][r][i] = len(m.offers)
 
 
-class _SharedBarrier:
-    """A barrier shared by the node threads of several processes (run_threads aborts `.b`)."""
+def _traced(what: str, t_round: float, call):
+    """call(), a failure re-raised with the call, the node, the round and the seconds since the
+    node sent its publish (a gRPC error alone says none of these)."""
+    try:
+        return call()
+    except grpc.RpcError as exc:
+        raise RuntimeError(f"{what} failed {time.perf_counter() - t_round:.1f} s after its publish was sent: "
+                           f"{exc.code().name} {exc.details()!r}") from None
 
-    def __init__(self, b) -> None:
-        self.b = b
+
+class _ProcessBarrier:
+    """The barrier of one client process's node threads, whose last arrival also waits for
+    every other client process (through the parent: "arrived", then "go"). A
+    multiprocessing.Barrier of 1,000 threads in 8 processes left 150 of them asleep after
+    it released (1,000 x 128 never finished its first round); this one wakes threads of
+    one process only. run_threads aborts `.b`."""
+
+    def __init__(self, count: int, conn) -> None:
+        self.conn = conn
+        self.b = threading.Barrier(count, action=self._all_processes)
+
+    def _all_processes(self) -> None:
+        self.conn.send("arrived")
+        if self.conn.recv() != "go":
+            raise threading.BrokenBarrierError
 
     def wait(self) -> None:
         self.b.wait()
 
 
 def _client_proc(conn, address: str, ids: list[int], payloads: list[list[bytes]], rounds: int, manifest: Manifest,
-                 timeout_s: float, barrier) -> None:
+                 timeout_s: float) -> None:
     """Child process: the nodes `ids`, each a thread with its own channel and heartbeat
     thread. Reports the sessions after joining, waits for "go", reports the timings
     (time.perf_counter is CLOCK_MONOTONIC on Linux: one clock for every process)."""
@@ -110,10 +133,19 @@ def _client_proc(conn, address: str, ids: list[int], payloads: list[list[bytes]]
         for i, c in clients.items():
             c.join(f"model{i}", "tok", manifest, "share_all", 0)
         conn.send({f"node{i:02d}": c.session for i, c in clients.items()})
-        conn.recv()  # go
         requests = {i: [pb.PublishRequest.FromString(b) for b in payloads[k]] for k, i in enumerate(ids)}
         order = list(ids)
-        shared = _SharedBarrier(barrier)
+        shared = _ProcessBarrier(len(order), conn)
+        every = float(os.environ.get("GRAFT_BENCH_PROGRESS_S", "0"))
+        if every > 0:
+            def progress() -> None:
+                t0 = time.monotonic()
+                while True:
+                    time.sleep(every)
+                    print(f"[clients {ids[0]} +{time.monotonic() - t0:.0f}s] sent/acked/ready per round "
+                          f"{[(len([v for v in out['t_send'][r].values() if v]), len([v for v in out['t_ack'][r].values() if v]), len([v for v in out['t_ready'][r].values() if v])) for r in range(rounds)]}",
+                          file=sys.stderr, flush=True)
+            threading.Thread(target=progress, daemon=True).start()
         run_threads(lambda k: run_node(clients[order[k]], order[k], requests[order[k]], rounds, shared, timeout_s, out),
                     len(order), timeout_s * rounds, shared)
         conn.send(out)
@@ -130,14 +162,13 @@ def run_client_procs(address: str, n_nodes: int, procs: int, requests: list[list
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(n_nodes, timeout=timeout_s)
     children = []
     for p in range(procs):
         ids = list(range(p, n_nodes, procs))
         mine, theirs = ctx.Pipe()
         payloads = [[req.SerializeToString() for req in requests[i]] for i in ids]
-        proc = ctx.Process(target=_client_proc, args=(theirs, address, ids, payloads, rounds, manifest, timeout_s,
-                                                      barrier), daemon=True)
+        proc = ctx.Process(target=_client_proc, args=(theirs, address, ids, payloads, rounds, manifest, timeout_s),
+                           daemon=True)
         proc.start()
         children.append((proc, mine))
     try:
@@ -151,8 +182,13 @@ def run_client_procs(address: str, n_nodes: int, procs: int, requests: list[list
         prober = threading.Thread(target=probe, args=(prober_client,), daemon=True)
         prober.start()
         try:
-            for _, conn in children:
-                conn.send("go")
+            for _ in range(rounds):  # every process's nodes at their barrier, then all released
+                for proc, conn in children:
+                    got = conn.recv() if conn.poll(timeout_s) else RuntimeError("a client process timed out")
+                    if isinstance(got, Exception):
+                        raise got
+                for _, conn in children:
+                    conn.send("go")
             results = []
             for proc, conn in children:
                 got = conn.recv() if conn.poll(timeout_s * rounds) else RuntimeError("a client process timed out")
