@@ -30,6 +30,7 @@ from graft_fed.broker.registry import Registry
 from graft_fed.broker.replay import ReplayGuard
 from graft_fed.broker.roundindex import RoundIndex
 from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow
+from graft_fed.broker.wakeups import Wakeups
 from graft_fed.core.exchange import SourceGroup, classify, select_for_receiver
 from graft_fed.core.records import RecordError
 from graft_fed.data.config import load_prompts
@@ -88,6 +89,10 @@ class Federation:
             mode=cfg.mode, verifier_name=cfg.verifier.name, verifier_version=verifier_version(cfg.verifier),
             staleness_rounds=cfg.staleness_rounds)
         self.cond = threading.Condition()
+        # what long-polls wait on: ("round", r) until round r is ready or matched,
+        # ("bundles", r) for bundles of round r, ("bundles", None) for any bundle (asynchronous
+        # mode); never the lock above, which a thousand waiters kept busy (wakeups.py)
+        self.wakeups = Wakeups()
         self.counters: Counter[str] = Counter()
         # bundle digest -> receivers allowed to fetch it (what GetMatches offered them)
         self.grants = Grants(MAX_GRANTS)
@@ -168,7 +173,6 @@ class Federation:
             self.state.upsert_node(row)
             self.registry.remember(row)
             self.counters["joins"] += 1
-            self.cond.notify_all()
         log.info("node %s joined (model %s, privacy %s, round %d)", node_id, model_id, privacy, resume_round)
         return session, self.current_round()
 
@@ -178,7 +182,7 @@ class Federation:
             row = replace(node, state="left", last_seen=self.clock())
             self.state.upsert_node(row)
             self.registry.remember(row)
-            self.cond.notify_all()
+        self.wake_ready_rounds()  # the rounds that waited for it may be ready now
         log.info("node %s left", node_id)
 
     def heartbeat(self, node_id: str, session_id: str, round: int) -> tuple[int, int]:
@@ -338,13 +342,21 @@ class Federation:
         with self.cond:
             self.counters["summaries"] += accepted
             self.counters["duplicate_summaries"] += dups
-            # Wake the waiting long-polls only when this publish may have completed the round:
-            # a thousand waiters woken by each of a thousand publishes is a million wake-ups a
-            # round. They also wake on their own at least once a second (and on housekeeping's
-            # tick), which covers a round closed by its deadline or by a node going offline.
-            if self.cfg.mode != "sync" or self._round_ready(round):
-                self.cond.notify_all()
+        # Wake the round's long-polls only when this publish may have completed it: a thousand
+        # waiters woken by each of a thousand publishes is a million wake-ups a round. A round
+        # closed by its deadline wakes its waiters by their own timeout; one closed by a node
+        # going offline or leaving, by wake_ready_rounds (housekeeping, every second).
+        if self.cfg.mode == "sync" and self._round_ready(round):
+            self.wakeups.wake(("round", round))
         return accepted, dups
+
+    def wake_ready_rounds(self) -> None:
+        """Wake the long-polls of every round someone waits for that is ready now (a node went
+        offline or left, which no publish reports). The server's housekeeping calls it every
+        second."""
+        for key in self.wakeups.keys():
+            if key[0] == "round" and self._round_ready(key[1]):
+                self.wakeups.wake(key)
 
     # ----- matching -----------------------------------------------------------------------------
 
@@ -387,11 +399,11 @@ class Federation:
             return True
         if self.clock() - rnd.opened_at >= self.cfg.round_deadline_s:
             return True
-        # Every waiting GetMatches asks this on every wake-up (each publish wakes them all):
-        # with a thousand nodes, a thousand callers each scanning a thousand nodes per publish.
+        # Every GetMatches asks this when it arrives and when it is woken, and every publish
+        # asks it: with a thousand nodes, a thousand callers each scanning a thousand nodes.
         # The answer for a round and a count of publishers is reused for a quarter second
         # (liveness and rounds change no faster than that matters; a stale "not yet" is
-        # asked again at the next wake-up, at most a second later).
+        # asked again by housekeeping's wake_ready_rounds, at most a second later).
         count = self.index.published_count(round)
         key = (round, count)
         now = time.monotonic()
@@ -531,8 +543,7 @@ class Federation:
         writers of MatchResponse.offers and .upload_requests, passed by the servicer) the
         answer carries them encoded (`offers_wire`, `uploads_wire`), the offers from a cache
         kept per round and receiver."""
-        with self.cond:
-            self._node(node_id, session_id)
+        self._node(node_id, session_id)
         with self._polls_lock:
             if self._polls[node_id] >= MAX_LONG_POLLS_PER_NODE:
                 self.counters["long_polls_refused"] += 1
@@ -559,9 +570,16 @@ class Federation:
         # with many nodes, publishes and heartbeats no longer queue behind every waiting
         # node's answer (bench/broker/load.py measured heartbeats at seconds).
         if wait_for_bundles:
-            with self.cond:
-                while self._missing_bundles(node_id, round) and time.monotonic() < deadline:
-                    self.cond.wait(timeout=max(0.01, min(deadline - time.monotonic(), 1.0)))
+            # woken by each upload of the round's bundles (of any round's, asynchronous mode)
+            key = ("bundles", round if self.cfg.mode == "sync" else None)
+            while True:
+                event = self.wakeups.event(key)  # before looking: an upload meanwhile is not missed
+                with self.cond:
+                    missing = self._missing_bundles(node_id, round)
+                remaining = deadline - time.monotonic()
+                if not missing or remaining <= 0:
+                    break
+                event.wait(timeout=remaining)
         lo = round - self.cfg.staleness_rounds if self.cfg.mode == "async" else round
         with self.work:
             cands, solved = self._complementarity(node_id, round, lo)
@@ -575,35 +593,38 @@ class Federation:
 
     def _wait_matched(self, node_id: str, session_id: str, round: int, deadline: float) -> bool:
         """Wait until the round is matched for this node, matching it when this call finds it
-        ready; False when the deadline passed first. Matching runs outside the broker's lock,
-        under the match lock and a work slot (always taken in that order, never while holding
-        the broker's lock: a publish holds a slot and then takes the lock briefly)."""
+        ready; False when the deadline passed first. The wait is on the round's wake-up event
+        (wakeups.py), never holding the broker's lock; it ends when a publish completes the
+        round, when housekeeping finds it ready (a node went offline), at the round's
+        deadline, or at the call's. Matching runs under the match lock and a work slot
+        (always taken in that order, never while holding the broker's lock: a publish holds
+        a slot and then takes the lock briefly)."""
         action: tuple[str, int] | None = None
-        with self.cond:
-            self._node(node_id, session_id)
-            if not self.index.has_published(round, node_id):
-                raise FailedPrecondition(f"node {clip(node_id)} has published nothing for round {round}; "
-                                         "publish its summaries before asking for matches")
-            while True:
-                if self.cfg.mode == "async":
-                    if not self.state.matches(round=round, receiver=node_id):
-                        action = ("one", round - self.cfg.staleness_rounds)
-                    break
-                if self._round_ready(round):
-                    rnd = self._get_round(round)
-                    assert rnd is not None
-                    if rnd.state != "matched":
-                        action = ("round", round)
-                    elif node_id not in rnd.participants and not self.state.matches(round=round, receiver=node_id):
-                        # published after the round was matched: learn from the stored groups
-                        action = ("one", round)
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
+        self._node(node_id, session_id)
+        if not self.index.has_published(round, node_id):
+            raise FailedPrecondition(f"node {clip(node_id)} has published nothing for round {round}; "
+                                     "publish its summaries before asking for matches")
+        while True:
+            if self.cfg.mode == "async":
+                if not self.state.matches(round=round, receiver=node_id):
+                    action = ("one", round - self.cfg.staleness_rounds)
+                break
+            event = self.wakeups.event(("round", round))  # before looking: a wake-up meanwhile is kept
+            if self._round_ready(round):
                 rnd = self._get_round(round)
-                until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
-                self.cond.wait(timeout=max(0.01, min(remaining, until_deadline, 1.0)))
+                assert rnd is not None
+                if rnd.state != "matched":
+                    action = ("round", round)
+                elif node_id not in rnd.participants and not self.state.matches(round=round, receiver=node_id):
+                    # published after the round was matched: learn from the stored groups
+                    action = ("one", round)
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            rnd = self._get_round(round)
+            until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
+            event.wait(timeout=max(0.01, min(remaining, until_deadline)))
         if action is None:
             return True
         with self._match_lock, self.work:  # whoever comes second finds the work done
@@ -613,8 +634,6 @@ class Federation:
                     self._match_round(round)
             elif not self.state.matches(round=round, receiver=node_id):
                 self._match_one(node_id, round, action[1], round)
-        with self.cond:
-            self.cond.notify_all()
         return True
 
     def _missing_bundles(self, receiver: str, round: int) -> bool:
@@ -853,7 +872,8 @@ class Federation:
             self.index.set_digest(round, node_id, prompt_id, digest)
             self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
             self.counters["bundle_bytes_in"] += len(data)
-            self.cond.notify_all()
+        self.wakeups.wake(("bundles", round))
+        self.wakeups.wake(("bundles", None))
         return stored
 
     def get_bundle(self, node_id: str, session_id: str, digest: str) -> bytes:

@@ -183,8 +183,7 @@ class BrokerServer:
 
     def _housekeeping(self) -> None:
         while not self._stop.wait(1.0):
-            with self.fed.cond:
-                self.fed.cond.notify_all()  # wake long-polls whose round deadline passed
+            self.fed.wake_ready_rounds()  # rounds closed by a node going offline
             self.fed.replay.expire()
             try:
                 self.fed.flush_liveness()
