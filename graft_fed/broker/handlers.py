@@ -130,6 +130,12 @@ class Federation:
         self._answers_lock = threading.Lock()
         self._answer_build_lock = threading.Lock()
         self._exchange: Counter[tuple[str, str]] | None = None  # matches per (source, receiver)
+        # per-node facts every answer of a round reads, computed once per change of the
+        # registry rather than once per answer (a thousand answers each walking a thousand
+        # nodes took seconds): round -> (match set, registry version, sources' models), and
+        # (time, registry version, online nodes by round, per round the receivers as a mask)
+        self._models: dict[int, tuple[MatchSet, int, tuple]] = {}
+        self._waiting: tuple[float, int, dict[int, set[str]], dict[int, tuple[MatchSet, np.ndarray]]] | None = None
         self._exchange_lock = threading.Lock()
 
     # ----- sessions -------------------------------------------------------------------------
@@ -660,7 +666,15 @@ class Federation:
         """(round book, the sources' models, the key the round's cached answers are valid for:
         the same book, its digests and the sources' models unchanged)."""
         book = self.index.book(ms.round)
-        models = tuple(None if node is None else node.model_id for node in map(self.registry.get, ms.nodes))
+        version = self.registry.version
+        cached = self._models.get(ms.round)
+        if cached is not None and cached[0] is ms and cached[1] == version:
+            models = cached[2]
+        else:
+            models = tuple(None if node is None else node.model_id for node in map(self.registry.get, ms.nodes))
+            if len(self._models) > 64:
+                self._models.clear()
+            self._models[ms.round] = (ms, version, models)
         return book, models, (id(book), book.digest_version, models)
 
     def _digests_of(self, ms: MatchSet, book, col: np.ndarray, src: np.ndarray) -> list[str] | None:
@@ -775,18 +789,19 @@ class Federation:
         # during its own step), so look at the rounds online nodes are at rather than at the
         # whole history: the answer stays the same size however long the federation runs
         # (bench/broker/load.py saw it, and the broker's memory, grow with every round).
-        waiting: dict[int, set[str]] = {}
-        for n in self.online_nodes():
-            if n.node_id != source:
-                waiting.setdefault(n.round, set()).add(n.node_id)
+        # (The source itself may be among them: no match has a node as its own receiver.)
+        waiting, masks = self._waiting_receivers()
         out = []
         for r, receivers in sorted(waiting.items()):
             ms = self._match_set(r)
             if ms is not None:
                 rows = ms.for_source(source)
                 if rows.size:
-                    wanted = np.fromiter((name in receivers for name in ms.nodes), dtype=bool, count=len(ms.nodes))
-                    rows = rows[wanted[ms.receiver[rows]]]
+                    mask = masks.get(r)
+                    if mask is None or mask[0] is not ms:
+                        mask = masks[r] = (ms, np.fromiter((name in receivers for name in ms.nodes), dtype=bool,
+                                                           count=len(ms.nodes)))
+                    rows = rows[mask[1][ms.receiver[rows]]]
                 if rows.size:
                     with self.index.lock:
                         have = self.index.book(r).digests.get(source, {})
@@ -796,6 +811,20 @@ class Federation:
                 if m.receiver in receivers and not s.bundle_digest:
                     out.append((m.prompt_id, m.source_round))
         return sorted(set(out))
+
+    def _waiting_receivers(self) -> tuple[dict[int, set[str]], dict[int, tuple[MatchSet, np.ndarray]]]:
+        """Online nodes by the round they are at, and a cache for masks of them over a round's
+        match set: recomputed when the registry changed (a node joined, left or moved to
+        another round) and at most every quarter second for liveness alone."""
+        now, version = time.monotonic(), self.registry.version
+        cached = self._waiting
+        if cached is not None and cached[1] == version and now - cached[0] < 0.25:
+            return cached[2], cached[3]
+        waiting: dict[int, set[str]] = {}
+        for n in self.online_nodes():
+            waiting.setdefault(n.round, set()).add(n.node_id)
+        self._waiting = (now, version, waiting, {})
+        return waiting, self._waiting[3]
 
     # ----- bundles ------------------------------------------------------------------------------
 

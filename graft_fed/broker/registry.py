@@ -36,6 +36,9 @@ class Registry:
         # one writer at a time per node, so the state and the cache see its writes in one order
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
         self._online: tuple[float, int] = (-1.0, 0)  # (monotonic time computed, count)
+        #: bumped by every change but liveness (a join, a leave, a round, a model): what
+        #: callers key their caches of per-node facts on
+        self.version = 0
 
     def node_lock(self, node_id: str) -> threading.Lock:
         return self._stripes[hash(node_id) % _STRIPES]
@@ -87,6 +90,7 @@ class Registry:
         with self._lock:
             self._nodes[node.node_id] = node
             self._persisted[node.node_id] = node.last_seen
+            self.version += 1
 
     def touch(self, node_id: str, session_id: str, round: int | None = None) -> NodeRow:
         """Check the session and mark the node alive (and at `round`, when that is higher).
@@ -110,6 +114,7 @@ class Registry:
             except (StorageFull, Unavailable):
                 with self._lock:  # alive in memory all the same
                     self._nodes[node_id] = new
+                    self.version += 1
                 return new
             self._remember(new)
             return new
