@@ -12,6 +12,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from concurrent import futures
 from pathlib import Path
@@ -164,18 +165,35 @@ def _broker_server(conn, cfg_map: dict) -> None:
     conn.send("stopped")
 
 
-def _progress(server, every: float) -> None:
-    import sys
+def stack_summary(tag: str) -> None:
+    """Every thread's stack (innermost 6 frames), identical stacks counted once, on stderr."""
+    import traceback
+    from collections import Counter
 
+    names = {t.ident: t.name for t in threading.enumerate()}
+    seen: Counter = Counter()
+    for ident, frame in sys._current_frames().items():
+        stack = traceback.extract_stack(frame)[-6:]
+        seen[(names.get(ident, "?").rstrip("0123456789_-"),
+              tuple(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack))] += 1
+    lines = [f"[{tag}] {count} x {name}: " + " <- ".join(reversed(stack)) for (name, stack), count in seen.most_common()]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _progress(server, every: float) -> None:
     fed, t0 = server.fed, time.monotonic()
     while True:
         time.sleep(every)
         r = fed.current_round()
-        calls = {m: n for (m, code), n in sorted(server.servicer.stats.calls.items())}
+        calls = {f"{m} {code}": n for (m, code), n in sorted(server.servicer.stats.calls.items())}
         print(f"[broker +{time.monotonic() - t0:.0f}s] threads {threading.active_count()} round {r} published "
               f"{[fed.index.published_count(x) for x in range(max(0, r - 1), r + 1)]} online "
               f"{fed.registry.online_count()} polls waiting {sum(fed._polls.values())} calls {calls}",
               file=sys.stderr, flush=True)
+        if os.environ.get("GRAFT_BENCH_STACKS_AT_S") and time.monotonic() - t0 >= float(
+                os.environ["GRAFT_BENCH_STACKS_AT_S"]):
+            stack_summary("broker stacks")
+            os.environ.pop("GRAFT_BENCH_STACKS_AT_S")
 
 
 class ChildServer:
@@ -242,6 +260,8 @@ def run_threads(target, count: int, timeout_s: float, barrier) -> None:
         try:
             target(i)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+            if not errors:  # the first one now: the others (a broken barrier) follow from it
+                print(f"run_threads: thread {i} failed: {exc!r}"[:1000], file=sys.stderr, flush=True)
             errors.append(exc)
             barrier.b.abort()
 

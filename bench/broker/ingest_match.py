@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from _common import K_MIX, RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, write_prompts, write_results  # noqa: E402
+from _common import K_MIX, RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, stack_summary, write_prompts, write_results  # noqa: E402
 from graft_fed.federation.codec import columns_to_pb  # noqa: E402
 from graft_fed.federation.transport import grpc_options  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
@@ -145,6 +145,10 @@ def _client_proc(conn, address: str, ids: list[int], payloads: list[list[bytes]]
                     print(f"[clients {ids[0]} +{time.monotonic() - t0:.0f}s] sent/acked/ready per round "
                           f"{[(len([v for v in out['t_send'][r].values() if v]), len([v for v in out['t_ack'][r].values() if v]), len([v for v in out['t_ready'][r].values() if v])) for r in range(rounds)]}",
                           file=sys.stderr, flush=True)
+                    if os.environ.get("GRAFT_BENCH_STACKS_AT_S") and time.monotonic() - t0 >= float(
+                            os.environ["GRAFT_BENCH_STACKS_AT_S"]):
+                        stack_summary(f"clients {ids[0]} stacks")
+                        os.environ.pop("GRAFT_BENCH_STACKS_AT_S")
             threading.Thread(target=progress, daemon=True).start()
         run_threads(lambda k: run_node(clients[order[k]], order[k], requests[order[k]], rounds, shared, timeout_s, out),
                     len(order), timeout_s * rounds, shared)

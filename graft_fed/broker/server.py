@@ -105,6 +105,20 @@ def live_page() -> bytes:
     return files("graft_fed.broker").joinpath("live.html").read_bytes()
 
 
+def pending_call_options(max_long_polls: int) -> list[tuple[str, int]]:
+    """gRPC core holds calls that arrived before the server asked for the next one (grpcio's
+    synchronous server asks one call at a time, from one thread that needs the interpreter).
+    By default it drops arrivals at random once 1,000 wait there (RESOURCE_EXHAUSTED, "Too
+    many pending requests") and cancels any that waited 30 s: when a thousand nodes publish
+    at once, a few hundred of their calls were refused that way, none of them ever reaching
+    the broker (issue 13). Here the queue may hold four calls per node (`max_long_polls` is
+    sized to the federation's nodes) and a call waits as long as its client's deadline says."""
+    pending = max(1000, 4 * max_long_polls)
+    return [("grpc.server.max_pending_requests", pending),
+            ("grpc.server.max_pending_requests_hard_limit", 3 * pending),
+            ("grpc.server_max_unrequested_time_in_server", 3600)]
+
+
 class BrokerServer:
     def __init__(self, cfg: BrokerConfig, state: BrokerState | None = None) -> None:
         self.cfg = cfg
@@ -118,7 +132,8 @@ class BrokerServer:
                                             max_requests_per_s=cfg.max_requests_per_s, refusals=self.refusals)]
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="broker"),
                                 # no SO_REUSEPORT: a second broker on a taken port must fail, not share it
-                                options=grpc_options(cfg.max_message_mib) + [("grpc.so_reuseport", 0)],
+                                options=grpc_options(cfg.max_message_mib) + [("grpc.so_reuseport", 0)]
+                                + pending_call_options(cfg.max_long_polls),
                                 interceptors=interceptors)
         add_to_server(self.servicer, self.grpc)
         if cfg.tls_cert and cfg.tls_key:
