@@ -188,6 +188,7 @@ class Federation:
             row = replace(node, state="left", last_seen=self.clock())
             self.state.upsert_node(row)
             self.registry.remember(row)
+        self._ready_memo.clear()  # a remembered "not yet" may have waited for this node
         self.wake_ready_rounds()  # the rounds that waited for it may be ready now
         log.info("node %s left", node_id)
 

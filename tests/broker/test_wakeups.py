@@ -1,0 +1,130 @@
+"""Long-polls wait on an event per round (broker/wakeups.py), not on the broker's lock: what
+wakes a round's waiters (the publish that completes it, a node leaving, housekeeping after a
+node went offline, the round's bundles), and the per-registry-change caches of answers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from graft_fed.broker.handlers import Federation
+from graft_fed.broker.state_memory import InMemoryState
+from graft_fed.broker.wakeups import Wakeups
+from graft_fed.data.config import DataConfig, load_prompts
+from graft_fed.federation.codec import summaries_from_pb
+from tests.federation.helpers import broker_config
+from tests.federation.test_broker_rpc import manifest, record, summary
+from graft_fed.federation.bundles import digest_of, encode_bundle
+from graft_fed.proto import broker_pb2 as pb
+
+
+def test_an_event_taken_before_a_wake_is_set_and_the_next_waiters_get_a_fresh_one():
+    w = Wakeups()
+    first = w.event("k")
+    assert w.event("k") is first and w.keys() == ["k"]
+    w.wake("k")
+    assert first.is_set()
+    assert w.keys() == []
+    second = w.event("k")
+    assert second is not first and not second.is_set()  # a woken waiter that waits again does not spin
+    w.wake("other")  # nobody waits on it: nothing happens
+    assert not second.is_set()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture()
+def three(prompt_file):
+    clock = Clock()
+    fed = Federation(broker_config(prompt_file), InMemoryState(), clock=clock)
+    prompts = load_prompts(DataConfig(source=str(prompt_file)))
+    sessions = {name: fed.join(name, name, "tok", manifest(prompts), "share_all", 0)[0] for name in "abc"}
+    return fed, clock, prompts, sessions
+
+
+def _publish(fed, sessions, prompts, name, ks):
+    req = pb.PublishRequest(node_id=name, session_id=sessions[name], round=0,
+                            summaries=[summary(p, k) for p, k in zip(prompts, ks)])
+    return fed.publish(name, sessions[name], 0, summaries_from_pb(req))
+
+
+def test_the_publish_that_completes_a_round_wakes_its_waiters_and_the_others_do_not(three):
+    fed, _, prompts, sessions = three
+    waiting = fed.wakeups.event(("round", 0))  # taken as a waiting GetMatches takes it
+    _publish(fed, sessions, prompts, "a", [0, 1])
+    _publish(fed, sessions, prompts, "b", [1, 0])
+    assert not waiting.is_set()  # c has not published: not ready
+    _publish(fed, sessions, prompts, "c", [1, 1])
+    assert waiting.is_set()
+
+
+def test_a_node_leaving_wakes_the_round_that_waited_for_it(three):
+    fed, _, prompts, sessions = three
+    _publish(fed, sessions, prompts, "a", [0, 1])
+    _publish(fed, sessions, prompts, "b", [1, 0])
+    waiting = fed.wakeups.event(("round", 0))
+    fed.leave("c", sessions["c"])
+    assert waiting.is_set()
+    assert fed.get_matches("a", sessions["a"], 0, 0.0).ready
+
+
+def test_housekeeping_wakes_a_round_whose_last_node_went_offline(three):
+    fed, clock, prompts, sessions = three
+    _publish(fed, sessions, prompts, "a", [0, 1])
+    _publish(fed, sessions, prompts, "b", [1, 0])
+    waiting = fed.wakeups.event(("round", 0))
+    fed.wake_ready_rounds()
+    assert not waiting.is_set()  # c is online and has not published
+    clock.t += fed.cfg.offline_after_s + 1  # c falls silent; a and b keep beating
+    fed.heartbeat("a", sessions["a"], 0)
+    fed.heartbeat("b", sessions["b"], 0)
+    fed._ready_memo.clear()  # what a quarter second of real time does
+    fed.wake_ready_rounds()
+    assert waiting.is_set()
+
+
+def test_a_waiting_get_matches_returns_when_the_last_node_publishes(three):
+    fed, _, prompts, sessions = three
+    _publish(fed, sessions, prompts, "a", [0, 1])
+    _publish(fed, sessions, prompts, "b", [1, 0])
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(r=fed.get_matches("a", sessions["a"], 0, 120.0)))
+    waiter.start()
+    _publish(fed, sessions, prompts, "c", [1, 1])
+    waiter.join(timeout=60)  # woken by the publish; without the wake-up it would wait 120 s
+    assert not waiter.is_alive() and got["r"].ready
+    assert [o.prompt_id for o in got["r"].offers] == [prompts[0].id]  # a failed only p0
+
+
+def test_an_upload_wakes_the_receivers_waiting_for_the_rounds_bundles(three):
+    fed, _, prompts, sessions = three
+    _publish(fed, sessions, prompts, "a", [0, 1])
+    _publish(fed, sessions, prompts, "b", [1, 0])
+    _publish(fed, sessions, prompts, "c", [0, 0])
+    assert fed.get_matches("a", sessions["a"], 0, 0.0).ready
+    waiting = fed.wakeups.event(("bundles", 0))
+    data = encode_bundle(record(prompts[0], 1, model="b"))
+    digest = digest_of(data)
+    fed.put_bundle("b", sessions["b"], prompts[0].id, 0, digest, data)
+    assert waiting.is_set()
+
+
+def test_an_answer_names_the_model_a_source_joined_with_last(three):
+    """The sources' models are cached per change of the registry: a rejoin with another
+    model must show in the next answer."""
+    fed, _, prompts, sessions = three
+    _publish(fed, sessions, prompts, "a", [0, 1])
+    _publish(fed, sessions, prompts, "b", [1, 0])
+    _publish(fed, sessions, prompts, "c", [0, 0])
+    before = fed.get_matches("a", sessions["a"], 0, 0.0)
+    assert [(o.source_node, o.source_model) for o in before.offers] == [("b", "b")]
+    sessions["b"] = fed.join("b", "b-v2", "tok", manifest(prompts), "share_all", 0)[0]
+    after = fed.get_matches("a", sessions["a"], 0, 0.0)
+    assert [(o.source_node, o.source_model) for o in after.offers] == [("b", "b-v2")]
