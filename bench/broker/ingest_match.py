@@ -100,10 +100,11 @@ def _traced(what: str, t_round: float, call):
 
 class _ProcessBarrier:
     """The barrier of one client process's node threads, whose last arrival also waits for
-    every other client process (through the parent: "arrived", then "go"). A
-    multiprocessing.Barrier of 1,000 threads in 8 processes left 150 of them asleep after
-    it released (1,000 x 128 never finished its first round); this one wakes threads of
-    one process only. run_threads aborts `.b`."""
+    every other client process (through the parent: "arrived", then "go"), so that no
+    semaphore is shared by a thousand threads of eight processes. run_threads aborts `.b`
+    when a node fails; a thread still on its way out of the barrier then raises
+    BrokenBarrierError and never publishes (what made 1,000 x 128 look as if the barrier
+    kept threads asleep: calls refused before they reached the broker, issue 13)."""
 
     def __init__(self, count: int, conn) -> None:
         self.conn = conn

@@ -2,9 +2,9 @@
 
 GetMatches long-polls used to wait on the broker's one condition variable and wake at
 least once a second (and at every housekeeping tick) to look again. With a thousand nodes
-that is a thousand threads re-taking one lock every second: the lock was never free long
-enough for the calls that needed it to enter (a publish or a new GetMatches waited behind
-the queue for minutes, and the 1,000-node round never completed; issue 13, third pass).
+that is some two thousand times a second that a waiting thread re-takes the lock every
+publish, join and upload also takes, and re-checks its round, competing for the one
+interpreter with the calls that do the work (issue 13, third pass).
 
 Here a waiter takes the current event of its key *before* it looks at the state, then
 waits on that event alone; whoever changes what the key stands for calls `wake(key)`,
