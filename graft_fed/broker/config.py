@@ -105,7 +105,8 @@ class BrokerConfig:
     #: GetMatches long-polls allowed to wait at once, all nodes together (RESOURCE_EXHAUSTED
     #: beyond; each node may have at most 2 waiting). Keep it below max_workers so that
     #: heartbeats and the other short calls always find a thread, and at or above the
-    #: number of nodes (each graft-fed node has one waiting at a time).
+    #: number of nodes (each graft-fed node has one waiting at a time). It also sizes gRPC
+    #: core's queue of calls that arrived before the server took them: 4 per long-poll.
     max_long_polls: int = 96
     #: Calls doing heavy CPU work at once (decoding, validating and writing a publish;
     #: matching a round and building a GetMatches answer); the others wait for a slot,
