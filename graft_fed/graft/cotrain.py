@@ -42,6 +42,10 @@ class MemberSection:
     #: This member's own seed (initialisation, sampling); null = derived from run.seed and
     #: the name. The prompt schedule is the run's for every member (run.schedule_seed).
     seed: int | None = None
+    #: Whether this member's groups are offered to the others. false: it only receives, as a
+    #: federation node with privacy summaries_only does (e.g. to measure what one peer's
+    #: groups do to the rest).
+    shares: bool = True
 
     def __post_init__(self) -> None:
         require(bool(self.name) and "/" not in self.name, "every member needs a name without '/'")
@@ -82,10 +86,12 @@ class CoTrainingPeers:
     receiver's source groups at once (for two models, exactly the paper's balanced rule);
     reports fold into one CompatEstimate per (source, receiver) pair."""
 
-    def __init__(self, learners: Sequence[GRPOTrainer], balance: bool, source_choice: str = "compatibility") -> None:
+    def __init__(self, learners: Sequence[GRPOTrainer], balance: bool, source_choice: str = "compatibility",
+                 shares: Sequence[bool] | None = None) -> None:
         self.learners = list(learners)
         self.balance = balance
         self.source_choice = source_choice
+        self.shares = list(shares) if shares is not None else [True] * len(self.learners)
         self.compat: dict[tuple[int, int], CompatEstimate] = {}
         self._groups: dict[int, tuple[int, list[Group]]] = {}  # member -> (step, its own groups)
         self._chosen: list[dict[str, int]] | None = None
@@ -109,7 +115,7 @@ class CoTrainingPeers:
             raise RuntimeError("members sampled different prompt batches; their data or schedule seed differ")
         compat = {pair: est.mean_s for pair, est in self.compat.items() if est.known}
         lead = self.learners[0]
-        return select_sources(kn, self.balance, compat, choice=self.source_choice,
+        return select_sources(kn, self.balance, compat, can_source=self.shares, choice=self.source_choice,
                               key=f"{lead.cfg.run.prompt_schedule_seed}|{self._groups[0][0]}")
 
     def offers(self, learner: GRPOTrainer, groups: Sequence[Group]) -> Offers:
@@ -163,7 +169,8 @@ class CoTrainer:
             raise ConfigError(f"members resumed at different steps {sorted(steps)}: their checkpoints "
                               "disagree; delete the newer ones so all members resume from the same step")
         self.peers = CoTrainingPeers(self.trainers, balance=cfg.graft.balance == "pairwise",
-                                     source_choice=cfg.graft.source_choice)
+                                     source_choice=cfg.graft.source_choice,
+                                     shares=[m.shares for m in cfg.members])
 
     @property
     def step(self) -> int:

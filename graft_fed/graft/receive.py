@@ -180,6 +180,10 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
         counts["replaced"] += 1
         per_source[rec.model_id]["replaced"] += 1
         admitted_here = sum(1 for w, fp in zip(weights, from_peer) if fp and w > 0)
+        family = own[i].prompt.meta.get("family")
+        if family is not None:  # which slices each peer fills (e.g. a withheld sub-skill)
+            per_source[rec.model_id][f"family/{family}/replaced"] += 1
+            per_source[rec.model_id][f"family/{family}/admitted"] += admitted_here
         reports.append(GroupReport(rec.prompt_id, rec.model_id,
                                    sum(group_s) / len(group_s) if group_s else math.nan,
                                    admitted_here / len(group_s) if group_s else 0.0, False))
@@ -197,6 +201,7 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
     })
     for name, src in per_source.items():
         metrics[f"graft/from/{name}/replaced"] = src["replaced"]
+        metrics.update({f"graft/from/{name}/{key}": v for key, v in src.items() if key.startswith("family/")})
         if src["peer_responses"]:
             metrics[f"graft/from/{name}/admitted_frac"] = src["admitted"] / src["peer_responses"]
             metrics[f"graft/from/{name}/s_mean"] = src["s_sum"] / src["peer_responses"]

@@ -86,3 +86,27 @@ def test_members_sample_with_seeds_of_their_own_and_share_the_prompt_schedule(tm
     assert len({r.seed for r in runs}) == 3
     assert {r.prompt_schedule_seed for r in runs} == {3}
     assert member_seed(3, "llama") == member_seed(3, "llama") != member_seed(4, "llama")
+
+
+def test_a_member_that_does_not_share_only_receives():
+    """members[i].shares: false (as a node with privacy summaries_only): nobody is offered its
+    groups, and it still receives from the others."""
+    from types import SimpleNamespace
+
+    from graft_fed.graft.cotrain import CoTrainingPeers
+
+    def learner(name):
+        return SimpleNamespace(model_id=name, step=0, cfg=SimpleNamespace(run=SimpleNamespace(prompt_schedule_seed=0)))
+
+    def groups(ks):
+        return [SimpleNamespace(prompt=SimpleNamespace(id=p), k=k, n=4) for p, k in ks.items()]
+
+    ks = {"a": {"p": 0, "q": 2}, "b": {"p": 3, "q": 0}, "c": {"p": 2, "q": 0}}
+    for shares, expect in (([True, True, True], [{"p": 1}, {"q": 0}, {"q": 0}]),
+                           ([True, False, True], [{"p": 2}, {"q": 0}, {"q": 0}]),
+                           ([False, True, True], [{"p": 1}, {}, {}])):
+        members = [learner(n) for n in ks]
+        peers = CoTrainingPeers(members, balance=False, shares=shares)
+        for m, name in zip(members, ks):
+            peers.publish(m, SimpleNamespace(groups=groups(ks[name])))
+        assert peers._select() == expect, shares

@@ -127,3 +127,19 @@ def test_stored_mode_trains_against_a_recorded_run(tiny_llama, tiny_gpt2, prompt
         assert row["graft/selected"] <= row["graft/candidates"] <= row["graft/all_fail"]
         assert row.get("graft/replaced", 0) + row.get("graft/rejected_reverify", 0) == row["graft/selected"]
         assert math.isnan(row["graft/admitted_frac"]) or 0 <= row["graft/admitted_frac"] <= 1
+
+
+def test_replacements_are_counted_per_source_and_task_family(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
+    """graft/from/<source>/family/<family>/replaced|admitted: which slices each peer fills."""
+    import dataclasses
+
+    tr, own = _receiver(tiny_llama, prompt_file, tmp_path, **{"graft.delta": 0.0})
+    with tr:
+        own[0].prompt = dataclasses.replace(own[0].prompt, meta={**own[0].prompt.meta, "family": "add_carry"})
+        rec, *_ = _informative_record(tiny_gpt2, tr, own[0])
+        res = receive(receiver_of(tr), own, {own[0].prompt.id: rec})
+        m = res.metrics
+        admitted = int((res.groups[0].weights > 0).sum())
+        assert m["graft/from/peer/family/add_carry/replaced"] == 1
+        assert m["graft/from/peer/family/add_carry/admitted"] == admitted == rec.n  # delta 0 admits all
+        assert not [k for k in m if "/family/" in k and "add_carry" not in k]
