@@ -81,12 +81,7 @@ def _prompts(directory: Path) -> Path:
 def _pki(directory: Path) -> Path:
     from graft_fed.federation import certs
 
-    d = directory / "certs"
-    certs.init_ca(d, "fuzz")
-    certs.issue(d, "broker", ["127.0.0.1", "localhost"])
-    for name in ("alice", "bob", "mallory", "outsider"):
-        certs.issue(d, name)
-    return d
+    return certs.loopback_pki(directory / "certs", "fuzz", ("alice", "bob", "mallory", "outsider"))
 
 
 class Federation:

@@ -338,10 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="graft-load-"))
     print(f"work directory {work}", flush=True)
-    certs.init_ca(work / "certs", "load")
-    certs.issue(work / "certs", "broker", ["127.0.0.1", "localhost"])
-    for i in range(args.nodes):
-        certs.issue(work / "certs", f"node{i:02d}")
+    certs.loopback_pki(work / "certs", "load", [f"node{i:02d}" for i in range(args.nodes)])
     prompts_path = write_prompts(work / "prompts.jsonl", args.prompts)
     prompts = load_prompts(DataConfig(source=str(prompts_path)))
     port = free_port()

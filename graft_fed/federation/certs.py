@@ -101,6 +101,17 @@ def issue(directory: str | Path, name: str, hosts: Sequence[str] = (), days: int
     return d / f"{name}.pem", d / f"{name}.key"
 
 
+def loopback_pki(directory: str | Path, federation: str, nodes: Sequence[str]) -> Path:
+    """A whole federation's certificates on one machine: a CA, the broker's certificate for
+    127.0.0.1 and localhost, and one per node name (the benches, the tests). Returns the
+    folder; each name's files are NAME.pem and NAME.key beside ca.pem."""
+    init_ca(directory, federation)
+    issue(directory, "broker", ["127.0.0.1", "localhost"])
+    for name in nodes:
+        issue(directory, name)
+    return Path(directory)
+
+
 def revoke(directory: str | Path, name: str) -> dict:
     """Record a revocation (name and serial) in CERTS/revoked.json; the broker refuses a revoked
     name at once when it is listed in its allowlist's `revoked` (graft-fed broker nodes revoke)."""

@@ -9,6 +9,7 @@ from typing import Any
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.server import BrokerServer
 from graft_fed.configbase import from_mapping
+from graft_fed.node.client import BrokerClient
 from graft_fed.node.node import Node, NodeConfig
 from graft_fed.trainer.config import member_seed
 
@@ -67,3 +68,12 @@ def run_nodes(cfgs: list[NodeConfig]) -> list[dict]:
 
 def start_broker(cfg: BrokerConfig) -> BrokerServer:
     return BrokerServer(cfg).start()
+
+
+def tls_client(pki: Path, address: str, cert_name: str | None, node_id: str | None = None) -> BrokerClient:
+    """A client over TLS to a broker whose CA is PKI/ca.pem, presenting PKI/CERT_NAME.pem
+    (mutual TLS), or no certificate when cert_name is None; as node_id (default: the
+    certificate's name)."""
+    return BrokerClient(address, node_id or cert_name or "anonymous", tls_ca=str(pki / "ca.pem"),
+                        tls_cert=str(pki / f"{cert_name}.pem") if cert_name else None,
+                        tls_key=str(pki / f"{cert_name}.key") if cert_name else None, rpc_timeout_s=5)

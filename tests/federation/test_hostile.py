@@ -23,7 +23,7 @@ from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
 from graft_fed.federation.codec import manifest_to_pb
 from graft_fed.node.client import BrokerClient, new_tag
 from graft_fed.proto import broker_pb2 as pb
-from tests.federation.helpers import broker_config, start_broker
+from tests.federation.helpers import broker_config, start_broker, tls_client
 from tests.federation.test_broker_rpc import client, code_of, manifest, record, summary
 
 BAD = 2**63  # the first integer a signed 64-bit column cannot hold
@@ -32,18 +32,7 @@ SERVER_FAULTS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusC
 
 @pytest.fixture()
 def pki(tmp_path):
-    d = tmp_path / "certs"
-    certs.init_ca(d, "test")
-    certs.issue(d, "broker", ["127.0.0.1", "localhost"])
-    for name in ("alice", "bob", "mallory", "outsider"):
-        certs.issue(d, name)
-    return d
-
-
-def tls_client(pki, address, cert_name, node_id=None):
-    return BrokerClient(address, node_id or cert_name, tls_ca=str(pki / "ca.pem"),
-                        tls_cert=str(pki / f"{cert_name}.pem"), tls_key=str(pki / f"{cert_name}.key"),
-                        rpc_timeout_s=5)
+    return certs.loopback_pki(tmp_path / "certs", "test", ("alice", "bob", "mallory", "outsider"))
 
 
 def raw_unary(channel, method):

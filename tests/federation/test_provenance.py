@@ -23,11 +23,7 @@ from tests.federation.test_broker_rpc import code_of, manifest, record, summary
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("certs")
-    certs.init_ca(d, "test")
-    certs.issue(d, "broker", ["127.0.0.1", "localhost"])
-    for name in ("alice", "bob", "mallory", "llama", "gpt2"):
-        certs.issue(d, name)
+    d = certs.loopback_pki(tmp_path_factory.mktemp("certs"), "test", ("alice", "bob", "mallory", "llama", "gpt2"))
     evil = tmp_path_factory.mktemp("evil")  # another CA, with a certificate that also says "alice"
     certs.init_ca(evil, "evil")
     certs.issue(evil, "alice")

@@ -9,18 +9,13 @@ from graft_fed.federation import certs
 from graft_fed.federation.transport import check_plaintext, is_loopback
 from graft_fed.node.client import BrokerClient
 from graft_fed.proto import broker_pb2 as pb
-from tests.federation.helpers import broker_config, start_broker
+from tests.federation.helpers import broker_config, start_broker, tls_client
 from tests.federation.test_broker_rpc import code_of, manifest, summary
 
 
 @pytest.fixture()
 def pki(tmp_path):
-    d = tmp_path / "certs"
-    certs.init_ca(d, "test")
-    certs.issue(d, "broker", ["127.0.0.1", "localhost"])
-    for name in ("alice", "bob", "mallory"):
-        certs.issue(d, name)
-    return d
+    return certs.loopback_pki(tmp_path / "certs", "test", ("alice", "bob", "mallory"))
 
 
 @pytest.fixture()
@@ -28,12 +23,6 @@ def prompts(prompt_file):
     from graft_fed.data.config import DataConfig, load_prompts
 
     return load_prompts(DataConfig(source=str(prompt_file)))
-
-
-def tls_client(pki, address, cert_name, node_id=None):
-    return BrokerClient(address, node_id or cert_name, tls_ca=str(pki / "ca.pem"),
-                        tls_cert=str(pki / f"{cert_name}.pem") if cert_name else None,
-                        tls_key=str(pki / f"{cert_name}.key") if cert_name else None, rpc_timeout_s=5)
 
 
 def test_mutual_tls_identity_allowlist_and_revocation(pki, prompt_file, prompts, tmp_path):
