@@ -109,3 +109,18 @@ def test_the_rules_see_real_imports():
     assert _uses("graft_fed.graft.step", "graft_fed.trainer.grpo")
     assert _uses("graft_fed.broker.handlers", "graft_fed.federation.messages")
     assert _uses("graft_fed.node.client", "grpc")
+
+
+def test_the_broker_does_not_load_torch():
+    """`graft-fed broker` (its parser included) needs none of torch: loading it cost the broker
+    seconds at every start, ~190 MiB, and 180,000 objects that each full garbage collection
+    walked with the GIL held while heartbeats waited (docs/performance.md, issue 13 fourth pass)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, graft_fed.cli, graft_fed.broker.server, graft_fed.broker.handlers; "
+            "graft_fed.cli.build_parser(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PKG.parent, env={**os.environ, "PYTHONPATH": str(PKG.parent)})
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

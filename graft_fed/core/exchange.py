@@ -10,9 +10,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Literal, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Hashable, Iterable, Literal, Mapping, Sequence, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a function needs it, not here: the broker uses this module's
+# selection rules and must not load torch (2 s at start, 180,000 objects that every full
+# garbage collection walks while holding the GIL; issue 13, fourth pass)
 
 K = TypeVar("K", bound=Hashable)
 
@@ -222,12 +227,16 @@ def mean_token_logprob(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 
 def compatibility(receiver_lbar: torch.Tensor, source_lbar: torch.Tensor) -> torch.Tensor:
     """s(o) = exp(lbar(pi_old^R, o^R) - lbar(pi_old^S, o^S)) (Eq. 7). (B,) -> (B,)"""
+    import torch
+
     return torch.exp(receiver_lbar - source_lbar)
 
 
 def gate_weights(s: torch.Tensor, delta: float = 0.8, gate: bool = True) -> torch.Tensor:
     """w(o) = 1[s > delta] * min(s, 1) (Eq. 8). gate=False is the "no gate" ablation (w = 1).
     A weight of exactly 0 drops the response from numerator and denominator."""
+    import torch
+
     if not gate:
         return torch.ones_like(s)
     return torch.where(s > delta, torch.clamp(s, max=1.0), torch.zeros_like(s))
@@ -283,6 +292,8 @@ class Quantiles:
     def of(values: Sequence[float]) -> "Quantiles":
         if not values:
             return Quantiles(math.nan, math.nan, math.nan)
+        import torch
+
         t = torch.tensor(list(values), dtype=torch.float64)
         q = torch.quantile(t, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
         return Quantiles(*q)
@@ -322,6 +333,8 @@ def plan_transfer(source_rewards: Sequence[float], source_advantages: Sequence[f
         keep = [i for i, r in enumerate(source_rewards) if r > 0.5]
         return TransferPlan(tuple(keep), tuple(float(source_advantages[i]) for i in keep))
     if mode == "pooled":
+        import torch
+
         pooled = torch.tensor([list(own_rewards) + list(source_rewards)], dtype=torch.float32)
         adv = group_advantages(pooled, scale=scale, std=std)[0].tolist()  # type: ignore[arg-type]
         index = [None] * len(own_rewards) + list(range(len(source_rewards)))

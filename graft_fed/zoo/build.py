@@ -22,9 +22,13 @@ import time
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that train or sample: `graft-fed <command>` builds its
+# parser from this module, and the broker must not load torch (issue 13, fourth pass)
 
 from graft_fed.data.task import FAMILIES, embedded_split, solution
 from graft_fed.data.templates import render_prompt
@@ -255,6 +259,8 @@ def encode_examples(tokenizer: Any, families: Sequence[str], seed: int,
 
 
 def _collate(batch: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    import torch
+
     # Right padding: positions of real tokens start at 0, as in the project's packing
     # convention, so absolute-position models (GPT-2) train on the positions they sample at.
     seqs = [e.prompt_ids + e.response_ids for e in batch]
@@ -271,6 +277,8 @@ def _collate(batch: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch
 
 def sft(model: Any, tokenizer: Any, spec: ZooSpec, seed: int, steps: int | None = None,
         log: Callable[[str], None] = print) -> dict[str, Any]:
+    import torch
+
     steps = spec.steps if steps is None else steps
     families = [f for f, w in spec.mix.items() if w > 0]
     weights = [spec.mix[f] for f in families]
@@ -316,6 +324,8 @@ def max_solution_tokens(tokenizer: Any, families: Sequence[str] = FAMILIES, seed
 
 def build_one(spec: ZooSpec, out_dir: Path, seed: int, steps: int | None = None,
               log: Callable[[str], None] = print) -> dict[str, Any]:
+    import torch
+
     torch.manual_seed(seed)
     random.seed(seed)
     styles = [n for n, w in spec.styles.items() if w > 0]
@@ -370,6 +380,8 @@ def build_zoo(out_dir: str | Path | None = None, seed: int = 0, names: Sequence[
         if n not in SPECS:
             raise ConfigError(f"unknown zoo model {n!r}; the zoo has: {', '.join(ZOO_NAMES)}")
     if threads:
+        import torch
+
         torch.set_num_threads(threads)
     if log is None:
         def log(msg: str) -> None:

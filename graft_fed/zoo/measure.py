@@ -18,9 +18,13 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that train or sample: `graft-fed <command>` builds its
+# parser from this module, and the broker must not load torch (issue 13, fourth pass)
 
 from graft_fed.data.task import embedded_split
 from graft_fed.data.templates import render_prompt
@@ -42,6 +46,7 @@ def score(text: str, answer: str) -> int:
 def sample_model(path: Path, prompts: Sequence[Any], n: int, seed: int, batch_size: int,
                  max_new_tokens: int | None = None) -> list[list[int]]:
     """Per prompt, the n binary rewards of the model at `path` (temperature 1, top_p 1)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from graft_fed.rollout.base import SamplingParams
@@ -233,6 +238,8 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_measure(args: argparse.Namespace, command: str | None = None) -> int:
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
     root = Path(args.models_dir) if args.models_dir else zoo_dir()
     fams = [f.strip() for f in args.families.split(",") if f.strip()]
