@@ -14,14 +14,12 @@ OUT/<member>/eval/ as in any run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
+from pathlib import Path
 
-from graft_fed.configbase import from_mapping
-from graft_fed.experiment import GROUP_ARMS, Experiment, _model_section, load_experiment_config
-from graft_fed.graft.cotrain import CoTrainer, CotrainConfig, MemberSection
-from graft_fed.trainer.config import ModelSection, TrainConfig
+from graft_fed.experiment import GROUP_ARMS, Experiment, load_experiment_config
+from graft_fed.graft.cotrain import CoTrainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,17 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     ex = Experiment(load_experiment_config(args.config))
     if args.arm not in GROUP_ARMS:
         ap.error(f"--arm {args.arm}: not a group arm; use one of {sorted(GROUP_ARMS)}")
-    names = tuple(sorted(ex.cfg.models))
+    names = tuple(sorted(ex.cfg.models))  # as the experiment runs its group arms
     unknown = set(args.silent) - set(names)
     if unknown:
         ap.error(f"--silent {sorted(unknown)}: not models of this experiment ({list(names)})")
-    g_over, alg_over = GROUP_ARMS[args.arm]
-    base = ex._train_cfg(args.arm, "all", names[0], args.seed, group=True, graft=g_over, algorithm=alg_over)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(TrainConfig)}
-    fields["run"] = dataclasses.replace(base.run, output_dir=args.out)
-    members = tuple(MemberSection(name=m, model=from_mapping(ModelSection, _model_section(ex.cfg.models[m])),
-                                  shares=m not in args.silent) for m in names)
-    with CoTrainer(CotrainConfig(**fields, members=members), resume="auto", quiet=True) as co:
+    cfg = ex.group_config(args.arm, names, "all", args.seed, Path(args.out), silent=tuple(args.silent))
+    with CoTrainer(cfg, resume="auto", quiet=True) as co:
         co.train()
     return 0
 

@@ -18,11 +18,14 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from graft_fed.configbase import deep_merge, from_mapping, load_yaml, require, to_dict
 from graft_fed.errors import ConfigError
 from graft_fed.trainer.config import AlgorithmSection, GraftSection, ModelSection, TrainConfig, member_seed
+
+if TYPE_CHECKING:
+    from graft_fed.graft.cotrain import CotrainConfig
 
 log = logging.getLogger("graft_fed.experiment")
 
@@ -185,22 +188,30 @@ class Experiment:
     def run_pair(self, arm: str, a: str, b: str, seed: int) -> None:
         self.run_group(arm, (a, b), f"{a}+{b}", seed)
 
-    def run_group(self, arm: str, names: tuple[str, ...], folder: str, seed: int) -> None:
-        from graft_fed.graft.cotrain import CoTrainer, CotrainConfig, MemberSection
+    def group_config(self, arm: str, names: tuple[str, ...], folder: str, seed: int, out: Path,
+                     silent: tuple[str, ...] = ()) -> "CotrainConfig":
+        """The co-training config of a group or pair arm, writing to `out`; members named in
+        `silent` offer nothing (bench/group_arm_without.py's diagnostic)."""
+        from graft_fed.graft.cotrain import CotrainConfig, MemberSection
 
         g_over, alg_over = GROUP_ARMS[arm] if arm in GROUP_ARMS else ABLATIONS.get(arm, ({}, {}))
+        base = self._train_cfg(arm, folder, names[0], seed, group=True, graft=g_over, algorithm=alg_over)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(TrainConfig)}
+        fields["run"] = dataclasses.replace(base.run, output_dir=str(out))
+        members = tuple(MemberSection(name=m, model=from_mapping(ModelSection, _model_section(self.cfg.models[m])),
+                                      shares=m not in silent) for m in names)
+        return CotrainConfig(**fields, members=members)
+
+    def run_group(self, arm: str, names: tuple[str, ...], folder: str, seed: int) -> None:
+        from graft_fed.graft.cotrain import CoTrainer
+
         out = self.root / arm / f"seed{seed}" / folder
         if all(self._done(out / m) for m in names):
             for m in names:
                 self.score_test(out / m, m)
             return
         log.info("%s seed %d: %s", arm, seed, folder)
-        base = self._train_cfg(arm, folder, names[0], seed, group=True, graft=g_over, algorithm=alg_over)
-        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(TrainConfig)}
-        fields["run"] = dataclasses.replace(base.run, output_dir=str(out))
-        members = tuple(MemberSection(name=m, model=from_mapping(ModelSection, _model_section(self.cfg.models[m])))
-                        for m in names)
-        with CoTrainer(CotrainConfig(**fields, members=members), resume="auto", quiet=self.quiet) as co:
+        with CoTrainer(self.group_config(arm, names, folder, seed, out), resume="auto", quiet=self.quiet) as co:
             co.train()
         for m in names:
             self.score_test(out / m, m)
