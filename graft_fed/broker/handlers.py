@@ -578,7 +578,7 @@ class Federation:
         # node's answer (bench/broker/load.py measured heartbeats at seconds).
         if wait_for_bundles:
             # woken by each upload of the round's bundles (of any round's, asynchronous mode)
-            key = ("bundles", round if self.cfg.mode == "sync" else None)
+            key = self._bundles_key(round)
             while True:
                 event = self.wakeups.event(key)  # before looking: an upload meanwhile is not missed
                 with self.cond:
@@ -642,6 +642,12 @@ class Federation:
             elif not self.state.matches(round=round, receiver=node_id):
                 self._match_one(node_id, round, action[1], round)
         return True
+
+    def _bundles_key(self, round: int) -> tuple[str, int | None]:
+        """The wake-up key of a wait for bundles of `round` (uploads wake it): the round's own
+        in synchronous mode; one for every round in asynchronous mode, where a receiver's
+        offers span several rounds."""
+        return ("bundles", round if self.cfg.mode == "sync" else None)
 
     def _missing_bundles(self, receiver: str, round: int) -> bool:
         """Whether some group the receiver was matched to in `round` has no bundle yet."""
@@ -902,8 +908,7 @@ class Federation:
             self.index.set_digest(round, node_id, prompt_id, digest)
             self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
             self.counters["bundle_bytes_in"] += len(data)
-        self.wakeups.wake(("bundles", round))
-        self.wakeups.wake(("bundles", None))
+        self.wakeups.wake(self._bundles_key(round))
         return stored
 
     def get_bundle(self, node_id: str, session_id: str, digest: str) -> bytes:

@@ -258,12 +258,15 @@ def test_rate_limit_and_storage_quota(prompt_file, prompts):
         fed.put_bundle("a", session, prompts[0].id, 0, "0" * 64, b"x")
 
 
-def test_a_receiver_waiting_for_bundles_is_woken_by_the_upload_not_by_polling(broker, prompts):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_receiver_waiting_for_bundles_is_woken_by_the_upload_not_by_polling(prompt_file, prompts, mode):
     """GetMatches with wait_for_bundles answers as soon as the offered bundle arrives (the
-    source uploads it while the receiver waits), and at the deadline without it."""
+    source uploads it while the receiver waits), and at the deadline without it; in either
+    mode (each waits on its own wake-up key, Federation._bundles_key)."""
     import threading
     import time
 
+    broker = start_broker(broker_config(prompt_file, mode=mode))
     a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
     p0, p1 = prompts[0], prompts[1]
     a.publish(0, [summary(p0, 0), summary(p1, 1)])
@@ -283,3 +286,4 @@ def test_a_receiver_waiting_for_bundles_is_woken_by_the_upload_not_by_polling(br
     assert a.fetch(got.offers[0].digest).prompt_id == p0.id
     a.close()
     b.close()
+    broker.stop()
