@@ -99,7 +99,7 @@ def main() -> int:
         manifest = Manifest(federation_id="graft-fed", protocol_version=PROTOCOL_VERSION,
                             dataset_id=prompts[0].dataset, dataset_hash=dataset_hash(prompts), seed=0, n=N,
                             prompts_per_round=8, mode="sync", verifier_name=VERIFIER,
-                            verifier_version=verifier_version(VerifierConfig(name=VERIFIER)), staleness_rounds=4)
+                            verifier_version=verifier_version(VerifierConfig(name=VERIFIER)), staleness_rounds=4, advantage="group/sample")
         src = BrokerClient(broker.address, "src", rpc_timeout_s=60, chunk_kib=CHUNK_KIB)
         dst = BrokerClient(broker.address, "dst", rpc_timeout_s=60, chunk_kib=CHUNK_KIB)
         chan = grpc.insecure_channel(raw.address, options=grpc_options(16))

@@ -131,7 +131,7 @@ class Federation:
         return Manifest(federation_id="", protocol_version=PROTOCOL_VERSION, dataset_id=self.prompts[0].dataset,
                         dataset_hash=dataset_hash(self.prompts), seed=0, n=N, prompts_per_round=PROMPTS_PER_ROUND,
                         mode="", verifier_name=VERIFIER, verifier_version=verifier_version(VerifierConfig(
-                            name=VERIFIER)), staleness_rounds=0)
+                            name=VERIFIER)), staleness_rounds=0, advantage="group/sample")
 
     def record(self, p, model: str):
         from graft_fed.core.advantages import group_advantages

@@ -228,7 +228,7 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
     manifest = Manifest(federation_id="graft-fed", protocol_version=PROTOCOL_VERSION, dataset_id=prompts[0].dataset,
                         dataset_hash=dataset_hash(prompts), seed=seed, n=GROUP_N, prompts_per_round=n_prompts,
                         mode="sync", verifier_name=VERIFIER,
-                        verifier_version=verifier_version(VerifierConfig(name=VERIFIER)), staleness_rounds=4)
+                        verifier_version=verifier_version(VerifierConfig(name=VERIFIER)), staleness_rounds=4, advantage="group/sample")
     t_send = [[0.0] * n_nodes for _ in range(rounds)]
     t_ack = [[0.0] * n_nodes for _ in range(rounds)]
     t_ready = [[0.0] * n_nodes for _ in range(rounds)]

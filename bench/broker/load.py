@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     manifest = {"federation_id": "graft-fed", "protocol_version": PROTOCOL_VERSION,
                 "dataset_id": prompts[0].dataset, "dataset_hash": dataset_hash(prompts), "seed": args.seed,
                 "n": GROUP_N, "prompts_per_round": args.prompts, "mode": "sync", "verifier_name": VERIFIER,
-                "verifier_version": verifier_version(VerifierConfig(name=VERIFIER)), "staleness_rounds": 4}
+                "verifier_version": verifier_version(VerifierConfig(name=VERIFIER)), "staleness_rounds": 4,
+                "advantage": "group/sample"}
 
     broker = Broker(cfg_path, work)
     samples: list[dict] = []

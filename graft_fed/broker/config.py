@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 from graft_fed.configbase import load_config, require
 from graft_fed.data.config import DataConfig
+from graft_fed.federation.manifest import ADVANTAGES
 from graft_fed.rewards.config import VerifierConfig
 
 
@@ -44,6 +45,11 @@ class BrokerConfig:
     n: int = 8
     #: Prompts per round (each node's prompts_per_step).
     prompts_per_round: int = 32
+    #: How every node normalises its group advantages, "<algorithm.scale_rewards>/<algorithm.std>"
+    #: of the nodes' configs: group/sample (the paper), group/population, none/sample or
+    #: none/population. Receivers train on the source's advantages, so a node that computes
+    #: them otherwise is refused at join.
+    advantage: str = "group/sample"
     #: "sync": a round is matched when every online node has published or the deadline
     #: passes; "async": a node is matched at once against the freshest groups within
     #: `staleness_rounds`.
@@ -130,6 +136,8 @@ class BrokerConfig:
         require(self.client_ca is None or self.tls_cert is not None,
                 "broker.client_ca (mutual TLS) needs the broker's own tls_cert and tls_key")
         require(self.mode in ("sync", "async"), f"broker.mode must be sync or async, got {self.mode!r}")
+        require(self.advantage in ADVANTAGES,
+                f"broker.advantage must be one of {list(ADVANTAGES)}, got {self.advantage!r}")
         require(self.balance in ("pairwise", "per_receiver_cap", "none"),
                 "broker.balance must be pairwise, per_receiver_cap or none")
         require(self.per_receiver_cap >= 1, "broker.per_receiver_cap must be >= 1")

@@ -87,7 +87,7 @@ class Federation:
             dataset_id=prompts[0].dataset if prompts else cfg.data.source,
             dataset_hash=dataset_hash(prompts), seed=cfg.seed, n=cfg.n, prompts_per_round=cfg.prompts_per_round,
             mode=cfg.mode, verifier_name=cfg.verifier.name, verifier_version=verifier_version(cfg.verifier),
-            staleness_rounds=cfg.staleness_rounds)
+            staleness_rounds=cfg.staleness_rounds, advantage=cfg.advantage)
         self.cond = threading.Condition()
         # what long-polls wait on: ("round", r) until round r is ready or matched,
         # ("bundles", r) for bundles of round r, ("bundles", None) for any bundle (asynchronous
@@ -169,7 +169,8 @@ class Federation:
             self.counters["rejected_join"] += 1
             raise FailedPrecondition("the node's settings differ from the federation manifest: " + "; ".join(diff)
                                      + ". Use the broker's dataset, seed (the node's run.schedule_seed, or run.seed "
-                                     "when that is unset), n, prompts per round and verifier.")
+                                     "when that is unset), n, prompts per round, verifier and advantage "
+                                     "(the node's algorithm.scale_rewards/algorithm.std).")
         session = secrets.token_hex(16)
         with self.cond, self.registry.node_lock(node_id):
             prev = self.registry.get(node_id)

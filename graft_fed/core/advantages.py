@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ScaleRewards = Literal["group", "none"]
 StdKind = Literal["sample", "population"]
+# The choices, for configs and the federation manifest (which must not load torch).
+SCALES: tuple[ScaleRewards, ...] = ("group", "none")
+STDS: tuple[StdKind, ...] = ("sample", "population")
 
 
 def group_advantages(rewards: torch.Tensor, scale: ScaleRewards = "group", std: StdKind = "sample",
@@ -20,6 +24,8 @@ def group_advantages(rewards: torch.Tensor, scale: ScaleRewards = "group", std: 
     skips the division (Dr. GRPO). A group whose rewards are all equal gets exactly zero
     advantages, and so does a group of one response.
     """
+    import torch
+
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be (groups, n), got shape {tuple(rewards.shape)}")
     rewards = rewards.float()

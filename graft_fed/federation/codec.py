@@ -29,14 +29,15 @@ def manifest_to_pb(m: Manifest) -> pb.Manifest:
     return pb.Manifest(federation_id=m.federation_id, protocol_version=m.protocol_version, dataset_id=m.dataset_id,
                        dataset_hash=m.dataset_hash, seed=m.seed, n=m.n, prompts_per_round=m.prompts_per_round,
                        mode=MODE_CODES.get(m.mode, pb.MODE_UNSPECIFIED), verifier_name=m.verifier_name,
-                       verifier_version=m.verifier_version, staleness_rounds=m.staleness_rounds)
+                       verifier_version=m.verifier_version, staleness_rounds=m.staleness_rounds,
+                       advantage=m.advantage)
 
 
 def manifest_from_pb(m: pb.Manifest) -> Manifest:
     return Manifest(federation_id=m.federation_id, protocol_version=m.protocol_version, dataset_id=m.dataset_id,
                     dataset_hash=m.dataset_hash, seed=m.seed, n=m.n, prompts_per_round=m.prompts_per_round,
                     mode=MODES.get(m.mode, ""), verifier_name=m.verifier_name, verifier_version=m.verifier_version,
-                    staleness_rounds=m.staleness_rounds)
+                    staleness_rounds=m.staleness_rounds, advantage=m.advantage)
 
 
 def privacy_from_pb(code: int) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from graft_fed.configbase import load_config, require
 from graft_fed.errors import ConfigError, GraftFedError
 from graft_fed.federation.certcheck import JoinTracker, check_node_certificate, track_joins, wait_for_first_join
-from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
+from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, advantage_id, dataset_hash, verifier_version
 from graft_fed.federation.messages import Privacy
 from graft_fed.graft import step as graft_step
 from graft_fed.node.client import BrokerClient
@@ -133,7 +133,7 @@ class Node:
             dataset_id=t.schedule.prompts[0].dataset, dataset_hash=dataset_hash(t.schedule.prompts),
             seed=cfg.run.prompt_schedule_seed, n=cfg.rollout.n, prompts_per_round=cfg.algorithm.prompts_per_step,
             mode="", verifier_name=cfg.verifier.name, verifier_version=verifier_version(cfg.verifier),
-            staleness_rounds=0)
+            staleness_rounds=0, advantage=advantage_id(cfg.algorithm.scale_rewards, cfg.algorithm.std))
         self.peers = BrokerPeers(self.client, cfg.node_id, f.privacy, manifest, broker=f.broker,  # type: ignore[arg-type]
                                  federation_id=f.federation_id, match_wait_s=f.match_wait_s,
                                  round_timeout_s=f.round_timeout_s, fetch_timeout_s=f.fetch_timeout_s,

@@ -28,7 +28,7 @@ PRIVACY_MATCHED_ONLY: Privacy
 PRIVACY_SUMMARIES_ONLY: Privacy
 
 class Manifest(_message.Message):
-    __slots__ = ("federation_id", "protocol_version", "dataset_id", "dataset_hash", "seed", "n", "prompts_per_round", "mode", "verifier_name", "verifier_version", "staleness_rounds")
+    __slots__ = ("federation_id", "protocol_version", "dataset_id", "dataset_hash", "seed", "n", "prompts_per_round", "mode", "verifier_name", "verifier_version", "staleness_rounds", "advantage")
     FEDERATION_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class Manifest(_message.Message):
     VERIFIER_NAME_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     federation_id: str
     protocol_version: int
     dataset_id: str
@@ -51,7 +52,8 @@ class Manifest(_message.Message):
     verifier_name: str
     verifier_version: str
     staleness_rounds: int
-    def __init__(self, federation_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., dataset_id: _Optional[str] = ..., dataset_hash: _Optional[str] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., prompts_per_round: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., verifier_name: _Optional[str] = ..., verifier_version: _Optional[str] = ..., staleness_rounds: _Optional[int] = ...) -> None: ...
+    advantage: str
+    def __init__(self, federation_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., dataset_id: _Optional[str] = ..., dataset_hash: _Optional[str] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., prompts_per_round: _Optional[int] = ..., mode: _Optional[_Union[Mode, str]] = ..., verifier_name: _Optional[str] = ..., verifier_version: _Optional[str] = ..., staleness_rounds: _Optional[int] = ..., advantage: _Optional[str] = ...) -> None: ...
 
 class RequestTag(_message.Message):
     __slots__ = ("request_id", "sent_at_ms")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from graft_fed.configbase import load_config, require, to_dict
+from graft_fed.core.advantages import SCALES, STDS
 from graft_fed.core.losses import AGGREGATIONS, RATIOS
 from graft_fed.data.config import DataConfig
 from graft_fed.data.templates import validate_template
@@ -261,8 +262,9 @@ class AlgorithmSection:
         require(self.ratio in RATIOS, f"algorithm.ratio must be one of {sorted(RATIOS)}, got {self.ratio!r}")
         require(self.aggregation in AGGREGATIONS,
                 f"algorithm.aggregation must be one of {sorted(AGGREGATIONS)}, got {self.aggregation!r}")
-        require(self.scale_rewards in ("group", "none"), "algorithm.scale_rewards must be 'group' or 'none'")
-        require(self.std in ("sample", "population"), "algorithm.std must be 'sample' or 'population'")
+        require(self.scale_rewards in SCALES,
+                f"algorithm.scale_rewards must be one of {list(SCALES)}, got {self.scale_rewards!r}")
+        require(self.std in STDS, f"algorithm.std must be one of {list(STDS)}, got {self.std!r}")
         require(self.kl_coef >= 0, "algorithm.kl_coef must be >= 0")
         require(self.entropy_coef >= 0, "algorithm.entropy_coef must be >= 0")
 

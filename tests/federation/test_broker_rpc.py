@@ -22,7 +22,7 @@ def manifest(prompts, **over):
                  dataset_hash=dataset_hash(prompts), seed=3, n=2, prompts_per_round=8, mode="",
                  verifier_name="tests.plugins:odd_char_sum",
                  verifier_version=verifier_version(VerifierConfig(name="tests.plugins:odd_char_sum")),
-                 staleness_rounds=0)
+                 staleness_rounds=0, advantage="group/sample")
     return dataclasses.replace(m, **over)
 
 
@@ -60,6 +60,10 @@ def test_join_refuses_a_different_manifest_naming_the_fields(broker, prompts):
     code, details = code_of(lambda: c.join("x", "tok", manifest(prompts, n=4, seed=9), "share_all", 0))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "n: broker has 2, node has 4" in details and "seed" in details
+    # a node that normalises its advantages otherwise: receivers would train on them as they are
+    code, details = code_of(lambda: c.join("x", "tok", manifest(prompts, advantage="none/sample"), "share_all", 0))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "advantage: broker has 'group/sample', node has 'none/sample'" in details
     code, details = code_of(lambda: c.join("", "tok", manifest(prompts), "share_all", 0))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     c.close()

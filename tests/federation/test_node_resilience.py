@@ -2,6 +2,9 @@
 
 import dataclasses
 
+import pytest
+
+from graft_fed.errors import GraftFedError
 from graft_fed.node.node import Node
 from graft_fed.trainer.metrics import read_metrics
 from tests.federation.helpers import broker_config, node_config, start_broker
@@ -48,5 +51,21 @@ def test_a_killed_node_resumes_from_its_checkpoint_and_rejoins(tiny_llama, promp
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         assert all(r["federation/connected"] == 1.0 for r in rows)
         assert {n["node_id"]: n["round"] for n in broker.fed.status()["nodes"]}["n1"] >= 3
+    finally:
+        broker.stop()
+
+
+def test_a_node_that_normalises_advantages_otherwise_is_refused_naming_its_settings(tiny_llama, prompt_file, tmp_path):
+    """Receivers train on the source's advantages as they are, so the manifest pins how they
+    are computed: a node with algorithm.scale_rewards none is refused by a group/sample broker."""
+    broker = start_broker(broker_config(prompt_file))
+    try:
+        cfg = node_config("dr", tiny_llama, prompt_file, tmp_path, broker.address)
+        cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, scale_rewards="none"))
+        with Node(cfg, quiet=True) as node, pytest.raises(GraftFedError) as info:
+            node.ensure_joined()
+        assert "advantage: broker has 'group/sample', node has 'none/sample'" in str(info.value)
+        assert "algorithm.scale_rewards" in str(info.value)
+        assert broker.state.get_node("dr") is None  # nothing of the refused node was kept
     finally:
         broker.stop()
