@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from graft_fed.configbase import load_config, require
 from graft_fed.data.config import DataConfig
-from graft_fed.federation.manifest import ADVANTAGES
+from graft_fed.federation.manifest import ADVANTAGES, PAPER_ADVANTAGE
 from graft_fed.rewards.config import VerifierConfig
 
 
@@ -49,7 +49,7 @@ class BrokerConfig:
     #: of the nodes' configs: group/sample (the paper), group/population, none/sample or
     #: none/population. Receivers train on the source's advantages, so a node that computes
     #: them otherwise is refused at join.
-    advantage: str = "group/sample"
+    advantage: str = PAPER_ADVANTAGE
     #: "sync": a round is matched when every online node has published or the deadline
     #: passes; "async": a node is matched at once against the freshest groups within
     #: `staleness_rounds`.

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 if TYPE_CHECKING:
     import numpy as np
 
-from graft_fed.federation.manifest import Manifest
+from graft_fed.federation.manifest import PAPER_ADVANTAGE, Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
 from graft_fed.federation.errors import InvalidArgument
 from graft_fed.federation.limits import INT64_MAX, MAX_REPEATED, MAX_STRING_LEN
@@ -37,7 +37,7 @@ def manifest_from_pb(m: pb.Manifest) -> Manifest:
     return Manifest(federation_id=m.federation_id, protocol_version=m.protocol_version, dataset_id=m.dataset_id,
                     dataset_hash=m.dataset_hash, seed=m.seed, n=m.n, prompts_per_round=m.prompts_per_round,
                     mode=MODES.get(m.mode, ""), verifier_name=m.verifier_name, verifier_version=m.verifier_version,
-                    staleness_rounds=m.staleness_rounds, advantage=m.advantage)
+                    staleness_rounds=m.staleness_rounds, advantage=m.advantage or PAPER_ADVANTAGE)
 
 
 def privacy_from_pb(code: int) -> str:

@@ -33,6 +33,9 @@ def advantage_id(scale_rewards: str, std: str) -> str:
 
 
 ADVANTAGES = tuple(advantage_id(scale, std) for scale in SCALES for std in STDS)
+# The paper's (and the trainer's default); what a Join without the field (a client written
+# before it existed) is taken to mean.
+PAPER_ADVANTAGE = advantage_id("group", "sample")
 
 
 @dataclass(frozen=True)

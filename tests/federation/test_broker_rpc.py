@@ -9,6 +9,7 @@ import pytest
 
 from graft_fed.core.records import GroupRecord
 from graft_fed.federation.bundles import digest_of, encode_bundle
+from graft_fed.federation.codec import manifest_to_pb
 from graft_fed.federation.errors import FederationError
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
 from graft_fed.node.client import BrokerClient, new_tag
@@ -64,6 +65,12 @@ def test_join_refuses_a_different_manifest_naming_the_fields(broker, prompts):
     code, details = code_of(lambda: c.join("x", "tok", manifest(prompts, advantage="none/sample"), "share_all", 0))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "advantage: broker has 'group/sample', node has 'none/sample'" in details
+    # a client written before the field existed sends none: taken as the paper's group/sample
+    old = manifest_to_pb(manifest(prompts))
+    old.ClearField("advantage")
+    resp = c.stub.Join(pb.JoinRequest(node_id="old", model_id="m", tokenizer_id="tok", manifest=old, privacy=1,
+                                      tag=new_tag()), timeout=5)
+    assert resp.session_id and resp.manifest.advantage == "group/sample"
     code, details = code_of(lambda: c.join("", "tok", manifest(prompts), "share_all", 0))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     c.close()
