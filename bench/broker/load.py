@@ -20,8 +20,15 @@ What runs:
   goes to the next round. Any failed call is retried after a jittered exponential backoff
   (0.2 s doubling to `--backoff-cap-s`, 5 s); a node that lost its session joins again; a publish is
   repeated until acknowledged (publishing is idempotent).
+- The last `--probes` nodes (default 1) each run alone in a process of their own, as a real
+  node does (its heartbeats leave its own process); the others share `--procs` processes.
+  Every heartbeat is stamped by the node (sent, received) and by the broker (serving thread
+  took it, handler entered, handler returned: the `graft-timing` trailing metadata), and
+  the probes' and the simulated nodes' heartbeats are reported apart, each split into
+  those four segments.
 - Every `--sample-s` seconds the broker's VmRSS (/proc/PID/status) and the 1-minute load
-  average are sampled.
+  average are sampled. Per broker life: the RSS slope after the first minute, and after
+  `--warmup-s` (300 s: the replay guard's window) whether it is flat (rss_lives).
 
 At the end the broker is stopped and its SQLite file read directly: every acknowledged
 (node, round) must hold exactly its P summaries (none lost), no (node, round, prompt) may
