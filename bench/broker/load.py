@@ -20,8 +20,15 @@ What runs:
   goes to the next round. Any failed call is retried after a jittered exponential backoff
   (0.2 s doubling to `--backoff-cap-s`, 5 s); a node that lost its session joins again; a publish is
   repeated until acknowledged (publishing is idempotent).
+- The last `--probes` nodes (default 1) each run alone in a process of their own, as a real
+  node does (its heartbeats leave its own process); the others share `--procs` processes.
+  Every heartbeat is stamped by the node (sent, received) and by the broker (serving thread
+  took it, handler entered, handler returned: the `graft-timing` trailing metadata), and
+  the probes' and the simulated nodes' heartbeats are reported apart, each split into
+  those four segments.
 - Every `--sample-s` seconds the broker's VmRSS (/proc/PID/status) and the 1-minute load
-  average are sampled.
+  average are sampled. Per broker life: the RSS slope after the first minute, and after
+  `--warmup-s` (300 s: the replay guard's window) whether it is flat (rss_lives).
 
 At the end the broker is stopped and its SQLite file read directly: every acknowledged
 (node, round) must hold exactly its P summaries (none lost), no (node, round, prompt) may
@@ -55,6 +62,10 @@ from _common import RESULTS, ROOT, machine, make_summaries, percentile, write_pr
 
 GROUP_N = 8
 VERIFIER = "math_verify"
+NAN = float("nan")
+#: heartbeats sent from a SIGKILL until this long after the broker listens again are counted
+#: apart (the node's channel reconnects with a backoff of at most 2 s)
+RESTART_WINDOW_S = 5.0
 
 
 # ----- the simulated nodes (worker processes) -------------------------------------------------------
@@ -64,6 +75,7 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
     import grpc
 
     from graft_fed.federation.errors import FederationError, Unauthenticated
+    from graft_fed.federation.transport import TIMING_KEY, parse_timing
     from graft_fed.node.client import Backoff, BrokerClient
 
     name = f"node{i:02d}"
@@ -76,16 +88,22 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
     certs = Path(ctx["certs"])
     client = BrokerClient(ctx["address"], name, rpc_timeout_s=ctx["rpc_timeout_s"], tls_ca=str(certs / "ca.pem"),
                           tls_cert=str(certs / f"{name}.pem"), tls_key=str(certs / f"{name}.key"))
-    heartbeat = client.stub.Heartbeat
+    heartbeat = client.stub.Heartbeat.with_call
+    # per heartbeat: (sent, picked, entered, left, received), Unix seconds; the middle three are
+    # the broker's (TIMING_KEY), nan when it sent none; a failed one: (sent, received, code)
+    beats: list[tuple[float, ...]] = []
+    failed_beats: list[tuple[float, float, str]] = []
 
-    def timed_heartbeat(*args, **kwargs):  # the client's own heartbeat thread calls this
-        t0 = time.perf_counter()
+    def timed_heartbeat(request, timeout=None):  # the client's own heartbeat thread calls this
+        t0, sent = time.perf_counter(), time.time()
         try:
-            resp = heartbeat(*args, **kwargs)
+            resp, rpc = heartbeat(request, timeout=timeout, metadata=((TIMING_KEY, "1"),))
         except grpc.RpcError as exc:
             errors[f"Heartbeat {exc.code().name}"] += 1
+            failed_beats.append((sent, time.time(), exc.code().name))
             raise
         lat["Heartbeat"].append(time.perf_counter() - t0)
+        beats.append((sent, *(parse_timing(rpc.trailing_metadata()) or (NAN, NAN, NAN)), time.time()))
         return resp
 
     client.stub.Heartbeat = timed_heartbeat
@@ -135,7 +153,8 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
     finally:
         client.close()
     out[name] = {"acked": acked, "lat": dict(lat), "errors": dict(errors), "ready_wait": ready_wait,
-                 "rounds_ready": len(ready_wait), "joins": joins, "retries": retries}
+                 "rounds_ready": len(ready_wait), "joins": joins, "retries": retries, "beats": beats,
+                 "failed_beats": failed_beats}
 
 
 def worker(node_ids: list[int], ctx: dict, queue, go, end) -> None:
@@ -172,7 +191,7 @@ class Broker:
         t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "graft_fed.cli", "broker", "--config", str(self.cfg_path),
                                       "--port-file", str(port_file)], cwd=ROOT, stdout=self.log, stderr=self.log)
-        self.lives.append({"pid": self.proc.pid})
+        self.lives.append({"pid": self.proc.pid, "t0": t0})
         while not port_file.exists():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the broker exited at start (code {self.proc.returncode}); see "
@@ -268,6 +287,73 @@ def summarise_latencies(nodes: dict) -> dict:
                   "max_ms": 1e3 * max(xs) if xs else float("nan")} for rpc, xs in sorted(pooled.items())}
 
 
+SEGMENTS = ("node to the broker's serving thread", "serving thread to a worker", "handler",
+            "broker back to the node")
+
+
+def _dist(xs: list[float]) -> dict:
+    xs = [x for x in xs if x == x]
+    return {"count": len(xs), "p50_ms": 1e3 * percentile(xs, 50), "p90_ms": 1e3 * percentile(xs, 90),
+            "p99_ms": 1e3 * percentile(xs, 99), "max_ms": 1e3 * max(xs) if xs else NAN}
+
+
+def heartbeat_split(beats: list[tuple[float, ...]], failed: list[tuple], restarts: list[dict]) -> dict:
+    """Heartbeats of one population: the round trip, and where it went (SEGMENTS, from the
+    node's and the broker's stamps; both on this machine's clock), for all calls and for those
+    sent outside a restart window (a SIGKILL until RESTART_WINDOW_S after listening again);
+    and, for the slowest 1% of calls, the mean of each segment (where the tail's time goes)."""
+    windows = [(r["killed_at_unix"], r["killed_at_unix"] + r["start_s"] + RESTART_WINDOW_S) for r in restarts
+               if r["killed_at_unix"] == r["killed_at_unix"]]
+    outside = [b for b in beats if not any(lo <= b[0] <= hi for lo, hi in windows)]
+    total = [b[4] - b[0] for b in beats]
+    seg = [[b[j + 1] - b[j] for b in beats] for j in range(4)]
+    cut = percentile(total, 99)
+    tail = [b for b, t in zip(beats, total) if t >= cut]
+    return {"calls": len(beats), "failed": len(failed), "round_trip": _dist(total),
+            "round_trip_outside_restarts": _dist([b[4] - b[0] for b in outside]),
+            "segments": {name: _dist(xs) for name, xs in zip(SEGMENTS, seg)},
+            "slowest_1pct_mean_ms": {name: 1e3 * sum(b[j + 1] - b[j] for b in tail) / len(tail) if tail else NAN
+                                     for j, name in enumerate(SEGMENTS)},
+            "timed_by_broker": sum(1 for b in beats if b[2] == b[2])}
+
+
+def rss_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dict]:
+    """Per broker life: RSS first / max / last, the least-squares slope after its first minute,
+    and over what follows its warm-up (`warmup_s` of its age): span, slope, max - min and the
+    verdict. Flat: a window of at least FLAT_MIN_SPAN_S whose slope is at most FLAT_SLOPE of
+    the window's mean RSS per minute (0.25%/min: about 1 MiB/min at 400 MiB, a leak that
+    would grow the broker by 15% an hour)."""
+    def slope(pts: list[tuple[float, float]]) -> float:  # MiB per minute
+        if len(pts) < 3:
+            return NAN
+        mx, my = sum(a for a, _ in pts) / len(pts), sum(b for _, b in pts) / len(pts)
+        den = sum((a - mx) ** 2 for a, _ in pts)
+        return 60 * sum((a - mx) * (b - my) for a, b in pts) / den if den else NAN
+
+    out = []
+    for life in range(n_lives):
+        pts = [(s["age"], s["rss_kib"] / 1024) for s in samples if s["life"] == life]
+        if not pts:
+            continue
+        late = [p for p in pts if p[0] >= warmup_s]
+        span = late[-1][0] - late[0][0] if late else 0.0
+        mean = sum(b for _, b in late) / len(late) if late else NAN
+        k = slope(late)
+        out.append({"samples": len(pts), "lasted_s": pts[-1][0], "first_mib": pts[0][1],
+                    "max_mib": max(b for _, b in pts), "last_mib": pts[-1][1],
+                    "slope_after_first_minute_mib_per_min": slope([p for p in pts if p[0] >= 60]),
+                    "after_warmup": {"span_s": span, "slope_mib_per_min": k, "mean_mib": mean,
+                                     "max_minus_min_mib": (max(b for _, b in late) - min(b for _, b in late))
+                                     if late else NAN,
+                                     "flat": (span >= FLAT_MIN_SPAN_S and abs(k) <= FLAT_SLOPE * mean)
+                                     if span >= FLAT_MIN_SPAN_S else None}})
+    return out
+
+
+FLAT_MIN_SPAN_S = 120.0
+FLAT_SLOPE = 0.0025
+
+
 def markdown(payload: dict) -> str:
     a, info, v = payload["args"], payload["machine"], payload["verify"]
     lines = [f"### Broker load: {a['nodes']} nodes x {a['prompts']} summaries per round, {a['duration']:.0f} s, "
@@ -297,6 +383,29 @@ def markdown(payload: dict) -> str:
              "| RPC (client side) | calls | p50 ms | p99 ms | max ms |", "|---|---:|---:|---:|---:|"]
     for rpc, s in payload["latency"].items():
         lines.append(f"| {rpc} | {s['count']:,} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['max_ms']:.1f} |")
+    hb, sim_per_proc = payload["heartbeats"], (a["nodes"] - len(payload["probe_nodes"])) / max(1, a["procs"])
+    label = {"probe": f"probe: {len(payload['probe_nodes'])} node(s), each alone in its process",
+             "simulated": f"simulated nodes: about {sim_per_proc:.0f} per process"}
+    lines += ["", "Heartbeats by where they were sent from (a real node sends its heartbeats from its own process, "
+              "like the probe; the simulated nodes' heartbeats also wait for their peers in the same interpreter). "
+              f"'Outside restarts': sent before a SIGKILL or over {RESTART_WINDOW_S:.0f} s after the broker "
+              "listened again.", "",
+              "| heartbeats from | calls | failed | p50 ms | p90 ms | p99 ms | max ms | p99 outside restarts ms |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for who, h in hb.items():
+        r, o = h["round_trip"], h["round_trip_outside_restarts"]
+        lines.append(f"| {label[who]} | {h['calls']:,} | {h['failed']:,} | {r['p50_ms']:.1f} | {r['p90_ms']:.1f} | "
+                     f"{r['p99_ms']:.1f} | {r['max_ms']:.1f} | {o['p99_ms']:.1f} |")
+    if any(h["timed_by_broker"] for h in hb.values()):
+        lines += ["", "Where a heartbeat's time went (node and broker stamps, one clock): p50 / p99 of each "
+                  "segment, and its mean over the slowest 1% of round trips:", "",
+                  "| segment | probe p50 / p99 ms | probe slowest 1% mean ms | simulated p50 / p99 ms | "
+                  "simulated slowest 1% mean ms |", "|---|---:|---:|---:|---:|"]
+        for name in SEGMENTS:
+            p_, s_ = hb["probe"]["segments"][name], hb["simulated"]["segments"][name]
+            lines.append(f"| {name} | {p_['p50_ms']:.1f} / {p_['p99_ms']:.1f} | "
+                         f"{hb['probe']['slowest_1pct_mean_ms'][name]:.1f} | {s_['p50_ms']:.1f} / {s_['p99_ms']:.1f} | "
+                         f"{hb['simulated']['slowest_1pct_mean_ms'][name]:.1f} |")
     lines += ["", "Failed calls by RPC and status: " + (", ".join(f"{k} {v}" for k, v in
                                                                sorted(payload["errors"].items())) or "none") + ".",
               "", "Broker RSS (MiB) over time:", "", "| t (s) | broker life | RSS MiB | load avg |",
@@ -305,9 +414,20 @@ def markdown(payload: dict) -> str:
     step = max(1, len(samples) // 40)
     for s in samples[::step] + ([samples[-1]] if samples and (len(samples) - 1) % step else []):
         lines.append(f"| {s['t']:.1f} | {s['life']} | {s['rss_kib'] / 1024:.1f} | {s['load1']:.2f} |")
-    lines += ["", "Per broker life: " + "; ".join(
-        f"life {i}: RSS first {l['first_mib']:.1f} MiB, max {l['max_mib']:.1f}, last {l['last_mib']:.1f}"
-        for i, l in enumerate(payload["rss_per_life"])) + ".", ""]
+    flat = payload["rss_flat_after_warmup"]
+    lines += ["", f"Broker RSS per life (warm-up: the first {a['warmup_s']:.0f} s of a life; flat: at least "
+              f"{FLAT_MIN_SPAN_S:.0f} s after it, with a least-squares slope of at most {100 * FLAT_SLOPE:.2f}% of "
+              "the mean RSS per minute):", "",
+              "| life | lasted s | first MiB | max MiB | last MiB | slope after 1st minute MiB/min | after warm-up: "
+              "span s | slope MiB/min | max - min MiB | flat |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for i, l in enumerate(payload["rss_per_life"]):
+        w = l["after_warmup"]
+        lines.append(f"| {i} | {l['lasted_s']:.0f} | {l['first_mib']:.1f} | {l['max_mib']:.1f} | {l['last_mib']:.1f} | "
+                     f"{l['slope_after_first_minute_mib_per_min']:.2f} | {w['span_s']:.0f} | "
+                     f"{w['slope_mib_per_min']:.2f} | {w['max_minus_min_mib']:.1f} | "
+                     f"{'-' if w['flat'] is None else 'yes' if w['flat'] else 'no'} |")
+    lines += ["", "**RSS flat after warm-up: " + ("not shown (no life lasted long enough past its warm-up)"
+                                                  if flat is None else "yes" if flat else "no") + "**", ""]
     return "\n".join(lines)
 
 
@@ -320,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="SIGKILL + restart the broker at each of these seconds (default: half the duration; "
                          "< 0 = never)")
     ap.add_argument("--procs", type=int, default=4, help="node worker processes (nodes are threads in them)")
+    ap.add_argument("--probes", type=int, default=1,
+                    help="of the nodes, how many run each alone in a process of their own (a real node's "
+                         "heartbeats leave its own process); their heartbeats are reported apart")
+    ap.add_argument("--warmup-s", type=float, default=300.0,
+                    help="a broker life's warm-up for the RSS verdict: the broker's replay_window_s (its memory "
+                         "of request ids fills for that long)")
     ap.add_argument("--sample-s", type=float, default=2.0, help="RSS / load sampling interval")
     ap.add_argument("--rpc-timeout-s", type=float, default=30.0)
     ap.add_argument("--match-wait-s", type=float, default=10.0)
@@ -371,8 +497,10 @@ def main(argv: list[str] | None = None) -> int:
                 if proc is not None and proc.poll() is None:
                     kib = rss_kib(proc.pid)
                     if kib is not None:
-                        samples.append({"t": time.monotonic() - t_start, "life": len(broker.lives) - 1,
-                                        "rss_kib": kib, "load1": os.getloadavg()[0]})
+                        now = time.monotonic()
+                        samples.append({"t": now - t_start, "life": len(broker.lives) - 1,
+                                        "age": now - broker.lives[-1]["t0"], "rss_kib": kib,
+                                        "load1": os.getloadavg()[0]})
                 stop_sampling.wait(args.sample_s)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -381,7 +509,11 @@ def main(argv: list[str] | None = None) -> int:
                "backoff_cap_s": args.backoff_cap_s, "seed": args.seed}
         mpctx = mp.get_context("spawn")
         queue, go, end = mpctx.Queue(), mpctx.Event(), mpctx.Value("d", 0.0)
-        shares = [list(range(args.nodes))[k::args.procs] for k in range(args.procs)]
+        # the last `--probes` nodes each run alone in a process, as a real node does; the
+        # others share `--procs` processes
+        n_probes = min(args.probes, args.nodes)
+        shared = list(range(args.nodes - n_probes))
+        shares = [shared[k::args.procs] for k in range(args.procs)] + [[i] for i in range(len(shared), args.nodes)]
         procs += [mpctx.Process(target=worker, args=(share, ctx, queue, go, end), daemon=True)
                   for share in shares if share]
         for p in procs:
@@ -428,11 +560,14 @@ def main(argv: list[str] | None = None) -> int:
     for r_ in restarts:
         r_["publishes_acknowledged_after"] = sum(1 for r in nodes.values() for a in r["acked"].values()
                                                  if a[2] > r_["killed_at_unix"])
-    lives = []
-    for life in range(len(broker.lives)):
-        xs = [s["rss_kib"] / 1024 for s in samples if s["life"] == life]
-        if xs:
-            lives.append({"first_mib": xs[0], "max_mib": max(xs), "last_mib": xs[-1], "samples": len(xs)})
+    lives = rss_lives(samples, len(broker.lives), args.warmup_s)
+    judged = [life["after_warmup"]["flat"] for life in lives if life["after_warmup"]["flat"] is not None]
+    rss_flat = all(judged) if judged else None  # None: no life lasted long enough past its warm-up
+    probe_names = {f"node{i:02d}" for i in range(args.nodes - min(args.probes, args.nodes), args.nodes)}
+    heartbeats = {}
+    for who, names in (("probe", probe_names), ("simulated", set(nodes) - probe_names)):
+        heartbeats[who] = heartbeat_split([b for n in names if n in nodes for b in nodes[n]["beats"]],
+                                          [b for n in names if n in nodes for b in nodes[n]["failed_beats"]], restarts)
     loads = sorted(s["load1"] for s in samples) or [float("nan")]
     rounds = sorted(r["rounds_ready"] for r in nodes.values()) or [0]
     errors: Counter[str] = Counter()
@@ -445,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": {"min": rounds[0], "median": rounds[len(rounds) // 2], "max": rounds[-1]},
         "retries": sum(r["retries"] for r in nodes.values()), "joins": sum(r["joins"] for r in nodes.values()),
         "load": {"min": loads[0], "median": loads[len(loads) // 2], "max": loads[-1]},
-        "rss": samples, "rss_per_life": lives, "nodes_reporting": len(nodes),
+        "rss": samples, "rss_per_life": lives, "rss_flat_after_warmup": rss_flat, "nodes_reporting": len(nodes),
+        "heartbeats": heartbeats, "probe_nodes": sorted(probe_names),
+        "probe_beats": {n: nodes[n]["beats"] for n in sorted(probe_names) if n in nodes},
         "wall_s": time.monotonic() - t_start,
     }
     out_dir = Path(args.out_dir)

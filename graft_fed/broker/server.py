@@ -17,7 +17,7 @@ from graft_fed.broker.auth import Allowlist, IdentityInterceptor
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
 from graft_fed.broker.live import RefusalLog, ScalarLog, node_metrics, status_view
-from graft_fed.broker.servicer import BrokerServicer, add_to_server
+from graft_fed.broker.servicer import BrokerServicer, TimingInterceptor, add_to_server
 from graft_fed.broker.state import BrokerState
 from graft_fed.federation.transport import check_plaintext, grpc_options, server_credentials
 
@@ -129,7 +129,9 @@ class BrokerServer:
         self.servicer = BrokerServicer(self.fed)
         self.refusals = RefusalLog()
         self.servicer.scalars = ScalarLog()
-        interceptors = [IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist,
+        # the timing interceptor first: a call that asks is timed from before the identity check
+        interceptors = [TimingInterceptor(),
+                        IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist,
                                             max_requests_per_s=cfg.max_requests_per_s, refusals=self.refusals)]
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="broker"),
                                 # no SO_REUSEPORT: a second broker on a taken port must fail, not share it

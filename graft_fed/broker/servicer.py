@@ -28,6 +28,7 @@ from graft_fed.federation.errors import FederationError, InvalidArgument, Resour
 from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES,
                                          check_message, clip)
 from graft_fed.federation.status import INTERNAL_MESSAGE, to_status
+from graft_fed.federation.transport import TIMING_KEY
 from graft_fed.federation.signing import pem_to_der
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
@@ -137,6 +138,28 @@ class RpcStats:
         for i, b in enumerate(self.BUCKETS):
             if seconds <= b:
                 self.hist[method][i] += 1
+
+
+class TimingInterceptor(grpc.ServerInterceptor):
+    """Answers a unary call that asks for it (request metadata TIMING_KEY) with the broker's
+    times in its trailing metadata: when the serving thread took the call (this runs there),
+    when a worker entered the handler chain, when the handler returned. Calls that do not ask
+    pass through untouched. Placed first, so "entered" is before the identity check."""
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or not handler.unary_unary or not any(
+                k == TIMING_KEY for k, _ in details.invocation_metadata or ()):
+            return handler
+        picked = time.time_ns()
+        inner = handler.unary_unary
+
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            entered = time.time_ns()
+            response = inner(request, context)
+            context.set_trailing_metadata(((TIMING_KEY, f"{picked},{entered},{time.time_ns()}"),))
+            return response
+        return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
 
 
 def _rpc(method: Callable) -> Callable:

@@ -73,3 +73,24 @@ def grpc_options(max_message_mib: int) -> list[tuple[str, int]]:
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
     ]
+
+
+#: Request metadata key a client sends to ask the broker how long its call took inside the
+#: broker; the answer comes back in the trailing metadata under the same key:
+#: "PICKED,ENTERED,LEFT", Unix times in nanoseconds of the broker's clock: when grpcio's
+#: serving thread took the call, when a worker thread entered the handler chain, and when
+#: the handler returned. A diagnostic (bench/broker/load.py reads it); unary calls only.
+TIMING_KEY = "graft-timing"
+
+
+def parse_timing(trailing_metadata: object) -> tuple[float, float, float] | None:
+    """(picked, entered, left) in Unix seconds from a call's trailing metadata, None when the
+    broker sent no timing (it predates TIMING_KEY, or the call failed)."""
+    for key, value in trailing_metadata or ():
+        if key == TIMING_KEY:
+            try:
+                picked, entered, left = (int(x) / 1e9 for x in str(value).split(","))
+            except ValueError:
+                return None
+            return picked, entered, left
+    return None

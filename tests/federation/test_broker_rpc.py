@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import time
 import urllib.request
 
 import grpc
@@ -11,6 +12,7 @@ from graft_fed.core.records import GroupRecord
 from graft_fed.federation.bundles import digest_of, encode_bundle
 from graft_fed.federation.codec import manifest_to_pb
 from graft_fed.federation.errors import FederationError
+from graft_fed.federation.transport import TIMING_KEY, parse_timing
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
 from graft_fed.node.client import BrokerClient, new_tag
 from graft_fed.proto import broker_pb2 as pb
@@ -178,6 +180,19 @@ def test_metrics_and_healthz(broker, prompts):
     assert 'graft_fed_nodes{state="online"} 1' in text
     assert "graft_fed_summaries_total 1" in text
     assert 'graft_fed_rpc_total{method="PublishSummaries",code="OK"} 1' in text
+    a.close()
+
+
+def test_a_call_that_asks_gets_the_brokers_timing_in_its_trailers(broker, prompts):
+    a = client(broker, prompts, "a")
+    heartbeat = pb.HeartbeatRequest(node_id="a", session_id=a.session, round=0, tag=new_tag())
+    sent = time.time()
+    _, call = a.stub.Heartbeat.with_call(heartbeat, timeout=5, metadata=((TIMING_KEY, "1"),))
+    picked, entered, left = parse_timing(call.trailing_metadata())
+    assert sent - 1 <= picked <= entered <= left <= time.time() + 1
+    _, call = a.stub.Heartbeat.with_call(pb.HeartbeatRequest(node_id="a", session_id=a.session, round=0,
+                                                            tag=new_tag()), timeout=5)
+    assert parse_timing(call.trailing_metadata()) is None  # only calls that ask
     a.close()
 
 

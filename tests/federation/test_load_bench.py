@@ -32,3 +32,9 @@ def test_load_bench_survives_a_broker_restart_with_nothing_lost(tmp_path):
     assert res["restart"]["publishes_acknowledged_after"] > 0
     assert res["latency"]["PublishSummaries"]["count"] > 0
     assert (tmp_path / "tiny.md").read_text().startswith("### Broker load: 4 nodes x 16 summaries")
+    # the probe node ran alone in its process; its heartbeats carry the broker's timing
+    assert res["probe_nodes"] == ["node03"]
+    probe = res["heartbeats"]["probe"]
+    assert probe["calls"] > 0 and probe["timed_by_broker"] == probe["calls"]
+    assert res["heartbeats"]["simulated"]["calls"] > 0
+    assert res["rss_flat_after_warmup"] is None  # no life lasted past its warm-up
