@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from graft_fed.configbase import load_config, require
+from graft_fed.core.advantages import ADVANTAGES, PAPER_ADVANTAGE
 from graft_fed.data.config import DataConfig
-from graft_fed.federation.manifest import ADVANTAGES, PAPER_ADVANTAGE
 from graft_fed.rewards.config import VerifierConfig
 
 

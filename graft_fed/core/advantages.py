@@ -14,6 +14,19 @@ SCALES: tuple[ScaleRewards, ...] = ("group", "none")
 STDS: tuple[StdKind, ...] = ("sample", "population")
 
 
+def advantage_id(scale_rewards: str, std: str) -> str:
+    """How a run normalises its group advantages (`algorithm.scale_rewards`, `algorithm.std`),
+    as "<scale_rewards>/<std>", e.g. "group/sample". A receiver trains on the SOURCE's
+    advantages (docs/algorithm.md step 7), so a federation's manifest pins it and a stored
+    run records it."""
+    return f"{scale_rewards}/{std}"
+
+
+ADVANTAGES = tuple(advantage_id(scale, std) for scale in SCALES for std in STDS)
+# The paper's (and the trainer's default).
+PAPER_ADVANTAGE = advantage_id("group", "sample")
+
+
 def group_advantages(rewards: torch.Tensor, scale: ScaleRewards = "group", std: StdKind = "sample",
                      eps: float = 1e-6) -> torch.Tensor:
     """a_i = (r_i - mean(r)) / (std(r) + eps) within each group.

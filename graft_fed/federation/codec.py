@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 if TYPE_CHECKING:
     import numpy as np
 
-from graft_fed.federation.manifest import PAPER_ADVANTAGE, Manifest
+from graft_fed.core.advantages import PAPER_ADVANTAGE
+from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
 from graft_fed.federation.errors import InvalidArgument
 from graft_fed.federation.limits import INT64_MAX, MAX_REPEATED, MAX_STRING_LEN

@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Sequence
 
-from graft_fed.core.advantages import SCALES, STDS
 from graft_fed.data.prompts import Prompt
 from graft_fed.rewards.config import MATH_VERIFY, VerifierConfig
 
@@ -24,20 +23,6 @@ CHECKED_FIELDS = ("protocol_version", "dataset_id", "dataset_hash", "seed", "n",
                   "verifier_name", "verifier_version", "advantage")
 
 
-def advantage_id(scale_rewards: str, std: str) -> str:
-    """The manifest's `advantage` field: how a node normalises its group advantages (its
-    `algorithm.scale_rewards` and `algorithm.std`), as "<scale_rewards>/<std>", e.g.
-    "group/sample". A receiver trains on the SOURCE's advantages (docs/algorithm.md step 7),
-    so every node of a federation must compute them alike."""
-    return f"{scale_rewards}/{std}"
-
-
-ADVANTAGES = tuple(advantage_id(scale, std) for scale in SCALES for std in STDS)
-# The paper's (and the trainer's default); what a Join without the field (a client written
-# before it existed) is taken to mean.
-PAPER_ADVANTAGE = advantage_id("group", "sample")
-
-
 @dataclass(frozen=True)
 class Manifest:
     federation_id: str
@@ -51,7 +36,7 @@ class Manifest:
     verifier_name: str
     verifier_version: str
     staleness_rounds: int
-    advantage: str  # advantage_id(...): how every node normalises its group advantages
+    advantage: str  # core.advantages.advantage_id: how every node normalises its group advantages
 
     def to_dict(self) -> dict:
         return asdict(self)

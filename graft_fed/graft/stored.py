@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from graft_fed.core.advantages import advantage_id
 from graft_fed.core.exchange import SourceGroup, select_for_receiver
 from graft_fed.errors import ConfigError, DataError
 from graft_fed.graft.receive import GroupReport, offer_metrics, own_complementarity
@@ -21,7 +22,10 @@ from graft_fed.trainer.grpo import GRPOTrainer
 
 
 class StoredPeers:
-    def __init__(self, graft: GraftSection) -> None:
+    def __init__(self, graft: GraftSection, advantage: str | None = None) -> None:
+        """`advantage`: how the receiver normalises its own advantages
+        (core.advantages.advantage_id); a stored run that recorded another is refused, since
+        its groups' advantages are trained on as they are. None = not checked."""
         if graft.peer_store is None:
             raise ConfigError("stored peers need graft.peer_store (a trajectories.sqlite of a finished run)")
         self.run_id, self.match = graft.peer_run, graft.store_match
@@ -39,6 +43,14 @@ class StoredPeers:
             self.store.close()
             raise ConfigError(f"graft.peer_run {self.run_id!r} is not in {graft.peer_store}; it holds: "
                               f"{', '.join(names)}")
+        run_ids = [self.run_id] if self.run_id is not None else names
+        recorded = {self.store.run_advantage(r) for r in run_ids} - {None}
+        if advantage is not None and recorded and recorded != {advantage}:
+            self.store.close()
+            raise ConfigError(f"peer store {graft.peer_store} was recorded with advantages normalised as "
+                              f"{', '.join(sorted(recorded))} (scale_rewards/std), this run normalises them as "
+                              f"{advantage}: its groups' advantages would be trained on as they are. Set "
+                              "algorithm.scale_rewards and algorithm.std as the stored run had them")
 
     def close(self) -> None:
         self.store.close()
@@ -67,7 +79,8 @@ def train(trainer: GRPOTrainer, evaluate_before_after: bool = True) -> dict[str,
         return trainer.train(evaluate_before_after)
     from graft_fed.graft import step as graft_step
 
-    peers = StoredPeers(trainer.cfg.graft)
+    algo = trainer.cfg.algorithm
+    peers = StoredPeers(trainer.cfg.graft, advantage_id(algo.scale_rewards, algo.std))
     try:
         return trainer.train(evaluate_before_after, step_fn=lambda: graft_step.step(trainer, peers))
     finally:

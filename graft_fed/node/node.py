@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from graft_fed.configbase import load_config, require
+from graft_fed.core.advantages import advantage_id
 from graft_fed.errors import ConfigError, GraftFedError
 from graft_fed.federation.certcheck import JoinTracker, check_node_certificate, track_joins, wait_for_first_join
-from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, advantage_id, dataset_hash, verifier_version
+from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
 from graft_fed.federation.messages import Privacy
 from graft_fed.graft import step as graft_step
 from graft_fed.node.client import BrokerClient

@@ -93,6 +93,17 @@ class TrajectoryStore:
                 "resume the run from its last checkpoint (--resume auto), or set run.record_groups: false") from None
         return len(rows)
 
+    def set_run_advantage(self, run_id: str, advantage: str) -> None:
+        """Record how `run_id` normalised its advantages (core.advantages.advantage_id): a
+        receiver training on this run's groups uses them as they are, so it checks this."""
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (f"advantage/{run_id}", advantage))
+
+    def run_advantage(self, run_id: str) -> str | None:
+        """What `set_run_advantage` recorded for `run_id`; None for a store written before it was."""
+        row = self.db.execute("SELECT value FROM meta WHERE key=?", (f"advantage/{run_id}",)).fetchone()
+        return None if row is None else str(row[0])
+
     def runs(self) -> list[tuple[str, str, int]]:
         """(run_id, model_id, number of groups) for every run in the store."""
         return [tuple(r) for r in self.db.execute(

@@ -347,7 +347,8 @@ class GraftSection:
     #: Re-verify every peer response with this model's verifier; a group whose claimed rewards
     #: disagree is rejected (never trained on) and counted. Off only for debugging.
     reverify: bool = True
-    #: Stored mode: the trajectories.sqlite of a peer run to learn from (null = off).
+    #: Stored mode: the trajectories.sqlite of a peer run to learn from (null = off). The
+    #: run must have normalised its advantages as this one does (algorithm.scale_rewards/std).
     peer_store: str | None = None
     #: Which run in the store to use when it holds several (null = the only one).
     peer_run: str | None = None

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from graft_fed.configbase import to_dict
-from graft_fed.core.advantages import group_advantages, successes
+from graft_fed.core.advantages import advantage_id, group_advantages, successes
 from graft_fed.core.exchange import mean_token_logprob, order_groups, split_minibatches
 from graft_fed.core.losses import AGGREGATIONS, Normalizer, clipped_surrogate, k3_kl
 from graft_fed.core.screening import peer_groups_of, update_is_finite
@@ -136,6 +136,8 @@ class GRPOTrainer:
         self.tok_id = tokenizer_id(self.tokenizer)
         self.store = (TrajectoryStore(self.out_dir / "trajectories.sqlite")
                       if cfg.run.record_groups and self.is_main else None)
+        if self.store is not None:
+            self.store.set_run_advantage(self.run_id, advantage_id(cfg.algorithm.scale_rewards, cfg.algorithm.std))
         if resume_dir is not None:
             self._restore(resume_dir, manifest)
         self.metrics: MetricsWriter | NullMetrics = NullMetrics()

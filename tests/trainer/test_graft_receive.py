@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from graft_fed.core.advantages import group_advantages
 from graft_fed.core.records import GroupRecord
+from graft_fed.errors import ConfigError
 from graft_fed.modeling import pack, response_forward
 from graft_fed.rollout.base import SamplingParams
 from graft_fed.rollout.hf import HFRollout
@@ -116,10 +117,14 @@ def test_stored_mode_trains_against_a_recorded_run(tiny_llama, tiny_gpt2, prompt
     store_path = tmp_path / "src" / "trajectories.sqlite"
     with TrajectoryStore(store_path, readonly=True) as store:
         assert store.runs() == [("peer-seed7", "peer", 2 * 4)]
+        assert store.run_advantage("peer-seed7") == "group/sample"
     cfg = make_cfg(tiny_llama, prompt_file, tmp_path / "recv",
                    **{"rollout.n": 2, "graft.peer_store": str(store_path)})
+    # a receiver that normalises its advantages otherwise is refused, naming both
+    with pytest.raises(ConfigError, match="recorded with advantages normalised as group/sample.*none/sample"):
+        StoredPeers(cfg.graft, "none/sample")
     with GRPOTrainer(cfg, quiet=True) as tr:
-        peers = StoredPeers(cfg.graft)
+        peers = StoredPeers(cfg.graft, "group/sample")
         rows = [graft_step.step(tr, peers) for _ in range(2)]
         peers.close()
     for row in rows:
