@@ -734,13 +734,14 @@ class Federation:
             col, src, k, recv = ms.col[keep], ms.source[keep], ms.k[keep], ms.receiver[keep]
             digests = self._digests_of(ms, book, col, src)
             encoder = make_encoder(ms.pids, ms.nodes, [m or "" for m in models], ms.round, self.cfg.n)
-            parts = encoder.encode(col, src, k, digests)
+            buf, ends = encoder.encode(col, src, k, digests)
             bounds = np.searchsorted(recv, np.arange(len(ms.nodes) + 1)).tolist()
+            at = [0] + ends.tolist()  # where offer i starts in buf
             built = {}
             for i, name in enumerate(ms.nodes):
                 lo, hi = bounds[i], bounds[i + 1]
                 granted = [d for d in digests[lo:hi] if d] if digests is not None else []
-                built[(ms.round, name)] = (key, granted, b"".join(parts[lo:hi]))
+                built[(ms.round, name)] = (key, granted, buf[at[lo]:at[hi]])
             with self._answers_lock:
                 for k_, v in built.items():
                     self._answers[k_] = v

@@ -195,16 +195,24 @@ class RoundIndex:
         [min_round, round]: (how many of the receiver's all-fail prompts of `round` have an
         informative peer group, how many some peer solved at least once)."""
         with self.lock:
-            fails = self.fails(receiver, round)
-            if not fails:
+            home = self.book(round)
+            row = home.row(receiver)
+            own_cols = np.flatnonzero(row == 0) if row is not None else np.zeros(0, dtype=np.int64)
+            if not own_cols.size:
                 return 0, 0
-            informative = np.zeros(len(fails), dtype=bool)
-            solved = np.zeros(len(fails), dtype=bool)
+            fails: list[str] | None = None  # prompt ids, looked up only in other rounds' books
+            informative = np.zeros(own_cols.size, dtype=bool)
+            solved = np.zeros(own_cols.size, dtype=bool)
             for r in range(max(min_round, round - self.keep + 1), round + 1):
                 book = self.book(r)
                 if not book.pids:
                     continue
-                cols = np.fromiter((book.cols.get(p, -1) for p in fails), dtype=np.int64, count=len(fails))
+                if book is home:  # the receiver's own round: its failed columns are the columns
+                    cols = own_cols
+                else:
+                    if fails is None:
+                        fails = [home.pids[c] for c in own_cols.tolist()]
+                    cols = np.fromiter((book.cols.get(p, -1) for p in fails), dtype=np.int64, count=len(fails))
                 have = cols >= 0
                 if not have.any():
                     continue

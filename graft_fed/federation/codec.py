@@ -239,8 +239,8 @@ def offers_wire(offers: Iterable[tuple[str, str, str, int, int, int, str]]) -> b
 
 class OfferEncoder:
     """MatchResponse.offers of one round's matches, from arrays: every prompt id and every
-    source (with its model) is encoded once per round, so an offer costs a few
-    concatenations (about 0.3 us; a MatchOffer message cost several)."""
+    source (with its model) is encoded once per round, so an offer is a few pieces joined
+    (a MatchOffer message cost several microseconds)."""
 
     def __init__(self, pids: Sequence[str], nodes: Sequence[str], models: Sequence[str], round: int, n: int) -> None:
         self.round, self.n = round, n
@@ -253,20 +253,42 @@ class OfferEncoder:
                 + (b"\x30" + _varint(self.n) if self.n else b""))
 
     def encode(self, col: np.ndarray, src: np.ndarray, k: np.ndarray,
-               digests: Sequence[str] | None = None) -> list[bytes]:
-        """Each offer (prompt column, source index, k, digest) encoded as one MatchResponse.offers
-        field, in order; join any run of them to answer."""
+               digests: Sequence[str] | None = None) -> tuple[bytes, np.ndarray]:
+        """The offers (prompt column, source index, k, digest), each encoded as one
+        MatchResponse.offers field, in order, as one buffer, and where each offer ends in it:
+        offers [i, j) are buf[ends[i - 1]:ends[j - 1]] (0 for ends[-1]). Without digests an
+        offer is three pieces (its field header, its prompt id, its source with model and
+        tail), gathered from tables by numpy and joined once (about 0.1 us an offer; 80,000
+        offers in Python concatenations took 30-40 ms, issue 13)."""
+        import numpy as np
+
         if not len(col):
-            return []
-        pids, sources = self._pids, self._sources
-        tails = [self._tail(v) for v in range(int(k.max()) + 1)]
-        if digests is None:
-            bodies = [pids[c] + sources[s] + tails[kk] for c, s, kk in zip(col.tolist(), src.tolist(), k.tolist())]
-        else:
-            bodies = [pids[c] + sources[s] + tails[kk] + (_delimited(b"\x3a", d.encode()) if d else b"")
+            return b"", np.zeros(0, dtype=np.int64)
+        n_k = int(k.max()) + 1
+        tails = [self._tail(v) for v in range(n_k)]
+        if digests is not None:
+            bodies = [self._pids[c] + self._sources[s] + tails[kk] + (_delimited(b"\x3a", d.encode()) if d else b"")
                       for c, s, kk, d in zip(col.tolist(), src.tolist(), k.tolist(), digests)]
-        small = _SMALL
-        return [b"\x12" + (small[len(b)] if len(b) < 128 else _varint(len(b))) + b for b in bodies]
+            small = _SMALL
+            parts = [b"\x12" + (small[len(b)] if len(b) < 128 else _varint(len(b))) + b for b in bodies]
+            return b"".join(parts), np.cumsum(np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
+        # pieces: the source (with its model) and the tail of each (source, k), once per round
+        src_k = [s + t for s in self._sources for t in tails]
+        j = src.astype(np.int64) * n_k + k
+        body = (np.fromiter(map(len, self._pids), dtype=np.int64, count=len(self._pids))[col]
+                + np.fromiter(map(len, src_k), dtype=np.int64, count=len(src_k))[j])
+        sizes, which = np.unique(body, return_inverse=True)
+        heads = [b"\x12" + (_SMALL[b] if b < 128 else _varint(b)) for b in sizes.tolist()]
+        table = np.empty(len(heads) + len(self._pids) + len(src_k), dtype=object)
+        table[:] = heads + self._pids + src_k
+        pick = np.empty((len(col), 3), dtype=np.int64)
+        pick[:, 0] = which.reshape(-1)
+        pick[:, 1] = col
+        pick[:, 1] += len(heads)
+        pick[:, 2] = j + (len(heads) + len(self._pids))
+        buf = b"".join(table[pick.reshape(-1)].tolist())
+        head_len = np.fromiter(map(len, heads), dtype=np.int64, count=len(heads))
+        return buf, np.cumsum(head_len[which.reshape(-1)] + body)
 
 
 def upload_requests_wire(requests: Iterable[tuple[str, int]]) -> bytes:
