@@ -43,12 +43,11 @@ def test_offer_encoder_writes_what_offers_wire_writes():
         src = np.array([rng.randrange(len(nodes)) for _ in range(count)], dtype=np.int32)
         k = np.array([rng.choice([0, 1, 7, 127, 128, 300]) for _ in range(count)], dtype=np.int32)
         for digests in (None, [rng.choice(["", "ab" * 32]) for _ in range(count)]):
-            buf, ends = enc.encode(col, src, k, digests)
             tuples = [(pids[c], nodes[s], models[s], rnd, kk, n, digests[i] if digests else "")
                       for i, (c, s, kk) in enumerate(zip(col.tolist(), src.tolist(), k.tolist()))]
-            assert buf == offers_wire(tuples)
-            at = [0] + ends.tolist()
-            for i in range(0, count, 37):  # every offer's own bytes
-                assert buf[at[i]:at[i + 1]] == offers_wire(tuples[i:i + 1])
+            assert enc.encode(col, src, k, digests) == offers_wire(tuples)
+            for i in range(0, count, 37):  # runs of offers (one receiver's), each alone
+                assert enc.encode(col[i:i + 5], src[i:i + 5], k[i:i + 5],
+                                  digests[i:i + 5] if digests else None) == offers_wire(tuples[i:i + 5])
     assert OfferEncoder(pids, nodes, models, 1, 8).encode(np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32),
-                                                          np.zeros(0, dtype=np.int32))[0] == b""
+                                                          np.zeros(0, dtype=np.int32)) == b""
