@@ -129,6 +129,8 @@ class Federation:
         self._answers: OrderedDict[tuple[int, str], tuple] = OrderedDict()
         self._answers_lock = threading.Lock()
         self._answer_build_lock = threading.Lock()
+        # per round: (match set, sources' models, the round's OfferEncoder, whether each source's model is known)
+        self._encoders: OrderedDict[int, tuple] = OrderedDict()
         self._exchange: Counter[tuple[str, str]] | None = None  # matches per (source, receiver)
         # per-node facts every answer of a round reads, computed once per change of the
         # registry rather than once per answer (a thousand answers each walking a thousand
@@ -716,39 +718,39 @@ class Federation:
         return offers, left_out
 
     def _set_answer(self, ms: MatchSet, receiver: str, make_encoder: Callable) -> tuple:
-        """(key, granted digests, encoded offers) of a receiver in a round's match set. The
-        first call after matching (or after a digest of the round arrived) encodes the answers
-        of every receiver of the round at once; later calls find theirs in the cache."""
+        """(key, granted digests, encoded offers) of a receiver in a round's match set, cached
+        until a digest of the round arrives or a source's model changes. Each receiver's
+        answer is encoded by its own call, from pieces encoded once per round (the round's
+        encoder), so that the first answers leave while later ones are still being written
+        (encoding all of a round's answers before sending any held every node back by the
+        whole round's encoding, issue 13)."""
         key = self._answer_key(ms)[2]
         with self._answers_lock:
             entry = self._answers.get((ms.round, receiver))
         if entry is not None and entry[0] == key:
             return entry
-        with self._answer_build_lock:  # whoever comes second finds the answers built
-            book, models, key = self._answer_key(ms)
-            with self._answers_lock:
-                entry = self._answers.get((ms.round, receiver))
-            if entry is not None and entry[0] == key:
-                return entry
-            known = np.fromiter((m is not None for m in models), dtype=bool, count=len(models))
-            keep = known[ms.source] if len(ms) else np.zeros(0, dtype=bool)
-            col, src, k, recv = ms.col[keep], ms.source[keep], ms.k[keep], ms.receiver[keep]
-            digests = self._digests_of(ms, book, col, src)
-            encoder = make_encoder(ms.pids, ms.nodes, [m or "" for m in models], ms.round, self.cfg.n)
-            parts = encoder.encode(col, src, k, digests)
-            bounds = np.searchsorted(recv, np.arange(len(ms.nodes) + 1)).tolist()
-            built = {}
-            for i, name in enumerate(ms.nodes):
-                lo, hi = bounds[i], bounds[i + 1]
-                granted = [d for d in digests[lo:hi] if d] if digests is not None else []
-                built[(ms.round, name)] = (key, granted, b"".join(parts[lo:hi]))
-            with self._answers_lock:
-                for k_, v in built.items():
-                    self._answers[k_] = v
-                    self._answers.move_to_end(k_)
-                while len(self._answers) > 4 * max(64, len(ms.nodes)):
-                    self._answers.popitem(last=False)
-            return built.get((ms.round, receiver), (key, [], b""))
+        book, models, key = self._answer_key(ms)
+        with self._answer_build_lock:  # one encoder per round and sources' models, built by whoever comes first
+            cached = self._encoders.get(ms.round)
+            if cached is None or cached[0] is not ms or cached[1] != models:
+                cached = self._encoders[ms.round] = (
+                    ms, models, make_encoder(ms.pids, ms.nodes, [m or "" for m in models], ms.round, self.cfg.n),
+                    np.fromiter((m is not None for m in models), dtype=bool, count=len(models)))
+                while len(self._encoders) > max(16, 2 * self.cfg.staleness_rounds + 4):
+                    self._encoders.popitem(last=False)
+        encoder, known = cached[2], cached[3]
+        col, src, k = ms.for_receiver(receiver)
+        keep = known[src]
+        if not keep.all():
+            col, src, k = col[keep], src[keep], k[keep]
+        digests = self._digests_of(ms, book, col, src)
+        entry = (key, [d for d in digests if d] if digests is not None else [], encoder.encode(col, src, k, digests))
+        with self._answers_lock:
+            self._answers[(ms.round, receiver)] = entry
+            self._answers.move_to_end((ms.round, receiver))
+            while len(self._answers) > 4 * max(64, len(ms.nodes)):
+                self._answers.popitem(last=False)
+        return entry
 
     def _offers(self, receiver: str, round: int, encode: Encoders | None = None) -> tuple[list[Offer], bytes | None]:
         """The receiver's offers of `round` (empty with `encode`) and, with `encode`, the

@@ -44,7 +44,7 @@ class MatchSet:
         self._pos = {n: i for i, n in enumerate(self.nodes)}
         # receiver i's matches are [start[i], start[i + 1]) (rows are sorted by receiver)
         self._start = np.searchsorted(self.receiver, np.arange(len(self.nodes) + 1)).astype(np.int64)
-        self._by_source: np.ndarray | None = None
+        self._by_source: tuple[np.ndarray, np.ndarray] | None = None  # (row order by source, sources in it)
 
     @classmethod
     def from_choice(cls, round: int, nodes: Sequence[str], pids: Sequence[str], k: np.ndarray,
@@ -91,9 +91,10 @@ class MatchSet:
         if j is None:
             return np.zeros(0, dtype=np.int64)
         if self._by_source is None:
-            self._by_source = np.argsort(self.source, kind="stable")
-        order = self._by_source
-        lo, hi = np.searchsorted(self.source[order], [j, j + 1])
+            order = np.argsort(self.source, kind="stable")
+            self._by_source = (order, self.source[order])
+        order, sorted_sources = self._by_source
+        lo, hi = np.searchsorted(sorted_sources, [j, j + 1])
         return order[lo:hi]
 
     def rows(self, receiver: str | None = None, source: str | None = None) -> list[MatchRow]:

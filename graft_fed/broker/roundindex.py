@@ -37,6 +37,9 @@ class RoundBook:
         # bundle digests attached to the round's summaries: node -> prompt id -> digest
         self.digests: dict[str, dict[str, str]] = {}
         self.digest_version = 0  # bumped by every attached digest (answers cached on it)
+        # (prompt ids, their columns) of the last publish: nodes of a round mostly publish the
+        # same prompts in the same order, so the next one's columns are one list comparison
+        self._last: tuple[list[str], np.ndarray] | None = None
 
     def set_digest(self, node_id: str, prompt_id: str, digest: str) -> None:
         if prompt_id not in self.cols or node_id not in self._rows:
@@ -62,24 +65,28 @@ class RoundBook:
     def add_columns(self, node_id: str, pids: Sequence[str], ks: np.ndarray) -> int:
         """`add` for a publish's prompt ids and k as an array (one pass in C for the ids the
         round already has columns for)."""
-        cols = list(map(self.cols.get, pids))
-        if None in cols:
-            for i, col in enumerate(cols):
-                if col is None:
-                    col = self.cols.get(pids[i])
+        if self._last is not None and self._last[0] == pids:  # the prompts of the last publish, in its order
+            c = self._last[1]
+        else:
+            cols = list(map(self.cols.get, pids))
+            if None in cols:
+                for i, col in enumerate(cols):
                     if col is None:
-                        col = self.cols[pids[i]] = len(self.pids)
-                        self.pids.append(pids[i])
-                    cols[i] = col
+                        col = self.cols.get(pids[i])
+                        if col is None:
+                            col = self.cols[pids[i]] = len(self.pids)
+                            self.pids.append(pids[i])
+                        cols[i] = col
+            c = np.asarray(cols, dtype=np.int64)
+            self._last = (list(pids), c)
         row = self._rows.get(node_id)
         if row is None or row.size < len(self.pids):
             grown = np.full(max(len(self.pids), 2 * (0 if row is None else row.size)), MISSING, dtype=np.int16)
             if row is not None:
                 grown[:row.size] = row
             row = self._rows[node_id] = grown
-        if not cols:
+        if not c.size:
             return 0
-        c = np.asarray(cols, dtype=np.int64)
         new = row[c] == MISSING
         row[c[new]] = np.asarray(ks).astype(np.int16)[new]
         self.version += 1
@@ -195,16 +202,24 @@ class RoundIndex:
         [min_round, round]: (how many of the receiver's all-fail prompts of `round` have an
         informative peer group, how many some peer solved at least once)."""
         with self.lock:
-            fails = self.fails(receiver, round)
-            if not fails:
+            home = self.book(round)
+            row = home.row(receiver)
+            own_cols = np.flatnonzero(row == 0) if row is not None else np.zeros(0, dtype=np.int64)
+            if not own_cols.size:
                 return 0, 0
-            informative = np.zeros(len(fails), dtype=bool)
-            solved = np.zeros(len(fails), dtype=bool)
+            fails: list[str] | None = None  # prompt ids, looked up only in other rounds' books
+            informative = np.zeros(own_cols.size, dtype=bool)
+            solved = np.zeros(own_cols.size, dtype=bool)
             for r in range(max(min_round, round - self.keep + 1), round + 1):
                 book = self.book(r)
                 if not book.pids:
                     continue
-                cols = np.fromiter((book.cols.get(p, -1) for p in fails), dtype=np.int64, count=len(fails))
+                if book is home:  # the receiver's own round: its failed columns are the columns
+                    cols = own_cols
+                else:
+                    if fails is None:
+                        fails = [home.pids[c] for c in own_cols.tolist()]
+                    cols = np.fromiter((book.cols.get(p, -1) for p in fails), dtype=np.int64, count=len(fails))
                 have = cols >= 0
                 if not have.any():
                     continue

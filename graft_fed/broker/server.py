@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from graft_fed.broker.auth import Allowlist, IdentityInterceptor
+from graft_fed.broker.blas import one_blas_thread
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
 from graft_fed.broker.live import RefusalLog, ScalarLog, node_metrics, status_view
@@ -122,6 +123,7 @@ def pending_call_options(max_long_polls: int) -> list[tuple[str, int]]:
 
 class BrokerServer:
     def __init__(self, cfg: BrokerConfig, state: BrokerState | None = None) -> None:
+        one_blas_thread()  # matching's matrix products, without OpenBLAS threads spinning for a busy core
         self.cfg = cfg
         self.state = state or open_state(cfg.db)
         allowlist = Allowlist(cfg.allowlist) if cfg.allowlist else None

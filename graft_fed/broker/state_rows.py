@@ -126,7 +126,7 @@ def norm_block(block: SummaryBlock) -> SummaryBlock:
     floats = [np.asarray(a).astype(np.float64, casting="safe") for a in (block.reward_mean, block.reward_std,
                                                                          block.mean_logprobs)]
     pids = list(block.prompt_ids)
-    if not (all(type(p) is str for p in pids) and "".join(pids).isascii()):  # else one by one (lone surrogates)
+    if not (set(map(type, pids)) <= {str} and "".join(pids).isascii()):  # else one by one (lone surrogates)
         pids = [as_str(p, "prompt_id") for p in pids]
     return SummaryBlock(as_str(block.node_id, "node_id"), as_int(block.round, "round"), pids, ints[0], ints[1], ints[2], floats[0],
                         floats[1], ints[3], ints[4], ints[5], floats[2],

@@ -475,9 +475,10 @@ class SqliteState(BrokerState):
         return held, seq
 
     @classmethod
-    def _write_block(cls, conn: sqlite3.Connection, block: SummaryBlock) -> int:
+    def _write_block(cls, conn: sqlite3.Connection, block: SummaryBlock, data: bytes | None = None) -> int:
         """Insert the block's summaries not held yet (first write wins, inside the block too);
-        returns how many."""
+        returns how many. `data`: the whole block encoded, when the caller encoded it before
+        its transaction (a group commit's transaction then does no encoding)."""
         held, seq = cls._held_ids(conn, block.node_id, block.round)
         if held or len(set(block.prompt_ids)) != len(block):
             keep = np.zeros(len(block), dtype=bool)
@@ -486,11 +487,11 @@ class SqliteState(BrokerState):
                     held.add(pid)
                     keep[i] = True
             if not keep.all():
-                block = block.select(keep)
+                block, data = block.select(keep), None
         if not len(block):
             return 0
         conn.execute("INSERT INTO summary_blocks (node_id, round, seq, count, data) VALUES (?,?,?,?,?)",
-                     (block.node_id, block.round, seq, len(block), block.to_bytes()))
+                     (block.node_id, block.round, seq, len(block), block.to_bytes() if data is None else data))
         if block.digests is not None:
             conn.executemany("INSERT OR REPLACE INTO summary_digests (node_id, round, prompt_id, digest) "
                              "VALUES (?,?,?,?)", [(block.node_id, block.round, pid, d)
@@ -502,13 +503,18 @@ class SqliteState(BrokerState):
         return self._put_blocks([SummaryBlock.from_rows(g) for g in group_rows(batch)], len(batch), node)
 
     def put_summary_block(self, block: SummaryBlock, node: NodeRow | None = None) -> tuple[int, int]:
-        return self._put_blocks([norm_block(block)], len(block), node)
+        block = norm_block(block)
+        # encoded here, by the publishing thread, rather than inside the group commit's
+        # transaction, which every publish of the group waits for
+        return self._put_blocks([block], len(block), node, [block.to_bytes()])
 
-    def _put_blocks(self, blocks: list[SummaryBlock], total: int, node: NodeRow | None) -> tuple[int, int]:
+    def _put_blocks(self, blocks: list[SummaryBlock], total: int, node: NodeRow | None,
+                    encoded: list[bytes] | None = None) -> tuple[int, int]:
         n = None if node is None else norm_node(node)
+        data = encoded if encoded is not None else [None] * len(blocks)
 
         def write(conn: sqlite3.Connection) -> int:
-            accepted = sum(self._write_block(conn, b) for b in blocks)
+            accepted = sum(self._write_block(conn, b, d) for b, d in zip(blocks, data))
             if n is not None:
                 self._write_node(conn, dataclasses.replace(n, published=n.published + accepted))
             return accepted

@@ -241,34 +241,61 @@ def offers_wire(offers: Iterable[tuple[str, str, str, int, int, int, str]]) -> b
 
 class OfferEncoder:
     """MatchResponse.offers of one round's matches, from arrays: every prompt id and every
-    source (with its model) is encoded once per round, so an offer costs a few
-    concatenations (about 0.3 us; a MatchOffer message cost several)."""
+    source (with its model and each k) is encoded once per round, so that an offer is three
+    pieces gathered from tables by numpy and joined in C (a MatchOffer message cost several
+    microseconds; the same offers as Python concatenations about 0.4 us each, issue 13)."""
 
     def __init__(self, pids: Sequence[str], nodes: Sequence[str], models: Sequence[str], round: int, n: int) -> None:
         self.round, self.n = round, n
         self._pids = [_delimited(b"\x0a", p.encode()) if p else b"" for p in pids]
         self._sources = [(_delimited(b"\x12", s.encode()) if s else b"") + (_delimited(b"\x1a", m.encode()) if m else b"")
                          for s, m in zip(nodes, models)]
+        self._tables: tuple | None = None  # (k values covered, pid pieces, their sizes, source+tail pieces, sizes)
 
     def _tail(self, k: int) -> bytes:
         return ((b"\x20" + _varint(self.round) if self.round else b"") + (b"\x28" + _varint(k) if k else b"")
                 + (b"\x30" + _varint(self.n) if self.n else b""))
 
-    def encode(self, col: np.ndarray, src: np.ndarray, k: np.ndarray,
-               digests: Sequence[str] | None = None) -> list[bytes]:
-        """Each offer (prompt column, source index, k, digest) encoded as one MatchResponse.offers
-        field, in order; join any run of them to answer."""
+    def _pieces(self, n_k: int) -> tuple:
+        """The tables of pieces, for k in 0..n_k - 1 at least (built once per round)."""
+        import numpy as np
+
+        if self._tables is None or self._tables[0] < n_k:
+            n_k = max(n_k, self.n + 1)
+            tails = [self._tail(v) for v in range(n_k)]
+            src_k = [s + t for s in self._sources for t in tails]
+
+            def table(items: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+                arr = np.empty(len(items), dtype=object)
+                arr[:] = items
+                return arr, np.fromiter(map(len, items), dtype=np.int64, count=len(items))
+
+            self._tables = (n_k, *table(self._pids), *table(src_k))
+        return self._tables
+
+    def encode(self, col: np.ndarray, src: np.ndarray, k: np.ndarray, digests: Sequence[str] | None = None) -> bytes:
+        """The offers (prompt column, source index, k, digest), each encoded as one
+        MatchResponse.offers field, in order: bytes to append to a serialised MatchResponse."""
+        import numpy as np
+
         if not len(col):
-            return []
-        pids, sources = self._pids, self._sources
-        tails = [self._tail(v) for v in range(int(k.max()) + 1)]
-        if digests is None:
-            bodies = [pids[c] + sources[s] + tails[kk] for c, s, kk in zip(col.tolist(), src.tolist(), k.tolist())]
-        else:
-            bodies = [pids[c] + sources[s] + tails[kk] + (_delimited(b"\x3a", d.encode()) if d else b"")
-                      for c, s, kk, d in zip(col.tolist(), src.tolist(), k.tolist(), digests)]
-        small = _SMALL
-        return [b"\x12" + (small[len(b)] if len(b) < 128 else _varint(len(b))) + b for b in bodies]
+            return b""
+        n_k, pids, pid_size, src_k, src_k_size = self._pieces(int(k.max()) + 1)
+        j = src.astype(np.int64) * n_k + k
+        body = pid_size[col] + src_k_size[j]
+        if digests is not None and any(digests):
+            small = _SMALL
+            bodies = [p + sk + (_delimited(b"\x3a", d.encode()) if d else b"")
+                      for p, sk, d in zip(pids[col].tolist(), src_k[j].tolist(), digests)]
+            return b"".join([b"\x12" + (small[len(b)] if len(b) < 128 else _varint(len(b))) + b for b in bodies])
+        sizes, which = np.unique(body, return_inverse=True)
+        heads = np.empty(len(sizes), dtype=object)
+        heads[:] = [b"\x12" + (_SMALL[b] if b < 128 else _varint(b)) for b in sizes.tolist()]
+        pieces = np.empty((len(col), 3), dtype=object)
+        pieces[:, 0] = heads[which.reshape(-1)]
+        pieces[:, 1] = pids[col]
+        pieces[:, 2] = src_k[j]
+        return b"".join(pieces.reshape(-1).tolist())
 
 
 def upload_requests_wire(requests: Iterable[tuple[str, int]]) -> bytes:

@@ -711,9 +711,9 @@ def test_sqlite_batch_failing_midway_is_rolled_back(tmp_path, monkeypatch):
         s.put_summaries([summ(prompt_id="old")])
         real, calls = SqliteState._write_block.__func__, []
 
-        def flaky(cls, conn, block):
+        def flaky(cls, conn, block, data=None):
             calls.append(block.round)
-            written = real(cls, conn, block)
+            written = real(cls, conn, block, data)
             if len(calls) == 2:
                 raise OSError("disk on fire")
             return written
@@ -741,10 +741,10 @@ def test_sqlite_group_commit_shares_one_transaction_and_isolates_failures(tmp_pa
     s = SqliteState(tmp_path / "g.db")
     real = SqliteState._write_block.__func__
 
-    def write(cls, conn, block):
+    def write(cls, conn, block, data=None):
         if "bad" in block.prompt_ids:
             raise OSError("this publish only")
-        return real(cls, conn, block)
+        return real(cls, conn, block, data)
 
     monkeypatch.setattr(SqliteState, "_write_block", classmethod(write))
     results: dict[str, object] = {}
