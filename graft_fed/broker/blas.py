@@ -9,49 +9,26 @@ float32 products, p50 / p90 5.8 / 92 ms with OpenBLAS's default of one thread pe
 2-core machine that was not idle, 3.0 / 6.7 ms on one thread; with one core busy 15 / 741 ms
 against 6.5 / 6.6 ms). A broker serves many threads at once, so it takes one BLAS thread.
 
-OpenBLAS reads OPENBLAS_NUM_THREADS only when it is loaded, which is before the broker
-knows it is the broker; so this calls its `*openblas_set_num_threads*` on the library the
-process has loaded (found in /proc/self/maps; elsewhere, or with another BLAS, nothing
-happens).
+The BLAS reads its thread variables (OPENBLAS_NUM_THREADS, ...) only when it is loaded,
+which is before the broker knows it is the broker; threadpoolctl sets the loaded library's
+thread count through its own API, for OpenBLAS, MKL and BLIS alike.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 log = logging.getLogger("graft_fed.broker")
 
-_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
-            "openblas_set_num_threads")
 
+def one_blas_thread() -> int:
+    """Set every BLAS this process has loaded (numpy's, loaded here) to one thread; returns
+    how many libraries were set."""
+    import numpy  # noqa: F401 - loads numpy's BLAS, so that there is one to set
+    from threadpoolctl import threadpool_info, threadpool_limits
 
-def loaded_openblas() -> list[str]:
-    """Paths of the OpenBLAS libraries this process has loaded (Linux; [] elsewhere)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
-            return sorted({line.split(None, 5)[5].strip() for line in fh
-                           if line.count(" ") >= 5 and "openblas" in line.rsplit("/", 1)[-1].lower()})
-    except OSError:
-        return []
-
-
-def one_blas_thread() -> bool:
-    """Set every loaded OpenBLAS to one thread; True when one was found and set."""
-    import numpy  # noqa: F401 - loads numpy's BLAS, so that it is there to be found
-
-    done = False
-    for path in loaded_openblas():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for name in _SETTERS:
-            setter = getattr(lib, name, None)
-            if setter is not None:
-                setter(ctypes.c_int(1))
-                done = True
-                break
-    if not done:
-        log.debug("no OpenBLAS found to set to one thread")
-    return done
+    threadpool_limits(limits=1, user_api="blas")  # not as a context: for the process's life
+    found = sum(1 for lib in threadpool_info() if lib.get("user_api") == "blas")
+    if not found:
+        log.debug("no BLAS library found to set to one thread")
+    return found
