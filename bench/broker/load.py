@@ -179,8 +179,9 @@ def worker(node_ids: list[int], ctx: dict, queue, go, end) -> None:
 # ----- the broker (subprocess) --------------------------------------------------------------------
 
 class Broker:
-    def __init__(self, cfg_path: Path, work: Path) -> None:
+    def __init__(self, cfg_path: Path, work: Path, env: dict[str, str] | None = None) -> None:
         self.cfg_path, self.work = cfg_path, work
+        self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.lives: list[dict] = []
         self.log = open(work / "broker.log", "ab")
@@ -190,7 +191,8 @@ class Broker:
         port_file.unlink(missing_ok=True)
         t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "graft_fed.cli", "broker", "--config", str(self.cfg_path),
-                                      "--port-file", str(port_file)], cwd=ROOT, stdout=self.log, stderr=self.log)
+                                      "--port-file", str(port_file)], cwd=ROOT, stdout=self.log, stderr=self.log,
+                                     env=self.env)
         self.lives.append({"pid": self.proc.pid, "t0": t0})
         while not port_file.exists():
             if self.proc.poll() is not None:
@@ -453,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="load", help="results file stem")
     ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--broker-env", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="environment of the broker process only (e.g. MALLOC_ARENA_MAX=2)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (certs, db, broker.log)")
     args = ap.parse_args(argv)
     restart_at = [args.duration / 2] if args.restart_at is None else args.restart_at
@@ -484,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                 "verifier_version": verifier_version(VerifierConfig(name=VERIFIER)), "staleness_rounds": 4,
                 "advantage": "group/sample"}
 
-    broker = Broker(cfg_path, work)
+    broker = Broker(cfg_path, work, dict(e.split("=", 1) for e in args.broker_env))
     samples: list[dict] = []
     stop_sampling = threading.Event()
     procs: list = []

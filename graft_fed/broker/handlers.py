@@ -682,9 +682,12 @@ class Federation:
             models = cached[2]
         else:
             models = tuple(None if node is None else node.model_id for node in map(self.registry.get, ms.nodes))
-            if len(self._models) > 64:
-                self._models.clear()
             self._models[ms.round] = (ms, version, models)
+            # each entry holds its round's match set: keep the rounds the index keeps (a
+            # window of 64 held up to 48 match sets more, 0.4 MiB each at 256 x 256; issue 13)
+            if len(self._models) > self.index.keep:
+                for old in sorted(list(self._models))[:-self.index.keep]:
+                    self._models.pop(old, None)
         return book, models, (id(book), book.digest_version, models)
 
     def _digests_of(self, ms: MatchSet, book, col: np.ndarray, src: np.ndarray) -> list[str] | None:

@@ -12,7 +12,7 @@ from graft_fed.broker.handlers import Federation
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.wakeups import Wakeups
 from graft_fed.data.config import DataConfig, load_prompts
-from graft_fed.federation.codec import summaries_from_pb
+from graft_fed.federation.codec import OfferEncoder, offers_wire, summaries_from_pb, upload_requests_wire
 from tests.federation.helpers import broker_config
 from tests.federation.test_broker_rpc import manifest, record, summary
 from graft_fed.federation.bundles import digest_of, encode_bundle
@@ -128,3 +128,24 @@ def test_an_answer_names_the_model_a_source_joined_with_last(three):
     sessions["b"] = fed.join("b", "b-v2", "tok", manifest(prompts), "share_all", 0)[0]
     after = fed.get_matches("a", sessions["a"], 0, 0.0)
     assert [(o.source_node, o.source_model) for o in after.offers] == [("b", "b-v2")]
+
+
+def test_the_per_round_caches_keep_a_window_of_rounds_however_many_are_matched(three):
+    """Each cache of matched rounds holds at most the index's window of rounds (issue 13:
+    the sources' models were kept for 64 rounds, each entry holding its round's match set)."""
+    fed, clock, prompts, sessions = three
+    encode = (OfferEncoder, upload_requests_wire, offers_wire)
+    rounds = fed.index.keep + 20
+    for r in range(rounds):
+        for name, ks in zip("abc", ([0] * 8, [1] * 8, [2] * 8)):
+            req = pb.PublishRequest(node_id=name, session_id=sessions[name], round=r,
+                                    summaries=[summary(p, k, round=r) for p, k in zip(prompts, ks)])
+            fed.publish(name, sessions[name], r, summaries_from_pb(req))
+        for name in "abc":
+            assert fed.get_matches(name, sessions[name], r, 0.0, encode=encode).ready
+        clock.t += 1.0
+    assert fed.counters["rounds_matched"] == rounds
+    assert len(fed._models) <= fed.index.keep and max(fed._models) == rounds - 1
+    assert len(fed._sets) <= fed.index.keep
+    assert len(fed.index._books) <= fed.index.keep
+    assert len(fed._answers) <= 4 * 64  # (round, receiver) entries: bounded by count
