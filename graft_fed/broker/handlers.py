@@ -30,11 +30,12 @@ from graft_fed.broker.registry import Registry
 from graft_fed.broker.replay import ReplayGuard
 from graft_fed.broker.roundindex import RoundIndex
 from graft_fed.broker.state import BrokerState, MatchRow, NodeRow, ReportRow, RoundRow
+from graft_fed.broker.uploads import BundleUpload
 from graft_fed.broker.wakeups import Wakeups
 from graft_fed.core.exchange import SourceGroup, classify, select_for_receiver
-from graft_fed.core.records import RecordError
+from graft_fed.core.records import GroupRecord
 from graft_fed.data.config import load_prompts
-from graft_fed.federation.bundles import decode_bundle, digest_of, is_digest
+from graft_fed.federation.bundles import decode_bundle, is_digest
 from graft_fed.federation.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
                                          ResourceExhausted)
 from graft_fed.federation.limits import (MAX_DIGESTS_PER_CALL, MAX_ID_LEN, MAX_LONG_POLLS_PER_NODE, MAX_PER_ROUND_FACTOR,
@@ -861,25 +862,21 @@ class Federation:
             raise PermissionDenied(f"node {clip(node_id)} is quarantined: receivers rejected too many of its groups "
                                    "(claimed rewards did not re-verify); the operator can release it")
 
-    def put_bundle(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str,
-                   data: bytes, signature: bytes = b"", signer_cert: bytes = b"", sha256: str | None = None) -> bool:
-        """Store a node's bundle. With `signer_cert` (the node's mTLS certificate, DER) a
-        signature must verify for this node and digest and is stored with the bytes for
-        receivers to check; without a certificate to check it against (no mutual TLS) a
-        signature is dropped and the bundle stored unsigned. `sha256`: the hex digest of
-        `data` when the caller computed it already (the servicer hashes chunks as they
-        arrive), so the bytes are not hashed again."""
+    def begin_upload(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str, size: int,
+                     signature: bytes = b"", signer_cert: bytes = b"") -> BundleUpload:
+        """Start storing a node's bundle of `size` bytes, which then come a chunk at a time
+        (broker/uploads.py: hashed, checked and written as they arrive). The checks that need
+        no bytes run here. With `signer_cert` (the node's mTLS certificate, DER) a signature
+        must verify for this node and digest and is stored with the bytes for receivers to
+        check; without a certificate to check it against (no mutual TLS) a signature is
+        dropped and the bundle stored unsigned."""
         self.upload_allowed(node_id, session_id)
+        if not is_digest(digest):
+            raise InvalidArgument(f"malformed digest {clip(digest, 70)}: expected 64 lowercase hex digits")
         quota = self.cfg.max_node_bundle_mib * 2**20
-        if quota and self._bundle_bytes[node_id] + len(data) > quota:
+        if quota and self._bundle_bytes[node_id] + size > quota:
             raise ResourceExhausted(f"node {clip(node_id)} exceeded its bundle storage quota of "
                                     f"{self.cfg.max_node_bundle_mib} MiB")
-        if (sha256 if sha256 is not None else digest_of(data)) != digest:
-            raise InvalidArgument(f"bundle bytes do not hash to the declared digest {digest[:12]}...")
-        try:
-            rec = decode_bundle(data, digest, digest_checked=True)
-        except RecordError as exc:
-            raise InvalidArgument(f"bundle rejected: {exc}") from None
         if signature and signer_cert:
             try:
                 cert = load_certificate_der(signer_cert)
@@ -897,6 +894,25 @@ class Federation:
             signature = b""
         else:
             signer_cert = b""
+        return BundleUpload(self._store_upload, self.state.begin_bundle(), node_id, prompt_id, round, digest, size, signature,
+                            signer_cert)
+
+    def put_bundle(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str,
+                   data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+        """Store a node's bundle whole: begin_upload, its bytes in chunks, finish."""
+        upload = self.begin_upload(node_id, session_id, prompt_id, round, digest, len(data), signature, signer_cert)
+        try:
+            view, chunk = memoryview(data), self.cfg.chunk_kib * 1024
+            for off in range(0, len(data), chunk):
+                upload.write(view[off:off + chunk])
+            return upload.finish()
+        finally:
+            upload.abort()  # a no-op once finished
+
+    def _store_upload(self, up: BundleUpload, rec: GroupRecord) -> bool:
+        """The end of an upload whose bytes hashed to its digest and hold `rec`: check the
+        record against its summary, commit the bytes, attach the digest, wake the waiters."""
+        node_id, round, prompt_id = up.node_id, up.round, up.prompt_id
         with self.cond:
             summary = self._summary(node_id, round, prompt_id)
             if summary is None:
@@ -906,14 +922,14 @@ class Federation:
                     or list(rec.lengths) != list(summary.lengths) or rec.step != summary.policy_version):
                 raise InvalidArgument("the bundle does not hold the group its summary describes "
                                       "(prompt id, k, n, lengths, step or mean log-probs differ)")
-            stored = self.state.put_bundle(digest, data, signature=signature, signer_cert=signer_cert)
+            stored = up.writer.commit(up.digest, signature=up.signature, signer_cert=up.signer_cert)
             if stored:
-                self._bundle_bytes[node_id] += len(data)
-                self.counters["bundles_signed" if signature else "bundles_unsigned"] += 1
-            self.state.set_bundle_digest(node_id, round, prompt_id, digest)
-            self.index.set_digest(round, node_id, prompt_id, digest)
+                self._bundle_bytes[node_id] += up.size
+                self.counters["bundles_signed" if up.signature else "bundles_unsigned"] += 1
+            self.state.set_bundle_digest(node_id, round, prompt_id, up.digest)
+            self.index.set_digest(round, node_id, prompt_id, up.digest)
             self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
-            self.counters["bundle_bytes_in"] += len(data)
+            self.counters["bundle_bytes_in"] += up.size
         self.wakeups.wake(self._bundles_key(round))
         return stored
 

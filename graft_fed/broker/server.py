@@ -19,6 +19,7 @@ from graft_fed.broker.auth import Allowlist, IdentityInterceptor
 from graft_fed.broker.blas import one_blas_thread
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
+from graft_fed.broker.heap import keep_chunk_buffers
 from graft_fed.broker.live import RefusalLog, ScalarLog, node_metrics, status_view
 from graft_fed.broker.servicer import BrokerServicer, TimingInterceptor, add_to_server
 from graft_fed.broker.state import BrokerState
@@ -231,6 +232,7 @@ class BrokerServer:
                     log.exception("retention failed")
 
     def start(self) -> "BrokerServer":
+        keep_chunk_buffers(self.cfg.chunk_kib * 1024)  # heap/page-fault costs per chunk (broker/heap.py)
         self.grpc.start()
         try:
             self._serve_http()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import threading
 from collections import abc
 import logging
@@ -268,8 +267,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def _upload(self, request_iterator: Iterator[pb.BundleChunk], context: Any,
                 stack: contextlib.ExitStack) -> pb.UploadResponse:
         first: pb.BundleChunk | None = None
-        parts: list[bytes] = []
-        hasher = hashlib.sha256()  # hashed as the chunks arrive (hashlib releases the GIL for large updates)
+        upload = None  # the chunks go into it as they arrive: the servicer holds one at a time
         received = last = 0
         ticket, applied = None, False
         min_chunk = min(MIN_CHUNK_BYTES, self.chunk)
@@ -284,6 +282,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                     ticket = self.fed.replay.begin("UploadBundle", chunk.node_id, *_tag(chunk))
                     self.fed.upload_allowed(chunk.node_id, chunk.session_id)
                     stack.enter_context(self.uploads.hold(chunk.node_id))
+                    pem = context.auth_context().get("x509_pem_cert") or []  # the mTLS client certificate, if any
+                    upload = self.fed.begin_upload(chunk.node_id, chunk.session_id, chunk.prompt_id, chunk.round,
+                                                   chunk.digest, chunk.total_size, signature=chunk.signature,
+                                                   signer_cert=pem_to_der(pem[0]) if pem else b"")
+                    stack.callback(upload.abort)  # whatever ends the call: nothing of a refused upload stays
                 else:
                     if (chunk.digest, chunk.total_size, chunk.node_id, chunk.prompt_id, chunk.round) != (
                             first.digest, first.total_size, first.node_id, first.prompt_id, first.round):
@@ -300,16 +303,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 last = len(chunk.data)
                 if received > first.total_size:
                     raise InvalidArgument("chunks exceed the declared total_size")
-                parts.append(chunk.data)
-                hasher.update(chunk.data)
+                upload.write(chunk.data)
             if first is None:
                 raise InvalidArgument("empty upload: send at least one chunk")
             if received != first.total_size:
                 raise InvalidArgument(f"upload ended after {received} of {first.total_size} bytes")
-            pem = context.auth_context().get("x509_pem_cert") or []  # the mTLS client certificate, if any
-            stored = self.fed.put_bundle(first.node_id, first.session_id, first.prompt_id, first.round, first.digest,
-                                         b"".join(parts), signature=first.signature,
-                                         signer_cert=pem_to_der(pem[0]) if pem else b"", sha256=hasher.hexdigest())
+            stored = upload.finish()
             applied = True
         finally:
             self.fed.replay.end(ticket, applied)

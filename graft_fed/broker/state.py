@@ -13,7 +13,8 @@ each implementation):
 - `put_match_set` is idempotent on the round: the first set stored wins.
 - `put_bundle` is idempotent on the digest; the bytes, and the provenance (the producing
   node's signature and certificate) that came with them, are stored once: the first
-  upload wins.
+  upload wins. A bundle written a chunk at a time (`begin_bundle`) is the same: nothing of
+  it is held before its `commit`, which is then durable and idempotent as put_bundle.
 - `put_reports` is idempotent on (round, receiver, source, prompt_id): a receiver's
   report about one group counts once towards the pair's compatibility, however often it
   is sent (a retried or replayed report changes nothing).
@@ -204,6 +205,11 @@ class BrokerState(abc.ABC):
                 if (m.source, m.source_round, m.prompt_id) in heads]
 
     # ----- bundles (content-addressed)
+    def begin_bundle(self) -> "BundleWriter":
+        """A bundle arriving a chunk at a time (an upload): its bytes are written as they come
+        and become a bundle, held and durable, only at `BundleWriter.commit`."""
+        return BundleWriter(self)
+
     @abc.abstractmethod
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
         """Store bytes under their sha256 digest, with the producer's signature over the digest
@@ -226,7 +232,7 @@ class BrokerState(abc.ABC):
         return None if data is None else data[offset:offset + length]
 
     def iter_bundle(self, digest: str, chunk: int) -> Iterator[bytes] | None:
-        """The bundle's bytes in chunks of `chunk` bytes (the last may be shorter; one empty
+        """The bundle's bytes in chunks of at most `chunk` bytes (one empty
         chunk for an empty bundle), None when not held. The chunks are those of the bundle
         as it was when the iteration started, even if it is pruned meanwhile. This default
         slices the whole blob (fine for an in-memory state, which holds it anyway);
@@ -293,3 +299,31 @@ class BrokerState(abc.ABC):
 
     def close(self) -> None:
         """Release resources (files, connections)."""
+
+
+class BundleWriter:
+    """The bytes of one bundle on their way into a state (`BrokerState.begin_bundle`). None
+    of them is a bundle, seen by any reader, before `commit` returns; `abort` drops them,
+    and so does a commit that finds the digest held (the first upload wins, as with
+    put_bundle). This default keeps the chunks in memory and commits them with put_bundle
+    (what an in-memory state does anyway); a state on disk writes each chunk as it comes, so
+    memory per upload is bounded by the chunk."""
+
+    def __init__(self, state: BrokerState) -> None:
+        self._state = state
+        self._chunks: list[bytes] = []
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self._chunks.append(bytes(data))
+        self.size += len(data)
+
+    def commit(self, digest: str, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+        """Store the bytes written under `digest` (the caller checked it), as put_bundle does;
+        False when the digest was held already (the bytes written are dropped)."""
+        data, self._chunks = b"".join(self._chunks), []
+        return self._state.put_bundle(digest, data, signature=signature, signer_cert=signer_cert)
+
+    def abort(self) -> None:
+        """Drop what was written (nothing is stored); a no-op after commit."""
+        self._chunks = []

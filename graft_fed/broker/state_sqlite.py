@@ -41,8 +41,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from graft_fed.broker.state import (BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryHead,
-                                    SummaryRow)
+from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow,
+                                    SummaryHead, SummaryRow)
 from graft_fed.broker.state_rows import (
     as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_blob, norm_block, norm_bytes,
     norm_compat_args, norm_digests, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary,
@@ -54,8 +54,10 @@ from graft_fed.federation.errors import StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 PAGE_SIZE = 65536
+#: The chunks put_bundle writes a whole bundle in (an upload's chunks are stored as they came)
+PART_BYTES = 2**20
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -115,7 +117,17 @@ CREATE TABLE summary_digests (
     PRIMARY KEY (node_id, round, prompt_id));
 CREATE INDEX summary_digests_by_digest ON summary_digests (digest);
 """
-_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3}
+# Schema version 3 -> 4 (issue 13): a bundle uploaded a chunk at a time is stored as it
+# arrives, one row of `bundle_parts` per chunk (written without an fsync of its own), and
+# becomes a bundle when its `bundles` row (data empty, `parts` naming its rows) commits. A
+# bundle of an older file keeps its bytes in `bundles.data` (`parts` 0). Rows no bundle
+# names (an upload cut off by a crash) are dropped at open.
+_MIGRATE_4 = """
+ALTER TABLE bundles ADD COLUMN parts INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE bundle_parts (id INTEGER PRIMARY KEY, parts INTEGER NOT NULL, data BLOB NOT NULL);
+CREATE INDEX bundle_parts_by_parts ON bundle_parts (parts, id);
+"""
+_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4}
 
 
 def _convert_summaries(conn: sqlite3.Connection) -> None:
@@ -204,6 +216,9 @@ class SqliteState(BrokerState):
         self.group_commits = 0  # transactions that committed a group (for benches and tests)
         self.grouped_calls = 0
         self._conn = self._open(self.path)
+        with self._tx() as conn:  # the parts of uploads a crash cut off
+            conn.execute("DELETE FROM bundle_parts WHERE parts NOT IN (SELECT parts FROM bundles)")
+            (self._last_parts,), = conn.execute("SELECT COALESCE(MAX(parts), 0) FROM bundles").fetchall()
 
     # ----- opening
     @staticmethod
@@ -618,48 +633,107 @@ class SqliteState(BrokerState):
         return [r[0] for r in self._read("SELECT round FROM match_sets ORDER BY round")]
 
     # ----- bundles
-    def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+    def begin_bundle(self) -> BundleWriter:
+        with self._lock:
+            self._last_parts += 1
+            return _PartsWriter(self, self._last_parts)
+
+    def _write_part(self, parts: int, data: bytes) -> None:
+        """One chunk of an upload, in a transaction of its own without an fsync of its own
+        (synchronous=NORMAL: SQLite still syncs the WAL before any checkpoint): the commit
+        of its bundle (FULL) syncs the WAL, which holds this row before it."""
+        with self._lock:
+            conn = self._conn
+            try:
+                conn.execute("PRAGMA synchronous=NORMAL")
+                try:
+                    conn.execute("INSERT INTO bundle_parts (parts, data) VALUES (?, ?)", (parts, data))
+                finally:
+                    conn.execute("PRAGMA synchronous=FULL")
+            except sqlite3.Error as exc:
+                if not _is_storage_failure(exc):
+                    raise
+                raise self._storage_error(exc, "write") from exc
+
+    def _commit_parts(self, parts: int, size: int, digest: str, signature: bytes, signer_cert: bytes) -> bool:
         digest = as_str(digest, "digest")
-        blob = norm_bytes(data)
         sig, cert = norm_blob(signature, "signature"), norm_blob(signer_cert, "signer_cert")
         with self._tx() as conn:
-            cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert) "
-                               "VALUES (?,?,?,?,?,?) ON CONFLICT (digest) DO NOTHING",
-                               (digest, blob, len(blob), time.time(), sig, cert))
+            cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert, parts) "
+                               "VALUES (?, x'', ?, ?, ?, ?, ?) ON CONFLICT (digest) DO NOTHING",
+                               (digest, size, time.time(), sig, cert, parts))
+            if cur.rowcount != 1:
+                conn.execute("DELETE FROM bundle_parts WHERE parts = ?", (parts,))
             return cur.rowcount == 1
+
+    def _drop_parts(self, parts: int) -> None:
+        with self._tx() as conn:
+            conn.execute("DELETE FROM bundle_parts WHERE parts = ?", (parts,))
+
+    def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+        digest, blob = as_str(digest, "digest"), norm_bytes(data)
+        sig, cert = norm_blob(signature, "signature"), norm_blob(signer_cert, "signer_cert")
+        writer = self.begin_bundle()
+        try:
+            view = memoryview(blob)
+            for off in range(0, len(blob), PART_BYTES):
+                writer.write(view[off:off + PART_BYTES])
+            return writer.commit(digest, sig, cert)
+        finally:
+            writer.abort()  # a no-op once committed
 
     def bundle_provenance(self, digest: str) -> tuple[bytes, bytes] | None:
         rows = self._read("SELECT signature, signer_cert FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
         return (bytes(rows[0][0]), bytes(rows[0][1])) if rows else None
 
     def get_bundle(self, digest: str) -> bytes | None:
-        rows = self._read("SELECT data FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
-        return bytes(rows[0][0]) if rows else None
+        with self._lock:
+            rows = self._read("SELECT data, parts FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
+            if not rows or not rows[0][1]:
+                return bytes(rows[0][0]) if rows else None
+            return b"".join(r[0] for r in self._read("SELECT data FROM bundle_parts WHERE parts = ? ORDER BY id",
+                                                     (rows[0][1],)))
+
+    @staticmethod
+    def _pieces(conn: sqlite3.Connection, digest: str) -> tuple[int, list[tuple[str, int, int]]] | None:
+        """(size, [(table, rowid, bytes)]) of a held bundle: where its bytes lie, in order."""
+        row = conn.execute("SELECT rowid, size, parts FROM bundles WHERE digest = ?", (digest,)).fetchone()
+        if row is None:
+            return None
+        if not row[2]:
+            return row[1], [("bundles", row[0], row[1])]
+        return row[1], [("bundle_parts", i, n) for i, n in conn.execute(
+            "SELECT id, length(data) FROM bundle_parts WHERE parts = ? ORDER BY id", (row[2],))]
 
     def read_bundle(self, digest: str, offset: int, length: int) -> bytes | None:
         digest, offset, length = as_str(digest, "digest"), as_int(offset, "offset"), as_int(length, "length")
         if offset < 0 or length < 0:
             raise ValueError(f"offset and length must be >= 0, got {offset}, {length}")
         with self._lock:
-            rows = self._read("SELECT rowid, size FROM bundles WHERE digest = ?", (digest,))
-            if not rows:
-                return None
-            rowid, size = rows[0]
-            if offset >= size or not length:
-                return b""
             try:  # incremental blob I/O: only the chunk's pages are read, never the whole bundle
-                with self._conn.blobopen("bundles", "data", rowid, readonly=True) as blob:
-                    blob.seek(offset)
-                    return blob.read(min(length, size - offset))
+                found = self._pieces(self._conn, digest)
+                if found is None:
+                    return None
+                out, start = [], 0
+                for table, rowid, n in found[1]:
+                    lo, hi = max(offset, start), min(offset + length, start + n)
+                    if lo < hi:
+                        with self._conn.blobopen(table, "data", rowid, readonly=True) as blob:
+                            blob.seek(lo - start)
+                            out.append(blob.read(hi - lo))
+                    start += n
+                return b"".join(out)
             except sqlite3.Error as exc:
                 if not _is_storage_failure(exc):
                     raise
                 raise self._storage_error(exc, "read") from exc
 
     def iter_bundle(self, digest: str, chunk: int) -> Iterator[bytes] | None:
-        """One read-only connection of its own per iteration, holding one blob handle: reads
-        walk the bundle's overflow pages once (a new handle per chunk would walk them from
-        the start every time), see one snapshot (WAL), and never take the state's lock."""
+        """One read-only connection of its own per iteration, reading through one blob handle
+        per stored piece (a handle walks its piece's overflow pages once; a new handle per
+        chunk would walk them from the start every time), all in one snapshot (WAL), never
+        taking the state's lock. A piece no larger than `chunk` (an upload's chunk, as it
+        was stored) goes out as it is."""
         digest, chunk = as_str(digest, "digest"), as_int(chunk, "chunk")
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -669,26 +743,26 @@ class SqliteState(BrokerState):
             raise self._storage_error(exc, "read") from exc
         try:
             conn.execute("BEGIN")  # one snapshot for the whole bundle
-            row = conn.execute("SELECT rowid, size FROM bundles WHERE digest = ?", (digest,)).fetchone()
-            if row is None:
-                conn.close()
-                return None
-            blob = conn.blobopen("bundles", "data", row[0], readonly=True)
+            found = self._pieces(conn, digest)
         except sqlite3.Error as exc:
             conn.close()
             if not _is_storage_failure(exc):
                 raise
             raise self._storage_error(exc, "read") from exc
-        size = row[1]
+        if found is None:
+            conn.close()
+            return None
+        size, pieces = found
 
         def chunks() -> Iterator[bytes]:
             try:
                 if not size:
                     yield b""
-                for _ in range(0, size, chunk):
-                    yield blob.read(chunk)
+                for table, rowid, n in pieces:
+                    with conn.blobopen(table, "data", rowid, readonly=True) as blob:
+                        for _ in range(0, n, chunk):
+                            yield blob.read(chunk)
             finally:
-                blob.close()
                 conn.close()
         return chunks()
 
@@ -782,8 +856,33 @@ class SqliteState(BrokerState):
                                        max_bundle_bytes)
                 if drop:
                     ids = json.dumps(drop)
+                    conn.execute("DELETE FROM bundle_parts WHERE parts IN (SELECT parts FROM bundles WHERE parts != 0 "
+                                 "AND digest IN (SELECT value FROM json_each(?)))", (ids,))
                     removed += conn.execute("DELETE FROM bundles WHERE digest IN (SELECT value FROM json_each(?))",
                                             (ids,)).rowcount
                     conn.execute("DELETE FROM summary_digests WHERE digest IN (SELECT value FROM json_each(?))",
                                  (ids,))
         return removed
+
+
+class _PartsWriter(BundleWriter):
+    """SqliteState's upload: each chunk a row of bundle_parts as it arrives."""
+
+    def __init__(self, state: SqliteState, parts: int) -> None:
+        self._sqlite, self._parts, self._open = state, parts, True
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        if len(data):
+            self._sqlite._write_part(self._parts, data)
+            self.size += len(data)
+
+    def commit(self, digest: str, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+        stored = self._sqlite._commit_parts(self._parts, self.size, digest, signature, signer_cert)
+        self._open = False
+        return stored
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            self._sqlite._drop_parts(self._parts)

@@ -6,12 +6,15 @@ the same group always has the same digest, and every double survives bit for bit
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import math
 import re
+from json.decoder import scanstring
 
 from graft_fed.core.records import GroupRecord, RecordError
+from graft_fed.federation.limits import MAX_ID_LEN
 
 #: Bounds of the safe decoder (bundles come from peers, through a broker that may be hostile,
 #: and a broker decodes what nodes upload): nesting depth and digits of an integer.
@@ -118,6 +121,148 @@ def decode_bundle(data: bytes, expected_digest: str, digest_checked: bool = Fals
     if not isinstance(payload, dict):
         raise RecordError(f"bundle {expected_digest[:12]} is not a JSON object")
     return GroupRecord.from_dict(payload)
+
+
+#: A string of the bundle longer than this many characters (decoded) is checked where it
+#: arrives and stands in the structure parsed at the end (BundleStream.finish) as a string of
+#: SHORT_STRING + 1 characters: every field a check compares (a prompt id is at most
+#: MAX_ID_LEN, a finish reason "stop" or "length") compares unequal to it, as to the string.
+SHORT_STRING = MAX_ID_LEN
+#: The most characters a bundle may hold outside its long strings (its structure: keys,
+#: numbers, short strings): a group record of MAX_GROUP_N responses needs under 2 MiB.
+MAX_STRUCTURE = 4 * 2**20
+_HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}")
+
+
+def _backslashes_before(s: str, lo: int, end: int) -> int:
+    """How many backslashes immediately precede s[end], not counting any before s[lo]."""
+    n, width = 0, 16
+    while True:
+        start = max(lo, end - n - width)
+        seg = s[start:end - n]
+        kept = seg.rstrip("\\")
+        n += len(seg) - len(kept)
+        if kept or start == lo:
+            return n
+        width *= 2
+
+
+def _safe_cut(s: str, lo: int) -> int:
+    """The last index <= len(s) where the body of a JSON string that starts at s[lo] (at the
+    start of a character or escape) and runs past the end of s can be cut: not inside an
+    escape, nor between the halves of a surrogate pair (both at most 12 characters back)."""
+    end = len(s)
+    first = s.find("\\", max(lo, end - 12), end)
+    if first < 0:
+        return end
+    cut = first - _backslashes_before(s, lo, first) % 2  # the escape that backslash is part of
+    if (cut - 6 >= lo and _HIGH_SURROGATE.match(s, cut - 6, cut)
+            and _backslashes_before(s, lo, cut - 6) % 2 == 0):
+        cut -= 6  # an escaped high surrogate goes with the low one that follows it
+    return cut
+
+
+class BundleStream:
+    """A bundle checked as its bytes arrive, a chunk at a time, with what `decode_bundle`
+    checks of the whole: sha256, UTF-8, JSON, the record's fields. Memory is bounded by
+    the chunk, not the bundle: each string of the JSON is checked where it arrives (its
+    escapes and characters by json's own scanner, no lone surrogate), and only the
+    structure around the long strings is kept, parsed at the end (`finish`) into the
+    record, each long string standing in as a string of SHORT_STRING + 1 characters (the
+    texts are not kept: the broker stores the bytes, receivers decode them whole).
+    Stricter than decode_bundle in two ways, neither of which encode_bundle can produce: a
+    lone surrogate is refused in any string (a whole decode refuses it only in the
+    record's text fields), and so is more than MAX_STRUCTURE characters outside the long
+    strings."""
+
+    def __init__(self, expected_digest: str) -> None:
+        self.digest = expected_digest
+        self.size = 0
+        self._hash = hashlib.sha256()
+        self._carry = b""  # bytes not yet consumed: a split UTF-8 sequence or escape
+        self._parts: list[str] = []  # the structure: JSON outside long strings
+        self._kept = 0
+        self._in_string = False
+        self._short: list[str] = []  # the current string, decoded, while it is short
+        self._length = 0  # characters of the current string so far (decoded)
+
+    def _fail(self, what: str) -> RecordError:
+        return RecordError(f"bundle {self.digest[:12]} is not UTF-8 JSON: {what}")
+
+    def _keep(self, text: str) -> None:
+        self._kept += len(text)
+        if self._kept > MAX_STRUCTURE:
+            raise RecordError(f"bundle {self.digest[:12]} holds more than {MAX_STRUCTURE} characters outside its "
+                              f"strings of more than {SHORT_STRING}")
+        self._parts.append(text)
+
+    def _piece(self, value: str, closed: bool) -> None:
+        """The next piece of the current string, decoded."""
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise self._fail("a string holds a lone surrogate") from None
+        self._length += len(value)
+        if self._length <= SHORT_STRING:
+            self._short.append(value)
+        if closed:
+            self._keep(json.dumps("".join(self._short), ensure_ascii=False) if self._length <= SHORT_STRING
+                       else '"' + "~" * (SHORT_STRING + 1) + '"')
+            self._in_string, self._short, self._length = False, [], 0
+
+    def feed(self, data: bytes) -> None:
+        self._hash.update(data)
+        self.size += len(data)
+        buf = self._carry + data if self._carry else data
+        try:
+            s, used = codecs.utf_8_decode(buf, "strict", False)
+        except UnicodeDecodeError as exc:
+            raise self._fail(f"invalid UTF-8 ({exc.reason})") from None
+        rest = buf[used:]
+        pos = 0
+        while pos < len(s):
+            if not self._in_string:
+                quote = s.find('"', pos)
+                self._keep(s[pos:] if quote < 0 else s[pos:quote])
+                if quote < 0:
+                    pos = len(s)
+                    break
+                self._in_string, pos = True, quote + 1
+                continue
+            if s.find('"', pos) >= 0:
+                try:  # the common case: the string closes in this chunk
+                    value, end = scanstring(s, pos, True)
+                except json.JSONDecodeError:
+                    pass  # it runs on, or an escape is split at the end: checked up to a cut below
+                else:
+                    self._piece(value, closed=True)
+                    pos = end
+                    continue
+            cut = _safe_cut(s, pos)
+            try:  # the body up to the cut, closed by a quote of ours
+                value, _ = scanstring(s[pos:cut] + '"', 0, True)
+            except json.JSONDecodeError as exc:
+                raise self._fail(exc.msg) from None
+            self._piece(value, closed=False)
+            rest = s[cut:].encode("utf-8") + rest
+            break
+        self._carry = rest
+
+    def sha256(self) -> str:
+        """The hex digest of the bytes fed so far."""
+        return self._hash.hexdigest()
+
+    def finish(self) -> GroupRecord:
+        """The record (long strings standing in, see the class) once every byte is in; raises
+        RecordError for a digest mismatch, a truncated text or anything decode_bundle refuses."""
+        if self.sha256() != self.digest:
+            raise RecordError(f"bundle digest mismatch: expected {self.digest[:64]}, got {self.sha256()}")
+        if self._in_string or self._carry:
+            raise self._fail("it ends inside a string or a character")
+        payload = loads_bounded("".join(self._parts).encode("utf-8"), f"bundle {self.digest[:12]}")
+        if not isinstance(payload, dict):
+            raise RecordError(f"bundle {self.digest[:12]} is not a JSON object")
+        return GroupRecord.from_dict(payload)
 
 
 def is_digest(text: str) -> bool:

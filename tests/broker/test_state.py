@@ -642,9 +642,21 @@ def test_sqlite_refuses_a_newer_schema(tmp_path):
         SqliteState(path)
 
 
+def _as_version_3(c):
+    """Turn a state file (open on connection `c`) back into schema version 3: every bundle's
+    bytes in bundles.data, no bundle_parts."""
+    for digest, parts in c.execute("SELECT digest, parts FROM bundles WHERE parts != 0").fetchall():
+        data = b"".join(r[0] for r in c.execute("SELECT data FROM bundle_parts WHERE parts = ? ORDER BY id", (parts,)))
+        c.execute("UPDATE bundles SET data = ? WHERE digest = ?", (data, digest))
+    c.execute("DROP TABLE bundle_parts")
+    c.execute("ALTER TABLE bundles DROP COLUMN parts")
+    c.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+
+
 def _as_version_2(s, c):
     """Turn the file of SqliteState `s` (open on connection `c`) back into schema version 2:
     summaries as rows (lists as JSON), no match sets."""
+    _as_version_3(c)
     rows = s.summaries()
     c.execute("""CREATE TABLE summaries (
         node_id TEXT NOT NULL, round INTEGER NOT NULL, prompt_id TEXT NOT NULL,
@@ -818,3 +830,70 @@ def test_iter_bundle_streams_a_snapshot(state):
     assert state.iter_bundle("d" * 64, 4096) is None and state.iter_bundle("f" * 64, 10) is None
     state.put_bundle("e" * 64, b"")
     assert list(state.iter_bundle("e" * 64, 10)) == [b""]
+
+
+def test_bundle_written_a_chunk_at_a_time(state):
+    """begin_bundle: nothing is held before the commit; the commit is put_bundle's (first
+    upload wins, provenance included); an abort leaves nothing."""
+    w = state.begin_bundle()
+    for part in (b"abc", b"", b"defg", b"h"):
+        w.write(part)
+    assert state.has_bundles(["d" * 64]) == [] and state.bundle_stats() == (0, 0)
+    assert w.commit("d" * 64, signature=b"sig", signer_cert=b"cert")
+    w.abort()  # after a commit: changes nothing
+    assert state.get_bundle("d" * 64) == b"abcdefgh" and state.bundle_stats() == (1, 8)
+    assert state.read_bundle("d" * 64, 2, 4) == b"cdef" and state.read_bundle("d" * 64, 7, 9) == b"h"
+    assert b"".join(state.iter_bundle("d" * 64, 2)) == b"abcdefgh"
+    assert all(len(c) <= 2 for c in state.iter_bundle("d" * 64, 2))
+    again = state.begin_bundle()
+    again.write(b"other")
+    assert not again.commit("d" * 64, signature=b"x")
+    dropped = state.begin_bundle()
+    dropped.write(b"zz")
+    dropped.abort()
+    assert state.get_bundle("d" * 64) == b"abcdefgh" and state.bundle_provenance("d" * 64) == (b"sig", b"cert")
+    assert state.bundle_stats() == (1, 8) and state.has_bundles(["d" * 64, "e" * 64]) == ["d" * 64]
+    if isinstance(state, SqliteState):  # the duplicate's and the aborted upload's rows are gone
+        assert state._conn.execute("SELECT COUNT(*) FROM bundle_parts").fetchone()[0] == 3
+        state.prune(max_bundle_bytes=0)
+        assert state._conn.execute("SELECT COUNT(*) FROM bundle_parts").fetchone()[0] == 0
+
+
+def test_sqlite_upload_cut_off_by_a_crash_leaves_nothing(tmp_path):
+    s = SqliteState(tmp_path / "b.db")
+    s.put_bundle("d" * 64, b"kept")
+    w = s.begin_bundle()
+    w.write(b"x" * 100_000)
+    s.close()  # the broker dies mid-upload: its rows are in the file, no bundle names them
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        assert s._conn.execute("SELECT COUNT(*) FROM bundle_parts").fetchone()[0] == 1
+        assert s.bundle_stats() == (1, 4) and s.get_bundle("d" * 64) == b"kept"
+        w = s.begin_bundle()
+        w.write(b"new")
+        assert w.commit("e" * 64) and s.get_bundle("e" * 64) == b"new"
+    finally:
+        s.close()
+
+
+def test_sqlite_migrates_a_version_3_file_in_place(tmp_path):
+    """Bundles of a version 3 file keep their bytes in bundles.data and read as before."""
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    data = bytes(range(256)) * 1000
+    s.put_bundle("d" * 64, data, signature=b"sig", signer_cert=b"cert")
+    s.close()
+    with sqlite3.connect(path) as c:
+        _as_version_3(c)
+    c.close()
+    s = SqliteState(path)
+    try:
+        assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        assert s.get_bundle("d" * 64) == data and s.bundle_provenance("d" * 64) == (b"sig", b"cert")
+        assert b"".join(s.iter_bundle("d" * 64, 4096)) == data and s.read_bundle("d" * 64, 1000, 3) == data[1000:1003]
+        assert s.put_bundle("e" * 64, b"new") and s.get_bundle("e" * 64) == b"new"
+        assert s.bundle_stats() == (2, len(data) + 3)
+        s.prune(max_bundle_bytes=3)
+        assert s.has_bundles(["d" * 64, "e" * 64]) == ["e" * 64]
+    finally:
+        s.close()

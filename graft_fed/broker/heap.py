@@ -1,0 +1,53 @@
+"""The C heap's thresholds for a broker's chunk-sized buffers (glibc only).
+
+Every chunk a fetch streams passes through a few buffers of about the chunk's size (the
+bytes read from SQLite, the protobuf message, its serialisation, gRPC's copy). glibc serves
+an allocation above its mmap threshold (128 KiB at start) with a fresh mmap, and gives the
+top of a heap back to the kernel once more than its trim threshold (2 x the mmap threshold)
+lies free there, so each of those buffers comes back as new pages the kernel faults in and
+zeroes: ~2.3 faults per KiB streamed, which took a 16 MiB fetch from 0.63-0.70x of raw gRPC
+to 0.43-0.44x (issue 13, docs/performance.md "fifth pass"). Before uploads were streamed,
+the 16 MiB an upload joined raised both thresholds as a side effect (glibc raises them to
+the size of a freed mmap'd block, up to 32 MiB); an upload stored a chunk at a time no
+longer does. `keep_chunk_buffers` sets them outright: buffers of a few chunks come from the
+heap and free memory of up to 16 chunks stays at a heap's top for the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+
+log = logging.getLogger("graft_fed.broker")
+
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+M_MMAP_THRESHOLD = -3
+#: glibc's own ceiling for its dynamic mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
+MMAP_THRESHOLD_MAX = 32 * 2**20
+
+_applied = 0  # the mmap threshold set in this process so far (only ever raised)
+
+
+def keep_chunk_buffers(chunk: int) -> bool:
+    """Serve buffers of up to 4 chunks from the heap and keep up to 16 chunks free at a
+    heap's top. Returns whether the thresholds are (now) set; False where the C library is
+    not glibc, which changes nothing."""
+    global _applied
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    mmap_threshold = min(max(4 * chunk, 128 * 1024), MMAP_THRESHOLD_MAX)
+    if mmap_threshold <= _applied:
+        return True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD,
+                                                                                  4 * mmap_threshold) == 1
+    except (OSError, AttributeError):
+        return False
+    if ok:
+        _applied = mmap_threshold
+    else:
+        log.warning("could not set the C heap's thresholds (mallopt): chunk-sized buffers may be mapped afresh")
+    return ok
