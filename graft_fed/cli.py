@@ -167,7 +167,8 @@ def cmd_broker(args: argparse.Namespace) -> int:
     import threading
 
     from graft_fed.broker.config import load_broker_config
-    from graft_fed.broker.server import BrokerServer, limit_malloc_arenas
+    from graft_fed.broker.heap import limit_malloc_arenas
+    from graft_fed.broker.server import BrokerServer
 
     cfg = load_broker_config(args.config, _parse_overrides(args.set))
     limit_malloc_arenas(cfg.malloc_arena_max)  # before the worker threads exist

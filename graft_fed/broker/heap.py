@@ -1,4 +1,11 @@
-"""The C heap's thresholds for a broker's chunk-sized buffers (glibc only).
+"""The broker's C heap (glibc only): its malloc arenas and its thresholds for chunk-sized buffers.
+
+`limit_malloc_arenas`: with hundreds of worker threads glibc opens up to 8 arenas per core,
+and each keeps its own peak of freed memory; under 256 nodes x 256 prompts the broker's RSS
+grew 16.5 MiB/min with glibc's default and 5.9 with 2 arenas (docs/performance.md, "eighth
+pass"). `broker.malloc_arena_max` sets the cap where `graft-fed broker` starts.
+
+`keep_chunk_buffers`:
 
 Every chunk a fetch streams passes through a few buffers of about the chunk's size (the
 bytes read from SQLite, the protobuf message, its serialisation, gRPC's copy). glibc serves
@@ -16,16 +23,39 @@ heap and free memory of up to 16 chunks stays at a heap's top for the next one.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 
 log = logging.getLogger("graft_fed.broker")
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 #: glibc's own ceiling for its dynamic mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
 MMAP_THRESHOLD_MAX = 32 * 2**20
 
 _applied = 0  # the mmap threshold set in this process so far (only ever raised)
+
+
+def _mallopt():  # noqa: ANN202 - libc's mallopt, or None off glibc
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+
+
+def limit_malloc_arenas(count: int) -> bool:
+    """Cap this process's malloc arenas at `count` (before the worker threads start); nothing
+    when `count` is 0, when MALLOC_ARENA_MAX is set in the environment (glibc applied it) or
+    off glibc. True when the cap was set."""
+    if count <= 0 or "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    mallopt = _mallopt()
+    return mallopt is not None and mallopt(M_ARENA_MAX, count) == 1
 
 
 def keep_chunk_buffers(chunk: int) -> bool:
@@ -33,19 +63,13 @@ def keep_chunk_buffers(chunk: int) -> bool:
     heap's top. Returns whether the thresholds are (now) set; False where the C library is
     not glibc, which changes nothing."""
     global _applied
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
     mmap_threshold = min(max(4 * chunk, 128 * 1024), MMAP_THRESHOLD_MAX)
     if mmap_threshold <= _applied:
         return True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        ok = libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD,
-                                                                                  4 * mmap_threshold) == 1
-    except (OSError, AttributeError):
-        return False
+    ok = mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(M_TRIM_THRESHOLD, 4 * mmap_threshold) == 1
     if ok:
         _applied = mmap_threshold
     else:

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import math
-import os
 import threading
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,19 +24,6 @@ from graft_fed.broker.state import BrokerState
 from graft_fed.federation.transport import check_plaintext, grpc_options, server_credentials
 
 log = logging.getLogger("graft_fed.broker")
-
-
-def limit_malloc_arenas(count: int) -> bool:
-    """Cap glibc's malloc arenas of this process at `count` (mallopt M_ARENA_MAX), before the
-    worker threads start; nothing when `count` is 0, when MALLOC_ARENA_MAX is set in the
-    environment (glibc applied it) or off glibc. True when the cap was set."""
-    if count <= 0 or "MALLOC_ARENA_MAX" in os.environ:
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(-8, count))  # M_ARENA_MAX (malloc.h)
 
 
 def open_state(db: str) -> BrokerState:

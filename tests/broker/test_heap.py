@@ -1,6 +1,10 @@
-"""broker/heap.py: the C heap's thresholds for chunk-sized buffers."""
+"""broker/heap.py: the C heap's arenas and its thresholds for chunk-sized buffers."""
 
+import json
+import os
 import platform
+import subprocess
+import sys
 
 from graft_fed.broker.heap import keep_chunk_buffers
 
@@ -10,3 +14,20 @@ def test_thresholds_are_set_on_glibc_and_left_alone_elsewhere():
     assert keep_chunk_buffers(1 << 20) is glibc
     assert keep_chunk_buffers(1 << 18) is glibc  # a smaller chunk keeps the higher threshold
     assert keep_chunk_buffers(1 << 30) is glibc  # capped at glibc's own ceiling
+
+
+def test_the_malloc_arena_cap_is_set_once_and_leaves_the_environment_alone():
+    """broker.malloc_arena_max: mallopt(M_ARENA_MAX) where glibc is there, nothing when the
+    operator's MALLOC_ARENA_MAX (applied by glibc itself) is set or the cap is 0."""
+    code = ("import json, os; from graft_fed.broker.heap import limit_malloc_arenas;"
+            "print(json.dumps([limit_malloc_arenas(0), limit_malloc_arenas(2)]))")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert plain.returncode == 0, plain.stderr
+    zero, two = json.loads(plain.stdout.strip().splitlines()[-1])
+    assert zero is False
+    assert two is (platform.libc_ver()[0] == "glibc")
+    env["MALLOC_ARENA_MAX"] = "4"
+    theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert theirs.returncode == 0, theirs.stderr
+    assert json.loads(theirs.stdout.strip().splitlines()[-1]) == [False, False]
