@@ -188,7 +188,7 @@ def _progress(server, every: float) -> None:
         calls = {f"{m} {code}": n for (m, code), n in sorted(server.servicer.stats.calls.items())}
         print(f"[broker +{time.monotonic() - t0:.0f}s] threads {threading.active_count()} round {r} published "
               f"{[fed.index.published_count(x) for x in range(max(0, r - 1), r + 1)]} online "
-              f"{fed.registry.online_count()} polls waiting {sum(fed._polls.values())} calls {calls}",
+              f"{fed.registry.online_count()} polls waiting {sum(fed.answers._polls.values())} calls {calls}",
               file=sys.stderr, flush=True)
         if os.environ.get("GRAFT_BENCH_STACKS_AT_S") and time.monotonic() - t0 >= float(
                 os.environ["GRAFT_BENCH_STACKS_AT_S"]):

@@ -1,5 +1,5 @@
 """Which sources are quarantined, from the durable compatibility counts (so the verdict
-survives a restart). See Federation.quarantined for the rule."""
+survives a restart). See Context.quarantined (broker/context.py) for the rule."""
 
 from __future__ import annotations
 

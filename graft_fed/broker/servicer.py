@@ -383,7 +383,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         values = {s.name: s.value for s in request.scalars}
         if self.scalars is not None:
             self.scalars.validate(values)
-            self.fed._node(request.node_id, request.session_id, touch=False)  # a live session, or UNAUTHENTICATED
+            self.fed.check_session(request.node_id, request.session_id)  # a live session, or UNAUTHENTICATED
             self.scalars.record(request.node_id, request.step, values)
         return pb.ScalarsResponse()
 

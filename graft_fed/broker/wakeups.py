@@ -44,3 +44,10 @@ class Wakeups:
         """The keys someone has waited on since their last wake-up."""
         with self._lock:
             return list(self._events)
+
+
+def bundles_key(mode: str, round: int) -> tuple[str, int | None]:
+    """The wake-up key of a wait for bundles of `round` (uploads wake it): the round's own
+    in synchronous mode; one for every round in asynchronous mode, where a receiver's
+    offers span several rounds."""
+    return ("bundles", round if mode == "sync" else None)

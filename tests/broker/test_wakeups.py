@@ -85,7 +85,7 @@ def test_housekeeping_wakes_a_round_whose_last_node_went_offline(three):
     clock.t += fed.cfg.offline_after_s + 1  # c falls silent; a and b keep beating
     fed.heartbeat("a", sessions["a"], 0)
     fed.heartbeat("b", sessions["b"], 0)
-    fed._ready_memo.clear()  # what a quarter second of real time does
+    fed.rounds.forget_readiness()  # what a quarter second of real time does
     fed.wake_ready_rounds()
     assert waiting.is_set()
 
@@ -145,7 +145,7 @@ def test_the_per_round_caches_keep_a_window_of_rounds_however_many_are_matched(t
             assert fed.get_matches(name, sessions[name], r, 0.0, encode=encode).ready
         clock.t += 1.0
     assert fed.counters["rounds_matched"] == rounds
-    assert len(fed._models) <= fed.index.keep and max(fed._models) == rounds - 1
-    assert len(fed._sets) <= fed.index.keep
+    assert len(fed.answers._models) <= fed.index.keep and max(fed.answers._models) == rounds - 1
+    assert len(fed.matcher._sets) <= fed.index.keep
     assert len(fed.index._books) <= fed.index.keep
-    assert len(fed._answers) <= 4 * 64  # (round, receiver) entries: bounded by count
+    assert len(fed.answers._answers) <= 4 * 64  # (round, receiver) entries: bounded by count

@@ -279,7 +279,7 @@ def test_rate_limit_and_storage_quota(prompt_file, prompts):
 
     fed = Federation(broker_config(prompt_file, max_node_bundle_mib=1), InMemoryState())
     session, _ = fed.join("a", "a", "tok", manifest(prompts), "share_all", 0)
-    fed._bundle_bytes["a"] = 2**20  # as if it had already uploaded its whole quota
+    fed.bundles.bytes_by_node["a"] = 2**20  # as if it had already uploaded its whole quota
     with pytest.raises(ResourceExhausted, match="quota"):
         fed.put_bundle("a", session, prompts[0].id, 0, "0" * 64, b"x")
 
@@ -288,7 +288,7 @@ def test_rate_limit_and_storage_quota(prompt_file, prompts):
 def test_a_receiver_waiting_for_bundles_is_woken_by_the_upload_not_by_polling(prompt_file, prompts, mode):
     """GetMatches with wait_for_bundles answers as soon as the offered bundle arrives (the
     source uploads it while the receiver waits), and at the deadline without it; in either
-    mode (each waits on its own wake-up key, Federation._bundles_key)."""
+    mode (each waits on its own wake-up key, wakeups.bundles_key)."""
     import threading
     import time
 

@@ -444,13 +444,13 @@ def test_the_bundle_quota_survives_a_broker_restart(prompt_file, prompts, tmp_pa
     a = client(broker, prompts, "a")
     a.publish(0, [summary(p, 1) for p in prompts[:2]])
     a.upload(record(prompts[0], 1, "a"), 0)
-    used = broker.fed._bundle_bytes["a"]
+    used = broker.fed.bundles.bytes_by_node["a"]
     assert used > 0
     a.close()
     broker.stop()
     broker = start_broker(broker_config(prompt_file, db=db, max_node_bundle_mib=1))
     try:
-        assert broker.fed._bundle_bytes["a"] == used
+        assert broker.fed.bundles.bytes_by_node["a"] == used
         assert broker.state.bundle_bytes_by_node() == {"a": used}
     finally:
         broker.stop()

@@ -1,0 +1,163 @@
+"""Bundles: uploads (checked before the bytes, then chunk by chunk by broker/uploads.py,
+then against their summary before the digest is attached), each node's storage quota, and
+fetches of the bundles a receiver was granted (broker/grants.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Iterator, Sequence
+
+from graft_fed.broker.context import Context, Part
+from graft_fed.broker.uploads import BundleUpload
+from graft_fed.broker.wakeups import bundles_key
+from graft_fed.core.records import GroupRecord
+from graft_fed.federation.bundles import is_digest
+from graft_fed.federation.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL, clip
+from graft_fed.federation.signing import ProvenanceError, common_name, load_certificate_der, verify_signature
+
+log = logging.getLogger("graft_fed.broker")
+
+
+class Bundles(Part):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        # uploaded bytes per node, rebuilt from the durable state (a restart must not reset quotas)
+        self.bytes_by_node: Counter[str] = Counter(ctx.state.bundle_bytes_by_node())
+        self._warned_unverifiable = False
+
+    def has_bundles(self, node_id: str, session_id: str, digests: Sequence[str]) -> list[str]:
+        if len(digests) > MAX_DIGESTS_PER_CALL:
+            raise InvalidArgument(f"{len(digests)} digests in one call; at most {MAX_DIGESTS_PER_CALL}")
+        for d in digests:
+            if not is_digest(d):
+                raise InvalidArgument(f"malformed digest {clip(d, 70)}: expected 64 lowercase hex digits")
+        with self.cond:
+            self.registry.touch(node_id, session_id)
+            return self.state.has_bundles(digests)
+
+    def upload_allowed(self, node_id: str, session_id: str) -> None:
+        """Checks that need no payload, run before receiving the chunks."""
+        with self.cond:
+            node = self.registry.touch(node_id, session_id)
+        if node.privacy == "summaries_only":
+            raise PermissionDenied(f"node {clip(node_id)} declared privacy summaries_only; it uploads no trajectories")
+        if node_id in self.ctx.quarantined():
+            raise PermissionDenied(f"node {clip(node_id)} is quarantined: receivers rejected too many of its groups "
+                                   "(claimed rewards did not re-verify); the operator can release it")
+
+    def begin_upload(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str, size: int,
+                     signature: bytes = b"", signer_cert: bytes = b"") -> BundleUpload:
+        """Start storing a node's bundle of `size` bytes, which then come a chunk at a time
+        (broker/uploads.py: hashed, checked and written as they arrive). The checks that need
+        no bytes run here. With `signer_cert` (the node's mTLS certificate, DER) a signature
+        must verify for this node and digest and is stored with the bytes for receivers to
+        check; without a certificate to check it against (no mutual TLS) a signature is
+        dropped and the bundle stored unsigned."""
+        self.upload_allowed(node_id, session_id)
+        if not is_digest(digest):
+            raise InvalidArgument(f"malformed digest {clip(digest, 70)}: expected 64 lowercase hex digits")
+        quota = self.cfg.max_node_bundle_mib * 2**20
+        if quota and self.bytes_by_node[node_id] + size > quota:
+            raise ResourceExhausted(f"node {clip(node_id)} exceeded its bundle storage quota of "
+                                    f"{self.cfg.max_node_bundle_mib} MiB")
+        if signature and signer_cert:
+            try:
+                cert = load_certificate_der(signer_cert)
+                if common_name(cert) != node_id:
+                    raise ProvenanceError(f"the client certificate is {common_name(cert)!r}'s, not {clip(node_id)}'s")
+                verify_signature(cert, node_id, digest, signature)
+            except ProvenanceError as exc:
+                raise InvalidArgument(f"bundle signature rejected: {exc}. Sign with the key of the certificate "
+                                      "this connection presents") from None
+        elif signature:
+            if not self._warned_unverifiable:
+                log.warning("node %s signs its bundles but this broker does not use mutual TLS, so it has no "
+                            "certificate to relay with them: bundles are stored unsigned (set client_ca)", node_id)
+                self._warned_unverifiable = True
+            signature = b""
+        else:
+            signer_cert = b""
+        return BundleUpload(self._store_upload, self.state.begin_bundle(), node_id, prompt_id, round, digest, size, signature,
+                            signer_cert)
+
+    def put_bundle(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str,
+                   data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+        """Store a node's bundle whole: begin_upload, its bytes in chunks, finish."""
+        upload = self.begin_upload(node_id, session_id, prompt_id, round, digest, len(data), signature, signer_cert)
+        try:
+            view, chunk = memoryview(data), self.cfg.chunk_kib * 1024
+            for off in range(0, len(data), chunk):
+                upload.write(view[off:off + chunk])
+            return upload.finish()
+        finally:
+            upload.abort()  # a no-op once finished
+
+    def _store_upload(self, up: BundleUpload, rec: GroupRecord) -> bool:
+        """The end of an upload whose bytes hashed to its digest and hold `rec`: check the
+        record against its summary, commit the bytes, attach the digest, wake the waiters."""
+        node_id, round, prompt_id = up.node_id, up.round, up.prompt_id
+        with self.cond:
+            summary = self.ctx.summary(node_id, round, prompt_id)
+            if summary is None:
+                raise NotFound(f"node {clip(node_id)} published no summary for prompt {clip(prompt_id)} in round {round}")
+            if (rec.prompt_id != prompt_id or rec.k != summary.k or rec.n != summary.n
+                    or list(rec.mean_logprobs) != list(summary.mean_logprobs)
+                    or list(rec.lengths) != list(summary.lengths) or rec.step != summary.policy_version):
+                raise InvalidArgument("the bundle does not hold the group its summary describes "
+                                      "(prompt id, k, n, lengths, step or mean log-probs differ)")
+            stored = up.writer.commit(up.digest, signature=up.signature, signer_cert=up.signer_cert)
+            if stored:
+                self.bytes_by_node[node_id] += up.size
+                self.counters["bundles_signed" if up.signature else "bundles_unsigned"] += 1
+            self.state.set_bundle_digest(node_id, round, prompt_id, up.digest)
+            self.index.set_digest(round, node_id, prompt_id, up.digest)
+            self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
+            self.counters["bundle_bytes_in"] += up.size
+        self.wakeups.wake(bundles_key(self.cfg.mode, round))
+        return stored
+
+    def get_bundle(self, node_id: str, session_id: str, digest: str) -> bytes:
+        return self.fetch_bundle(node_id, session_id, digest)[0]
+
+    def fetch_bundle(self, node_id: str, session_id: str, digest: str) -> tuple[bytes, bytes, bytes]:
+        """(bytes, producer's signature, producer's certificate DER) of a bundle the node was
+        matched to; the last two are empty for an unsigned bundle."""
+        self._check_grant(node_id, session_id, digest)
+        data = self.state.get_bundle(digest)
+        provenance = self.state.bundle_provenance(digest)
+        if data is None or provenance is None:
+            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
+        self.counters["bundle_bytes_out"] += len(data)
+        return data, provenance[0], provenance[1]
+
+    def open_bundle(self, node_id: str, session_id: str, digest: str) -> tuple[int, bytes, bytes]:
+        """fetch_bundle without the bytes: (size, signature, certificate DER) of a bundle the
+        node was matched to, whose bytes `stream_bundle` then yields a chunk at a time (a
+        fetch holds one chunk in memory, not the bundle)."""
+        self._check_grant(node_id, session_id, digest)
+        size = self.state.bundle_size(digest)
+        provenance = self.state.bundle_provenance(digest)
+        if size is None or provenance is None:
+            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
+        return size, provenance[0], provenance[1]
+
+    def stream_bundle(self, digest: str, chunk: int) -> Iterator[bytes]:
+        """The chunks of a bundle `open_bundle` granted; NotFound when it was pruned meanwhile."""
+        chunks = self.state.iter_bundle(digest, chunk)
+        if chunks is None:
+            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
+        for data in chunks:
+            self.counters["bundle_bytes_out"] += len(data)
+            yield data
+
+    def _check_grant(self, node_id: str, session_id: str, digest: str) -> None:
+        if not is_digest(digest):
+            raise InvalidArgument("digest must be 64 lowercase hex digits")
+        self.registry.touch(node_id, session_id)
+        if not self.grants.allowed(node_id, digest):
+            if not self.state.has_bundles([digest]):
+                raise NotFound(f"no bundle {digest[:12]}...")
+            raise PermissionDenied(f"node {clip(node_id)} was not matched to bundle {digest[:12]}...; ask for "
+                                   "matches first")

@@ -1,0 +1,161 @@
+"""Matching: a synchronous round as a whole (broker/matching.py's selection on the round
+index's arrays, stored as one match set), or one receiver on its own (a late joiner,
+asynchronous mode, stored as rows); the recent match sets decoded, and the matches per
+(source, receiver) that status reports."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import replace
+from typing import Sequence
+
+from graft_fed.broker.context import Context, Part
+from graft_fed.broker.matching import select_sources_arrays
+from graft_fed.broker.matchset import MatchSet
+from graft_fed.broker.state import MatchRow
+from graft_fed.core.exchange import SourceGroup, classify, select_for_receiver
+
+log = logging.getLogger("graft_fed.broker")
+
+
+class Matcher(Part):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.lock = threading.Lock()  # one matching at a time; taken before a work slot
+        # synchronous rounds' matchings (one blob each in the state), the recent ones decoded
+        self._sets: OrderedDict[int, MatchSet] = OrderedDict()
+        self._sets_lock = threading.Lock()
+        self._exchange: Counter[tuple[str, str]] | None = None  # matches per (source, receiver)
+        self._exchange_lock = threading.Lock()
+
+    def forget_sets(self) -> None:
+        """Drop the decoded match sets (retention pruned some; re-read from the state)."""
+        with self._sets_lock:
+            self._sets.clear()
+
+    def forget_exchange(self) -> None:
+        """Drop the matches per (source, receiver) (recounted from the state on the next status)."""
+        with self._exchange_lock:
+            self._exchange = None
+
+    def _compat_index(self, nodes: Sequence[str]) -> dict[tuple[int, int], float]:
+        pos = {n: i for i, n in enumerate(nodes)}
+        return {(pos[c.source], pos[c.receiver]): c.mean_s for c in self.state.compat()
+                if c.source in pos and c.receiver in pos and c.groups > 0}
+
+    def can_source(self, node_ids: Sequence[str]) -> list[bool]:
+        bad = self.ctx.quarantined()
+        out = []
+        for nid in node_ids:
+            node = self.registry.get(nid)
+            out.append(node is not None and node.privacy != "summaries_only" and nid not in bad)
+        return out
+
+    def match_round(self, round: int) -> None:
+        """Synchronous close: select sources for every participant at once (for two nodes,
+        exactly the paper's balanced rule): core.exchange.select_sources, computed on the
+        round index's arrays (broker/matching.py; the same choices)."""
+        participants, pids, k = self.index.kn(round)
+        chosen = select_sources_arrays(k, self.cfg.n, self.cfg.balance == "pairwise",
+                                       self._compat_index(participants), self.can_source(participants),
+                                       cap=self.cfg.per_receiver_cap if self.cfg.balance == "per_receiver_cap"
+                                       else None) if pids else []
+        ms = MatchSet.from_choice(round, participants, pids, k, chosen)
+        # one write for the whole round; a set stored before (a crash between this write and
+        # the round's row) wins, so a restarted broker answers what it answered before
+        if not self.state.put_match_set(round, ms.to_bytes()):
+            stored = self.match_set(round)
+            assert stored is not None
+            ms = stored
+        self._remember_set(ms)
+        with self._exchange_lock:
+            if self._exchange is not None:
+                self._exchange.update(ms.pairs())
+        rnd = self.rounds.get(round)
+        assert rnd is not None
+        self.rounds.put(replace(rnd, state="matched", matched_at=self.clock(), participants=ms.nodes))
+        self.counters["rounds_matched"] += 1
+        self.counters["matches"] += len(ms)
+        log.info("round %d matched: %d nodes, %d transfers", round, len(ms.nodes), len(ms))
+
+    def _remember_set(self, ms: MatchSet) -> None:
+        with self._sets_lock:
+            self._sets[ms.round] = ms
+            self._sets.move_to_end(ms.round)
+            while len(self._sets) > max(16, 2 * self.cfg.staleness_rounds + 4):
+                self._sets.popitem(last=False)
+
+    def match_set(self, round: int) -> MatchSet | None:
+        """The round's matching when it was matched as a whole (synchronous), else None."""
+        with self._sets_lock:
+            ms = self._sets.get(round)
+        if ms is not None:
+            return ms
+        data = self.state.match_set(round)
+        if data is None:
+            return None
+        ms = MatchSet.from_bytes(data)
+        self._remember_set(ms)
+        return ms
+
+    def matches_of(self, round: int, receiver: str) -> list[MatchRow]:
+        """The receiver's matches of `round`: from the round's match set and from single rows
+        (a late joiner, asynchronous mode)."""
+        ms = self.match_set(round)
+        rows = ms.rows(receiver=receiver) if ms is not None else []
+        return rows + self.state.matches(round=round, receiver=receiver)
+
+    def exchange_counts(self) -> Counter[tuple[str, str]]:
+        """Matches per (source, receiver) over every stored round (built once from the state,
+        then kept up to date by matching)."""
+        with self._exchange_lock:
+            if self._exchange is None:
+                counts: Counter[tuple[str, str]] = Counter((m.source, m.receiver) for m in self.state.matches())
+                for r in self.state.match_set_rounds():
+                    ms = self.match_set(r)
+                    if ms is not None:
+                        counts.update(ms.pairs())
+                self._exchange = counts
+            return Counter(self._exchange)
+
+    def match_one(self, receiver: str, round: int, min_round: int, max_round: int) -> None:
+        """Match one receiver on its own against every other node's groups in [min_round,
+        max_round]: the stored mode (a late joiner) and asynchronous mode. Every candidate
+        in this one direction; per prompt the source core.exchange.source_rank prefers (the
+        most compatible, then the highest k, then the freshest group)."""
+        fails = self.index.fails(receiver, round)
+        if not fails:
+            return
+        mine = {pid: (0, self.cfg.n) for pid in fails}
+        compat = {c.source: c.mean_s for c in self.state.compat() if c.receiver == receiver and c.groups > 0}
+        # the other nodes' informative groups for these prompts, from the round index, in the
+        # order the state lists them (round, node): the candidates' order, source_rank's last key
+        offers: dict[str, list[tuple[SourceGroup, int]]] = {}
+        order = 0
+        with self.index.lock:
+            for r in range(max(min_round, max_round - self.index.keep + 1), max_round + 1):
+                book = self.index.book(r)
+                cols = [(pid, book.cols[pid]) for pid in fails if pid in book.cols]
+                if not cols:
+                    continue
+                nodes = sorted(book.nodes - {receiver})
+                ok = dict(zip(nodes, self.can_source(nodes)))
+                m = book.matrix(nodes)
+                for i, nid in enumerate(nodes):
+                    row = m[i]
+                    for pid, c in cols:
+                        k = int(row[c])
+                        if k >= 0:
+                            order += 1
+                            if ok[nid] and classify(k, self.cfg.n) == "informative":
+                                offers.setdefault(pid, []).append(
+                                    (SourceGroup(source=nid, k=k, round=r, order=order), self.cfg.n))
+        best = select_for_receiver(mine, offers, compat)
+        rows = [MatchRow(round=round, receiver=receiver, prompt_id=pid, source=str(g.source), source_round=g.round)
+                for pid, g in sorted(best.items())]
+        self.state.put_matches(rows)
+        with self._exchange_lock:
+            self._exchange = None  # recounted on the next status (a retried match writes nothing new)
+        self.counters["matches"] += len(best)

@@ -1,0 +1,166 @@
+"""Publishing: a node's summaries of a round, validated whole (row by row, or on a block's
+columns at once), stored durably, then made visible to matching through the round index."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+
+from graft_fed.broker.context import Context, Part
+from graft_fed.broker.ratelimit import PublishRateLimit
+from graft_fed.broker.state import RoundRow
+from graft_fed.federation.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from graft_fed.federation.limits import MAX_ID_LEN, MAX_PER_ROUND_FACTOR, MIN_MEAN_LOGPROB, clip
+from graft_fed.federation.messages import SummaryRow
+from graft_fed.federation.summaryblock import SummaryBlock
+
+MAX_SUMMARIES_FACTOR = MAX_PER_ROUND_FACTOR  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
+
+
+def _std_matches(k: int, n: int, claimed: float) -> bool:
+    """reward_std agrees with k successes of n binary rewards (sample std, as
+    federation.messages.summarise computes it, or population std)."""
+    p = k / n
+    var = p * (1 - p)
+    candidates = [math.sqrt(var), math.sqrt(var * n / (n - 1)) if n > 1 else 0.0]
+    return any(abs(claimed - c) <= 1e-6 * max(1.0, c) for c in candidates)
+
+
+class Publishing(Part):
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self._publish_rate = PublishRateLimit(ctx.cfg.max_publishes_per_s)
+
+    def _validate_summary(self, s: SummaryRow) -> None:
+        where = f"summary for prompt {s.prompt_id[:40]!r}"
+        if s.prompt_id not in self.known_prompts:
+            raise InvalidArgument(f"{where}: unknown prompt id (not in the federation's dataset "
+                                  f"{self.manifest.dataset_id})")
+        if s.n != self.manifest.n:
+            raise InvalidArgument(f"{where}: n={s.n} but the federation samples n={self.manifest.n}")
+        if len(s.prompt_id) > MAX_ID_LEN:
+            raise InvalidArgument(f"{where}: prompt id longer than {MAX_ID_LEN} characters")
+        if not 0 <= s.k <= s.n:
+            raise InvalidArgument(f"{where}: k={s.k} is not in [0, n={s.n}]")
+        if len(s.lengths) != s.n or len(s.mean_logprobs) != s.n:
+            raise InvalidArgument(f"{where}: {len(s.lengths)} lengths and {len(s.mean_logprobs)} mean log-probs "
+                                  f"for n={s.n} responses")
+        if any(length < 1 for length in s.lengths):
+            raise InvalidArgument(f"{where}: every response has at least one token")
+        values = [s.reward_mean, s.reward_std, *s.mean_logprobs]
+        if not all(math.isfinite(v) for v in values):
+            raise InvalidArgument(f"{where}: non-finite number")
+        if any(v > 1e-6 for v in s.mean_logprobs):
+            raise InvalidArgument(f"{where}: a mean log-prob is positive (log-probs are <= 0)")
+        if any(v < MIN_MEAN_LOGPROB for v in s.mean_logprobs):
+            raise InvalidArgument(f"{where}: a mean log-prob is below {MIN_MEAN_LOGPROB}, which sampling does not "
+                                  "produce")
+        if abs(s.reward_mean - s.k / s.n) > 1e-6:
+            raise InvalidArgument(f"{where}: reward_mean {s.reward_mean} contradicts k/n = {s.k}/{s.n}")
+        if not _std_matches(s.k, s.n, s.reward_std):
+            raise InvalidArgument(f"{where}: reward_std {s.reward_std} contradicts k/n = {s.k}/{s.n} (binary "
+                                  "rewards: the sample or population std of k ones and n - k zeros)")
+        if s.bundle_digest:
+            # the broker attaches a digest when it holds the bundle (UploadBundle); a digest
+            # claimed in a summary could name bytes that never arrive
+            raise InvalidArgument(f"{where}: bundle_digest must be empty; the broker sets it when the bundle is "
+                                  "uploaded")
+
+    def publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
+        with self.work:
+            self._validate_rows(node_id, round, summaries)
+            block = SummaryBlock.from_rows(list(summaries)) if summaries else SummaryBlock.from_columns(
+                node_id, round, [], *([[]] * 9))
+        return self._publish(node_id, session_id, round, block)
+
+    def publish_block(self, node_id: str, session_id: str, round: int, block: SummaryBlock) -> tuple[int, int]:
+        """`publish` for summaries as columns (the servicer reads a publish in bulk): the same
+        checks, on arrays; a block that fails one is checked row by row, so that the error
+        is the one `publish` raises."""
+        with self.work:
+            if not self._block_valid(node_id, round, block):
+                self._validate_rows(node_id, round, block.rows())
+                raise InvalidArgument("the summaries are malformed")  # not reached: the row checks raise
+        return self._publish(node_id, session_id, round, block)
+
+    def _validate_rows(self, node_id: str, round: int, summaries: Sequence[SummaryRow]) -> None:
+        limit = self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
+        if len(summaries) > limit:
+            raise ResourceExhausted(f"{len(summaries)} summaries in one publish; at most {limit} per round")
+        seen = set()
+        for s in summaries:
+            if s.node_id != node_id or s.round != round:
+                raise InvalidArgument("every summary must carry the publishing node and round")
+            if s.prompt_id in seen:
+                raise InvalidArgument(f"prompt {clip(s.prompt_id)} appears twice in one publish")
+            seen.add(s.prompt_id)
+            self._validate_summary(s)
+
+    def _block_valid(self, node_id: str, round: int, b: SummaryBlock) -> bool:
+        """Every check of `_validate_rows` on the block's columns at once."""
+        count = len(b)
+        if count > self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR:
+            return False
+        if b.node_id != node_id or b.round != round or b.digests is not None:
+            return False
+        if not count:
+            return True
+        if len(set(b.prompt_ids)) != count or not self.known_prompts.issuperset(b.prompt_ids):
+            return False
+        n = self.manifest.n
+        if not ((b.n == n).all() and (b.k >= 0).all() and (b.k <= n).all() and (b.n_lengths == n).all()
+                and (b.n_logprobs == n).all() and (b.lengths >= 1).all()):
+            return False
+        lp, mean, std = b.mean_logprobs, b.reward_mean, b.reward_std
+        with np.errstate(invalid="ignore"):
+            if not (np.isfinite(mean).all() and np.isfinite(std).all() and np.isfinite(lp).all()
+                    and (lp <= 1e-6).all() and (lp >= MIN_MEAN_LOGPROB).all()):
+                return False
+            p = b.k / n
+            if not (np.abs(mean - p) <= 1e-6).all():
+                return False
+            var = p * (1 - p)  # reward_std: the population or the sample std of k ones and n - k zeros
+            pop = np.sqrt(var)
+            sample = np.sqrt(var * n / (n - 1)) if n > 1 else np.zeros_like(var)
+            ok = ((np.abs(std - pop) <= 1e-6 * np.maximum(1.0, pop))
+                  | (np.abs(std - sample) <= 1e-6 * np.maximum(1.0, sample)))
+        return bool(ok.all())
+
+    def _publish(self, node_id: str, session_id: str, round: int, summaries: SummaryBlock) -> tuple[int, int]:
+        with self.cond:
+            node = self.registry.touch(node_id, session_id)
+            self._rate_limit(node_id)
+            rnd = self.rounds.get(round)
+            if rnd is None:
+                if round > self.rounds.current() + 1000:
+                    raise FailedPrecondition(f"round {round} is implausibly far ahead of the federation "
+                                             f"(current {self.rounds.current()})")
+                self.rounds.put(RoundRow(round=round, state="open", opened_at=self.clock()))
+        # The write happens outside the broker's lock and outside a work slot (it waits for
+        # the disk, not for the interpreter), so that concurrent publishes share one commit
+        # (the state's group commit) and nobody else waits for them; one node's
+        # publishes are serialised (its published count). Acknowledged, and visible to
+        # matching through the index, only once durable.
+        with self.registry.node_lock(node_id):
+            node = self.registry.check(node_id, session_id)
+            row = replace(node, round=max(node.round, round), last_seen=self.clock(), state="online")
+            # the summaries and the node's count and round in one transaction
+            accepted, dups = self.state.put_summary_block(summaries, node=row)
+            self.registry.remember(replace(row, published=row.published + accepted))
+            self.index.add_columns(round, node_id, summaries.prompt_ids, summaries.k)
+        with self.cond:
+            self.counters["summaries"] += accepted
+            self.counters["duplicate_summaries"] += dups
+        # Wake the round's long-polls only when this publish may have completed it: a thousand
+        # waiters woken by each of a thousand publishes is a million wake-ups a round. A round
+        # closed by its deadline wakes its waiters by their own timeout; one closed by a node
+        # going offline or leaving, by wake_ready_rounds (housekeeping, every second).
+        if self.cfg.mode == "sync" and self.rounds.ready(round):
+            self.wakeups.wake(("round", round))
+        return accepted, dups
+
+    def _rate_limit(self, node_id: str) -> None:
+        self._publish_rate.check(node_id)

@@ -1,0 +1,122 @@
+"""Compatibility reports: a receiver's verdicts on the groups it was offered, folded once per
+group into the compatibility matrix (which quarantine reads, broker/quarantine.py); a
+rejection of a group the broker re-verifies as correct is not counted."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Iterable
+
+from graft_fed.broker.context import Context, Part
+from graft_fed.broker.matcher import Matcher
+from graft_fed.broker.state import MatchRow, ReportRow
+from graft_fed.federation.bundles import decode_bundle
+from graft_fed.federation.errors import FailedPrecondition, InvalidArgument
+from graft_fed.federation.limits import MAX_PER_ROUND_FACTOR, MAX_ROUNDS_AHEAD, clip
+from graft_fed.federation.messages import ReportEntry
+
+log = logging.getLogger("graft_fed.broker")
+
+
+class Reports(Part):
+    def __init__(self, ctx: Context, matcher: Matcher) -> None:
+        super().__init__(ctx)
+        self.matcher = matcher
+        self._verifier = None
+        self._verifier_failed = False
+        self._verifier_lock = threading.Lock()
+
+    def report(self, node_id: str, session_id: str, round: int, entries: Iterable[ReportEntry]) -> tuple[int, int]:
+        """Fold a receiver's verdicts into the compatibility matrix; returns (accepted,
+        duplicates). A report about one group, (round, receiver, source, prompt), counts
+        once however often it is sent: a retried or replayed report changes nothing, and a
+        receiver cannot inflate a source's rejections by repeating one. A rejection of a
+        group the broker holds and re-verifies as correct is not counted (`recheck_rejections`)."""
+        entries = list(entries)
+        limit = self.manifest.prompts_per_round * MAX_PER_ROUND_FACTOR
+        if len(entries) > limit:
+            # a receiver gets at most one group per prompt of its round
+            raise InvalidArgument(f"{len(entries)} entries in one report; at most {limit} (one per group received)")
+        seen = set()
+        for e in entries:
+            if not e.rejected and not (math.isfinite(e.mean_s) and 0 <= e.mean_s <= 1e6):
+                raise InvalidArgument(f"mean_s must be a finite number in [0, 1e6], got {e.mean_s}")
+            if not (0.0 <= e.admitted_fraction <= 1.0):
+                raise InvalidArgument(f"admitted_fraction must be in [0, 1], got {e.admitted_fraction}")
+            if (e.source, e.prompt_id) in seen:
+                raise InvalidArgument(f"source {clip(e.source)} and prompt {clip(e.prompt_id)} appear twice in one "
+                                      "report; send one entry per group received")
+            seen.add((e.source, e.prompt_id))
+        with self.cond:
+            self.registry.touch(node_id, session_id)
+            if round > self.rounds.current() + MAX_ROUNDS_AHEAD:
+                raise FailedPrecondition(f"report for round {round}, implausibly far ahead of the federation "
+                                         f"(current {self.rounds.current()})")
+            for source in {e.source for e in entries}:
+                if source == node_id or self.state.get_node(source) is None:
+                    raise InvalidArgument(f"unknown source node {clip(source)}")
+            # a receiver reports only on groups it was matched to: otherwise one node could
+            # invent rejections of an honest source's groups and push it into quarantine
+            matched = {(m.source, m.prompt_id): m for m in self.matcher.matches_of(round, node_id)}
+            for e in entries:
+                if (e.source, e.prompt_id) not in matched:
+                    raise FailedPrecondition(f"{clip(node_id)} was not matched to {clip(e.source)}'s group for "
+                                             f"prompt {clip(e.prompt_id)} in round {round}; report only the groups "
+                                             "the broker offered you, with the round they were offered in")
+        # outside the lock: re-verifying may take a while and needs nothing the lock guards
+        disputed = {(e.source, e.prompt_id) for e in entries
+                    if e.rejected and self._rejection_disputed(matched[(e.source, e.prompt_id)])}
+        if disputed:
+            self.counters["disputed_rejections"] += len(disputed)
+            log.warning("receiver %s reported %d group(s) rejected that the broker re-verified as correct; "
+                        "those rejections are not counted", clip(node_id), len(disputed))
+        rows = [ReportRow(round=round, receiver=node_id, source=e.source, prompt_id=e.prompt_id,
+                          mean_s=e.mean_s if not e.rejected else 0.0, admitted_fraction=e.admitted_fraction,
+                          rejected=e.rejected) for e in entries if (e.source, e.prompt_id) not in disputed]
+        with self.cond:
+            accepted, dups = self.state.put_reports(rows)
+            self.counters["reports"] += accepted
+            self.counters["duplicate_reports"] += dups
+            # counted once per group, like the matrix (a repeated rejection is a duplicate)
+            self.counters["rejected_groups"] = sum(c.rejected for c in self.state.compat())
+        return accepted, dups
+
+    def _rejection_disputed(self, match: MatchRow) -> bool:
+        """True when the broker holds the matched group's bundle and its own re-verification
+        (the federation's verifier, the dataset's answer) agrees with the claimed rewards:
+        then a receiver's claim that the group failed re-verification is false. False when the
+        broker cannot check (no bundle held, no verifier, the check failed)."""
+        if not self.cfg.recheck_rejections:
+            return False
+        summary = self.ctx.summary(match.source, match.source_round, match.prompt_id)
+        prompt = self.prompts_by_id.get(match.prompt_id)
+        if summary is None or not summary.bundle_digest or prompt is None:
+            return False
+        data = self.state.get_bundle(summary.bundle_digest)
+        if data is None:
+            return False
+        try:
+            rec = decode_bundle(data, summary.bundle_digest)
+            verifier = self._get_verifier()
+            if verifier is None:
+                return False
+            scored = verifier.score(list(rec.texts), [prompt.answer] * rec.n).rewards
+        except Exception as exc:  # noqa: BLE001 - a check the broker cannot make counts the claim
+            log.warning("could not re-verify %s's group for %s: %s", match.source, clip(match.prompt_id), exc)
+            return False
+        return [float(r) for r in scored] == [float(r) for r in rec.rewards]
+
+    def _get_verifier(self):  # noqa: ANN202 - graft_fed.rewards.verifier.Verifier, imported lazily
+        with self._verifier_lock:
+            if self._verifier is None and not self._verifier_failed:
+                try:
+                    from graft_fed.rewards.verifier import build_verifier
+
+                    self._verifier = build_verifier(self.cfg.verifier)
+                except Exception as exc:  # noqa: BLE001 - the broker works without it
+                    log.warning("the broker cannot load the verifier %s (%s): rejections are counted as "
+                                "reported, unchecked", self.cfg.verifier.name, exc)
+                    self._verifier_failed = True
+            return self._verifier

@@ -1,0 +1,81 @@
+"""Sessions: joining (checked against the federation's manifest), leaving, heartbeats and
+the session check every request makes (the node rows themselves live in broker/registry.py)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import unicodedata
+from dataclasses import replace
+
+from graft_fed.broker.context import Part
+from graft_fed.broker.state import NodeRow
+from graft_fed.federation.errors import FailedPrecondition, InvalidArgument
+from graft_fed.federation.limits import MAX_ID_LEN, MAX_TOKENIZER_ID_LEN, clip
+from graft_fed.federation.manifest import Manifest, differences
+from graft_fed.federation.messages import Privacy
+
+log = logging.getLogger("graft_fed.broker")
+
+PRIVACY = Privacy.names()
+
+
+def check_id(value: str, what: str, limit: int = MAX_ID_LEN, empty: bool = False) -> None:
+    """Printable: no control, format or other category-C characters (ids end up in logs and
+    in `graft-fed status` on an operator's terminal, where C1 controls are escape sequences)."""
+    if (not value and not empty) or len(value) > limit or any(unicodedata.category(c)[0] == "C" for c in value):
+        raise InvalidArgument(f"{what} must be {0 if empty else 1}-{limit} printable characters, got {clip(value)}")
+
+
+class Sessions(Part):
+    def node(self, node_id: str, session_id: str, touch: bool = True) -> NodeRow:
+        if not touch:
+            return self.registry.check(node_id, session_id)
+        return self.registry.touch(node_id, session_id)
+
+    def node_state(self, node: NodeRow) -> str:
+        if node.state in ("left", "registered"):
+            return node.state
+        return "online" if self.clock() - node.last_seen < self.cfg.offline_after_s else "offline"
+
+    def join(self, node_id: str, model_id: str, tokenizer_id: str, manifest: Manifest, privacy: str,
+             resume_round: int) -> tuple[str, int]:
+        check_id(node_id, "node_id")
+        check_id(model_id, "model_id")
+        check_id(tokenizer_id, "tokenizer_id", MAX_TOKENIZER_ID_LEN, empty=True)
+        if privacy not in PRIVACY:
+            raise InvalidArgument(f"privacy must be one of {PRIVACY}, got {privacy!r}")
+        diff = differences(self.manifest, manifest)
+        if diff:
+            self.counters["rejected_join"] += 1
+            raise FailedPrecondition("the node's settings differ from the federation manifest: " + "; ".join(diff)
+                                     + ". Use the broker's dataset, seed (the node's run.schedule_seed, or run.seed "
+                                     "when that is unset), n, prompts per round, verifier and advantage "
+                                     "(the node's algorithm.scale_rewards/algorithm.std).")
+        session = secrets.token_hex(16)
+        with self.cond, self.registry.node_lock(node_id):
+            prev = self.registry.get(node_id)
+            row = NodeRow(node_id=node_id, model_id=model_id, tokenizer_id=tokenizer_id, privacy=privacy,
+                          state="online", session_id=session, round=self.rounds.plausible(resume_round),
+                          last_seen=self.clock(), published=prev.published if prev else 0)
+            self.state.upsert_node(row)
+            self.registry.remember(row)
+            self.counters["joins"] += 1
+        log.info("node %s joined (model %s, privacy %s, round %d)", node_id, model_id, privacy, resume_round)
+        return session, self.rounds.current()
+
+    def leave(self, node_id: str, session_id: str) -> None:
+        with self.cond, self.registry.node_lock(node_id):
+            node = self.registry.check(node_id, session_id)
+            row = replace(node, state="left", last_seen=self.clock())
+            self.state.upsert_node(row)
+            self.registry.remember(row)
+        self.rounds.forget_readiness()  # a remembered "not yet" may have waited for this node
+        self.rounds.wake_ready()  # the rounds that waited for it may be ready now
+        log.info("node %s left", node_id)
+
+    def heartbeat(self, node_id: str, session_id: str, round: int) -> tuple[int, int]:
+        """Never waits for the broker's lock: a session check and a liveness mark in memory
+        (a higher round is written through), then two cached numbers."""
+        self.registry.touch(node_id, session_id, self.rounds.plausible(round))
+        return self.rounds.current(), self.registry.online_count()
