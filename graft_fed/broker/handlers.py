@@ -96,7 +96,7 @@ class Federation:
     def check_session(self, node_id: str, session_id: str) -> NodeRow:
         """The node's row when `session_id` is its live session (UNAUTHENTICATED otherwise), without
         marking it seen."""
-        return self.sessions.node(node_id, session_id, touch=False)
+        return self.registry.check(node_id, session_id)
 
     def online_nodes(self) -> list[NodeRow]:
         return self.registry.online()

@@ -28,11 +28,6 @@ def check_id(value: str, what: str, limit: int = MAX_ID_LEN, empty: bool = False
 
 
 class Sessions(Part):
-    def node(self, node_id: str, session_id: str, touch: bool = True) -> NodeRow:
-        if not touch:
-            return self.registry.check(node_id, session_id)
-        return self.registry.touch(node_id, session_id)
-
     def node_state(self, node: NodeRow) -> str:
         if node.state in ("left", "registered"):
             return node.state
