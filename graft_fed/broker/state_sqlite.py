@@ -56,7 +56,7 @@ from graft_fed.broker.state_rows import (
     opt_int, opt_str, prune_cutoff, summary_key,
 )
 from graft_fed.errors import DataError
-from graft_fed.federation.summaryblock import SummaryBlock, group_rows
+from graft_fed.federation.summaryblock import SummaryBlock, facts_of, group_rows
 from graft_fed.federation.errors import StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
@@ -622,7 +622,12 @@ class SqliteState(BrokerState):
     @staticmethod
     def _first_of_each(block: SummaryBlock) -> SummaryBlock:
         """The block without repeated prompt ids (first wins), by its caller's thread."""
+        facts = facts_of(block.prompt_ids)
+        if facts is not None and facts.get("unique"):  # an interned list known to be (publishing.py)
+            return block
         if len(set(block.prompt_ids)) == len(block):
+            if facts is not None:
+                facts["unique"] = True
             return block
         seen: set[str] = set()
         keep = np.zeros(len(block), dtype=bool)
