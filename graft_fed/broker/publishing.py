@@ -15,7 +15,7 @@ from graft_fed.broker.state import RoundRow
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from graft_fed.federation.limits import MAX_ID_LEN, MAX_PER_ROUND_FACTOR, MIN_MEAN_LOGPROB, clip
 from graft_fed.federation.messages import SummaryRow
-from graft_fed.federation.summaryblock import SummaryBlock
+from graft_fed.federation.summaryblock import SummaryBlock, facts_of
 
 MAX_SUMMARIES_FACTOR = MAX_PER_ROUND_FACTOR  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
 
@@ -108,7 +108,7 @@ class Publishing(Part):
             return False
         if not count:
             return True
-        if len(set(b.prompt_ids)) != count or not self.known_prompts.issuperset(b.prompt_ids):
+        if not self._ids_valid(b.prompt_ids):
             return False
         n = self.manifest.n
         if not ((b.n == n).all() and (b.k >= 0).all() and (b.k <= n).all() and (b.n_lengths == n).all()
@@ -129,6 +129,19 @@ class Publishing(Part):
                   | (np.abs(std - sample) <= 1e-6 * np.maximum(1.0, sample)))
         return bool(ok.all())
 
+    def _ids_valid(self, pids: list[str]) -> bool:
+        """No prompt id twice, every one in the federation's dataset (once per interned list)."""
+        facts = facts_of(pids)
+        got = None if facts is None else facts.get("valid")
+        if got is not None and got[0] is self.known_prompts:
+            return got[1]
+        valid = len(set(pids)) == len(pids) and self.known_prompts.issuperset(pids)
+        if facts is not None:
+            facts["valid"] = (self.known_prompts, valid)
+            if valid:
+                facts["unique"] = True
+        return valid
+
     def _publish(self, node_id: str, session_id: str, round: int, summaries: SummaryBlock) -> tuple[int, int]:
         with self.cond:
             node = self.registry.touch(node_id, session_id)
@@ -139,6 +152,9 @@ class Publishing(Part):
                     raise FailedPrecondition(f"round {round} is implausibly far ahead of the federation "
                                              f"(current {self.rounds.current()})")
                 self.rounds.put(RoundRow(round=round, state="open", opened_at=self.clock()))
+                # nothing of a round is stored before its row: its index starts empty (rather
+                # than read back, with the first group commit's blocks, by the first publish)
+                self.index.open(round)
         # The write happens outside the broker's lock and outside a work slot (it waits for
         # the disk, not for the interpreter), so that concurrent publishes share one commit
         # (the state's group commit) and nobody else waits for them; one node's

@@ -149,6 +149,15 @@ class RoundIndex:
                 self._books.move_to_end(round)
             return book
 
+    def open(self, round: int) -> None:
+        """A round the state holds nothing of yet (its row was just written): an empty book,
+        unless the round has one."""
+        with self.lock:
+            if round not in self._books:
+                self._books[round] = RoundBook(round)
+                while len(self._books) > self.keep:
+                    self._books.popitem(last=False)
+
     def add(self, round: int, node_id: str, items: Iterable[tuple[str, int]]) -> None:
         """Record groups that the state has made durable (after the write returned)."""
         with self.lock:

@@ -77,11 +77,12 @@ def _publish_parser(data: bytes) -> Any:
 
 def parsed(request: Any) -> Any:
     """The request, checked against the uniform bounds; InvalidArgument when it is malformed.
-    A publish's summaries are only counted here: PublishSummaries checks them in bulk."""
+    A publish's summaries and columns are only counted here: PublishSummaries checks them in
+    bulk (federation/codec.py)."""
     if isinstance(request, Malformed):
         raise InvalidArgument(f"the request does not parse as a {request.message} ({request.error})")
     if isinstance(request, RawPublish):
-        check_message(request.message, shallow=("summaries",))
+        check_message(request.message, shallow=("summaries", "columns"))
         return request
     check_message(request)
     return request

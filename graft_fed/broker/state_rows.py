@@ -15,7 +15,7 @@ import numpy as np
 
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.core.exchange import CompatEstimate
-from graft_fed.federation.summaryblock import SummaryBlock
+from graft_fed.federation.summaryblock import SummaryBlock, facts_of
 
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1  # what SQLite's INTEGER holds
 
@@ -125,9 +125,15 @@ def norm_block(block: SummaryBlock) -> SummaryBlock:
                                                                        block.lengths)]
     floats = [np.asarray(a).astype(np.float64, casting="safe") for a in (block.reward_mean, block.reward_std,
                                                                          block.mean_logprobs)]
-    pids = list(block.prompt_ids)
-    if not (set(map(type, pids)) <= {str} and "".join(pids).isascii()):  # else one by one (lone surrogates)
-        pids = [as_str(p, "prompt_id") for p in pids]
+    facts = facts_of(block.prompt_ids)
+    if facts is not None and facts.get("ascii"):  # an interned list (never changed in place) checked before
+        pids = block.prompt_ids
+    else:
+        pids = list(block.prompt_ids)
+        if not (set(map(type, pids)) <= {str} and "".join(pids).isascii()):  # else one by one (lone surrogates)
+            pids = [as_str(p, "prompt_id") for p in pids]
+        elif facts is not None:
+            facts["ascii"] = True
     return SummaryBlock(as_str(block.node_id, "node_id"), as_int(block.round, "round"), pids, ints[0], ints[1], ints[2], floats[0],
                         floats[1], ints[3], ints[4], ints[5], floats[2],
                         None if block.digests is None else [as_str(d, "bundle_digest") for d in block.digests])

@@ -6,10 +6,18 @@
 - One connection (`check_same_thread=False`) behind one re-entrant lock: every method,
   read or write, holds the lock, and every mutating method is exactly one
   `BEGIN IMMEDIATE ... COMMIT` transaction, rolled back when anything in it raises.
-- Group commit for publishes: concurrent `put_summaries` calls share one transaction and
-  so one fsync. Each call runs in its own savepoint, so one that raises is rolled back
-  alone and re-raised to its caller; none returns before the shared COMMIT is durable, and
-  a failure of the COMMIT itself fails every call of the group (none of them is stored).
+- Group commit for publishes: concurrent `put_summaries` / `put_summary_block` calls share
+  one transaction and so one fsync, and a handful of statements: one read of what the
+  group's (node, round)s already hold, one multi-row INSERT of all the group's blocks, one
+  of their node rows (each statement hands the interpreter back and must win it again
+  behind the threads still parsing, so their number, not their size, is what a group
+  costs). The blocks are normalised, deduplicated and encoded by their callers before
+  they queue; a call that fails while the group is planned (a damaged stored block of its
+  node and round) fails alone. Should a batched statement fail for any other reason than
+  the storage, the group is written again one call at a time, each in its own savepoint,
+  so that only the call that fails fails. None returns before the shared COMMIT is
+  durable, and a failure of the COMMIT itself fails every call of the group (none of them
+  is stored).
 - The schema is created on first open; a `meta` table holds `schema_version`. A file of
   an older version is migrated in place (one transaction); a file of a newer version, or a
   file that is not a SQLite database, raises `DataError` naming the file and what to do.
@@ -29,7 +37,6 @@ See docs/broker-state.md for the schema and the contract.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -37,7 +44,7 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -49,7 +56,7 @@ from graft_fed.broker.state_rows import (
     opt_int, opt_str, prune_cutoff, summary_key,
 )
 from graft_fed.errors import DataError
-from graft_fed.federation.summaryblock import SummaryBlock, group_rows
+from graft_fed.federation.summaryblock import SummaryBlock, facts_of, group_rows
 from graft_fed.federation.errors import StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
@@ -179,13 +186,18 @@ def _json(values: list) -> str:
     return json.dumps(values, separators=(",", ":"))  # repr of a float round-trips exactly
 
 
+#: bound parameters per statement (SQLite's default limit before 3.32 is 999)
+_MAX_PARAMS = 999
+
+
 class _Job:
-    """One caller's part of a group commit."""
+    """One caller's part of a group commit: its blocks (normalised, each with its encoding),
+    and the node row to write with them (its `published` count raised by what is stored)."""
 
-    __slots__ = ("fn", "done", "lead", "result", "error")
+    __slots__ = ("blocks", "encoded", "node", "done", "lead", "result", "error")
 
-    def __init__(self, fn: Callable[[sqlite3.Connection], Any]) -> None:
-        self.fn = fn
+    def __init__(self, blocks: list[SummaryBlock], encoded: list[bytes], node: NodeRow | None) -> None:
+        self.blocks, self.encoded, self.node = blocks, encoded, node
         self.done = threading.Event()
         self.lead = False  # woken to commit the next group rather than with a result
         self.result: Any = None
@@ -230,7 +242,9 @@ class SqliteState(BrokerState):
         if existed and os.path.isfile(path) and os.path.getsize(path) == 0:
             log.warning("broker state %s exists but is empty (0 bytes): starting a new, empty state in it", path)
         try:
-            conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30.0)
+            # a group commit's INSERT has one text per number of rows: room for them in the cache
+            conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30.0,
+                                   cached_statements=1024)
         except sqlite3.Error as e:
             raise self._fail(path, f"cannot open it ({e}); check that the directory exists and is "
                                    "writable, or point the broker at another state file") from None
@@ -340,12 +354,12 @@ class SqliteState(BrokerState):
                     raise
                 raise self._storage_error(exc, "write") from exc
 
-    def _grouped(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        """Run fn(conn) in the next group commit and return its result once the group is
-        durable. The first caller to find no commit under way leads: it commits every call
-        queued by then in one transaction, then hands the lead to the first call queued
-        during that commit (so a leader's latency is one commit, however busy the broker)."""
-        job = _Job(fn)
+    def _grouped(self, job: _Job) -> int:
+        """Write the job in the next group commit and return how many summaries it stored,
+        once the group is durable. The first caller to find no commit under way leads: it
+        commits every job queued by then in one transaction, then hands the lead to the
+        first job queued during that commit (so a leader's latency is one commit, however
+        busy the broker)."""
         with self._group_mu:
             self._group.append(job)
             lead = not self._group_leader
@@ -378,24 +392,24 @@ class SqliteState(BrokerState):
         for j in batch:
             j.lead = False
             j.done.clear()
+            j.result, j.error = None, None
         with self._lock:
             conn = self._conn
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    for j in batch:
-                        conn.execute("SAVEPOINT grp")
-                        try:
-                            j.result = j.fn(conn)
-                        except sqlite3.Error as exc:
-                            if _is_storage_failure(exc):
-                                raise
-                            conn.execute("ROLLBACK TO grp")
-                            j.error = exc
-                        except Exception as exc:  # noqa: BLE001 - this caller's failure, re-raised to it
-                            conn.execute("ROLLBACK TO grp")
-                            j.error = exc
-                        conn.execute("RELEASE grp")
+                    try:
+                        self._write_jobs(conn, batch)  # the whole group in a few statements
+                    except Exception as exc:  # noqa: BLE001 - not a job's own failure: see below
+                        if isinstance(exc, sqlite3.Error) and _is_storage_failure(exc):
+                            raise
+                        # Not expected (the callers checked and encoded their blocks): write the
+                        # group again one job at a time, so that only a job that fails fails.
+                        log.warning("broker state %s: a group commit of %d publishes failed (%s: %s); writing "
+                                    "them one at a time", self.path, len(batch), type(exc).__name__, exc)
+                        conn.execute("ROLLBACK")
+                        conn.execute("BEGIN IMMEDIATE")
+                        self._write_each(conn, batch)
                     conn.execute("COMMIT")
                 except BaseException:
                     if conn.in_transaction:
@@ -410,6 +424,21 @@ class SqliteState(BrokerState):
                 return
         self.group_commits += 1
         self.grouped_calls += len(batch)
+
+    def _write_each(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
+        """The group one job at a time, each in its own savepoint (rolled back alone when it fails)."""
+        for j in batch:
+            j.result, j.error = None, None
+            conn.execute("SAVEPOINT grp")
+            try:
+                self._write_jobs(conn, [j])
+            except Exception as exc:  # noqa: BLE001 - this caller's failure, re-raised to it
+                if isinstance(exc, sqlite3.Error) and _is_storage_failure(exc):
+                    raise
+                j.result, j.error = None, exc
+            if j.error is not None:
+                conn.execute("ROLLBACK TO grp")
+            conn.execute("RELEASE grp")
 
     def _read(self, sql: str, params: Sequence = ()) -> list[tuple]:
         with self._lock:
@@ -489,29 +518,124 @@ class SqliteState(BrokerState):
             seq = max(seq, s_ + 1)
         return held, seq
 
-    @classmethod
-    def _write_block(cls, conn: sqlite3.Connection, block: SummaryBlock, data: bytes | None = None) -> int:
-        """Insert the block's summaries not held yet (first write wins, inside the block too);
-        returns how many. `data`: the whole block encoded, when the caller encoded it before
-        its transaction (a group commit's transaction then does no encoding)."""
-        held, seq = cls._held_ids(conn, block.node_id, block.round)
-        if held or len(set(block.prompt_ids)) != len(block):
-            keep = np.zeros(len(block), dtype=bool)
-            for i, pid in enumerate(block.prompt_ids):
-                if pid not in held:
-                    held.add(pid)
-                    keep[i] = True
-            if not keep.all():
-                block, data = block.select(keep), None
-        if not len(block):
-            return 0
-        conn.execute("INSERT INTO summary_blocks (node_id, round, seq, count, data) VALUES (?,?,?,?,?)",
-                     (block.node_id, block.round, seq, len(block), block.to_bytes() if data is None else data))
-        if block.digests is not None:
-            conn.executemany("INSERT OR REPLACE INTO summary_digests (node_id, round, prompt_id, digest) "
-                             "VALUES (?,?,?,?)", [(block.node_id, block.round, pid, d)
-                                                  for pid, d in zip(block.prompt_ids, block.digests) if d])
-        return len(block)
+    @staticmethod
+    def _held_many(conn: sqlite3.Connection, keys: Iterable[tuple[str, int]]
+                   ) -> dict[tuple[str, int], tuple[tuple[list[str], ...], int] | Exception]:
+        """What `_held_ids` answers, for many (node, round)s in one statement: (node, round) ->
+        (the prompt ids of each block held, the next block's seq), or the error decoding a
+        stored block raised (a damaged block fails the writes of its own node and round
+        only). A key holding nothing is absent."""
+        keys = list(keys)
+        out: dict[tuple[str, int], tuple[tuple[list[str], ...], int] | Exception] = {}
+        for lo in range(0, len(keys), _MAX_PARAMS // 2):
+            part = keys[lo:lo + _MAX_PARAMS // 2]
+            rows = conn.execute("SELECT b.node_id, b.round, b.seq, b.data FROM (VALUES "
+                                + ",".join(["(?,?)"] * len(part)) + ") AS k JOIN summary_blocks b "
+                                "ON b.node_id = k.column1 AND b.round = k.column2",
+                                [x for key in part for x in key]).fetchall()
+            for node_id, round, seq, data in rows:
+                key = (node_id, round)
+                got = out.get(key)
+                if isinstance(got, Exception):
+                    continue
+                try:
+                    ids = SummaryBlock.header(data)[0]["prompt_ids"]
+                except Exception as exc:  # noqa: BLE001 - SummaryBlockError, a header without ids
+                    out[key] = exc
+                    continue
+                parts, nxt = got if got is not None else ((), 0)
+                out[key] = (parts + (list(ids),), max(nxt, seq + 1))
+        return out
+
+    @staticmethod
+    def _plan(job: _Job, held: dict[tuple[str, int], tuple[tuple[list[str], ...], int] | Exception]
+              ) -> tuple[list[tuple], list[tuple], int]:
+        """(summary_blocks rows, summary_digests rows, summaries stored) of one job, given what
+        is held; `held` is updated only when the whole job plans (it then holds the job's
+        summaries too). First write wins: summaries already held are dropped."""
+        mine: dict[tuple[str, int], tuple[tuple[list[str], ...], int]] = {}
+        rows: list[tuple] = []
+        digests: list[tuple] = []
+        accepted = 0
+        for block, data in zip(job.blocks, job.encoded):
+            if not len(block):
+                continue
+            key = (block.node_id, block.round)
+            got = mine.get(key) or held.get(key)
+            if isinstance(got, Exception):
+                raise got
+            parts, seq = got if got is not None else ((), 0)
+            if parts:  # (a set of the held ids only then: most blocks are their round's first)
+                ids = set().union(*parts)
+                keep = np.fromiter((pid not in ids for pid in block.prompt_ids), dtype=bool, count=len(block))
+                if not keep.all():
+                    block, data = block.select(keep), None
+                    if not len(block):
+                        continue
+            mine[key] = (parts + (block.prompt_ids,), seq + 1)
+            rows.append((block.node_id, block.round, seq, len(block), block.to_bytes() if data is None else data))
+            if block.digests is not None:
+                digests.extend((block.node_id, block.round, pid, d) for pid, d in zip(block.prompt_ids, block.digests)
+                               if d)
+            accepted += len(block)
+        held.update(mine)
+        return rows, digests, accepted
+
+    @staticmethod
+    def _insert_many(conn: sqlite3.Connection, head: str, width: int, rows: list[tuple]) -> None:
+        """One multi-row INSERT (`head` ends with VALUES) per _MAX_PARAMS parameters."""
+        per = max(1, _MAX_PARAMS // width)
+        one = "(" + ",".join("?" * width) + ")"
+        for lo in range(0, len(rows), per):
+            part = rows[lo:lo + per]
+            conn.execute(head + ",".join([one] * len(part)), [x for r in part for x in r])
+
+    def _write_jobs(self, conn: sqlite3.Connection, jobs: list[_Job]) -> None:
+        """The jobs' blocks and node rows, in three statements for all of them (one read, two
+        multi-row INSERTs; a fourth for bundle digests, which publishes do not carry). A job
+        that fails to plan gets its error and writes nothing; the others' results are set."""
+        held = self._held_many(conn, {(b.node_id, b.round) for j in jobs for b in j.blocks if len(b)})
+        blocks: list[tuple] = []
+        digests: list[tuple] = []
+        nodes: list[tuple] = []
+        for j in jobs:
+            try:
+                rows, dg, accepted = self._plan(j, held)
+            except Exception as exc:  # noqa: BLE001 - this caller's failure, re-raised to it
+                j.error = exc
+                continue
+            blocks += rows
+            digests += dg
+            if j.node is not None:
+                n = j.node
+                nodes.append((n.node_id, n.model_id, n.tokenizer_id, n.privacy, n.state, n.session_id, n.round,
+                              _f2db(n.last_seen), n.published + accepted))
+            j.result = accepted
+        if blocks:
+            self._insert_many(conn, "INSERT INTO summary_blocks (node_id, round, seq, count, data) VALUES ", 5, blocks)
+        if digests:
+            self._insert_many(conn, "INSERT OR REPLACE INTO summary_digests (node_id, round, prompt_id, digest) VALUES ",
+                              4, digests)
+        if nodes:  # in the group's order: a node's last row wins, as one write after another would
+            self._insert_many(conn, f"INSERT OR REPLACE INTO nodes ({_NODE_COLS}) VALUES ", 9, nodes)
+
+    @staticmethod
+    def _first_of_each(block: SummaryBlock) -> SummaryBlock:
+        """The block without repeated prompt ids (first wins), by its caller's thread."""
+        facts = facts_of(block.prompt_ids)
+        if facts is not None and facts.get("unique"):  # an interned list known to be (publishing.py)
+            return block
+        if len(set(block.prompt_ids)) == len(block):
+            if facts is not None:
+                facts["unique"] = True
+            return block
+        seen: set[str] = set()
+        keep = np.zeros(len(block), dtype=bool)
+        for i, pid in enumerate(block.prompt_ids):
+            if pid not in seen:
+                seen.add(pid)
+                keep[i] = True
+        return block.select(keep)
 
     def put_summaries(self, rows: Sequence[SummaryRow], node: NodeRow | None = None) -> tuple[int, int]:
         batch = [norm_summary(r) for r in rows]
@@ -519,22 +643,14 @@ class SqliteState(BrokerState):
 
     def put_summary_block(self, block: SummaryBlock, node: NodeRow | None = None) -> tuple[int, int]:
         block = norm_block(block)
-        # encoded here, by the publishing thread, rather than inside the group commit's
-        # transaction, which every publish of the group waits for
-        return self._put_blocks([block], len(block), node, [block.to_bytes()])
+        return self._put_blocks([block], len(block), node)
 
-    def _put_blocks(self, blocks: list[SummaryBlock], total: int, node: NodeRow | None,
-                    encoded: list[bytes] | None = None) -> tuple[int, int]:
+    def _put_blocks(self, blocks: list[SummaryBlock], total: int, node: NodeRow | None) -> tuple[int, int]:
         n = None if node is None else norm_node(node)
-        data = encoded if encoded is not None else [None] * len(blocks)
-
-        def write(conn: sqlite3.Connection) -> int:
-            accepted = sum(self._write_block(conn, b, d) for b, d in zip(blocks, data))
-            if n is not None:
-                self._write_node(conn, dataclasses.replace(n, published=n.published + accepted))
-            return accepted
-
-        accepted = self._grouped(write)
+        # deduplicated and encoded here, by the publishing thread, rather than inside the
+        # group commit's transaction, which every publish of the group waits for
+        blocks = [self._first_of_each(b) for b in blocks]
+        accepted = self._grouped(_Job(blocks, [b.to_bytes() for b in blocks], n))
         return accepted, total - accepted
 
     @staticmethod

@@ -15,7 +15,7 @@ from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
 from graft_fed.federation.errors import InvalidArgument
 from graft_fed.federation.limits import INT64_MAX, MAX_REPEATED, MAX_STRING_LEN
-from graft_fed.federation.summaryblock import SummaryBlock
+from graft_fed.federation.summaryblock import SummaryBlock, facts_of, intern_ids
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import views_pb2
 
@@ -76,8 +76,19 @@ class SummariesInBulk:
         return bool((not len(b) or (int(self.rounds.max()) <= INT64_MAX and int(self.policy_versions.max()) <= INT64_MAX
                                     and int(b.n_lengths.max()) <= MAX_REPEATED
                                     and int(b.n_logprobs.max()) <= MAX_REPEATED
-                                    and max(map(len, b.prompt_ids)) <= MAX_STRING_LEN))
+                                    and _longest(b.prompt_ids) <= MAX_STRING_LEN))
                     and (b.digests is None or max(map(len, b.digests)) <= MAX_STRING_LEN))
+
+
+def _longest(pids: list[str]) -> int:
+    """The length of the longest prompt id (memoised for an interned list)."""
+    facts = facts_of(pids)
+    if facts is None:
+        return max(map(len, pids), default=0)
+    got = facts.get("longest")
+    if got is None:
+        got = facts["longest"] = max(map(len, pids), default=0)
+    return got
 
 
 def _varints(raw: bytes) -> "np.ndarray | None":
@@ -155,11 +166,19 @@ def columns_to_pb(summaries: Sequence) -> "pb.SummaryColumns | None":
 
 def summaries_from_columns(request: pb.PublishRequest) -> SummariesInBulk:
     """The request's SummaryColumns as a block; InvalidArgument when an array's size does
-    not fit the number of prompt ids."""
+    not fit the number of prompt ids, or the prompt ids break the uniform bounds of
+    federation/limits.py (the servicer's check_message leaves the columns to this function,
+    with the same messages). The prompt ids are interned (federation/summaryblock.py)."""
     import numpy as np
 
     c = request.columns
     count = len(c.prompt_ids)
+    if count > MAX_REPEATED:
+        raise InvalidArgument(f"columns.prompt_ids has {count} entries; at most {MAX_REPEATED}")
+    pids = intern_ids(list(c.prompt_ids))
+    if _longest(pids) > MAX_STRING_LEN:
+        longest = next(len(p) for p in pids if len(p) > MAX_STRING_LEN)
+        raise InvalidArgument(f"columns.prompt_ids is {longest} characters long; at most {MAX_STRING_LEN}")
     for name, width in (("policy_versions", 8), ("n", 4), ("k", 4), ("reward_means", 8), ("reward_stds", 8),
                         ("n_responses", 4)):
         size = len(getattr(c, name))
@@ -172,7 +191,7 @@ def summaries_from_columns(request: pb.PublishRequest) -> SummariesInBulk:
         if size != width * total:
             raise InvalidArgument(f"columns.{name} holds {size} bytes; n_responses say {total} values of {width}")
     versions = np.frombuffer(c.policy_versions, dtype="<u8")
-    block = SummaryBlock(request.node_id, request.round, list(c.prompt_ids), versions.astype(np.int64),
+    block = SummaryBlock(request.node_id, request.round, pids, versions.astype(np.int64),
                          np.frombuffer(c.n, dtype="<u4").astype(np.int64),
                          np.frombuffer(c.k, dtype="<u4").astype(np.int64),
                          np.frombuffer(c.reward_means, dtype="<f8").astype(np.float64),

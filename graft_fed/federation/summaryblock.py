@@ -18,12 +18,21 @@ The encoding: b"GFS1", a 4-byte little-endian length, a JSON header {"node_id", 
 reward_mean, reward_std (float64), the count of lengths and of mean log-probs per summary
 (int64), the flat lengths (int64), the flat mean log-probs (float64). Floats keep their
 bits (-0.0, NaN payloads, subnormals).
+
+Prompt-id lists are interned (`intern_ids`): the nodes of a round publish the same prompts in
+the same order, so the broker keeps the lists of the last few publishes and hands every
+equal list out as the same object, with a memo (`facts_of`) of what the broker has worked
+out about it once (unique, known to the federation, its JSON): per publish, one join and
+one dictionary look-up instead of a set, a superset test and a JSON encoding of 4,096
+strings (issue 13). An interned list is shared: nothing may change it in place.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Iterable, Sequence
+import threading
+from collections import OrderedDict
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -35,6 +44,57 @@ _I8, _F8 = np.dtype("<i8"), np.dtype("<f8")
 
 class SummaryBlockError(ValueError):
     """A stored block that does not decode (a damaged state file)."""
+
+
+class _Interned:
+    __slots__ = ("ids", "facts")
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids, self.facts = ids, {}
+
+
+_INTERN_KEEP = 8
+_interned: OrderedDict[str, _Interned] = OrderedDict()  # the ids joined by NUL -> the list
+_interned_by_id: dict[int, _Interned] = {}
+_intern_lock = threading.Lock()
+
+
+def intern_ids(pids: list[str]) -> list[str]:
+    """`pids`, or the equal list (the same object) that one of the last few calls returned.
+    A list that is not all strings, or with an id holding NUL, is returned as it is."""
+    try:
+        key = "\x00".join(pids)
+    except TypeError:
+        return pids
+    if key.count("\x00") != len(pids) - 1:  # empty, or an id with NUL in it: the key would be ambiguous
+        return pids
+    with _intern_lock:
+        got = _interned.get(key)
+        if got is not None:
+            _interned.move_to_end(key)
+            return got.ids
+        entry = _interned[key] = _interned_by_id[id(pids)] = _Interned(pids)
+        while len(_interned) > _INTERN_KEEP:
+            _, old = _interned.popitem(last=False)
+            del _interned_by_id[id(old.ids)]
+        return entry.ids
+
+
+def facts_of(pids: Any) -> dict | None:
+    """The memo of an interned list (None for any other list): what callers worked out about
+    it, under keys of their own."""
+    got = _interned_by_id.get(id(pids))
+    return got.facts if got is not None and got.ids is pids else None
+
+
+def _ids_json(pids: list[str]) -> str:
+    facts = facts_of(pids)
+    if facts is None:
+        return json.dumps(pids, separators=(",", ":"))
+    got = facts.get("json")
+    if got is None:
+        got = facts["json"] = json.dumps(pids, separators=(",", ":"))
+    return got
 
 
 class SummaryBlock:
@@ -112,15 +172,17 @@ class SummaryBlock:
         return out
 
     def to_bytes(self) -> bytes:
-        header = json.dumps({"node_id": self.node_id, "round": self.round, "prompt_ids": self.prompt_ids,
-                             "nl": int(self.lengths.size), "nm": int(self.mean_logprobs.size)},
-                            separators=(",", ":")).encode("utf-8")
+        # what json.dumps({"node_id", "round", "prompt_ids", "nl", "nm"}) writes, with the
+        # prompt ids' JSON memoised for an interned list
+        header = (f'{{"node_id":{json.dumps(self.node_id)},"round":{json.dumps(self.round)},"prompt_ids":'
+                  f'{_ids_json(self.prompt_ids)},"nl":{int(self.lengths.size)},"nm":{int(self.mean_logprobs.size)}}}'
+                  ).encode("utf-8")
+        # arrays already of the stored type go in as they are (no copy; a view of the buffer)
         return b"".join([MAGIC, len(header).to_bytes(4, "little"), header,
-                         self.policy_version.astype(_I8).tobytes(), self.n.astype(_I8).tobytes(),
-                         self.k.astype(_I8).tobytes(), self.reward_mean.astype(_F8).tobytes(),
-                         self.reward_std.astype(_F8).tobytes(), self.n_lengths.astype(_I8).tobytes(),
-                         self.n_logprobs.astype(_I8).tobytes(), self.lengths.astype(_I8).tobytes(),
-                         self.mean_logprobs.astype(_F8).tobytes()])
+                         *(np.ascontiguousarray(a, dtype=t).data for a, t in (
+                             (self.policy_version, _I8), (self.n, _I8), (self.k, _I8), (self.reward_mean, _F8),
+                             (self.reward_std, _F8), (self.n_lengths, _I8), (self.n_logprobs, _I8),
+                             (self.lengths, _I8), (self.mean_logprobs, _F8)))])
 
     @staticmethod
     def header(data: bytes) -> tuple[dict, int]:

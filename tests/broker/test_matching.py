@@ -53,3 +53,30 @@ def test_empty_and_unshared() -> None:
     kn = [{"a": (0, 4)}, {"a": (2, 4)}]
     assert select_sources_fast(kn, True, {}, [True, False]) == select_sources(kn, True, {}, [True, False])
     assert select_sources_fast(kn, False, {}) == select_sources(kn, False, {}) == [{"a": 1}, {}]
+
+
+def test_an_opened_round_starts_empty_and_keeps_a_book_it_has() -> None:
+    """RoundIndex.open: a round whose row was just written holds nothing (no read of the
+    state); a round with a book keeps it."""
+    import numpy as np
+
+    from graft_fed.broker.roundindex import RoundIndex
+    from graft_fed.broker.state import SummaryHead
+
+    loads: list[int] = []
+
+    def load(r: int):
+        loads.append(r)
+        return [SummaryHead("a", r, "p0", 4, 2, "")]
+
+    index = RoundIndex(4, load, keep=2)
+    index.open(5)
+    assert index.published(5) == set() and loads == []
+    index.add_columns(5, "b", ["p0", "p1"], np.array([1, 0]))
+    assert index.published(5) == {"b"}
+    index.open(5)  # already there: kept
+    assert index.published(5) == {"b"} and loads == []
+    assert index.published(6) == {"a"} and loads == [6]  # not opened: read from the state
+    index.open(7)
+    index.open(8)  # keep=2: round 5 evicted, read back when asked for
+    assert index.published(5) == {"a"} and loads == [6, 5]

@@ -721,20 +721,18 @@ def test_sqlite_batch_failing_midway_is_rolled_back(tmp_path, monkeypatch):
     s = SqliteState(tmp_path / "b.db")
     try:
         s.put_summaries([summ(prompt_id="old")])
-        real, calls = SqliteState._write_block.__func__, []
+        real, calls = SqliteState._insert_many, []
 
-        def flaky(cls, conn, block, data=None):
-            calls.append(block.round)
-            written = real(cls, conn, block, data)
-            if len(calls) == 2:
-                raise OSError("disk on fire")
-            return written
+        def flaky(conn, head, width, rows):
+            real(conn, head, width, rows)
+            calls.append(len(rows))
+            raise OSError("disk on fire")
 
-        monkeypatch.setattr(SqliteState, "_write_block", classmethod(flaky))
+        monkeypatch.setattr(SqliteState, "_insert_many", staticmethod(flaky))
         batch = [summ(prompt_id=f"p{i}", round=0 if i < 2 else 1) for i in range(5)]  # two blocks
         with pytest.raises(OSError, match="disk on fire"):
             s.put_summaries(batch)
-        assert calls == [0, 1]  # both blocks had been inserted when it failed
+        assert calls == [2, 2]  # both blocks had been inserted when it failed (and again, one call at a time)
         assert [r.prompt_id for r in s.summaries()] == ["old"]
         monkeypatch.undo()
         assert s.put_summaries(batch) == (5, 0)  # the state is usable
@@ -747,42 +745,55 @@ def test_sqlite_batch_failing_midway_is_rolled_back(tmp_path, monkeypatch):
         s.close()
 
 
-def test_sqlite_group_commit_shares_one_transaction_and_isolates_failures(tmp_path, monkeypatch):
-    """Publishes queued while a commit is under way share the next one; a publish that raises
-    inside the group is rolled back alone, and every other one is durable when it returns."""
-    s = SqliteState(tmp_path / "g.db")
-    real = SqliteState._write_block.__func__
-
-    def write(cls, conn, block, data=None):
-        if "bad" in block.prompt_ids:
-            raise OSError("this publish only")
-        return real(cls, conn, block, data)
-
-    monkeypatch.setattr(SqliteState, "_write_block", classmethod(write))
-    results: dict[str, object] = {}
-
-    def publish(name: str, prompts: list[str]) -> None:
+def _group_of(s: SqliteState, calls: list[tuple[str, object]], results: dict[str, object]) -> None:
+    """Run `calls` ((name, fn)) on threads so that the first leads a commit of its own and all
+    the others queue behind it and share the next one (a commit under way is simulated by
+    holding the state's lock); each result, or the exception raised, lands in `results`."""
+    def run(name: str, fn) -> None:
         try:
-            results[name] = s.put_summaries([summ(name, 0, p) for p in prompts])
-        except OSError as exc:
+            results[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - what the caller would see
             results[name] = exc
 
+    with s._lock:
+        threads = [threading.Thread(target=run, args=calls[0])]
+        threads[0].start()
+        while not s._group_leader or s._group:
+            pass
+        for call in calls[1:]:
+            threads.append(threading.Thread(target=run, args=call))
+            threads[-1].start()
+        while len(s._group) < len(calls) - 1:
+            pass
+    for t in threads:
+        t.join(timeout=30)
+
+
+def test_sqlite_group_commit_shares_one_transaction_and_isolates_failures(tmp_path, monkeypatch):
+    """Publishes queued while a commit is under way share the next one; when a batched
+    statement fails (not expected: the blocks were checked before), the group is written
+    one publish at a time and only the publish that fails fails, with its own error; every
+    other one is durable when it returns."""
+    s = SqliteState(tmp_path / "g.db")
+    real = SqliteState._insert_many
+    statements: list[int] = []
+
+    def insert(conn, head, width, rows):
+        statements.append(len(rows))
+        if any(isinstance(r[4], bytes) and b'"bad"' in r[4] for r in rows):
+            raise sqlite3.IntegrityError("this publish only")
+        return real(conn, head, width, rows)
+
+    monkeypatch.setattr(SqliteState, "_insert_many", staticmethod(insert))
+    results: dict[str, object] = {}
     try:
-        with s._lock:  # a commit under way: the first publisher leads and waits for it
-            threads = [threading.Thread(target=publish, args=("lead", ["p0"]))]
-            threads[0].start()
-            while not s._group_leader or s._group:
-                pass
-            for name, prompts in (("b", ["p0", "p1"]), ("c", ["bad"]), ("d", ["p0"]), ("e", ["p2", "p3", "p4"])):
-                t = threading.Thread(target=publish, args=(name, prompts))
-                t.start()
-                threads.append(t)
-            while len(s._group) < 4:
-                pass
-        for t in threads:
-            t.join(timeout=30)
+        _group_of(s, [(name, (lambda name=name, prompts=prompts: s.put_summaries([summ(name, 0, p) for p in prompts])))
+                      for name, prompts in (("lead", ["p0"]), ("b", ["p0", "p1"]), ("c", ["bad"]), ("d", ["p0"]),
+                                            ("e", ["p2", "p3", "p4"]))], results)
         assert results["lead"] == (1, 0) and results["b"] == (2, 0) and results["d"] == (1, 0)
-        assert results["e"] == (3, 0) and isinstance(results["c"], OSError)
+        assert results["e"] == (3, 0) and isinstance(results["c"], sqlite3.IntegrityError)
+        assert str(results["c"]) == "this publish only"
+        assert statements == [1, 4, 1, 1, 1, 1]  # the leader alone; the group of 4 batched, then one by one
         assert (s.group_commits, s.grouped_calls) == (2, 5)
     finally:
         s.close()
@@ -790,6 +801,80 @@ def test_sqlite_group_commit_shares_one_transaction_and_isolates_failures(tmp_pa
     try:
         assert sorted((r.node_id, r.prompt_id) for r in s.summaries()) == [
             ("b", "p0"), ("b", "p1"), ("d", "p0"), ("e", "p2"), ("e", "p3"), ("e", "p4"), ("lead", "p0")]
+    finally:
+        s.close()
+
+
+def test_sqlite_group_commit_writes_a_group_in_a_few_statements(tmp_path):
+    """However many publishes a group holds, its transaction runs the same few statements:
+    BEGIN, one read of what their (node, round)s hold, one INSERT of the blocks, one of the
+    node rows, COMMIT. A publish whose stored block of the same node and round is damaged
+    fails alone, with the decoding error, inside the same transaction."""
+    from graft_fed.federation.summaryblock import SummaryBlock, SummaryBlockError
+
+    s = SqliteState(tmp_path / "g.db")
+    try:
+        s.put_summaries([summ("bad", 0, "p0")])
+        s._conn.execute("UPDATE summary_blocks SET data = x'00' WHERE node_id = 'bad'")  # damaged on disk
+        s.put_summaries([summ("twice", 0, "p0")], node=node("twice", published=0))
+        seen: list[str] = []
+        s._conn.set_trace_callback(seen.append)
+        results: dict[str, object] = {}
+        names = ["lead", "b", "bad", "c", "twice", "d", "e", "twice"]
+
+        def call(i: int, name: str):
+            block = SummaryBlock.from_rows([summ(name, 0, p) for p in (f"q{i}", "p0", "p1")])
+            return lambda: s.put_summary_block(block, node=node(name, published=7))
+
+        _group_of(s, [(f"{name}{i}", call(i, name)) for i, name in enumerate(names)], results)
+        s._conn.set_trace_callback(None)
+        assert isinstance(results["bad2"], SummaryBlockError)
+        assert results["twice4"] == (2, 1) and results["twice7"] == (1, 2)  # q4, p1; then q7 (first write wins)
+        assert all(results[f"{n}{i}"] == (3, 0) for i, n in enumerate(names) if n not in ("bad", "twice"))
+        assert (s.group_commits, s.grouped_calls) == (4, 10)
+        verbs = [q.split()[0] for q in seen]
+        assert verbs == ["BEGIN", "SELECT", "INSERT", "INSERT", "COMMIT"] * 2, seen
+        rows = {r.node_id: r.published for r in s.list_nodes()}
+        assert rows == {"lead": 10, "b": 10, "c": 10, "twice": 8, "d": 10, "e": 10}  # the later row of "twice" wins
+        got = {(r.node_id, r.prompt_id) for r in s.summaries(node_id="twice")}
+        assert got == {("twice", p) for p in ("p0", "p1", "q4", "q7")}
+        assert [len(b) for b in _blocks(s, "twice")] == [1, 2, 1]  # seq 0, 1, 2 in one transaction
+    finally:
+        s.close()
+
+
+def _blocks(s: SqliteState, node_id: str) -> list:
+    from graft_fed.federation.summaryblock import SummaryBlock
+
+    return [SummaryBlock.from_bytes(d) for d, in s._conn.execute(
+        "SELECT data FROM summary_blocks WHERE node_id = ? ORDER BY round, seq", (node_id,))]
+
+
+def test_sqlite_sigkill_between_the_group_insert_and_its_commit_loses_nothing_acknowledged(tmp_path):
+    """A broker killed after a group's INSERTs ran but before its COMMIT: every publish
+    acknowledged before is there, nothing of the interrupted group is (none of its callers
+    had an answer), and the file reopens and takes the same publishes again."""
+    path = tmp_path / "b.db"
+    code = ("import os, signal, sys\n"
+            "sys.path.insert(0, sys.argv[2])\n"
+            "from graft_fed.broker.state_sqlite import SqliteState\n"
+            "from tests.broker.test_state import node, summ\n"
+            "s = SqliteState(sys.argv[1])\n"
+            "assert s.put_summaries([summ('a', 0, 'p0'), summ('a', 0, 'p1')], node=node('a')) == (2, 0)\n"
+            "real = SqliteState._write_jobs\n"
+            "def write_then_die(self, conn, jobs):\n"
+            "    real(self, conn, jobs)\n"
+            "    assert conn.in_transaction\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "SqliteState._write_jobs = write_then_die\n"
+            "s.put_summaries([summ('a', 0, 'p2'), summ('b', 0, 'p0')], node=node('a', published=2))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(path), str(ROOT)], timeout=60, cwd=ROOT)
+    assert proc.returncode == -9
+    s = SqliteState(path)
+    try:
+        assert [(r.node_id, r.prompt_id) for r in s.summaries()] == [("a", "p0"), ("a", "p1")]
+        assert [(n.node_id, n.published) for n in s.list_nodes()] == [("a", 2)]
+        assert s.put_summaries([summ("a", 0, "p1"), summ("a", 0, "p2"), summ("b", 0, "p0")]) == (2, 1)
     finally:
         s.close()
 

@@ -78,3 +78,42 @@ def test_a_bad_group_gets_the_same_error_either_way(broker, prompts, k):
     by_columns = _code(lambda: _publish(a, 0, columns=columns_to_pb(groups)))
     by_messages = _code(lambda: _publish(a, 0, summaries=groups))
     assert by_columns == by_messages and by_columns[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_columns_past_the_uniform_bounds_get_check_messages_words(broker, prompts):
+    """The servicer leaves a publish's columns to the codec, which says what check_message
+    said: too many prompt ids, or one too long."""
+    from graft_fed.federation.limits import MAX_REPEATED, MAX_STRING_LEN
+
+    a = client(broker, prompts, "a")
+    many = pb.SummaryColumns(prompt_ids=["p"] * (MAX_REPEATED + 1))
+    code, details = _code(lambda: _publish(a, 0, columns=many))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == f"columns.prompt_ids has {MAX_REPEATED + 1} entries; at most {MAX_REPEATED}"
+    long = columns_to_pb([summary(p, 1) for p in prompts[:2]])
+    long.prompt_ids[1] = "x" * (MAX_STRING_LEN + 5)
+    code, details = _code(lambda: _publish(a, 0, columns=long))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == f"columns.prompt_ids is {MAX_STRING_LEN + 5} characters long; at most {MAX_STRING_LEN}"
+    assert broker.state.summaries() == []
+
+
+def test_publishes_of_the_same_prompts_share_one_checked_list(broker, prompts):
+    """The prompt ids of publishes with the same prompts are one interned list, checked once;
+    a list that differs (an unknown id, a repeated one) is checked on its own and refused."""
+    from graft_fed.federation.codec import summaries_from_columns
+    from graft_fed.federation.summaryblock import facts_of
+
+    groups = [summary(p, 1) for p in prompts[:3]]
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    assert _publish(a, 0, columns=columns_to_pb(groups)).accepted == 3
+    first = summaries_from_columns(pb.PublishRequest(round=0, columns=columns_to_pb(groups))).block.prompt_ids
+    again = summaries_from_columns(pb.PublishRequest(round=0, columns=columns_to_pb(groups))).block.prompt_ids
+    assert again is first and facts_of(first)["valid"][1] is True and facts_of(first)["unique"] is True
+    assert _publish(b, 0, columns=columns_to_pb(groups)).accepted == 3
+    twice = columns_to_pb(groups + [summary(prompts[0], 1)])
+    code, details = _code(lambda: _publish(a, 1, columns=twice))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "twice" in details
+    code, details = _code(lambda: _publish(a, 1, columns=twice))  # refused again, from the memo
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "twice" in details
+    assert len(broker.state.summaries()) == 6
