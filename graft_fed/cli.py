@@ -167,13 +167,11 @@ def cmd_broker(args: argparse.Namespace) -> int:
     import threading
 
     from graft_fed.broker.config import load_broker_config
-    from graft_fed.broker.heap import limit_malloc_arenas
-    from graft_fed.broker.server import BrokerServer
+    from graft_fed.broker.server import start_broker
 
     cfg = load_broker_config(args.config, _parse_overrides(args.set))
-    limit_malloc_arenas(cfg.malloc_arena_max)  # before the worker threads exist
     try:
-        server = BrokerServer(cfg).start()
+        server = start_broker(cfg)  # heap, then serving, then the collector (broker/server.py)
     except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
         raise GraftFedError(f"cannot listen for gRPC on {cfg.listen}: the address is taken or not this machine's "
                             f"({str(exc).split(';')[0]}); is another broker running? choose another with "
@@ -181,13 +179,6 @@ def cmd_broker(args: argparse.Namespace) -> int:
     except OSError as exc:  # http.server: EADDRINUSE / EADDRNOTAVAIL
         raise GraftFedError(f"cannot serve HTTP (/metrics, /healthz) on {cfg.http}: {exc.strerror or exc}; "
                             "choose another with --set http=HOST:PORT") from None
-    import gc
-
-    # What is loaded by now (modules, the state's caches) lives as long as the process: out of
-    # the collector's sight, a full collection walks only what serving allocates, rather than
-    # ~40,000 more objects with the GIL held, where every heartbeat waits (issue 13, fourth pass)
-    gc.collect()
-    gc.freeze()
     from pathlib import Path
 
     for path, value in ((args.port_file, server.address),

@@ -146,10 +146,10 @@ def _broker_server(conn, cfg_map: dict) -> None:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack (a stuck cell)
     logging.basicConfig(level=logging.WARNING)
     from graft_fed.broker.config import BrokerConfig
-    from graft_fed.broker.server import BrokerServer
+    from graft_fed.broker.server import start_broker
     from graft_fed.configbase import from_mapping
 
-    server = BrokerServer(from_mapping(BrokerConfig, cfg_map)).start()
+    server = start_broker(from_mapping(BrokerConfig, cfg_map))  # as `graft-fed broker` starts it
     every = float(os.environ.get("GRAFT_BENCH_PROGRESS_S", "0"))
     if every > 0:  # a line every `every` seconds on stderr: where a long cell stands
         threading.Thread(target=_progress, args=(server, every), daemon=True).start()

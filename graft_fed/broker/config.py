@@ -113,6 +113,11 @@ class BrokerConfig:
     #: threads each arena keeps its own peak of freed memory: under 256 nodes x 256 prompts
     #: RSS grew 16.5 MiB/min with the default and 5.9 with 2 (docs/performance.md, issue 13).
     malloc_arena_max: int = 2
+    #: Seconds between the housekeeping's malloc_trim(0) (glibc), which hands the free pages
+    #: inside the C heap back to the kernel (0: never). Freed memory otherwise stays in the
+    #: process, counted in its RSS, until a later allocation reuses it (docs/performance.md,
+    #: issue 13, "eleventh pass").
+    malloc_trim_s: float = 60.0
     #: GetMatches long-polls allowed to wait at once, all nodes together (RESOURCE_EXHAUSTED
     #: beyond; each node may have at most 2 waiting). Keep it below max_workers so that
     #: heartbeats and the other short calls always find a thread, and at or above the
@@ -156,6 +161,8 @@ class BrokerConfig:
         require(self.quarantine_min_receivers >= 1, "broker.quarantine_min_receivers must be >= 1")
         require(self.max_workers >= 8, "broker.max_workers must be >= 8")
         require(self.malloc_arena_max >= 0, "broker.malloc_arena_max must be >= 0 (0: glibc's default)")
+        require(self.malloc_trim_s == 0 or self.malloc_trim_s >= 1,
+                "broker.malloc_trim_s must be 0 (never) or >= 1 second")
         require(self.work_slots >= 1, "broker.work_slots must be >= 1")
         require(1 <= self.max_long_polls <= self.max_workers - 4,
                 "broker.max_long_polls must be >= 1 and leave at least 4 of max_workers to other calls")

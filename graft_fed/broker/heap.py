@@ -5,6 +5,11 @@ and each keeps its own peak of freed memory; under 256 nodes x 256 prompts the b
 grew 16.5 MiB/min with glibc's default and 5.9 with 2 arenas (docs/performance.md, "eighth
 pass"). `broker.malloc_arena_max` sets the cap where `graft-fed broker` starts.
 
+`trim_heap`: the housekeeping's malloc_trim(0) every `broker.malloc_trim_s`: glibc keeps
+what the broker frees (an answer's bytes, a publish's block) in its heaps for reuse, and
+only the free top of a heap goes back to the kernel; malloc_trim also returns the whole free
+pages inside them, so RSS follows what the broker holds rather than its past peaks.
+
 `keep_chunk_buffers`:
 
 Every chunk a fetch streams passes through a few buffers of about the chunk's size (the
@@ -37,15 +42,22 @@ MMAP_THRESHOLD_MAX = 32 * 2**20
 _applied = 0  # the mmap threshold set in this process so far (only ever raised)
 
 
-def _mallopt():  # noqa: ANN202 - libc's mallopt, or None off glibc
+def _libc(name: str):  # noqa: ANN202 - a glibc function, or None off glibc
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
         import ctypes
 
-        return ctypes.CDLL(None).mallopt
+        return getattr(ctypes.CDLL(None), name)  # CDLL: the GIL is released during the call
     except (OSError, AttributeError):
         return None
+
+
+def trim_heap() -> bool:
+    """malloc_trim(0): give the C heap's free pages back to the kernel. True when some memory
+    was released; False when none was, or off glibc."""
+    malloc_trim = _libc("malloc_trim")
+    return malloc_trim is not None and malloc_trim(0) == 1
 
 
 def limit_malloc_arenas(count: int) -> bool:
@@ -54,7 +66,7 @@ def limit_malloc_arenas(count: int) -> bool:
     off glibc. True when the cap was set."""
     if count <= 0 or "MALLOC_ARENA_MAX" in os.environ:
         return False
-    mallopt = _mallopt()
+    mallopt = _libc("mallopt")
     return mallopt is not None and mallopt(M_ARENA_MAX, count) == 1
 
 
@@ -63,7 +75,7 @@ def keep_chunk_buffers(chunk: int) -> bool:
     heap's top. Returns whether the thresholds are (now) set; False where the C library is
     not glibc, which changes nothing."""
     global _applied
-    mallopt = _mallopt()
+    mallopt = _libc("mallopt")
     if mallopt is None:
         return False
     mmap_threshold = min(max(4 * chunk, 128 * 1024), MMAP_THRESHOLD_MAX)

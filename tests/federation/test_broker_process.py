@@ -1,0 +1,79 @@
+"""How a broker process starts and keeps its heap: `start_broker` (what `graft-fed broker`
+and the benchmarks' broker processes call) and the housekeeping's malloc_trim."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from graft_fed.broker import server as server_mod
+from graft_fed.errors import ConfigError
+
+from .helpers import broker_config, start_broker
+
+
+def _count_trims(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    calls: list[float] = []
+    monkeypatch.setattr(server_mod, "trim_heap", lambda: calls.append(time.monotonic()) or True)
+    return calls
+
+
+def test_housekeeping_trims_the_heap_every_malloc_trim_s(prompt_file, monkeypatch):
+    calls = _count_trims(monkeypatch)
+    server = start_broker(broker_config(prompt_file, malloc_trim_s=1.0))
+    try:
+        deadline = time.monotonic() + 30
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        server.stop(0)
+    assert len(calls) >= 2, "the housekeeping never trimmed the heap"
+    assert calls[1] - calls[0] >= 0.9  # at its interval, not every housekeeping tick
+
+
+def test_malloc_trim_s_zero_never_trims(prompt_file, monkeypatch):
+    calls = _count_trims(monkeypatch)
+    server = start_broker(broker_config(prompt_file, malloc_trim_s=0))
+    try:
+        time.sleep(2.5)  # two housekeeping ticks and more
+    finally:
+        server.stop(0)
+    assert calls == []
+
+
+def test_malloc_trim_s_is_checked(prompt_file):
+    with pytest.raises(ConfigError, match="malloc_trim_s must be 0 \\(never\\) or >= 1"):
+        broker_config(prompt_file, malloc_trim_s=0.2)
+
+
+_START = """
+import gc, json, sys
+from pathlib import Path
+from graft_fed.broker.config import BrokerConfig
+from graft_fed.broker.server import start_broker
+from graft_fed.configbase import from_mapping
+cfg = from_mapping(BrokerConfig, {"listen": "127.0.0.1:0", "http": "", "db": ":memory:",
+                                  "data": {"source": sys.argv[1]}, "verifier": {"name": "tests.plugins:odd_char_sum"},
+                                  "n": 2, "prompts_per_round": 8})
+assert gc.get_freeze_count() == 0
+server = start_broker(cfg)
+frozen = gc.get_freeze_count()
+server.stop(0)
+print(json.dumps({"frozen": frozen, "port": server.port}))
+"""
+
+
+def test_start_broker_serves_then_freezes_what_is_loaded(prompt_file):
+    """The benchmarks' broker processes start as `graft-fed broker` does: serving, and what
+    was loaded by then frozen out of the collector's sight (they used to skip the freeze)."""
+    out = subprocess.run([sys.executable, "-c", _START, str(prompt_file)], capture_output=True, text=True,
+                         timeout=120, cwd=str(Path(__file__).resolve().parents[2]))  # tests.plugins
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["port"] > 0
+    assert got["frozen"] > 10_000  # modules, grpc, numpy, the state's caches
