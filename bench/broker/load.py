@@ -55,6 +55,8 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -457,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--broker-env", nargs="*", default=[], metavar="NAME=VALUE",
                     help="environment of the broker process only (e.g. MALLOC_ARENA_MAX=2)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", dest="broker_set",
+                    help="broker settings over the bench's (a YAML value each), e.g. malloc_trim_s=0")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (certs, db, broker.log)")
     args = ap.parse_args(argv)
     restart_at = [args.duration / 2] if args.restart_at is None else args.restart_at
@@ -481,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg["max_long_polls"] = args.nodes + 8
         cfg["max_workers"] = args.nodes + 64
     cfg_path = work / "broker.yaml"
+    for item in args.broker_set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set takes KEY=VALUE, got {item!r}")
+        cfg[key] = yaml.safe_load(value)
     cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
     manifest = {"federation_id": "graft-fed", "protocol_version": PROTOCOL_VERSION,
                 "dataset_id": prompts[0].dataset, "dataset_hash": dataset_hash(prompts), "seed": args.seed,
