@@ -115,9 +115,11 @@ class BrokerConfig:
     malloc_arena_max: int = 2
     #: Seconds between the housekeeping's malloc_trim(0) (glibc), which hands the free pages
     #: inside the C heap back to the kernel (0: never). Freed memory otherwise stays in the
-    #: process, counted in its RSS, until a later allocation reuses it (docs/performance.md,
+    #: process, counted in its RSS, until a later allocation reuses it: set it (e.g. 60) where
+    #: a burst (a large bundle, a big round) leaves a high-water mark to give back. Off by
+    #: default: under a steady 256 x 256 load it did not change RSS (docs/performance.md,
     #: issue 13, "eleventh pass").
-    malloc_trim_s: float = 60.0
+    malloc_trim_s: float = 0.0
     #: GetMatches long-polls allowed to wait at once, all nodes together (RESOURCE_EXHAUSTED
     #: beyond; each node may have at most 2 waiting). Keep it below max_workers so that
     #: heartbeats and the other short calls always find a thread, and at or above the
