@@ -307,22 +307,22 @@ def test_long_polls_are_bounded_per_node_and_heartbeats_are_served(prompt_file, 
 
         def poll():
             code, _ = status_of(lambda: m.stub.GetMatches(pb.MatchRequest(node_id="mallory", session_id=m.session,
-                                                                          round=0, wait_ms=3000), timeout=10))
+                                                                          round=0, wait_ms=10_000), timeout=30))
             with lock:
                 codes.append(code)
         threads = [threading.Thread(target=poll) for _ in range(80)]
         for t in threads:
             t.start()
         time.sleep(0.5)
-        worst = 0.0
         for _ in range(5):
-            t0 = time.perf_counter()
             h.stub.Heartbeat(pb.HeartbeatRequest(node_id="honest", session_id=h.session, round=0, tag=new_tag()),
-                             timeout=5)
-            worst = max(worst, time.perf_counter() - t0)
+                             timeout=8)
+        # answered while the admitted long-polls still wait (the round cannot complete: they
+        # return only at their 10 s): heartbeats do not queue behind them (an order, not a speed)
+        still_waiting = sum(t.is_alive() for t in threads)
         for t in threads:
             t.join()
-        assert worst < 0.5, worst
+        assert still_waiting >= 1, "every long-poll had returned before the heartbeats were answered"
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 78
         assert codes.count(grpc.StatusCode.OK) <= 2 and not set(codes) & SERVER_FAULTS
         m.close()
