@@ -131,8 +131,13 @@ class Federation:
     def publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
         return self.publishing.publish(node_id, session_id, round, summaries)
 
-    def publish_block(self, node_id: str, session_id: str, round: int, block: SummaryBlock) -> tuple[int, int]:
-        return self.publishing.publish_block(node_id, session_id, round, block)
+    def check_block(self, node_id: str, round: int, block: SummaryBlock) -> None:
+        """A publish's checks on its block (the caller holds a work slot: `work`)."""
+        self.publishing.check_block(node_id, round, block)
+
+    def publish_block(self, node_id: str, session_id: str, round: int, block: SummaryBlock,
+                      checked: bool = False) -> tuple[int, int]:
+        return self.publishing.publish_block(node_id, session_id, round, block, checked)
 
     # ----- matching (matcher.py, answers.py) ----------------------------------------------------
 

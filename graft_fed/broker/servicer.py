@@ -237,17 +237,20 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                     check_message(request)  # the summaries one by one: raises what a bound says
                     bulk = None
                     rows = summaries_from_pb(request)
-        if bulk is not None:
-            if (bulk.rounds != request.round).any():
-                raise InvalidArgument("every summary's round must equal the request's round")
-        else:
+            if bulk is not None:
+                if (bulk.rounds != request.round).any():
+                    raise InvalidArgument("every summary's round must equal the request's round")
+                # checked in the slot it was decoded in (the checks change nothing: a replay
+                # of an accepted publish passes them and is refused below as before)
+                self.fed.check_block(request.node_id, request.round, bulk.block)
+        if bulk is None:
             for s in request.summaries:
                 if s.round != request.round:
                     raise InvalidArgument("every summary's round must equal the request's round")
         with self.fed.replay.admit("PublishSummaries", request.node_id, *_tag(request)):
             if bulk is not None:
                 accepted, dups = self.fed.publish_block(request.node_id, request.session_id, request.round,
-                                                        bulk.block)
+                                                        bulk.block, checked=True)
             else:
                 accepted, dups = self.fed.publish(request.node_id, request.session_id, request.round, rows)
         return pb.PublishResponse(accepted=accepted, duplicates=dups)
