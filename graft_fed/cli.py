@@ -7,21 +7,10 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
-import yaml
-
+from graft_fed.configbase import parse_overrides
 from graft_fed.errors import GraftFedError
-
-
-def _parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise GraftFedError(f"--set {item!r}: expected section.key=value, e.g. --set run.steps=20")
-        key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
-    return out
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -29,7 +18,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from graft_fed.graft import stored
     from graft_fed.trainer.distributed import make_trainer, shutdown
 
-    overrides = _parse_overrides(args.set)
+    overrides = parse_overrides(args.set)
     if args.peer_store:
         overrides["graft.peer_store"] = args.peer_store
     if args.peer_run:
@@ -72,7 +61,7 @@ def cmd_cotrain(args: argparse.Namespace) -> int:
     from graft_fed.graft.cotrain import CoTrainer, load_cotrain_config
     from graft_fed.trainer.distributed import shutdown
 
-    cfg = load_cotrain_config(args.config, _parse_overrides(args.set))
+    cfg = load_cotrain_config(args.config, parse_overrides(args.set))
     try:
         with CoTrainer(cfg, resume=args.resume, quiet=args.quiet) as co:
             summaries = co.train(evaluate_before_after=not args.no_eval)
@@ -169,7 +158,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from graft_fed.broker.config import load_broker_config
     from graft_fed.broker.server import start_broker
 
-    cfg = load_broker_config(args.config, _parse_overrides(args.set))
+    cfg = load_broker_config(args.config, parse_overrides(args.set))
     try:
         server = start_broker(cfg)  # heap, then serving, then the collector (broker/server.py)
     except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
@@ -201,7 +190,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     from graft_fed.node.node import Node, load_node_config
     from graft_fed.trainer.distributed import shutdown
 
-    cfg = load_node_config(args.config, _parse_overrides(args.set))
+    cfg = load_node_config(args.config, parse_overrides(args.set))
     if args.join_timeout < 0:
         raise GraftFedError(f"--join-timeout {args.join_timeout}: give seconds >= 0 (0: do not wait)")
     try:

@@ -13,7 +13,7 @@ import difflib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar
 
 import yaml
 
@@ -129,6 +129,18 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """`--set` arguments (`section.key=value`, the value read as YAML) as `load_config`'s
+    dotted overrides."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set run.steps=20")
+        key, value = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 def load_config(cls: type[T], path: str | Path | None, overrides: Mapping[str, Any] | None = None,

@@ -55,8 +55,6 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -465,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     restart_at = [args.duration / 2] if args.restart_at is None else args.restart_at
     info = machine()
+    from graft_fed.configbase import parse_overrides
     from graft_fed.data.config import DataConfig, load_prompts
+    from graft_fed.errors import ConfigError
     from graft_fed.federation import certs
     from graft_fed.federation.manifest import PROTOCOL_VERSION, dataset_hash, verifier_version
     from graft_fed.rewards.config import VerifierConfig
@@ -485,11 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg["max_long_polls"] = args.nodes + 8
         cfg["max_workers"] = args.nodes + 64
     cfg_path = work / "broker.yaml"
-    for item in args.broker_set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            ap.error(f"--set takes KEY=VALUE, got {item!r}")
-        cfg[key] = yaml.safe_load(value)
+    try:
+        cfg.update(parse_overrides(args.broker_set))  # as `graft-fed broker --set` reads them
+    except ConfigError as exc:
+        ap.error(str(exc))
     cfg_path.write_text(json.dumps(cfg))  # JSON is YAML
     manifest = {"federation_id": "graft-fed", "protocol_version": PROTOCOL_VERSION,
                 "dataset_id": prompts[0].dataset, "dataset_hash": dataset_hash(prompts), "seed": args.seed,
