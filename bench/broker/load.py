@@ -28,7 +28,10 @@ What runs:
   those four segments.
 - Every `--sample-s` seconds the broker's VmRSS (/proc/PID/status) and the 1-minute load
   average are sampled. Per broker life: the RSS slope after the first minute, and after
-  `--warmup-s` (300 s: the replay guard's window) whether it is flat (rss_lives).
+  `--warmup-s` (300 s: the replay guard's window) whether it is flat (rss_lives). Every
+  `--memory-s` seconds the broker's own /metrics says where its memory is
+  (`graft_fed_broker_memory_bytes{kind}`: C heap in use and free, SQLite, resident anonymous
+  and file pages; threads; Python's blocks), each kind's slope per life (memory_lives).
 
 At the end the broker is stopped and its SQLite file read directly: every acknowledged
 (node, round) must hold exactly its P summaries (none lost), no (node, round, prompt) may
@@ -319,19 +322,57 @@ def heartbeat_split(beats: list[tuple[float, ...]], failed: list[tuple], restart
             "timed_by_broker": sum(1 for b in beats if b[2] == b[2])}
 
 
+def slope(pts: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, MiB) points, in MiB per minute."""
+    if len(pts) < 3:
+        return NAN
+    mx, my = sum(a for a, _ in pts) / len(pts), sum(b for _, b in pts) / len(pts)
+    den = sum((a - mx) ** 2 for a, _ in pts)
+    return 60 * sum((a - mx) * (b - my) for a, b in pts) / den if den else NAN
+
+
+def scrape_memory(http: str) -> dict[str, float] | None:
+    """The broker's graft_fed_broker_memory_bytes{kind} and thread count from its /metrics."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://{http}/metrics", timeout=5).read().decode()
+    except (OSError, ValueError):
+        return None
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("graft_fed_broker_memory_bytes{"):
+            out[line.split('"')[1]] = float(line.split()[-1])
+        elif line.startswith(("graft_fed_process_threads ", "graft_fed_python_allocated_blocks ")):
+            out[line.split()[0].removeprefix("graft_fed_")] = float(line.split()[-1])
+    return out
+
+
+def memory_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dict]:
+    """Per broker life and kind of memory (graft_fed_broker_memory_bytes): first and last
+    value and the slope after the warm-up (MiB/min; counts per minute for threads and
+    Python's blocks), to tell live C memory, heap kept free, SQLite and Python apart."""
+    out = []
+    for life in range(n_lives):
+        mine = [s for s in samples if s["life"] == life]
+        if not mine:
+            continue
+        kinds = {}
+        for kind in sorted({k for s in mine for k in s["memory"]}):
+            scale = 1 if kind in ("process_threads", "python_allocated_blocks") else 2**20
+            pts = [(s["age"], s["memory"][kind] / scale) for s in mine if kind in s["memory"]]
+            late = [p for p in pts if p[0] >= warmup_s]
+            kinds[kind] = {"first": pts[0][1], "last": pts[-1][1], "slope_per_min_after_warmup": slope(late)}
+        out.append(kinds)
+    return out
+
+
 def rss_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dict]:
     """Per broker life: RSS first / max / last, the least-squares slope after its first minute,
     and over what follows its warm-up (`warmup_s` of its age): span, slope, max - min and the
     verdict. Flat: a window of at least FLAT_MIN_SPAN_S whose slope is at most FLAT_SLOPE of
     the window's mean RSS per minute (0.25%/min: about 1 MiB/min at 400 MiB, a leak that
     would grow the broker by 15% an hour)."""
-    def slope(pts: list[tuple[float, float]]) -> float:  # MiB per minute
-        if len(pts) < 3:
-            return NAN
-        mx, my = sum(a for a, _ in pts) / len(pts), sum(b for _, b in pts) / len(pts)
-        den = sum((a - mx) ** 2 for a, _ in pts)
-        return 60 * sum((a - mx) * (b - my) for a, b in pts) / den if den else NAN
-
     out = []
     for life in range(n_lives):
         pts = [(s["age"], s["rss_kib"] / 1024) for s in samples if s["life"] == life]
@@ -428,6 +469,20 @@ def markdown(payload: dict) -> str:
                      f"{l['slope_after_first_minute_mib_per_min']:.2f} | {w['span_s']:.0f} | "
                      f"{w['slope_mib_per_min']:.2f} | {w['max_minus_min_mib']:.1f} | "
                      f"{'-' if w['flat'] is None else 'yes' if w['flat'] else 'no'} |")
+    if payload.get("memory_per_life"):
+        kinds = sorted({k for life in payload["memory_per_life"] for k in life})
+        lines += ["", "Where the broker's memory is, per life (`graft_fed_broker_memory_bytes{kind}` and counts from "
+                  f"its /metrics every {a['memory_s']:.0f} s): first -> last, and the slope after the warm-up "
+                  "(MiB/min; per minute for the counts):", "",
+                  "| kind | " + " | ".join(f"life {i}" for i in range(len(payload["memory_per_life"]))) + " |",
+                  "|---|" + "---:|" * len(payload["memory_per_life"])]
+        for kind in kinds:
+            cells = []
+            for life in payload["memory_per_life"]:
+                m = life.get(kind)
+                cells.append("-" if m is None else f"{m['first']:.1f} -> {m['last']:.1f} "
+                             f"({m['slope_per_min_after_warmup']:+.2f}/min)")
+            lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     lines += ["", "**RSS flat after warm-up: " + ("not shown (no life lasted long enough past its warm-up)"
                                                   if flat is None else "yes" if flat else "no") + "**", ""]
     return "\n".join(lines)
@@ -449,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a broker life's warm-up for the RSS verdict: the broker's replay_window_s (its memory "
                          "of request ids fills for that long)")
     ap.add_argument("--sample-s", type=float, default=2.0, help="RSS / load sampling interval")
+    ap.add_argument("--memory-s", type=float, default=10.0,
+                    help="interval of reading the broker's memory by kind from its /metrics (0: never)")
     ap.add_argument("--rpc-timeout-s", type=float, default=30.0)
     ap.add_argument("--match-wait-s", type=float, default=10.0)
     ap.add_argument("--backoff-cap-s", type=float, default=5.0, help="longest wait between a node's retries")
@@ -478,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     db = work / "broker.sqlite"
     c = work / "certs"
-    cfg = {"listen": f"127.0.0.1:{port}", "http": "", "db": str(db), "data": {"source": str(prompts_path)},
+    http = f"127.0.0.1:{free_port()}" if args.memory_s > 0 else ""
+    cfg = {"listen": f"127.0.0.1:{port}", "http": http, "db": str(db), "data": {"source": str(prompts_path)},
            "verifier": {"name": VERIFIER}, "seed": args.seed, "n": GROUP_N, "prompts_per_round": args.prompts,
            "tls_cert": str(c / "broker.pem"), "tls_key": str(c / "broker.key"), "client_ca": str(c / "ca.pem")}
     if args.nodes > 90:  # one waiting GetMatches per node must fit (docs/deploy.md, "What one broker holds")
@@ -498,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
 
     broker = Broker(cfg_path, work, dict(e.split("=", 1) for e in args.broker_env))
     samples: list[dict] = []
+    memory: list[dict] = []
     stop_sampling = threading.Event()
     procs: list = []
     try:
@@ -513,6 +572,11 @@ def main(argv: list[str] | None = None) -> int:
                         samples.append({"t": now - t_start, "life": len(broker.lives) - 1,
                                         "age": now - broker.lives[-1]["t0"], "rss_kib": kib,
                                         "load1": os.getloadavg()[0]})
+                    if http and (not memory or now - t_start - memory[-1]["t"] >= args.memory_s):
+                        got = scrape_memory(http)
+                        if got is not None and proc is broker.proc:
+                            memory.append({"t": now - t_start, "life": len(broker.lives) - 1,
+                                           "age": now - broker.lives[-1]["t0"], "memory": got})
                 stop_sampling.wait(args.sample_s)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -592,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": {"min": rounds[0], "median": rounds[len(rounds) // 2], "max": rounds[-1]},
         "retries": sum(r["retries"] for r in nodes.values()), "joins": sum(r["joins"] for r in nodes.values()),
         "load": {"min": loads[0], "median": loads[len(loads) // 2], "max": loads[-1]},
-        "rss": samples, "rss_per_life": lives, "rss_flat_after_warmup": rss_flat, "nodes_reporting": len(nodes),
+        "rss": samples, "rss_per_life": lives, "memory": memory,
+        "memory_per_life": memory_lives(memory, len(broker.lives), args.warmup_s), "rss_flat_after_warmup": rss_flat, "nodes_reporting": len(nodes),
         "heartbeats": heartbeats, "probe_nodes": sorted(probe_names),
         "probe_beats": {n: nodes[n]["beats"] for n in sorted(probe_names) if n in nodes},
         "wall_s": time.monotonic() - t_start,

@@ -23,13 +23,21 @@ the 16 MiB an upload joined raised both thresholds as a side effect (glibc raise
 the size of a freed mmap'd block, up to 32 MiB); an upload stored a chunk at a time no
 longer does. `keep_chunk_buffers` sets them outright: buffers of a few chunks come from the
 heap and free memory of up to 16 chunks stays at a heap's top for the next one.
+
+`memory_usage`: where the process's memory is, for /metrics (`graft_fed_broker_memory_bytes`)
+and the load bench: resident anonymous and file pages (/proc), the C heap's bytes in use,
+free and mapped whole (glibc's mallinfo2), what SQLite holds (sqlite3_memory_used), and
+Python's object allocator. A growing RSS can so be told apart as live C allocations, freed
+memory the heap keeps, SQLite's caches or Python objects.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import platform
+import sys
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -46,8 +54,6 @@ def _libc(name: str):  # noqa: ANN202 - a glibc function, or None off glibc
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        import ctypes
-
         return getattr(ctypes.CDLL(None), name)  # CDLL: the GIL is released during the call
     except (OSError, AttributeError):
         return None
@@ -87,3 +93,59 @@ def keep_chunk_buffers(chunk: int) -> bool:
     else:
         log.warning("could not set the C heap's thresholds (mallopt): chunk-sized buffers may be mapped afresh")
     return ok
+
+
+class _Mallinfo2(ctypes.Structure):  # glibc >= 2.33, malloc.h
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _sqlite_memory_used() -> int | None:
+    try:
+        import _sqlite3
+
+        fn = ctypes.CDLL(_sqlite3.__file__).sqlite3_memory_used  # the library the sqlite3 module uses
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int64, []
+    return int(fn())
+
+
+def _proc_status() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("RssAnon", "RssFile", "RssShmem", "Threads"):
+                    parts = rest.split()
+                    out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)  # kB, or a count
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def memory_usage() -> dict[str, int]:
+    """This process's memory by where it is, in bytes (threads: a count). Keys present only
+    where the platform tells them: `resident_anon`, `resident_file`, `resident_shmem` and
+    `threads` (Linux /proc), `malloc_in_use`, `malloc_free` and `malloc_mmapped` (glibc,
+    unless another malloc is preloaded: bytes handed out by malloc from its heaps, free in
+    them, and in blocks mapped whole),
+    `sqlite` (every connection's caches and statements), and `python_blocks` (objects
+    Python's allocator holds, a count)."""
+    out: dict[str, int] = {}
+    proc = _proc_status()
+    for key, name in (("RssAnon", "resident_anon"), ("RssFile", "resident_file"), ("RssShmem", "resident_shmem"),
+                      ("Threads", "threads")):
+        if key in proc:
+            out[name] = proc[key]
+    mallinfo2 = _libc("mallinfo2")
+    if mallinfo2 is not None and "malloc" not in os.environ.get("LD_PRELOAD", ""):  # glibc's heap serves malloc
+        mallinfo2.restype, mallinfo2.argtypes = _Mallinfo2, []
+        info = mallinfo2()
+        out.update(malloc_in_use=int(info.uordblks), malloc_free=int(info.fordblks), malloc_mmapped=int(info.hblkhd))
+    sqlite = _sqlite_memory_used()
+    if sqlite is not None:
+        out["sqlite"] = sqlite
+    out["python_blocks"] = sys.getallocatedblocks()
+    return out

@@ -19,7 +19,7 @@ from graft_fed.broker.auth import Allowlist, IdentityInterceptor
 from graft_fed.broker.blas import one_blas_thread
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
-from graft_fed.broker.heap import keep_chunk_buffers, limit_malloc_arenas, trim_heap
+from graft_fed.broker.heap import keep_chunk_buffers, limit_malloc_arenas, memory_usage, trim_heap
 from graft_fed.broker.live import RefusalLog, ScalarLog, node_metrics, status_view
 from graft_fed.broker.servicer import BrokerServicer, TimingInterceptor, add_to_server
 from graft_fed.broker.state import BrokerState
@@ -87,6 +87,15 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
         samples.append((f'_sum{{method="{m}"}}', stats.sum[m]))
         samples.append((f'_count{{method="{m}"}}', counts[-1]))
     metric("rpc_seconds", "histogram", "RPC latency.", samples)
+    mem = memory_usage()
+    counts = {"threads": ("process_threads", "Threads of the broker process."),
+              "python_blocks": ("python_allocated_blocks", "Objects held by Python's allocator.")}
+    metric("broker_memory_bytes", "gauge", "The broker process's memory by where it is: resident anonymous and "
+           "file pages; the C heap's bytes in use, free and mapped whole; SQLite's (docs/deploy.md, Monitoring).",
+           [(f'{{kind="{k}"}}', v) for k, v in mem.items() if k not in counts])
+    for key, (name, help_) in counts.items():
+        if key in mem:
+            metric(name, "gauge", help_, [("", mem[key])])
     lines += node_metrics(fed, servicer.scalars, refusals)
     return "\n".join(lines) + "\n"
 

@@ -58,3 +58,35 @@ def test_trim_heap_gives_free_pages_inside_the_heap_back():
         return
     assert released is True
     assert mib > 50, f"RSS fell by only {mib:.1f} MiB"
+
+
+_USAGE = """
+import ctypes, json, sqlite3
+from graft_fed.broker.heap import memory_usage
+before = memory_usage()
+held = [ctypes.create_string_buffer(4000) for _ in range(10_000)]  # ~40 MiB live in malloc's heap
+conn = sqlite3.connect(":memory:")
+conn.execute("CREATE TABLE t (x BLOB)")
+conn.executemany("INSERT INTO t VALUES (?)", [(bytes(1000),)] * 2000)  # ~2 MiB of pages in SQLite's cache
+after = memory_usage()
+del held
+freed = memory_usage()
+print(json.dumps([before, after, freed]))
+"""
+
+
+def test_memory_usage_tells_live_c_memory_and_sqlite_apart():
+    """graft_fed_broker_memory_bytes: 40 MiB held through malloc shows as in use and then,
+    freed, as free or returned; an SQLite database's pages show as SQLite's; RSS follows."""
+    out = subprocess.run([sys.executable, "-c", _USAGE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, after, freed = json.loads(out.stdout.strip().splitlines()[-1])
+    mib = 2**20
+    assert after["python_blocks"] > 0
+    assert after["sqlite"] - before["sqlite"] > 1 * mib
+    if platform.system() == "Linux":
+        assert after["resident_anon"] - before["resident_anon"] > 30 * mib
+        assert after["threads"] >= 1
+    if platform.libc_ver()[0] == "glibc":
+        assert after["malloc_in_use"] - before["malloc_in_use"] > 35 * mib
+        assert after["malloc_in_use"] - freed["malloc_in_use"] > 35 * mib

@@ -180,6 +180,11 @@ def test_metrics_and_healthz(broker, prompts):
     assert 'graft_fed_nodes{state="online"} 1' in text
     assert "graft_fed_summaries_total 1" in text
     assert 'graft_fed_rpc_total{method="PublishSummaries",code="OK"} 1' in text
+    memory = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("graft_fed_broker_memory_bytes{")}
+    assert memory["sqlite"] >= 0 and memory["resident_anon"] > 0  # (this broker's state is in memory)
+    assert float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("graft_fed_process_threads "))) >= 2
     a.close()
 
 
