@@ -31,7 +31,8 @@ What runs:
   `--warmup-s` (300 s: the replay guard's window) whether it is flat (rss_lives). Every
   `--memory-s` seconds the broker's own /metrics says where its memory is
   (`graft_fed_broker_memory_bytes{kind}`: C heap in use and free, SQLite, resident anonymous
-  and file pages; threads; Python's blocks), each kind's slope per life (memory_lives).
+  and file pages; threads; Python's blocks; the replay guard's request ids), each kind's
+  slope per life (memory_lives).
 
 At the end the broker is stopped and its SQLite file read directly: every acknowledged
 (node, round) must hold exactly its P summaries (none lost), no (node, round, prompt) may
@@ -332,7 +333,8 @@ def slope(pts: list[tuple[float, float]]) -> float:
 
 
 def scrape_memory(http: str) -> dict[str, float] | None:
-    """The broker's graft_fed_broker_memory_bytes{kind} and thread count from its /metrics."""
+    """The broker's graft_fed_broker_memory_bytes{kind}, its threads, Python's blocks and the
+    replay guard's request ids (the cache that fills for replay_window_s) from its /metrics."""
     import urllib.request
 
     try:
@@ -343,9 +345,13 @@ def scrape_memory(http: str) -> dict[str, float] | None:
     for line in text.splitlines():
         if line.startswith("graft_fed_broker_memory_bytes{"):
             out[line.split('"')[1]] = float(line.split()[-1])
-        elif line.startswith(("graft_fed_process_threads ", "graft_fed_python_allocated_blocks ")):
+        elif line.startswith(("graft_fed_process_threads ", "graft_fed_python_allocated_blocks ",
+                              "graft_fed_replay_request_ids ")):
             out[line.split()[0].removeprefix("graft_fed_")] = float(line.split()[-1])
     return out
+
+
+COUNTS = ("process_threads", "python_allocated_blocks", "replay_request_ids")  # counts, not bytes
 
 
 def memory_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dict]:
@@ -359,7 +365,7 @@ def memory_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dic
             continue
         kinds = {}
         for kind in sorted({k for s in mine for k in s["memory"]}):
-            scale = 1 if kind in ("process_threads", "python_allocated_blocks") else 2**20
+            scale = 1 if kind in COUNTS else 2**20
             pts = [(s["age"], s["memory"][kind] / scale) for s in mine if kind in s["memory"]]
             late = [p for p in pts if p[0] >= warmup_s]
             kinds[kind] = {"first": pts[0][1], "last": pts[-1][1], "slope_per_min_after_warmup": slope(late)}
