@@ -247,14 +247,18 @@ def verify(db: Path, nodes: dict, n_prompts: int) -> dict:
     from graft_fed.broker.state_sqlite import SqliteState
 
     st = SqliteState(db)  # the broker has stopped; summaries are stored as blocks, read through the state
+    rows: Counter[tuple[str, int]] = Counter()
+    dup_keys = total_rows = 0
     try:
-        heads = st.summary_heads()
-        keys = Counter((h.node_id, h.round, h.prompt_id) for h in heads)
-        rows = Counter((h.node_id, h.round) for h in heads)
-        dup_keys = sum(1 for c in keys.values() if c > 1)
         published = {n.node_id: n.published for n in st.list_nodes()}
+        for node in sorted(set(published) | set(nodes)):  # a node at a time: a long run holds tens of millions
+            heads = st.summary_heads(node_id=node)
+            keys = Counter((h.round, h.prompt_id) for h in heads)
+            rows.update((node, h.round) for h in heads)
+            dup_keys += sum(1 for c in keys.values() if c > 1)
+            total_rows += len(heads)
+            del heads, keys
         rounds_matched = st._read("SELECT COUNT(*) FROM rounds WHERE state = 'matched'")[0][0]
-        total_rows = len(heads)
     finally:
         st.close()
     lost = extra = acked_summaries = 0
@@ -388,6 +392,14 @@ def rss_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dict]:
         span = late[-1][0] - late[0][0] if late else 0.0
         mean = sum(b for _, b in late) / len(late) if late else NAN
         k = slope(late)
+        windows = []  # successive WINDOW_S windows of age after the warm-up: does the slope settle?
+        start = warmup_s
+        while late and start + WINDOW_S / 2 <= late[-1][0]:
+            pts_w = [p for p in late if start <= p[0] < start + WINDOW_S]
+            if len(pts_w) >= 3:
+                windows.append({"from_s": start, "to_s": min(start + WINDOW_S, pts_w[-1][0]),
+                                "mean_mib": sum(b for _, b in pts_w) / len(pts_w), "slope_mib_per_min": slope(pts_w)})
+            start += WINDOW_S
         out.append({"samples": len(pts), "lasted_s": pts[-1][0], "first_mib": pts[0][1],
                     "max_mib": max(b for _, b in pts), "last_mib": pts[-1][1],
                     "slope_after_first_minute_mib_per_min": slope([p for p in pts if p[0] >= 60]),
@@ -395,11 +407,12 @@ def rss_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dict]:
                                      "max_minus_min_mib": (max(b for _, b in late) - min(b for _, b in late))
                                      if late else NAN,
                                      "flat": (span >= FLAT_MIN_SPAN_S and abs(k) <= FLAT_SLOPE * mean)
-                                     if span >= FLAT_MIN_SPAN_S else None}})
+                                     if span >= FLAT_MIN_SPAN_S else None, "windows": windows}})
     return out
 
 
 FLAT_MIN_SPAN_S = 120.0
+WINDOW_S = 120.0
 FLAT_SLOPE = 0.0025
 
 
@@ -489,9 +502,30 @@ def markdown(payload: dict) -> str:
                 cells.append("-" if m is None else f"{m['first']:.1f} -> {m['last']:.1f} "
                              f"({m['slope_per_min_after_warmup']:+.2f}/min)")
             lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    windowed = [(i, l["after_warmup"].get("windows")) for i, l in enumerate(payload["rss_per_life"])]
+    if any(w for _, w in windowed):
+        lines += ["", f"RSS after the warm-up in windows of {WINDOW_S:.0f} s of a life's age (does the slope settle?):",
+                  "", "| life | window s | mean MiB | slope MiB/min |", "|---:|---|---:|---:|"]
+        for i, ws in windowed:
+            for w in ws or []:
+                lines.append(f"| {i} | {w['from_s']:.0f}-{w['to_s']:.0f} | {w['mean_mib']:.1f} | "
+                             f"{w['slope_mib_per_min']:.2f} |")
     lines += ["", "**RSS flat after warm-up: " + ("not shown (no life lasted long enough past its warm-up)"
                                                   if flat is None else "yes" if flat else "no") + "**", ""]
     return "\n".join(lines)
+
+
+def render(path: Path) -> int:
+    payload = json.loads(path.read_text(encoding="utf-8"))
+    a = payload["args"]
+    a.setdefault("memory_s", 10.0)
+    n_lives = 1 + max((s["life"] for s in payload["rss"]), default=0)
+    payload["rss_per_life"] = rss_lives(payload["rss"], n_lives, a["warmup_s"])
+    payload["memory_per_life"] = memory_lives(payload.get("memory", []), n_lives, a["warmup_s"])
+    md = markdown(payload)
+    path.with_suffix(".md").write_text(md, encoding="utf-8")
+    print(md)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -523,7 +557,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", dest="broker_set",
                     help="broker settings over the bench's (a YAML value each), e.g. malloc_trim_s=0")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (certs, db, broker.log)")
+    ap.add_argument("--render", metavar="JSON",
+                    help="run nothing: recompute the per-life summaries of a result file from its samples and "
+                         "write its .md again (for results written by an older load.py)")
     args = ap.parse_args(argv)
+    if args.render:
+        return render(Path(args.render))
     restart_at = [args.duration / 2] if args.restart_at is None else args.restart_at
     info = machine()
     from graft_fed.configbase import parse_overrides

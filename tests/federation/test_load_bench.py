@@ -14,7 +14,7 @@ def test_load_bench_survives_a_broker_restart_with_nothing_lost(tmp_path):
     # 8.5 s after the restart: a restarted broker (a fresh Python process) can take seconds to
     # start on a loaded 2-core machine, and the nodes must see it come back
     args = ["--nodes", "4", "--prompts", "16", "--duration", "10", "--restart-at", "1.5", "--procs", "1",
-            "--sample-s", "0.5", "--rpc-timeout-s", "5", "--match-wait-s", "1", "--backoff-cap-s", "0.5",
+            "--sample-s", "0.5", "--memory-s", "1", "--rpc-timeout-s", "5", "--match-wait-s", "1", "--backoff-cap-s", "0.5",
             "--out-dir", str(tmp_path), "--name", "tiny"]
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "load.py"), *args],
                           capture_output=True, text=True, timeout=240)
@@ -38,3 +38,14 @@ def test_load_bench_survives_a_broker_restart_with_nothing_lost(tmp_path):
     assert probe["calls"] > 0 and probe["timed_by_broker"] == probe["calls"]
     assert res["heartbeats"]["simulated"]["calls"] > 0
     assert res["rss_flat_after_warmup"] is None  # no life lasted past its warm-up
+    # where the broker's memory is, read from its /metrics in both lives
+    assert {m["life"] for m in res["memory"]} == {0, 1}
+    last = res["memory"][-1]["memory"]
+    assert last["sqlite"] > 0 and last["replay_request_ids"] > 0 and last["resident_anon"] > 0
+    # --render recomputes the summaries from the samples and writes the same report
+    md = (tmp_path / "tiny.md").read_text()
+    (tmp_path / "tiny.md").unlink()
+    again = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "load.py"), "--render",
+                            str(tmp_path / "tiny.json")], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "tiny.md").read_text() == md

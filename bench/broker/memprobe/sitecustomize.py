@@ -1,0 +1,91 @@
+"""A memory probe for a broker process the load bench starts, loaded by Python's `site` when
+this directory is on the broker's PYTHONPATH (nothing happens without the variables below):
+
+    .venv/bin/python bench/broker/load.py ... --broker-env PYTHONPATH=bench/broker/memprobe \
+        MEMPROBE_SMAPS=120,300,590 MEMPROBE_OUT=/tmp/probe
+
+- MEMPROBE_SMAPS=T1,T2,...: at each age (s) of the process, every mapping of
+  /proc/self/smaps (range, size, permissions, name, Rss, Anonymous) to
+  `<MEMPROBE_OUT>.<pid>.smaps.json`; `bench/broker/smaps_report.py` groups it (glibc's main
+  heap and arenas, thread stacks, other anonymous memory, files).
+- MEMPROBE_TRACE=T1,T2,T3: tracemalloc from T1, snapshots at T2 and T3, and what grew
+  between them by traceback and by line, with the gc-tracked objects by type, to
+  `<MEMPROBE_OUT>.<pid>.trace.txt`. Tracing slows the broker: a diagnosis, not a benchmark.
+
+Issue 13, docs/performance.md "thirteenth pass".
+"""
+
+import json
+import os
+import threading
+import time
+
+
+def _smaps() -> list[dict]:
+    maps: list[dict] = []
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if not parts:
+                continue
+            if "-" in parts[0] and not parts[0].endswith(":") and len(parts) >= 5:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                maps.append({"range": parts[0], "size": hi - lo, "perms": parts[1],
+                             "name": parts[5] if len(parts) > 5 else "", "rss_kib": 0, "anon_kib": 0})
+            elif parts[0] == "Rss:" and maps:
+                maps[-1]["rss_kib"] = int(parts[1])
+            elif parts[0] == "Anonymous:" and maps:
+                maps[-1]["anon_kib"] = int(parts[1])
+    return maps
+
+
+def _at(t0: float, ages: list[float]):
+    for age in ages:
+        time.sleep(max(0.0, t0 + age - time.monotonic()))
+        yield age
+
+
+def _smaps_probe(t0: float, ages: list[float], out: str) -> None:
+    snaps = []
+    for age in _at(t0, ages):
+        snaps.append({"age_s": age, "maps": _smaps()})
+        with open(f"{out}.{os.getpid()}.smaps.json", "w") as f:
+            json.dump(snaps, f)
+
+
+def _trace_probe(t0: float, ages: list[float], out: str) -> None:
+    import collections
+    import gc
+    import tracemalloc
+
+    start, first, second = ages
+    list(_at(t0, [start]))
+    tracemalloc.start(10)
+    list(_at(t0, [first]))
+    a, ta = tracemalloc.take_snapshot(), collections.Counter(type(o).__name__ for o in gc.get_objects())
+    list(_at(t0, [second]))
+    b, tb = tracemalloc.take_snapshot(), collections.Counter(type(o).__name__ for o in gc.get_objects())
+    with open(f"{out}.{os.getpid()}.trace.txt", "w") as f:
+        f.write(f"traced (current, peak) bytes at {second:.0f} s: {tracemalloc.get_traced_memory()}\n")
+        f.write(f"\n=== grown between {first:.0f} and {second:.0f} s, by traceback\n")
+        for stat in b.compare_to(a, "traceback")[:25]:
+            f.write(f"\n--- {stat.size_diff / 1024:+.1f} KiB, {stat.count_diff:+d} blocks (now {stat.size / 1024:.1f} KiB)\n")
+            f.write("\n".join(stat.traceback.format()) + "\n")
+        f.write("\n=== by line\n")
+        for stat in b.compare_to(a, "lineno")[:30]:
+            f.write(f"{stat}\n")
+        f.write("\n=== gc-tracked objects by type: change (now)\n")
+        for name, n in sorted(((k, tb[k] - ta.get(k, 0)) for k in tb), key=lambda kv: -kv[1])[:30]:
+            f.write(f"{name} {n:+d} ({tb[name]})\n")
+
+
+def _ages(name: str) -> list[float]:
+    return [float(x) for x in os.environ.get(name, "").split(",") if x.strip()]
+
+
+_out = os.environ.get("MEMPROBE_OUT", "/tmp/memprobe")
+_t0 = time.monotonic()
+if _ages("MEMPROBE_SMAPS"):
+    threading.Thread(target=_smaps_probe, args=(_t0, _ages("MEMPROBE_SMAPS"), _out), daemon=True).start()
+if len(_ages("MEMPROBE_TRACE")) == 3:
+    threading.Thread(target=_trace_probe, args=(_t0, _ages("MEMPROBE_TRACE"), _out), daemon=True).start()
