@@ -4,8 +4,8 @@ bench/broker/memprobe takes (MEMPROBE_SMAPS), grouped by kind of mapping:
     .venv/bin/python bench/broker/smaps_report.py /tmp/probe.<pid>.smaps.json   # or a .json.gz
 
 - `glibc main heap`: the [heap] mapping (brk), malloc's main arena;
-- `glibc arenas`: anonymous read-write mappings that start on a 64 MiB boundary and are
-  smaller than that (malloc's other arenas; their reserve is `reserved` below);
+- `glibc arenas`: anonymous read-write mappings that start on a 64 MiB boundary and are at
+  most that large (malloc's other arenas; their unused reserve is `reserved`);
 - `thread stacks`: anonymous 8 MiB read-write mappings (one per thread; guard pages apart);
 - `other anonymous`: the rest: Python's object arenas (256 KiB-1 MiB mmaps, merged by the
   kernel when adjacent), blocks malloc maps whole, gRPC's and OpenSSL's own maps;
@@ -35,7 +35,7 @@ def kind(m: dict) -> str:
         return "reserved"
     if m["size"] == STACK:
         return "thread stacks"
-    if m["size"] < ARENA and int(m["range"].split("-")[0], 16) % ARENA == 0:
+    if m["size"] <= ARENA and int(m["range"].split("-")[0], 16) % ARENA == 0:
         return "glibc arenas"
     return "other anonymous"
 
