@@ -128,11 +128,10 @@ def _proc_status() -> dict[str, int]:
 def memory_usage() -> dict[str, int]:
     """This process's memory by where it is, in bytes (threads: a count). Keys present only
     where the platform tells them: `resident_anon`, `resident_file`, `resident_shmem` and
-    `threads` (Linux /proc), `malloc_in_use`, `malloc_free` and `malloc_mmapped` (glibc,
-    unless another malloc is preloaded: bytes handed out by malloc from its heaps, free in
-    them, and in blocks mapped whole),
-    `sqlite` (every connection's caches and statements), and `python_blocks` (objects
-    Python's allocator holds, a count)."""
+    `threads` (Linux /proc); `malloc_in_use`, `malloc_free` and `malloc_mmapped` (glibc >=
+    2.33, unless another malloc is preloaded: bytes handed out from its heaps, free in them,
+    and in blocks mapped whole); `sqlite` (every connection's caches and statements); and
+    `python_blocks` (objects Python's allocator holds, a count)."""
     out: dict[str, int] = {}
     proc = _proc_status()
     for key, name in (("RssAnon", "resident_anon"), ("RssFile", "resident_file"), ("RssShmem", "resident_shmem"),
