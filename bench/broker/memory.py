@@ -27,7 +27,6 @@ bench/broker/results/<name>.json and .md.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -45,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS, machine, make_summaries, write_prompts, write_results  # noqa: E402
+from graft_fed.broker.heap import malloc_stats  # noqa: E402
 
 GROUP_N = 8
 VARIANTS = 8
@@ -66,22 +66,6 @@ class SimClock:
 
     def __call__(self) -> float:
         return self.t
-
-
-def _mallinfo() -> dict:
-    """glibc's main-heap and arena statistics (bytes): in use by malloc's callers, free inside
-    the heaps, and mmapped; empty where mallinfo2 is missing."""
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):
-        return {}
-    fn.restype = MallInfo2
-    m = fn()
-    return {"heap": m.arena, "in_use": m.uordblks, "free": m.fordblks, "mmapped": m.hblkhd}
 
 
 def _rss_mib() -> float:
@@ -286,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             row = {"round": rnd + 1, "sim_s": round((rnd + 1) * args.round_s, 1),
                    "wall_s": round(time.perf_counter() - t_start, 1), "rss MiB": round(_rss_mib(), 1)}
-            row.update({f"malloc {k} MiB": round(v / 2**20, 1) for k, v in _mallinfo().items()})
+            row.update({f"malloc {k} MiB": round(v / 2**20, 1) for k, v in malloc_stats().items()})
             if args.trace:
                 snap = tracemalloc.take_snapshot().filter_traces(
                     [tracemalloc.Filter(False, tracemalloc.__file__)])

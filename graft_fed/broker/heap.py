@@ -100,6 +100,20 @@ class _Mallinfo2(ctypes.Structure):  # glibc >= 2.33, malloc.h
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
+def malloc_stats() -> dict[str, int]:
+    """glibc's heap over all its arenas (mallinfo2, glibc >= 2.33), in bytes: `heap` (what its
+    heaps hold from the kernel), `in_use` (handed out by malloc), `free` (free inside the
+    heaps), `mmapped` (blocks mapped whole). Empty off glibc, before 2.33, or where another
+    malloc is preloaded (glibc's heap then serves nothing)."""
+    mallinfo2 = _libc("mallinfo2")
+    if mallinfo2 is None or "malloc" in os.environ.get("LD_PRELOAD", ""):
+        return {}
+    mallinfo2.restype, mallinfo2.argtypes = _Mallinfo2, []
+    info = mallinfo2()
+    return {"heap": int(info.arena), "in_use": int(info.uordblks), "free": int(info.fordblks),
+            "mmapped": int(info.hblkhd)}
+
+
 def _sqlite_memory_used() -> int | None:
     try:
         import _sqlite3
@@ -138,11 +152,7 @@ def memory_usage() -> dict[str, int]:
                       ("Threads", "threads")):
         if key in proc:
             out[name] = proc[key]
-    mallinfo2 = _libc("mallinfo2")
-    if mallinfo2 is not None and "malloc" not in os.environ.get("LD_PRELOAD", ""):  # glibc's heap serves malloc
-        mallinfo2.restype, mallinfo2.argtypes = _Mallinfo2, []
-        info = mallinfo2()
-        out.update(malloc_in_use=int(info.uordblks), malloc_free=int(info.fordblks), malloc_mmapped=int(info.hblkhd))
+    out.update((f"malloc_{k}", v) for k, v in malloc_stats().items() if k != "heap")
     sqlite = _sqlite_memory_used()
     if sqlite is not None:
         out["sqlite"] = sqlite
