@@ -147,6 +147,16 @@ def _backslashes_before(s: str, lo: int, end: int) -> int:
         width *= 2
 
 
+def _plain(buf: bytes) -> bool:
+    """Whether every byte of buf is printable ASCII (0x20-0x7f) and none is a backslash: then
+    a JSON string's body inside buf is valid exactly as it stands (no escape, no control
+    character, no multi-byte character) and its value is those bytes. Three scans in C, about
+    a twentieth of what json's scanner takes over the same bytes (BundleStream.feed)."""
+    import numpy as np
+
+    return buf.isascii() and b"\\" not in buf and (not buf or int(np.frombuffer(buf, np.uint8).min()) >= 0x20)
+
+
 def _safe_cut(s: str, lo: int) -> int:
     """The last index <= len(s) where the body of a JSON string that starts at s[lo] (at the
     start of a character or escape) and runs past the end of s can be cut: not inside an
@@ -198,11 +208,17 @@ class BundleStream:
 
     def _piece(self, value: str, closed: bool) -> None:
         """The next piece of the current string, decoded."""
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise self._fail("a string holds a lone surrogate") from None
-        self._length += len(value)
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise self._fail("a string holds a lone surrogate") from None
+        self._add(len(value), value, closed)
+
+    def _add(self, n: int, value: str, closed: bool) -> None:
+        """n more characters of the current string; value, those characters, is read only
+        while the string is short (a long one's pieces may pass "")."""
+        self._length += n
         if self._length <= SHORT_STRING:
             self._short.append(value)
         if closed:
@@ -210,10 +226,32 @@ class BundleStream:
                        else '"' + "~" * (SHORT_STRING + 1) + '"')
             self._in_string, self._short, self._length = False, [], 0
 
+    def _feed_plain(self, buf: bytes) -> None:
+        """feed for bytes that are _plain: every quote opens or closes a string, and a
+        string's body is valid as it stands, so only the quotes are looked for."""
+        pos, end = 0, len(buf)
+        while pos < end:
+            quote = buf.find(b'"', pos)
+            stop = end if quote < 0 else quote
+            if self._in_string:
+                n = stop - pos
+                self._add(n, buf[pos:stop].decode("ascii") if self._length + n <= SHORT_STRING else "", quote >= 0)
+            else:
+                self._keep(buf[pos:stop].decode("ascii"))
+                if quote >= 0:
+                    self._in_string = True
+            if quote < 0:
+                break
+            pos = quote + 1
+        self._carry = b""
+
     def feed(self, data: bytes) -> None:
         self._hash.update(data)
         self.size += len(data)
         buf = self._carry + data if self._carry else data
+        if _plain(buf):  # the common case for model outputs: no escape, all ASCII
+            self._feed_plain(buf)
+            return
         try:
             s, used = codecs.utf_8_decode(buf, "strict", False)
         except UnicodeDecodeError as exc:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import gc
 import json
 import tracemalloc
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graft_fed.core.records import GroupRecord, RecordError
+from graft_fed.federation import bundles
 from graft_fed.federation.bundles import SHORT_STRING, BundleStream, decode_bundle, digest_of, encode_bundle
 
 # texts that exercise the scanner: escapes, quotes, backslashes, multi-byte and astral
@@ -104,6 +106,52 @@ def _encodable(text: str) -> bool:
         return False
 
 
+# texts with no escape in JSON (printable ASCII but quote and backslash): chunks of such a
+# bundle take BundleStream's plain path, unless an edit puts a byte there that it must not
+plain_texts = st.lists(st.sampled_from(["a", " ", "x" * 300, "{", "}", "[1, 2]", ":", ",", "~", "\x7f", "u"]),
+                       max_size=40).map("".join)
+
+
+def _outcome(data: bytes, cuts: list[int], plain_path: bool):
+    """What a BundleStream makes of data cut at cuts: its verdict (the record or the error's
+    words) and the structure it kept, with the plain path allowed or not."""
+    check = BundleStream(digest_of(data))
+    last = 0
+    with mock.patch.object(bundles, "_plain", bundles._plain if plain_path else (lambda buf: False)):
+        try:
+            for c in sorted(set(c % (len(data) + 1) for c in cuts)) + [len(data)]:
+                check.feed(data[last:c])
+                last = c
+            verdict = check.finish()
+        except RecordError as exc:
+            verdict = str(exc)
+    return verdict, "".join(check._parts), check._in_string, check._length
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ts=st.lists(plain_texts, min_size=1, max_size=3), cuts=st.lists(st.integers(0, 10**6), max_size=20),
+       edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 3),
+                                st.sampled_from([b'"', b"\\", b"\\n", b"\x00", b"\x1f", b"\xff", b"\xc3\xa9",
+                                                 b"}", b"{", b",", b" ", b"\n"])),
+                      max_size=3))
+def test_the_plain_path_agrees_with_the_scanner(ts, cuts, edits):
+    """The plain path (no escape, all printable ASCII) reaches the verdict json's scanner
+    reaches on the same bytes and cuts, and keeps the same structure, on valid bundles and on
+    bundles with bytes put where the plain path must notice them."""
+    data = bytearray(encode_bundle(record(ts)))
+    for at, drop, insert in edits:
+        at %= len(data) + 1
+        data[at:at + drop] = insert
+    data = bytes(data)
+    assert _outcome(data, cuts, plain_path=True) == _outcome(data, cuts, plain_path=False)
+
+
+def test_the_plain_path_is_taken_for_plain_chunks_only():
+    assert bundles._plain(b'{"texts": ["a b ~\x7f"]}') and bundles._plain(b"")
+    for bad in (b"a\\nb", b"a\nb", b"a\x00", b"a\x1fb", "é".encode(), b"\xff"):
+        assert not bundles._plain(bad), bad
+
+
 @pytest.mark.parametrize("bad", [
     b'{"a": "\\ud800"}',  # a lone surrogate (escaped)
     b'{"a": "\\ud83d\\u0041"}',  # a high surrogate without its low half
@@ -142,11 +190,14 @@ def test_structure_outside_long_strings_is_bounded():
         stream(data, list(range(0, len(data), 2**20)))
 
 
-def test_memory_is_bounded_by_the_chunk():
+@pytest.mark.parametrize("text", ["é" + "x\\\"y\n" * (4 * 2**20 - 1), "xy z" * (4 * 2**20 + 1)],
+                         ids=["escapes", "plain"])
+def test_memory_is_bounded_by_the_chunk(text):
     """A 16 MiB bundle of one 16 MiB text, fed in 256 KiB chunks: the check holds a few
-    chunks' worth (the chunk, its decoded text, the checked piece), not the bundle."""
+    chunks' worth (the chunk, its decoded text, the checked piece), not the bundle; with
+    escapes (json's scanner) and without (the plain path)."""
     chunk = 256 * 1024
-    data = encode_bundle(record(["é" + "x\\\"y\n" * (4 * 2**20 - 1)]))
+    data = encode_bundle(record([text]))
     assert len(data) > 16 * 2**20
     gc.collect()
     tracemalloc.start()
