@@ -249,6 +249,8 @@ class BundleStream:
         self._hash.update(data)
         self.size += len(data)
         buf = self._carry + data if self._carry else data
+        if not isinstance(buf, bytes):
+            buf = bytes(buf)  # a memoryview or bytearray chunk: one copy of the chunk
         if _plain(buf):  # the common case for model outputs: no escape, all ASCII
             self._feed_plain(buf)
             return

@@ -146,6 +146,16 @@ def test_the_plain_path_agrees_with_the_scanner(ts, cuts, edits):
     assert _outcome(data, cuts, plain_path=True) == _outcome(data, cuts, plain_path=False)
 
 
+def test_chunks_may_be_memoryviews_or_bytearrays():
+    data = encode_bundle(record(["plain text " * 100, "é\\n" * 50]))
+    want = decode_bundle(data, digest_of(data))
+    for wrap in (memoryview, bytearray):
+        check = BundleStream(digest_of(data))
+        for off in range(0, len(data), 97):
+            check.feed(wrap(data[off:off + 97]))
+        same_but_long_strings(want, check.finish())
+
+
 def test_the_plain_path_is_taken_for_plain_chunks_only():
     assert bundles._plain(b'{"texts": ["a b ~\x7f"]}') and bundles._plain(b"")
     for bad in (b"a\\nb", b"a\nb", b"a\x00", b"a\x1fb", "é".encode(), b"\xff"):
