@@ -162,6 +162,8 @@ class Answers(Part):
             offers, left_out = self._receiver_offers(ms, receiver)
             if left_out or any(not o[6] for o in offers):
                 return True
+        if not self.matcher.may_have_rows(round):
+            return False
         matches = self.state.matches(round=round, receiver=receiver)
         heads = self.state.matched_heads(round, receiver=receiver)
         return len(heads) < len(matches) or any(not h.bundle_digest for _, h in heads)
@@ -276,6 +278,8 @@ class Answers(Part):
 
     def _row_offers(self, receiver: str, round: int) -> list[Offer]:
         """Offers from matches stored as rows (a late joiner, asynchronous mode)."""
+        if not self.matcher.may_have_rows(round):
+            return []
         offers = []
         sources: dict[str, NodeRow | None] = {}
         granted = []
@@ -319,9 +323,10 @@ class Answers(Part):
                         have = self.index.book(r).digests.get(source, {})
                     pids = ms.pids
                     out.extend((pids[c], r) for c in set(ms.col[rows].tolist()) if pids[c] not in have)
-            for m, s in self.state.matched_heads(r, source=source):
-                if m.receiver in receivers and not s.bundle_digest:
-                    out.append((m.prompt_id, m.source_round))
+            if self.matcher.may_have_rows(r):
+                for m, s in self.state.matched_heads(r, source=source):
+                    if m.receiver in receivers and not s.bundle_digest:
+                        out.append((m.prompt_id, m.source_round))
         return sorted(set(out))
 
     def _waiting_receivers(self) -> tuple[dict[int, set[str]], dict[int, tuple[MatchSet, np.ndarray]]]:

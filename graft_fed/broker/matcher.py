@@ -29,6 +29,10 @@ class Matcher(Part):
         self._sets_lock = threading.Lock()
         self._exchange: Counter[tuple[str, str]] | None = None  # matches per (source, receiver)
         self._exchange_lock = threading.Lock()
+        # per recent round: whether it may have matches stored as rows (match_one writes them:
+        # a late joiner, asynchronous mode). A synchronous round has none, and every answer
+        # of it used to read the state twice to find that out (issue 13)
+        self._rows: OrderedDict[int, bool] = OrderedDict()
 
     def forget_sets(self) -> None:
         """Drop the decoded match sets (retention pruned some; re-read from the state)."""
@@ -87,6 +91,20 @@ class Matcher(Part):
             while len(self._sets) > max(16, 2 * self.cfg.staleness_rounds + 4):
                 self._sets.popitem(last=False)
 
+    def may_have_rows(self, round: int) -> bool:
+        """False when `round` is known to have no match stored as a row (then its answers
+        need not read them); asked of the state once per round, then kept up to date by
+        match_one, which marks a round before it writes its rows."""
+        with self._sets_lock:
+            known = self._rows.get(round)
+        if known is None:
+            known = self.state.has_matches(round)
+            with self._sets_lock:
+                known = self._rows.setdefault(round, known)  # match_one's mark meanwhile wins
+                while len(self._rows) > 4096:
+                    self._rows.popitem(last=False)
+        return known
+
     def match_set(self, round: int) -> MatchSet | None:
         """The round's matching when it was matched as a whole (synchronous), else None."""
         with self._sets_lock:
@@ -105,7 +123,7 @@ class Matcher(Part):
         (a late joiner, asynchronous mode)."""
         ms = self.match_set(round)
         rows = ms.rows(receiver=receiver) if ms is not None else []
-        return rows + self.state.matches(round=round, receiver=receiver)
+        return rows + (self.state.matches(round=round, receiver=receiver) if self.may_have_rows(round) else [])
 
     def exchange_counts(self) -> Counter[tuple[str, str]]:
         """Matches per (source, receiver) over every stored round (built once from the state,
@@ -155,6 +173,10 @@ class Matcher(Part):
         best = select_for_receiver(mine, offers, compat)
         rows = [MatchRow(round=round, receiver=receiver, prompt_id=pid, source=str(g.source), source_round=g.round)
                 for pid, g in sorted(best.items())]
+        if rows:
+            with self._sets_lock:  # before the rows exist: an answer never skips rows that do
+                self._rows[round] = True
+                self._rows.move_to_end(round)
         self.state.put_matches(rows)
         with self._exchange_lock:
             self._exchange = None  # recounted on the next status (a retried match writes nothing new)

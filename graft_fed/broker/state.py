@@ -174,6 +174,11 @@ class BrokerState(abc.ABC):
                 source: str | None = None) -> list[MatchRow]:
         """Matches stored as rows (`put_matches`; a round's match set is separate)."""
 
+    def has_matches(self, round: int) -> bool:
+        """Whether `round` has any match stored as a row (what `matches(round=round)` would
+        find something in); implementations may answer without reading the rows."""
+        return bool(self.matches(round=round))
+
     @abc.abstractmethod
     def put_match_set(self, round: int, data: bytes) -> bool:
         """Store a synchronous round's whole matching as one opaque blob (the encoding of

@@ -734,6 +734,9 @@ class SqliteState(BrokerState):
         return [MatchRow(*r) for r in self._read(f"SELECT {_MATCH_COLS} FROM matches{where} "
                                                  "ORDER BY round, receiver, prompt_id", params)]
 
+    def has_matches(self, round: int) -> bool:
+        return bool(self._read("SELECT 1 FROM matches WHERE round = ? LIMIT 1", (as_int(round, "round"),)))
+
     def put_match_set(self, round: int, data: bytes) -> bool:
         round, blob = as_int(round, "round"), norm_blob(data, "match set")
         with self._tx() as conn:

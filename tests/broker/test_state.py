@@ -212,6 +212,9 @@ def test_matches_idempotent_and_filters(state):
     assert state.matches(round=1, receiver="r1", source="s2") == []
     state.put_matches([])
     assert len(state.matches()) == 3
+    assert state.has_matches(0) and state.has_matches(1) and not state.has_matches(2)
+    state.put_match_set(2, b"set")
+    assert not state.has_matches(2)  # a match set is not rows
 
 
 def test_match_sets_first_write_wins_and_prune_with_their_round(state):
