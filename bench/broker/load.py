@@ -358,10 +358,24 @@ def scrape_memory(http: str) -> dict[str, float] | None:
 COUNTS = ("process_threads", "python_allocated_blocks", "replay_request_ids")  # counts, not bytes
 
 
-def memory_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dict]:
+def windows_of(late: list[tuple[float, float]], warmup_s: float, window_s: float) -> list[dict]:
+    """Successive windows of `window_s` of age from the warm-up on, each with its mean, its
+    last value and its least-squares slope per minute: does the slope settle?"""
+    windows, start = [], warmup_s
+    while late and start + window_s / 2 <= late[-1][0]:
+        pts = [p for p in late if start <= p[0] < start + window_s]
+        if len(pts) >= 3:
+            windows.append({"from_s": start, "to_s": min(start + window_s, pts[-1][0]),
+                            "mean": sum(b for _, b in pts) / len(pts), "last": pts[-1][1], "slope_per_min": slope(pts)})
+        start += window_s
+    return windows
+
+
+def memory_lives(samples: list[dict], n_lives: int, warmup_s: float, window_s: float = 0.0) -> list[dict]:
     """Per broker life and kind of memory (graft_fed_broker_memory_bytes): first and last
     value and the slope after the warm-up (MiB/min; counts per minute for threads and
-    Python's blocks), to tell live C memory, heap kept free, SQLite and Python apart."""
+    Python's blocks), to tell live C memory, heap kept free, SQLite and Python apart; with
+    `window_s`, the same per window of age (`windows_of`)."""
     out = []
     for life in range(n_lives):
         mine = [s for s in samples if s["life"] == life]
@@ -373,11 +387,13 @@ def memory_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dic
             pts = [(s["age"], s["memory"][kind] / scale) for s in mine if kind in s["memory"]]
             late = [p for p in pts if p[0] >= warmup_s]
             kinds[kind] = {"first": pts[0][1], "last": pts[-1][1], "slope_per_min_after_warmup": slope(late)}
+            if window_s:
+                kinds[kind]["windows"] = windows_of(late, warmup_s, window_s)
         out.append(kinds)
     return out
 
 
-def rss_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dict]:
+def rss_lives(samples: list[dict], n_lives: int, warmup_s: float, window_s: float = 120.0) -> list[dict]:
     """Per broker life: RSS first / max / last, the least-squares slope after its first minute,
     and over what follows its warm-up (`warmup_s` of its age): span, slope, max - min and the
     verdict. Flat: a window of at least FLAT_MIN_SPAN_S whose slope is at most FLAT_SLOPE of
@@ -392,14 +408,8 @@ def rss_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dict]:
         span = late[-1][0] - late[0][0] if late else 0.0
         mean = sum(b for _, b in late) / len(late) if late else NAN
         k = slope(late)
-        windows = []  # successive WINDOW_S windows of age after the warm-up: does the slope settle?
-        start = warmup_s
-        while late and start + WINDOW_S / 2 <= late[-1][0]:
-            pts_w = [p for p in late if start <= p[0] < start + WINDOW_S]
-            if len(pts_w) >= 3:
-                windows.append({"from_s": start, "to_s": min(start + WINDOW_S, pts_w[-1][0]),
-                                "mean_mib": sum(b for _, b in pts_w) / len(pts_w), "slope_mib_per_min": slope(pts_w)})
-            start += WINDOW_S
+        windows = [{"from_s": w["from_s"], "to_s": w["to_s"], "mean_mib": w["mean"], "slope_mib_per_min": w["slope_per_min"]}
+                   for w in windows_of(late, warmup_s, window_s)]
         out.append({"samples": len(pts), "lasted_s": pts[-1][0], "first_mib": pts[0][1],
                     "max_mib": max(b for _, b in pts), "last_mib": pts[-1][1],
                     "slope_after_first_minute_mib_per_min": slope([p for p in pts if p[0] >= 60]),
@@ -412,8 +422,9 @@ def rss_lives(samples: list[dict], n_lives: int, warmup_s: float) -> list[dict]:
 
 
 FLAT_MIN_SPAN_S = 120.0
-WINDOW_S = 120.0
+WINDOW_S = 120.0  # the default of --window-s
 FLAT_SLOPE = 0.0025
+WINDOW_KINDS = ("malloc_in_use", "malloc_free", "sqlite", "process_threads", "python_allocated_blocks")
 
 
 def markdown(payload: dict) -> str:
@@ -503,27 +514,47 @@ def markdown(payload: dict) -> str:
                              f"({m['slope_per_min_after_warmup']:+.2f}/min)")
             lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     windowed = [(i, l["after_warmup"].get("windows")) for i, l in enumerate(payload["rss_per_life"])]
+    window_s = payload.get("window_s", WINDOW_S)
     if any(w for _, w in windowed):
-        lines += ["", f"RSS after the warm-up in windows of {WINDOW_S:.0f} s of a life's age (does the slope settle?):",
+        lines += ["", f"RSS after the warm-up in windows of {window_s:.0f} s of a life's age (does the slope settle?):",
                   "", "| life | window s | mean MiB | slope MiB/min |", "|---:|---|---:|---:|"]
         for i, ws in windowed:
             for w in ws or []:
                 lines.append(f"| {i} | {w['from_s']:.0f}-{w['to_s']:.0f} | {w['mean_mib']:.1f} | "
                              f"{w['slope_mib_per_min']:.2f} |")
+    for i, life in enumerate(payload.get("memory_per_life") or []):
+        kinds = [k for k in WINDOW_KINDS if life.get(k, {}).get("windows")]
+        if not kinds:
+            continue
+        lines += ["", f"Memory by kind in the same windows, life {i}: the value at the window's end (slope per "
+                      "minute; MiB, counts for threads and blocks):", "",
+                  "| window s | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
+        for j, w in enumerate(life[kinds[0]]["windows"]):
+            cells = []
+            for k in kinds:
+                ws = life[k]["windows"]
+                cells.append(f"{ws[j]['last']:.1f} ({ws[j]['slope_per_min']:+.2f})" if j < len(ws) else "-")
+            lines.append(f"| {w['from_s']:.0f}-{w['to_s']:.0f} | " + " | ".join(cells) + " |")
     lines += ["", "**RSS flat after warm-up: " + ("not shown (no life lasted long enough past its warm-up)"
                                                   if flat is None else "yes" if flat else "no") + "**", ""]
     return "\n".join(lines)
 
 
-def render(path: Path) -> int:
+def render(path: Path, window_s: float | None = None, out: Path | None = None) -> int:
+    """Recompute a result's per-life summaries from its samples and write its report (to
+    `out`, by default the result's .md), with windows of `window_s` (default: the run's)."""
     payload = json.loads(path.read_text(encoding="utf-8"))
     a = payload["args"]
     a.setdefault("memory_s", 10.0)
+    window_s = window_s or payload.get("window_s", WINDOW_S)
+    if window_s != WINDOW_S:
+        payload["window_s"] = window_s
     n_lives = 1 + max((s["life"] for s in payload["rss"]), default=0)
-    payload["rss_per_life"] = rss_lives(payload["rss"], n_lives, a["warmup_s"])
-    payload["memory_per_life"] = memory_lives(payload.get("memory", []), n_lives, a["warmup_s"])
+    payload["rss_per_life"] = rss_lives(payload["rss"], n_lives, a["warmup_s"], window_s)
+    payload["memory_per_life"] = memory_lives(payload.get("memory", []), n_lives, a["warmup_s"],
+                                              window_s if "window_s" in payload else 0.0)
     md = markdown(payload)
-    path.with_suffix(".md").write_text(md, encoding="utf-8")
+    (out or path.with_suffix(".md")).write_text(md, encoding="utf-8")
     print(md)
     return 0
 
@@ -560,9 +591,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", metavar="JSON",
                     help="run nothing: recompute the per-life summaries of a result file from its samples and "
                          "write its .md again (for results written by an older load.py)")
+    ap.add_argument("--window-s", type=float, default=None,
+                    help=f"width of the windows of age the RSS slope is reported in after the warm-up (default "
+                         f"{WINDOW_S:.0f}); other than the default, memory by kind is reported in them too")
+    ap.add_argument("--render-to", metavar="MD", help="with --render: write the report there instead of the .md")
     args = ap.parse_args(argv)
     if args.render:
-        return render(Path(args.render))
+        return render(Path(args.render), args.window_s, Path(args.render_to) if args.render_to else None)
     restart_at = [args.duration / 2] if args.restart_at is None else args.restart_at
     info = machine()
     from graft_fed.configbase import parse_overrides
@@ -681,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     for r_ in restarts:
         r_["publishes_acknowledged_after"] = sum(1 for r in nodes.values() for a in r["acked"].values()
                                                  if a[2] > r_["killed_at_unix"])
-    lives = rss_lives(samples, len(broker.lives), args.warmup_s)
+    window_s = args.window_s or WINDOW_S
+    lives = rss_lives(samples, len(broker.lives), args.warmup_s, window_s)
     judged = [life["after_warmup"]["flat"] for life in lives if life["after_warmup"]["flat"] is not None]
     rss_flat = all(judged) if judged else None  # None: no life lasted long enough past its warm-up
     probe_names = {f"node{i:02d}" for i in range(args.nodes - min(args.probes, args.nodes), args.nodes)}
@@ -702,11 +738,15 @@ def main(argv: list[str] | None = None) -> int:
         "retries": sum(r["retries"] for r in nodes.values()), "joins": sum(r["joins"] for r in nodes.values()),
         "load": {"min": loads[0], "median": loads[len(loads) // 2], "max": loads[-1]},
         "rss": samples, "rss_per_life": lives, "memory": memory,
-        "memory_per_life": memory_lives(memory, len(broker.lives), args.warmup_s), "rss_flat_after_warmup": rss_flat, "nodes_reporting": len(nodes),
+        "memory_per_life": memory_lives(memory, len(broker.lives), args.warmup_s,
+                                        window_s if args.window_s else 0.0),
+        "rss_flat_after_warmup": rss_flat, "nodes_reporting": len(nodes),
         "heartbeats": heartbeats, "probe_nodes": sorted(probe_names),
         "probe_beats": {n: nodes[n]["beats"] for n in sorted(probe_names) if n in nodes},
         "wall_s": time.monotonic() - t_start,
     }
+    if args.window_s:
+        payload["window_s"] = window_s
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     md = markdown(payload)

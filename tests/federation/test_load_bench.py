@@ -49,3 +49,27 @@ def test_load_bench_survives_a_broker_restart_with_nothing_lost(tmp_path):
                             str(tmp_path / "tiny.json")], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "tiny.md").read_text() == md
+
+
+def _load_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("load_bench", ROOT / "bench" / "broker" / "load.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_windows_report_each_kinds_slope_per_window_of_age():
+    load = _load_module()
+    # 40 minutes of samples every 10 s: 2 MiB/min until age 1500 s, then flat
+    ages = [10.0 * i for i in range(241)]
+    mib = [100 + 2 * min(a, 1500) / 60 for a in ages]
+    ws = load.windows_of([(a, m) for a, m in zip(ages, mib) if a >= 300], 300, 600)
+    assert [(w["from_s"], round(w["slope_per_min"], 6)) for w in ws] == [(300, 2.0), (900, 2.0), (1500, 0.0),
+                                                                          (2100, 0.0)]
+    samples = [{"life": 0, "age": a, "memory": {"malloc_in_use": m * 2**20, "process_threads": 300.0}}
+               for a, m in zip(ages, mib)]
+    life = load.memory_lives(samples, 1, 300, 600)[0]
+    assert [round(w["slope_per_min"], 6) for w in life["malloc_in_use"]["windows"]] == [2.0, 2.0, 0.0, 0.0]
+    assert life["process_threads"]["windows"][-1]["last"] == 300.0
+    assert "windows" not in load.memory_lives(samples, 1, 300)[0]["malloc_in_use"]  # only when asked
