@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -361,6 +362,8 @@ COUNTS = ("process_threads", "python_allocated_blocks", "replay_request_ids")  #
 def windows_of(late: list[tuple[float, float]], warmup_s: float, window_s: float) -> list[dict]:
     """Successive windows of `window_s` of age from the warm-up on, each with its mean, its
     last value and its least-squares slope per minute: does the slope settle?"""
+    if not (window_s > 0 and math.isfinite(window_s)):
+        raise ValueError(f"a window must last a finite number of seconds > 0, not {window_s}")
     windows, start = [], warmup_s
     while late and start + window_s / 2 <= late[-1][0]:
         pts = [p for p in late if start <= p[0] < start + window_s]
@@ -547,16 +550,28 @@ def render(path: Path, window_s: float | None = None, out: Path | None = None) -
     a = payload["args"]
     a.setdefault("memory_s", 10.0)
     window_s = window_s or payload.get("window_s", WINDOW_S)
-    if window_s != WINDOW_S:
+    payload.pop("window_s", None)
+    if window_s != WINDOW_S:  # the default's report stays as a run writes it
         payload["window_s"] = window_s
     n_lives = 1 + max((s["life"] for s in payload["rss"]), default=0)
     payload["rss_per_life"] = rss_lives(payload["rss"], n_lives, a["warmup_s"], window_s)
     payload["memory_per_life"] = memory_lives(payload.get("memory", []), n_lives, a["warmup_s"],
-                                              window_s if "window_s" in payload else 0.0)
+                                              window_s if window_s != WINDOW_S else 0.0)
     md = markdown(payload)
     (out or path.with_suffix(".md")).write_text(md, encoding="utf-8")
     print(md)
     return 0
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, not {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -591,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", metavar="JSON",
                     help="run nothing: recompute the per-life summaries of a result file from its samples and "
                          "write its .md again (for results written by an older load.py)")
-    ap.add_argument("--window-s", type=float, default=None,
+    ap.add_argument("--window-s", type=positive_seconds, default=None,
                     help=f"width of the windows of age the RSS slope is reported in after the warm-up (default "
                          f"{WINDOW_S:.0f}); other than the default, memory by kind is reported in them too")
     ap.add_argument("--render-to", metavar="MD", help="with --render: write the report there instead of the .md")
@@ -717,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         r_["publishes_acknowledged_after"] = sum(1 for r in nodes.values() for a in r["acked"].values()
                                                  if a[2] > r_["killed_at_unix"])
     window_s = args.window_s or WINDOW_S
-    lives = rss_lives(samples, len(broker.lives), args.warmup_s, window_s)
+    lives = rss_lives(samples, len(broker.lives), args.warmup_s, window_s)  # memory by kind too, other than the default
     judged = [life["after_warmup"]["flat"] for life in lives if life["after_warmup"]["flat"] is not None]
     rss_flat = all(judged) if judged else None  # None: no life lasted long enough past its warm-up
     probe_names = {f"node{i:02d}" for i in range(args.nodes - min(args.probes, args.nodes), args.nodes)}
@@ -739,13 +754,13 @@ def main(argv: list[str] | None = None) -> int:
         "load": {"min": loads[0], "median": loads[len(loads) // 2], "max": loads[-1]},
         "rss": samples, "rss_per_life": lives, "memory": memory,
         "memory_per_life": memory_lives(memory, len(broker.lives), args.warmup_s,
-                                        window_s if args.window_s else 0.0),
+                                        window_s if window_s != WINDOW_S else 0.0),
         "rss_flat_after_warmup": rss_flat, "nodes_reporting": len(nodes),
         "heartbeats": heartbeats, "probe_nodes": sorted(probe_names),
         "probe_beats": {n: nodes[n]["beats"] for n in sorted(probe_names) if n in nodes},
         "wall_s": time.monotonic() - t_start,
     }
-    if args.window_s:
+    if window_s != WINDOW_S:
         payload["window_s"] = window_s
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -73,3 +73,34 @@ def test_windows_report_each_kinds_slope_per_window_of_age():
     assert [round(w["slope_per_min"], 6) for w in life["malloc_in_use"]["windows"]] == [2.0, 2.0, 0.0, 0.0]
     assert life["process_threads"]["windows"][-1]["last"] == 300.0
     assert "windows" not in load.memory_lives(samples, 1, 300)[0]["malloc_in_use"]  # only when asked
+
+
+def test_render_with_other_windows_and_back_and_bad_widths(tmp_path):
+    load = _load_module()
+    ages = [10.0 * i for i in range(121)]
+    payload = {"machine": {"date": "d", "nproc": 2, "cpu": "c", "python": "p", "grpc": "g", "git": ""},
+               "command": "c", "args": {"nodes": 2, "prompts": 4, "duration": 1200, "restart_at": [-1], "procs": 1,
+                                        "probes": 1, "warmup_s": 300.0},
+               "rss": [{"t": a, "life": 0, "age": a, "rss_kib": 1024 * (100 + a / 60), "load1": 1.0} for a in ages],
+               "memory": [{"t": a, "life": 0, "age": a, "memory": {"malloc_in_use": 2**20 * (50 + a / 60)}}
+                          for a in ages]}
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(payload))
+    md = load.markdown  # the report's body needs more than these fields: test the parts render fills
+    wide, default = tmp_path / "w.md", tmp_path / "d.md"
+    load.markdown = lambda p: f"window_s={p.get('window_s')} rss={p['rss_per_life'][0]['after_warmup']['windows']} " \
+                              f"mem={p['memory_per_life'][0]['malloc_in_use'].get('windows')}"
+    try:
+        assert load.render(src, 600, wide) == 0 and load.render(src, None, default) == 0
+        # a result that already says 600 s, rendered back at the default, is the default's report
+        src.write_text(json.dumps({**payload, "window_s": 600.0}))
+        assert load.render(src, 120.0, tmp_path / "back.md") == 0
+    finally:
+        load.markdown = md
+    assert wide.read_text().startswith("window_s=600") and "mem=[{" in wide.read_text()
+    assert default.read_text().startswith("window_s=None") and "mem=None" in default.read_text()
+    assert (tmp_path / "back.md").read_text() == default.read_text()
+    for bad in ("0", "-60", "nan", "inf", "x"):
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "load.py"), "--render", str(src),
+                               "--window-s", bad], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "--window-s" in proc.stderr, (bad, proc.stderr[-500:])
