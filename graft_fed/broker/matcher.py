@@ -67,19 +67,24 @@ class Matcher(Part):
                                        cap=self.cfg.per_receiver_cap if self.cfg.balance == "per_receiver_cap"
                                        else None) if pids else []
         ms = MatchSet.from_choice(round, participants, pids, k, chosen)
-        # one write for the whole round; a set stored before (a crash between this write and
-        # the round's row) wins, so a restarted broker answers what it answered before
-        if not self.state.put_match_set(round, ms.to_bytes()):
+        rnd = self.rounds.get(round)
+        assert rnd is not None
+        # one transaction (one fsync before the first answer) for the whole round's matching
+        # and the round's row; a set stored before (by a broker that crashed before its round
+        # row was written) wins, so a restarted broker answers what it answered before
+        matched = replace(rnd, state="matched", matched_at=self.clock(), participants=ms.nodes)
+        if self.state.put_match_set(round, ms.to_bytes(), round_row=matched):
+            self._remember_set(ms)  # the set before the round reads as matched, as ever
+            self.rounds.remember(matched)
+        else:
             stored = self.match_set(round)
             assert stored is not None
             ms = stored
-        self._remember_set(ms)
+            self._remember_set(ms)
+            self.rounds.put(replace(matched, participants=ms.nodes))
         with self._exchange_lock:
             if self._exchange is not None:
                 self._exchange.update(ms.pairs())
-        rnd = self.rounds.get(round)
-        assert rnd is not None
-        self.rounds.put(replace(rnd, state="matched", matched_at=self.clock(), participants=ms.nodes))
         self.counters["rounds_matched"] += 1
         self.counters["matches"] += len(ms)
         log.info("round %d matched: %d nodes, %d transfers", round, len(ms.nodes), len(ms))
@@ -104,6 +109,11 @@ class Matcher(Part):
                 while len(self._rows) > 4096:
                     self._rows.popitem(last=False)
         return known
+
+    def _mark_rows(self, round: int) -> None:
+        with self._sets_lock:
+            self._rows[round] = True
+            self._rows.move_to_end(round)
 
     def match_set(self, round: int) -> MatchSet | None:
         """The round's matching when it was matched as a whole (synchronous), else None."""
@@ -174,10 +184,10 @@ class Matcher(Part):
         rows = [MatchRow(round=round, receiver=receiver, prompt_id=pid, source=str(g.source), source_round=g.round)
                 for pid, g in sorted(best.items())]
         if rows:
-            with self._sets_lock:  # before the rows exist: an answer never skips rows that do
-                self._rows[round] = True
-                self._rows.move_to_end(round)
+            self._mark_rows(round)  # before the rows exist: an answer never skips rows that do
         self.state.put_matches(rows)
+        if rows:
+            self._mark_rows(round)  # and after: a mark evicted meanwhile (4,096 rounds later) comes back
         with self._exchange_lock:
             self._exchange = None  # recounted on the next status (a retried match writes nothing new)
         self.counters["matches"] += len(best)

@@ -41,6 +41,10 @@ class Rounds:
 
     def put(self, row: RoundRow) -> None:
         self.state.put_round(row)
+        self.remember(row)
+
+    def remember(self, row: RoundRow) -> None:
+        """Keep a row the state has just stored (by `put`, or with the round's match set)."""
         with self._rounds_lock:
             self._latest_round = max(self._latest_round, row.round)
             self._rounds[row.round] = row

@@ -180,10 +180,12 @@ class BrokerState(abc.ABC):
         return bool(self.matches(round=round))
 
     @abc.abstractmethod
-    def put_match_set(self, round: int, data: bytes) -> bool:
+    def put_match_set(self, round: int, data: bytes, round_row: RoundRow | None = None) -> bool:
         """Store a synchronous round's whole matching as one opaque blob (the encoding of
         graft_fed/broker/matchset.py: one write instead of a row per match). The first set
-        stored for a round wins; False when the round already has one (nothing rewritten)."""
+        stored for a round wins; False when the round already has one (nothing rewritten).
+        With `round_row` (the round, matched), that row is written with the set, in the same
+        transaction, when the set is stored, and not at all when it is not."""
 
     @abc.abstractmethod
     def match_set(self, round: int) -> bytes | None:

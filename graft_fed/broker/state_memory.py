@@ -147,12 +147,15 @@ class InMemoryState(BrokerState):
         out.sort(key=match_key)
         return out
 
-    def put_match_set(self, round: int, data: bytes) -> bool:
+    def put_match_set(self, round: int, data: bytes, round_row: RoundRow | None = None) -> bool:
         round, blob = as_int(round, "round"), norm_blob(data, "match set")
+        new = None if round_row is None else norm_round(round_row)
         with self._lock:
             if round in self._match_sets:
                 return False
             self._match_sets[round] = blob
+            if new is not None:
+                self._rounds[new.round] = new
             return True
 
     def match_set(self, round: int) -> bytes | None:

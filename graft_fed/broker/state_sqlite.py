@@ -492,10 +492,14 @@ class SqliteState(BrokerState):
     def put_round(self, row: RoundRow) -> None:
         r = norm_round(row)
         with self._tx() as conn:
-            conn.execute("INSERT OR REPLACE INTO rounds (round, state, opened_at, matched_at, participants) "
-                         "VALUES (?,?,?,?,?)",
-                         (r.round, r.state, _f2db(r.opened_at), None if r.matched_at is None else _f2db(r.matched_at),
-                          json.dumps(r.participants)))
+            self._write_round(conn, r)
+
+    @staticmethod
+    def _write_round(conn: sqlite3.Connection, r: RoundRow) -> None:
+        conn.execute("INSERT OR REPLACE INTO rounds (round, state, opened_at, matched_at, participants) "
+                     "VALUES (?,?,?,?,?)",
+                     (r.round, r.state, _f2db(r.opened_at), None if r.matched_at is None else _f2db(r.matched_at),
+                      json.dumps(r.participants)))
 
     def get_round(self, round: int) -> RoundRow | None:
         rows = self._read("SELECT round, state, opened_at, matched_at, participants FROM rounds WHERE round = ?",
@@ -737,11 +741,14 @@ class SqliteState(BrokerState):
     def has_matches(self, round: int) -> bool:
         return bool(self._read("SELECT 1 FROM matches WHERE round = ? LIMIT 1", (as_int(round, "round"),)))
 
-    def put_match_set(self, round: int, data: bytes) -> bool:
+    def put_match_set(self, round: int, data: bytes, round_row: RoundRow | None = None) -> bool:
         round, blob = as_int(round, "round"), norm_blob(data, "match set")
+        new = None if round_row is None else norm_round(round_row)
         with self._tx() as conn:
             cur = conn.execute("INSERT INTO match_sets (round, data) VALUES (?, ?) ON CONFLICT (round) DO NOTHING",
                                (round, blob))
+            if cur.rowcount == 1 and new is not None:
+                self._write_round(conn, new)
             return cur.rowcount == 1
 
     def match_set(self, round: int) -> bytes | None:

@@ -217,6 +217,16 @@ def test_matches_idempotent_and_filters(state):
     assert not state.has_matches(2)  # a match set is not rows
 
 
+def test_a_match_set_and_its_rounds_row_are_written_together_or_not_at_all(state):
+    state.put_round(RoundRow(5, "open", 1.0))
+    matched = RoundRow(5, "matched", 1.0, 2.0, ["a", "b"])
+    assert state.put_match_set(5, b"five", round_row=matched) is True
+    assert state.match_set(5) == b"five" and state.get_round(5) == matched
+    # a set stored before wins, and the round's row is left as it was
+    assert state.put_match_set(5, b"again", round_row=RoundRow(5, "matched", 1.0, 3.0, ["a"])) is False
+    assert state.match_set(5) == b"five" and state.get_round(5) == matched
+
+
 def test_match_sets_first_write_wins_and_prune_with_their_round(state):
     assert state.match_set(0) is None and state.match_set_rounds() == []
     assert state.put_match_set(1, b"one") is True
@@ -983,5 +993,20 @@ def test_sqlite_migrates_a_version_3_file_in_place(tmp_path):
         assert s.bundle_stats() == (2, len(data) + 3)
         s.prune(max_bundle_bytes=3)
         assert s.has_bundles(["d" * 64, "e" * 64]) == ["e" * 64]
+    finally:
+        s.close()
+
+
+def test_sqlite_a_match_set_whose_rounds_row_fails_is_not_stored(tmp_path, monkeypatch):
+    s = SqliteState(tmp_path / "broker.db")
+    try:
+        def boom(conn, row):
+            raise sqlite3.OperationalError("disk I/O error")
+        monkeypatch.setattr(SqliteState, "_write_round", staticmethod(boom))
+        with pytest.raises(Exception):
+            s.put_match_set(4, b"four", round_row=RoundRow(4, "matched", 1.0, 2.0, ["a"]))
+        monkeypatch.undo()
+        assert s.match_set(4) is None and s.get_round(4) is None  # one transaction: neither
+        assert s.put_match_set(4, b"four", round_row=RoundRow(4, "matched", 1.0, 2.0, ["a"])) is True
     finally:
         s.close()

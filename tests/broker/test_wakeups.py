@@ -149,3 +149,26 @@ def test_the_per_round_caches_keep_a_window_of_rounds_however_many_are_matched(t
     assert len(fed.matcher._sets) <= fed.index.keep
     assert len(fed.index._books) <= fed.index.keep
     assert len(fed.answers._answers) <= 4 * 64  # (round, receiver) entries: bounded by count
+
+
+def test_a_match_set_stored_before_the_rounds_row_wins_and_the_round_reads_as_matched(three):
+    """A broker that crashed after storing a round's match set and before its round row (as
+    brokers before 7e98030 could, writing them in two transactions) left a set behind; the next
+    match of that round answers with it rather than matching again."""
+    import numpy as np
+
+    from graft_fed.broker.matchset import MatchSet
+    fed, _, prompts, sessions = three
+    for name, ks in (("a", [0, 2]), ("b", [1, 0]), ("c", [1, 1])):
+        _publish(fed, sessions, prompts, name, ks)
+    # the set an earlier broker stored: a takes prompt 0 from c, b nothing (matching now would give b prompt 1 from c)
+    pids = [prompts[0].id, prompts[1].id]
+    k = np.array([[0, 2], [1, 0], [1, 1]], dtype=np.int16)
+    stored = MatchSet.from_choice(0, ["a", "b", "c"], pids, k,
+                                  [(np.array([0]), np.array([2])), (np.array([], dtype=np.int64), np.array([], dtype=np.int64)),
+                                   (np.array([], dtype=np.int64), np.array([], dtype=np.int64))])
+    assert fed.state.put_match_set(0, stored.to_bytes())
+    res = fed.get_matches("a", sessions["a"], 0, 1.0)
+    assert res.ready and [(o.prompt_id, o.source_node) for o in res.offers] == [(prompts[0].id, "c")]
+    assert fed.state.get_round(0).state == "matched" and fed.state.get_round(0).participants == ["a", "b", "c"]
+    assert fed.get_matches("b", sessions["b"], 0, 0.0).offers == []
