@@ -543,20 +543,26 @@ def markdown(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def per_life(payload: dict, n_lives: int, warmup_s: float, window_s: float) -> None:
+    """The payload's per-life summaries (rss_per_life, memory_per_life) at windows of
+    `window_s`; a width other than the default is recorded and reports memory by kind per
+    window too, so that the default's report stays as it was."""
+    payload.pop("window_s", None)
+    if window_s != WINDOW_S:
+        payload["window_s"] = window_s
+    payload["rss_per_life"] = rss_lives(payload["rss"], n_lives, warmup_s, window_s)
+    payload["memory_per_life"] = memory_lives(payload.get("memory", []), n_lives, warmup_s,
+                                              window_s if window_s != WINDOW_S else 0.0)
+
+
 def render(path: Path, window_s: float | None = None, out: Path | None = None) -> int:
     """Recompute a result's per-life summaries from its samples and write its report (to
     `out`, by default the result's .md), with windows of `window_s` (default: the run's)."""
     payload = json.loads(path.read_text(encoding="utf-8"))
     a = payload["args"]
     a.setdefault("memory_s", 10.0)
-    window_s = window_s or payload.get("window_s", WINDOW_S)
-    payload.pop("window_s", None)
-    if window_s != WINDOW_S:  # the default's report stays as a run writes it
-        payload["window_s"] = window_s
     n_lives = 1 + max((s["life"] for s in payload["rss"]), default=0)
-    payload["rss_per_life"] = rss_lives(payload["rss"], n_lives, a["warmup_s"], window_s)
-    payload["memory_per_life"] = memory_lives(payload.get("memory", []), n_lives, a["warmup_s"],
-                                              window_s if window_s != WINDOW_S else 0.0)
+    per_life(payload, n_lives, a["warmup_s"], window_s or payload.get("window_s", WINDOW_S))
     md = markdown(payload)
     (out or path.with_suffix(".md")).write_text(md, encoding="utf-8")
     print(md)
@@ -731,8 +737,9 @@ def main(argv: list[str] | None = None) -> int:
     for r_ in restarts:
         r_["publishes_acknowledged_after"] = sum(1 for r in nodes.values() for a in r["acked"].values()
                                                  if a[2] > r_["killed_at_unix"])
-    window_s = args.window_s or WINDOW_S
-    lives = rss_lives(samples, len(broker.lives), args.warmup_s, window_s)  # memory by kind too, other than the default
+    summaries = {"rss": samples, "memory": memory}
+    per_life(summaries, len(broker.lives), args.warmup_s, args.window_s or WINDOW_S)
+    lives = summaries["rss_per_life"]
     judged = [life["after_warmup"]["flat"] for life in lives if life["after_warmup"]["flat"] is not None]
     rss_flat = all(judged) if judged else None  # None: no life lasted long enough past its warm-up
     probe_names = {f"node{i:02d}" for i in range(args.nodes - min(args.probes, args.nodes), args.nodes)}
@@ -752,16 +759,11 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": {"min": rounds[0], "median": rounds[len(rounds) // 2], "max": rounds[-1]},
         "retries": sum(r["retries"] for r in nodes.values()), "joins": sum(r["joins"] for r in nodes.values()),
         "load": {"min": loads[0], "median": loads[len(loads) // 2], "max": loads[-1]},
-        "rss": samples, "rss_per_life": lives, "memory": memory,
-        "memory_per_life": memory_lives(memory, len(broker.lives), args.warmup_s,
-                                        window_s if window_s != WINDOW_S else 0.0),
-        "rss_flat_after_warmup": rss_flat, "nodes_reporting": len(nodes),
+        **summaries, "rss_flat_after_warmup": rss_flat, "nodes_reporting": len(nodes),
         "heartbeats": heartbeats, "probe_nodes": sorted(probe_names),
         "probe_beats": {n: nodes[n]["beats"] for n in sorted(probe_names) if n in nodes},
         "wall_s": time.monotonic() - t_start,
     }
-    if window_s != WINDOW_S:
-        payload["window_s"] = window_s
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     md = markdown(payload)
