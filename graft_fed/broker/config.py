@@ -66,6 +66,11 @@ class BrokerConfig:
     heartbeat_interval_s: float = 2.0
     #: A node silent for this long is offline (not waited for in synchronous rounds).
     offline_after_s: float = 15.0
+    #: The most heartbeats per second the whole federation is asked to send: beyond
+    #: max_heartbeats_per_s x heartbeat_interval_s nodes, the interval nodes are told (in Join
+    #: and in every heartbeat answer) and offline_after_s grow in proportion (1,000 nodes
+    #: at the defaults: every 10 s, offline after 75 s). 0 = the interval stays fixed.
+    max_heartbeats_per_s: float = 100.0
     #: Balancing between sources and receivers: "pairwise" (the default: for two nodes
     #: exactly the paper's rule; for more, each pair balanced the same way, so exchange
     #: stays mutual and no node becomes a pure donor), "per_receiver_cap" (every
@@ -175,6 +180,8 @@ class BrokerConfig:
                 "tolerated between a node sending a request and the broker receiving it)")
         require(0 < self.heartbeat_interval_s < self.offline_after_s,
                 "broker.heartbeat_interval_s must be > 0 and below offline_after_s")
+        require(self.max_heartbeats_per_s == 0 or self.max_heartbeats_per_s >= 1,
+                "broker.max_heartbeats_per_s must be 0 (a fixed heartbeat interval) or >= 1")
         require(1 <= self.max_message_mib <= 1024, "broker.max_message_mib must be in [1, 1024]")
         require(16 <= self.chunk_kib <= 1024 * self.max_message_mib // 2,
                 "broker.chunk_kib must be >= 16 and at most half of max_message_mib")

@@ -26,7 +26,7 @@ from graft_fed.broker.context import Context
 from graft_fed.broker.grants import MAX_GRANTS, Grants
 from graft_fed.broker.matcher import Matcher
 from graft_fed.broker.publishing import Publishing
-from graft_fed.broker.registry import Registry
+from graft_fed.broker.registry import Cadence, Registry
 from graft_fed.broker.replay import ReplayGuard
 from graft_fed.broker.reports import Reports
 from graft_fed.broker.roundindex import RoundIndex
@@ -71,7 +71,8 @@ class Federation:
                                 keep=max(16, 2 * cfg.staleness_rounds + 4))
         # node rows in memory (sessions, liveness), written through to the state: a heartbeat
         # checks and marks a session without the broker's lock or a disk write
-        self.registry = Registry(state, clock, cfg.offline_after_s)
+        self.registry = Registry(state, clock, Cadence(cfg.heartbeat_interval_s, cfg.offline_after_s,
+                                                       cfg.max_heartbeats_per_s, clock))
         self.rounds = Rounds(cfg, state, clock, self.registry, self.index, self.wakeups)
         # heavy calls (publishes, matching and answers) take a slot, so that only a few threads
         # want the interpreter at once and short calls (heartbeats) are served between them
@@ -100,6 +101,15 @@ class Federation:
 
     def online_nodes(self) -> list[NodeRow]:
         return self.registry.online()
+
+    def rescale_heartbeats(self) -> None:
+        """Scale the heartbeat interval and the offline silence to the nodes online (the
+        server's housekeeping calls it every second; registry.py::Cadence)."""
+        self.registry.cadence.update(self.registry.online_count())
+
+    def heartbeat_interval_s(self) -> float:
+        """The interval nodes are told to heartbeat at now."""
+        return self.registry.cadence.interval_s
 
     def flush_liveness(self) -> int:
         """Persist the nodes' last-seen times (the server's housekeeping calls it every second)."""

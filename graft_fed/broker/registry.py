@@ -13,6 +13,7 @@ see a node as last seen up to that much earlier.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import replace
@@ -23,13 +24,63 @@ from graft_fed.federation.errors import StorageFull, Unauthenticated, Unavailabl
 from graft_fed.federation.limits import clip
 
 _STRIPES = 64
+#: The longest heartbeat interval the cadence asks for, however many nodes there are.
+MAX_INTERVAL_S = 600.0
+
+
+class Cadence:
+    """How often nodes heartbeat, and how long a silent node stays online, scaled with the
+    federation. Every heartbeat is a gRPC call the broker serves: a thousand nodes at the
+    2 s default would send 500 a second, and serving them took a third of the broker's
+    time around a round (issue 13). Nodes are told an interval long enough that all of them
+    together send at most `max_per_s` heartbeats a second (the broker's
+    `max_heartbeats_per_s`; 0 keeps the configured interval), in quarter steps of the
+    configured one; the silence after which a node is offline grows by the same factor, so a
+    node is given as many missed heartbeats at any size. Join and every heartbeat answer
+    carry the interval. When the federation shrinks, the longer silence is kept for as long
+    as it was (a node still on the longer interval hears the shorter one at its next
+    heartbeat and is not marked offline meanwhile)."""
+
+    def __init__(self, interval_s: float, offline_after_s: float, max_per_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.base_interval_s, self.base_offline_s, self.max_per_s = interval_s, offline_after_s, max_per_s
+        self.clock = clock
+        self._factor = 1.0
+        self._held: tuple[float, float] = (1.0, -math.inf)  # (a longer factor's silence, kept until)
+
+    def factor_for(self, online: int) -> float:
+        """The interval's factor for `online` nodes: 1 while they stay under the rate."""
+        if self.max_per_s <= 0:
+            return 1.0
+        factor = max(1.0, math.ceil(4.0 * online / (self.max_per_s * self.base_interval_s)) / 4.0)
+        return min(factor, max(1.0, MAX_INTERVAL_S / self.base_interval_s))
+
+    def update(self, online: int) -> None:
+        """Rescale for `online` nodes (the broker's housekeeping, every second)."""
+        new, now = self.factor_for(online), self.clock()
+        if new < self._factor:
+            held, until = self._held
+            keep = max(self._factor, held if now < until else 1.0)
+            self._held = (keep, now + self.base_offline_s * keep)
+        self._factor = new
+
+    @property
+    def interval_s(self) -> float:
+        """The interval nodes are told now."""
+        return self.base_interval_s * self._factor
+
+    @property
+    def offline_after_s(self) -> float:
+        """A node silent for this long is offline."""
+        held, until = self._held
+        return self.base_offline_s * (max(self._factor, held) if self.clock() < until else self._factor)
 
 
 class Registry:
-    def __init__(self, state: BrokerState, clock: Callable[[], float], offline_after_s: float) -> None:
+    def __init__(self, state: BrokerState, clock: Callable[[], float], cadence: Cadence) -> None:
         self.state = state
         self.clock = clock
-        self.offline_after_s = offline_after_s
+        self.cadence = cadence
         self._lock = threading.Lock()  # guards the dicts only; never held across I/O
         self._nodes: dict[str, NodeRow] = {n.node_id: n for n in state.list_nodes()}
         self._persisted: dict[str, float] = {n.node_id: n.last_seen for n in self._nodes.values()}
@@ -52,11 +103,15 @@ class Registry:
         with self._lock:
             return [self._nodes[k] for k in sorted(self._nodes)]
 
+    def is_online(self, node: NodeRow) -> bool:
+        """Not left, and heard from within the cadence's silence."""
+        return node.state != "left" and self.clock() - node.last_seen < self.cadence.offline_after_s
+
     def online(self) -> list[NodeRow]:
-        now = self.clock()
+        now, silence = self.clock(), self.cadence.offline_after_s
         with self._lock:
             return [self._nodes[k] for k in sorted(self._nodes)
-                    if self._nodes[k].state != "left" and now - self._nodes[k].last_seen < self.offline_after_s]
+                    if self._nodes[k].state != "left" and now - self._nodes[k].last_seen < silence]
 
     def online_count(self, max_age_s: float = 0.5) -> int:
         """How many nodes are online, recomputed at most every `max_age_s` (every heartbeat

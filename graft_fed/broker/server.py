@@ -219,6 +219,7 @@ class BrokerServer:
             if self.cfg.malloc_trim_s and time.monotonic() - last_trim >= self.cfg.malloc_trim_s:
                 trim_heap()  # free pages inside the C heap back to the kernel (broker/heap.py)
                 last_trim = time.monotonic()
+            self.fed.rescale_heartbeats()  # before readiness: it decides who is offline
             self.fed.wake_ready_rounds()  # rounds closed by a node going offline
             self.fed.replay.expire()
             try:

@@ -207,7 +207,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                                              manifest_from_pb(request.manifest), privacy_from_pb(request.privacy),
                                              request.resume_round)
         return pb.JoinResponse(session_id=session, manifest=manifest_to_pb(self.fed.manifest), current_round=current,
-                               heartbeat_interval_ms=int(self.fed.cfg.heartbeat_interval_s * 1000))
+                               heartbeat_interval_ms=int(self.fed.heartbeat_interval_s() * 1000))
 
     @_rpc
     def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
@@ -219,7 +219,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         with self.fed.replay.admit("Heartbeat", request.node_id, *_tag(request)):
             current, online = self.fed.heartbeat(request.node_id, request.session_id, request.round)
-        return pb.HeartbeatResponse(current_round=current, online_nodes=online)
+        return pb.HeartbeatResponse(current_round=current, online_nodes=online,
+                                    heartbeat_interval_ms=int(self.fed.heartbeat_interval_s() * 1000))
 
     @_rpc
     def PublishSummaries(self, raw: RawPublish, context: Any) -> pb.PublishResponse:

@@ -31,7 +31,7 @@ class Sessions(Part):
     def node_state(self, node: NodeRow) -> str:
         if node.state in ("left", "registered"):
             return node.state
-        return "online" if self.clock() - node.last_seen < self.cfg.offline_after_s else "offline"
+        return "online" if self.registry.is_online(node) else "offline"
 
     def join(self, node_id: str, model_id: str, tokenizer_id: str, manifest: Manifest, privacy: str,
              resume_round: int) -> tuple[str, int]:

@@ -124,6 +124,8 @@ class BrokerClient:
         self.round = 0
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        #: the interval this client heartbeats at (Join's, then what heartbeat answers say)
+        self.heartbeat_interval_s = 0.0
         self.session_lost = threading.Event()
 
     def wait_ready(self, timeout_s: float) -> bool:
@@ -143,6 +145,7 @@ class BrokerClient:
         self.session = resp.session_id
         self.session_lost.clear()
         interval = max(0.05, resp.heartbeat_interval_ms / 1000.0)
+        self.heartbeat_interval_s = interval
         self._start_heartbeats(interval)
         return manifest_from_pb(resp.manifest), resp.current_round, interval
 
@@ -153,10 +156,15 @@ class BrokerClient:
 
         def beat() -> None:
             # Its own thread: a long training step never looks like death to the broker.
-            while not stop.wait(interval):
+            every = interval
+            while not stop.wait(every):
                 try:
-                    self.stub.Heartbeat(pb.HeartbeatRequest(node_id=self.node_id, session_id=session,
-                                                            round=self.round, tag=new_tag()), timeout=self.timeout)
+                    resp = self.stub.Heartbeat(pb.HeartbeatRequest(node_id=self.node_id, session_id=session,
+                                                                   round=self.round, tag=new_tag()),
+                                               timeout=self.timeout)
+                    if resp.heartbeat_interval_ms:  # the broker's cadence grows with the federation
+                        every = max(0.05, resp.heartbeat_interval_ms / 1000.0)
+                        self.heartbeat_interval_s = every
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                         self.session_lost.set()

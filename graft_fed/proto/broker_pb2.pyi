@@ -120,12 +120,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("current_round", "online_nodes")
+    __slots__ = ("current_round", "online_nodes", "heartbeat_interval_ms")
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     ONLINE_NODES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     current_round: int
     online_nodes: int
-    def __init__(self, current_round: _Optional[int] = ..., online_nodes: _Optional[int] = ...) -> None: ...
+    heartbeat_interval_ms: int
+    def __init__(self, current_round: _Optional[int] = ..., online_nodes: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class GroupSummary(_message.Message):
     __slots__ = ("prompt_id", "round", "policy_version", "n", "k", "reward_mean", "reward_std", "lengths", "mean_logprobs", "bundle_digest")
