@@ -56,6 +56,7 @@ class Sessions(Part):
             self.state.upsert_node(row)
             self.registry.remember(row)
             self.counters["joins"] += 1
+        self.rounds.forget_readiness()  # a round near the node's may wait for it now
         log.info("node %s joined (model %s, privacy %s, round %d)", node_id, model_id, privacy, resume_round)
         return session, self.rounds.current()
 
