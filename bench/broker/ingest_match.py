@@ -41,7 +41,7 @@ import grpc  # noqa: E402
 
 from _common import K_MIX, RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, stack_summary, write_prompts, write_results  # noqa: E402
 from graft_fed.federation.codec import columns_to_pb  # noqa: E402
-from graft_fed.federation.transport import grpc_options  # noqa: E402
+from graft_fed.federation.transport import TIMING_KEY, grpc_options, parse_timing  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version  # noqa: E402
 from graft_fed.node.client import BrokerClient, new_tag  # noqa: E402
@@ -61,8 +61,21 @@ class Barrier:
         self.b.wait()
 
 
+def _timed(method, request, timeout_s: float, timing: bool) -> tuple:
+    """(answer, its times or None): with `timing`, the call asks the broker for its times
+    (TIMING_KEY) and returns (sent, picked, entered, left, received) in Unix seconds, the
+    first and last by this process's clock, the others by the broker's (one machine)."""
+    if not timing:
+        return method(request, timeout=timeout_s), None
+    sent = time.time()
+    answer, call = method.with_call(request, timeout=timeout_s, metadata=((TIMING_KEY, "1"),))
+    received = time.time()
+    broker = parse_timing(call.trailing_metadata())
+    return answer, None if broker is None else (sent, *broker, received)
+
+
 def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds: int, barrier, timeout_s: float,
-             out: dict) -> None:
+             out: dict, timing: bool = False) -> None:
     """One simulated node's rounds: publish at the barrier, then long-poll until matched."""
     for r in range(rounds):
         req = requests[r]
@@ -70,8 +83,8 @@ def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds:
         req.tag.CopyFrom(new_tag())  # replay protection: fresh id and send time per request
         barrier.wait()
         out["t_send"][r][i] = time.perf_counter()
-        resp = _traced(f"{c.node_id} round {r} PublishSummaries", out["t_send"][r][i],
-                       lambda: c.stub.PublishSummaries(req, timeout=timeout_s))
+        resp, out["publish_times"][r][i] = _traced(f"{c.node_id} round {r} PublishSummaries", out["t_send"][r][i],
+                                                   lambda: _timed(c.stub.PublishSummaries, req, timeout_s, timing))
         out["t_ack"][r][i] = time.perf_counter()
         out["accepted"][r][i] = resp.accepted
         while True:
@@ -79,9 +92,10 @@ def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds:
             # the raw stub: the answer parsed by protobuf (C), not turned into Python Offer
             # objects, so that node threads sharing a process's GIL do not add their
             # decoding to each other's latency (a real node is a process)
-            m = _traced(f"{c.node_id} round {r} GetMatches #{out['polls'][r][i]}", out["t_send"][r][i],
-                        lambda: c.stub.GetMatches(pb.MatchRequest(node_id=c.node_id, session_id=c.session, round=r,
-                                                                  wait_ms=30000), timeout=timeout_s))
+            ask = pb.MatchRequest(node_id=c.node_id, session_id=c.session, round=r, wait_ms=30000)
+            m, out["match_times"][r][i] = _traced(f"{c.node_id} round {r} GetMatches #{out['polls'][r][i]}",
+                                                  out["t_send"][r][i],
+                                                  lambda: _timed(c.stub.GetMatches, ask, timeout_s, timing))
             if m.ready:
                 break
         out["t_ready"][r][i] = time.perf_counter()
@@ -120,13 +134,13 @@ class _ProcessBarrier:
 
 
 def _client_proc(conn, address: str, ids: list[int], payloads: list[list[bytes]], rounds: int, manifest: Manifest,
-                 timeout_s: float) -> None:
+                 timeout_s: float, timing: bool = False) -> None:
     """Child process: the nodes `ids`, each a thread with its own channel and heartbeat
     thread. Reports the sessions after joining, waits for "go", reports the timings
     (time.perf_counter is CLOCK_MONOTONIC on Linux: one clock for every process)."""
     clients = {i: BrokerClient(address, f"node{i:02d}", rpc_timeout_s=timeout_s) for i in ids}
     out = {key: [dict() for _ in range(rounds)] for key in ("t_send", "t_ack", "t_ready", "accepted", "polls",
-                                                             "offers")}
+                                                             "offers", "publish_times", "match_times")}
     for key in ("accepted", "polls", "offers"):
         for per in out[key]:
             per.update({i: 0 for i in ids})
@@ -151,8 +165,8 @@ def _client_proc(conn, address: str, ids: list[int], payloads: list[list[bytes]]
                         stack_summary(f"clients {ids[0]} stacks")
                         os.environ.pop("GRAFT_BENCH_STACKS_AT_S")
             threading.Thread(target=progress, daemon=True).start()
-        run_threads(lambda k: run_node(clients[order[k]], order[k], requests[order[k]], rounds, shared, timeout_s, out),
-                    len(order), timeout_s * rounds, shared)
+        run_threads(lambda k: run_node(clients[order[k]], order[k], requests[order[k]], rounds, shared, timeout_s, out,
+                                       timing), len(order), timeout_s * rounds, shared)
         conn.send(out)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent (as text: gRPC errors do not pickle)
         conn.send(RuntimeError(f"client process of nodes {ids[0]}.. failed: {exc!r}"[:2000]))
@@ -162,7 +176,8 @@ def _client_proc(conn, address: str, ids: list[int], payloads: list[list[bytes]]
 
 
 def run_client_procs(address: str, n_nodes: int, procs: int, requests: list[list[pb.PublishRequest]], rounds: int,
-                     manifest: Manifest, timeout_s: float, prober_client: BrokerClient, probe, hb_stop) -> list[dict]:
+                     manifest: Manifest, timeout_s: float, prober_client: BrokerClient, probe, hb_stop,
+                     timing: bool = False) -> list[dict]:
     """The nodes spread over `procs` spawned processes (node i in process i % procs)."""
     import multiprocessing as mp
 
@@ -172,7 +187,7 @@ def run_client_procs(address: str, n_nodes: int, procs: int, requests: list[list
         ids = list(range(p, n_nodes, procs))
         mine, theirs = ctx.Pipe()
         payloads = [[req.SerializeToString() for req in requests[i]] for i in ids]
-        proc = ctx.Process(target=_client_proc, args=(theirs, address, ids, payloads, rounds, manifest, timeout_s),
+        proc = ctx.Process(target=_client_proc, args=(theirs, address, ids, payloads, rounds, manifest, timeout_s, timing),
                            daemon=True)
         proc.start()
         children.append((proc, mine))
@@ -213,7 +228,8 @@ def run_client_procs(address: str, n_nodes: int, procs: int, requests: list[list
 
 def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Path, seed: int,
                     requests: list[list[pb.PublishRequest]], prompts_path: Path, cell_timeout_s: float,
-                    liveness: bool = False, overrides: dict | None = None, client_procs: int = 1) -> dict:
+                    liveness: bool = False, overrides: dict | None = None, client_procs: int = 1,
+                    timing: bool = False) -> dict:
     cfg = {"listen": "127.0.0.1:0", "http": "", "db": db, "data": {"source": str(prompts_path)},
            "verifier": {"name": VERIFIER}, "seed": seed, "n": GROUP_N, "prompts_per_round": n_prompts,
            "mode": "sync", "round_deadline_s": 3600.0, "heartbeat_interval_s": 2.0, "offline_after_s": 3600.0}
@@ -236,7 +252,8 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
     polls = [[0] * n_nodes for _ in range(rounds)]
     offers = [[0] * n_nodes for _ in range(rounds)]
     out = {"t_send": t_send, "t_ack": t_ack, "t_ready": t_ready, "accepted": accepted, "polls": polls,
-           "offers": offers}
+           "offers": offers, "publish_times": [[None] * n_nodes for _ in range(rounds)],
+           "match_times": [[None] * n_nodes for _ in range(rounds)]}
     hb_lat: list[float] = []
     hb_online: list[int] = []
     hb_stop = threading.Event()
@@ -268,8 +285,8 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
                 prober = threading.Thread(target=probe, args=(clients[0],), daemon=True)
                 prober.start()
                 try:
-                    run_threads(lambda i: run_node(clients[i], i, requests[i], rounds, barrier, cell_timeout_s, out),
-                                n_nodes, cell_timeout_s * rounds, barrier)
+                    run_threads(lambda i: run_node(clients[i], i, requests[i], rounds, barrier, cell_timeout_s, out,
+                                                   timing), n_nodes, cell_timeout_s * rounds, barrier)
                 finally:
                     hb_stop.set()
                     prober.join(timeout=cell_timeout_s)
@@ -280,7 +297,7 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
             prober_client = BrokerClient(server.address, "node00", rpc_timeout_s=cell_timeout_s)
             try:
                 results = run_client_procs(server.address, n_nodes, client_procs, requests, rounds, manifest,
-                                           cell_timeout_s, prober_client, probe, hb_stop)
+                                           cell_timeout_s, prober_client, probe, hb_stop, timing)
             finally:
                 prober_client.close()
             for res in results:
@@ -303,7 +320,58 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
             "heartbeats": len(hb_lat), "heartbeat_p50_s": percentile(hb_lat, 50),
             "heartbeat_p99_s": percentile(hb_lat, 99), "heartbeat_max_s": max(hb_lat, default=float("nan")),
             "online_min": min(hb_online, default=-1), "offline_after_s": cfg["offline_after_s"],
-            "servicer": stats}
+            "servicer": stats, **({"timing": call_segments(out["publish_times"], out["match_times"])} if timing else {})}
+
+
+SEGMENTS = (("queued", 0, 1), ("to a worker", 1, 2), ("handler", 2, 3), ("back", 3, 4))
+
+
+def call_segments(publish_times: list, match_times: list) -> dict:
+    """Where each call's time went (--timing), from (sent, picked, entered, left, received)
+    per round and node: queued (sent .. grpcio's serving thread took the call), to a worker
+    (.. a worker thread entered the handler chain), handler (.. it returned), back (.. the
+    node had the answer); for the GetMatches that returned ready, also when the serving
+    thread took it and when the node had it, after the round's last publish was
+    acknowledged. Each as p50 / p99 / max in seconds over every round's calls."""
+    def dist(xs: list[float]) -> dict:
+        return {"p50": percentile(xs, 50), "p99": percentile(xs, 99), "max": max(xs, default=float("nan"))}
+
+    out: dict = {}
+    for kind, per_round in (("publish", publish_times), ("matches", match_times)):
+        rows = [t for per in per_round for t in per if t is not None]
+        out[kind] = {name: dist([t[b] - t[a] for t in rows]) for name, a, b in SEGMENTS}
+        out[kind]["calls"] = len(rows)
+    after = {"picked": [], "received": []}
+    for pubs, matches in zip(publish_times, match_times):
+        acked = [t[4] for t in pubs if t is not None]
+        if not acked:
+            continue
+        last = max(acked)
+        for t in matches:
+            if t is not None:
+                after["picked"].append(t[1] - last)
+                after["received"].append(t[4] - last)
+    out["matches"]["after_last_ack"] = {k: dist(v) for k, v in after.items()}
+    return out
+
+
+def timing_table(cells: list[dict], backends: list[str]) -> list[str]:
+    """The markdown of --timing's segments, one row per cell, backend and call."""
+    md = ["", "Where the calls' time went (`--timing`; ms, p50 / p99; broker times from its trailing metadata):", "",
+          "| nodes | prompts | state | call | queued | to a worker | handler | back | taken after the last ack | "
+          "answered after the last ack |", "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for c in cells:
+        for b in backends:
+            t = c[b].get("timing")
+            if not t:
+                continue
+            for kind in ("publish", "matches"):
+                seg = " | ".join(f"{1e3 * t[kind][n]['p50']:.1f} / {1e3 * t[kind][n]['p99']:.1f}" for n, _, _ in SEGMENTS)
+                after = t[kind].get("after_last_ack")
+                tail = (" | ".join(f"{1e3 * after[k]['p50']:.0f} / {1e3 * after[k]['p99']:.0f}"
+                                   for k in ("picked", "received")) if after else "- | -")
+                md.append(f"| {c['nodes']} | {c['prompts']} | {b} | {'PublishSummaries' if kind == 'publish' else 'GetMatches (ready)'} | {seg} | {tail} |")
+    return md
 
 
 def run_raw_cell(n_nodes: int, rounds: int, payloads: list[list[bytes]], timeout_s: float) -> dict:
@@ -345,6 +413,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip cells predicted to overrun this")
     ap.add_argument("--cell-timeout-s", type=float, default=240.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timing", action="store_true",
+                    help="ask the broker for each publish's and ready GetMatches' times and report where they went "
+                         "(queued for grpcio's serving thread, to a worker, handler, back)")
     ap.add_argument("--liveness", action="store_true",
                     help="the broker's default offline cut-off (15 s) instead of 3600 s; online_min then shows whether "
                          "any live node was marked offline")
@@ -412,7 +483,7 @@ def main() -> int:
                 t0 = time.monotonic()
                 res = run_broker_cell(n_nodes, n_prompts, rounds, db, tmp, args.seed, requests, prompts_path,
                                       args.cell_timeout_s, liveness=args.liveness, overrides=overrides,
-                                      client_procs=args.client_procs)
+                                      client_procs=args.client_procs, timing=args.timing)
                 res["cell_s"] = time.monotonic() - t0
                 coef[b] = max(coef.get(b, 0.0), max(res["round_s"]) / (n_nodes ** 1.5 * n_prompts))
                 raw_summaries_per_s = cell["raw"]["msgs_per_s"] * n_prompts
@@ -444,6 +515,8 @@ def main() -> int:
                       f"{c['raw']['summaries_per_s']:,.0f} | {r['ratio_vs_raw']:.3f} | {1e3 * r['match_p50_s']:.1f} | "
                       f"{1e3 * r['match_p99_s']:.1f} | {1e3 * r['publish_p99_s']:.1f} | "
                       f"{1e3 * r['heartbeat_p99_s']:.1f} | {r['online_min']}/{c['nodes']} |")
+    if args.timing:
+        md += timing_table(cells, backends)
     if skipped:
         md += ["", "Skipped (time budget " + f"{args.budget_s:.0f} s): " + "; ".join(
             f"N={s['nodes']} P={s['prompts']} ({s['why']})" for s in skipped) + "."]
