@@ -31,8 +31,10 @@ MAX_INTERVAL_S = 600.0
 class Cadence:
     """How often nodes heartbeat, and how long a silent node stays online, scaled with the
     federation. Every heartbeat is a gRPC call the broker serves: a thousand nodes at the
-    2 s default would send 500 a second, and serving them took a third of the broker's
-    time around a round (issue 13). Nodes are told an interval long enough that all of them
+    2 s default would send 500 a second, each taken by the one thread that takes every call
+    (issue 13, sixteenth pass). After a restart the cadence starts from the configured
+    interval and is rescaled within a second; nodes keep the interval they were told until
+    their next heartbeat answer, so keep offline_after_s several intervals long. Nodes are told an interval long enough that all of them
     together send at most `max_per_s` heartbeats a second (the broker's
     `max_heartbeats_per_s`; 0 keeps the configured interval), in quarter steps of the
     configured one; the silence after which a node is offline grows by the same factor, so a
