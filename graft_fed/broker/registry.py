@@ -105,15 +105,18 @@ class Registry:
         with self._lock:
             return [self._nodes[k] for k in sorted(self._nodes)]
 
+    @staticmethod
+    def _alive(node: NodeRow, now: float, silence: float) -> bool:
+        return node.state != "left" and now - node.last_seen < silence
+
     def is_online(self, node: NodeRow) -> bool:
         """Not left, and heard from within the cadence's silence."""
-        return node.state != "left" and self.clock() - node.last_seen < self.cadence.offline_after_s
+        return self._alive(node, self.clock(), self.cadence.offline_after_s)
 
     def online(self) -> list[NodeRow]:
         now, silence = self.clock(), self.cadence.offline_after_s
         with self._lock:
-            return [self._nodes[k] for k in sorted(self._nodes)
-                    if self._nodes[k].state != "left" and now - self._nodes[k].last_seen < silence]
+            return [self._nodes[k] for k in sorted(self._nodes) if self._alive(self._nodes[k], now, silence)]
 
     def online_count(self, max_age_s: float = 0.5) -> int:
         """How many nodes are online, recomputed at most every `max_age_s` (every heartbeat

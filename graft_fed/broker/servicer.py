@@ -207,7 +207,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                                              manifest_from_pb(request.manifest), privacy_from_pb(request.privacy),
                                              request.resume_round)
         return pb.JoinResponse(session_id=session, manifest=manifest_to_pb(self.fed.manifest), current_round=current,
-                               heartbeat_interval_ms=int(self.fed.heartbeat_interval_s() * 1000))
+                               heartbeat_interval_ms=self._heartbeat_ms())
 
     @_rpc
     def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
@@ -220,7 +220,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         with self.fed.replay.admit("Heartbeat", request.node_id, *_tag(request)):
             current, online = self.fed.heartbeat(request.node_id, request.session_id, request.round)
         return pb.HeartbeatResponse(current_round=current, online_nodes=online,
-                                    heartbeat_interval_ms=int(self.fed.heartbeat_interval_s() * 1000))
+                                    heartbeat_interval_ms=self._heartbeat_ms())
+
+    def _heartbeat_ms(self) -> int:
+        """The interval nodes are told to heartbeat at now (the broker's cadence), on the wire."""
+        return int(self.fed.heartbeat_interval_s() * 1000)
 
     @_rpc
     def PublishSummaries(self, raw: RawPublish, context: Any) -> pb.PublishResponse:

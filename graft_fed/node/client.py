@@ -71,6 +71,11 @@ class FetchedBundle:
     signer: str  # the verified producer, "" when the bundle was not (or could not be) verified
 
 
+
+def _interval_s(ms: int) -> float:
+    """A heartbeat interval the broker sent, in seconds (at least 50 ms)."""
+    return max(0.05, ms / 1000.0)
+
 class BrokerClient:
     def __init__(self, address: str, node_id: str, max_message_mib: int = 16, rpc_timeout_s: float = 10.0,
                  chunk_kib: int = 1024, tls_ca: str | None = None, tls_cert: str | None = None,
@@ -144,27 +149,24 @@ class BrokerClient:
                                                  resume_round=resume_round, tag=new_tag()), self.timeout)
         self.session = resp.session_id
         self.session_lost.clear()
-        interval = max(0.05, resp.heartbeat_interval_ms / 1000.0)
-        self.heartbeat_interval_s = interval
-        self._start_heartbeats(interval)
-        return manifest_from_pb(resp.manifest), resp.current_round, interval
+        self.heartbeat_interval_s = _interval_s(resp.heartbeat_interval_ms)
+        self._start_heartbeats()
+        return manifest_from_pb(resp.manifest), resp.current_round, self.heartbeat_interval_s
 
-    def _start_heartbeats(self, interval: float) -> None:
+    def _start_heartbeats(self) -> None:
         self._stop_heartbeats()
         self._hb_stop = threading.Event()
         stop, session = self._hb_stop, self.session
 
         def beat() -> None:
             # Its own thread: a long training step never looks like death to the broker.
-            every = interval
-            while not stop.wait(every):
+            while not stop.wait(self.heartbeat_interval_s):
                 try:
                     resp = self.stub.Heartbeat(pb.HeartbeatRequest(node_id=self.node_id, session_id=session,
                                                                    round=self.round, tag=new_tag()),
                                                timeout=self.timeout)
                     if resp.heartbeat_interval_ms:  # the broker's cadence grows with the federation
-                        every = max(0.05, resp.heartbeat_interval_ms / 1000.0)
-                        self.heartbeat_interval_s = every
+                        self.heartbeat_interval_s = _interval_s(resp.heartbeat_interval_ms)
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                         self.session_lost.set()
