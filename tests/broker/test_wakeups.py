@@ -172,3 +172,19 @@ def test_a_match_set_stored_before_the_rounds_row_wins_and_the_round_reads_as_ma
     assert res.ready and [(o.prompt_id, o.source_node) for o in res.offers] == [(prompts[0].id, "c")]
     assert fed.state.get_round(0).state == "matched" and fed.state.get_round(0).participants == ["a", "b", "c"]
     assert fed.get_matches("b", sessions["b"], 0, 0.0).offers == []
+
+
+def test_a_node_that_joins_during_a_round_is_waited_for_at_once(prompt_file):
+    # readiness lists the nodes near a round for a quarter second (rounds.py::_waiting); a
+    # join drops that list, so the publish right after it does not close the round without
+    # the newcomer
+    fed = Federation(broker_config(prompt_file), InMemoryState(), clock=Clock())
+    prompts = load_prompts(DataConfig(source=str(prompt_file)))
+    sessions = {name: fed.join(name, name, "tok", manifest(prompts), "share_all", 0)[0] for name in "ab"}
+    _publish(fed, sessions, prompts, "a", [0, 1])
+    assert not fed.rounds.ready(0)  # b has not published
+    sessions["d"] = fed.join("d", "d", "tok", manifest(prompts), "share_all", 0)[0]
+    _publish(fed, sessions, prompts, "b", [1, 0])
+    assert not fed.rounds.ready(0)  # d, at round 0 and online, has not published
+    _publish(fed, sessions, prompts, "d", [1, 1])
+    assert fed.rounds.ready(0)
