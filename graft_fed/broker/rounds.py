@@ -108,7 +108,8 @@ class Rounds:
         The nodes near the round are listed at most every quarter second (and again after a
         join or a leave), and a cursor remembers how many of them in a row have published: a
         thousand publishes walk the list once between them, not once each (each walk sorted
-        and filtered every node: 0.2 s of the interpreter per 1,000 x 1,000 round)."""
+        and filtered every node: 128 ms of the interpreter per 1,000 x 1,000 round, against
+        0.6 ms; bench/broker/results/ready_scan_cost.py.txt)."""
         entry = self._near.get(round)
         if entry is None or now - entry[0] >= 0.25:
             near = [n.node_id for n in self.registry.online() if round - 1 <= n.round <= round]
