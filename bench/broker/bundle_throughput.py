@@ -212,8 +212,8 @@ def main() -> int:
                   f"{r['ratio_down']:.3f} | {1e3 * r['encode_median_s']:.1f} | {1e3 * r['sha256_median_s']:.1f} | "
                   f"{1e3 * r['decode_median_s']:.1f} |")
     md += ["", "upload bytes = the encoded bundle through BrokerClient's chunked stream (broker: hash as the chunks "
-           "arrive, decode, summary check, SQLite insert with fsync); upload incl. encode adds the client's encode and "
-           "sha256 (BrokerClient.upload). fetch bytes = FetchBundle's chunks joined and hashed; fetch incl. decode = "
+           "arrive, decode, summary check, the bundle's file and its row, both fsynced); upload incl. encode adds the "
+           "client's encode and sha256 (BrokerClient.upload). fetch bytes = FetchBundle's chunks joined and hashed; fetch incl. decode = "
            "BrokerClient.fetch (the same, then decode and validate). raw = the same bytes in the same chunks to/from a "
            "generic stream handler. The last three columns are the client-side pieces, timed apart.", ""]
     write_results(name, payload, "\n".join(md))

@@ -18,6 +18,9 @@
   so that only the call that fails fails. None returns before the shared COMMIT is
   durable, and a failure of the COMMIT itself fails every call of the group (none of them
   is stored).
+- A bundle's bytes are a file of their own beside the database (`<db>-bundles/<digest>`,
+  broker/bundlefiles.py), fsynced and renamed before the bundle's row commits; its row is
+  the index. Files no row names are deleted at open, rows whose file is missing dropped.
 - The schema is created on first open; a `meta` table holds `schema_version`. A file of
   an older version is migrated in place (one transaction); a file of a newer version, or a
   file that is not a SQLite database, raises `DataError` naming the file and what to do.
@@ -48,6 +51,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from graft_fed.broker.bundlefiles import BundleFiles, storage_error
 from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow,
                                     SummaryHead, SummaryRow)
 from graft_fed.broker.state_rows import (
@@ -61,10 +65,8 @@ from graft_fed.federation.errors import StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 PAGE_SIZE = 65536
-#: The chunks put_bundle writes a whole bundle in (an upload's chunks are stored as they came)
-PART_BYTES = 2**20
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -134,7 +136,13 @@ ALTER TABLE bundles ADD COLUMN parts INTEGER NOT NULL DEFAULT 0;
 CREATE TABLE bundle_parts (id INTEGER PRIMARY KEY, parts INTEGER NOT NULL, data BLOB NOT NULL);
 CREATE INDEX bundle_parts_by_parts ON bundle_parts (parts, id);
 """
-_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4}
+# Schema version 4 -> 5 (issue 13): a bundle's bytes in a file of its own
+# (broker/bundlefiles.py), the row only its index (`in_file` 1, data empty, parts 0). The
+# bundles already held keep their bytes where they are (bundles.data or bundle_parts).
+_MIGRATE_5 = """
+ALTER TABLE bundles ADD COLUMN in_file INTEGER NOT NULL DEFAULT 0;
+"""
+_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4, 5: _MIGRATE_5}
 
 
 def _convert_summaries(conn: sqlite3.Connection) -> None:
@@ -228,9 +236,19 @@ class SqliteState(BrokerState):
         self.group_commits = 0  # transactions that committed a group (for benches and tests)
         self.grouped_calls = 0
         self._conn = self._open(self.path)
-        with self._tx() as conn:  # the parts of uploads a crash cut off
+        # bundles' bytes: a file each in <db>-bundles/ (bundles.in_file); digest -> uploads
+        # between their file's rename and their row's commit (retention leaves their file)
+        self.files = BundleFiles(self.path + "-bundles")
+        self._sealing: dict[str, int] = {}
+        with self._tx() as conn:  # what uploads a crash cut off: rows of schema 4's parts, files
             conn.execute("DELETE FROM bundle_parts WHERE parts NOT IN (SELECT parts FROM bundles)")
-            (self._last_parts,), = conn.execute("SELECT COALESCE(MAX(parts), 0) FROM bundles").fetchall()
+            held = {r[0] for r in conn.execute("SELECT digest FROM bundles WHERE in_file = 1")}
+            missing = self.files.sweep(held)
+            if missing:
+                log.warning("broker state %s: %d bundle(s) whose file is missing from %s (a damaged volume, or the "
+                            "database restored without its bundles directory) are dropped, as retention would: "
+                            "%s", self.path, len(missing), self.files.path, ", ".join(d[:16] for d in missing[:8]))
+                self._drop_bundles(conn, missing)
 
     # ----- opening
     @staticmethod
@@ -760,50 +778,47 @@ class SqliteState(BrokerState):
 
     # ----- bundles
     def begin_bundle(self) -> BundleWriter:
-        with self._lock:
-            self._last_parts += 1
-            return _PartsWriter(self, self._last_parts)
+        return _FileWriter(self)
 
-    def _write_part(self, parts: int, data: bytes) -> None:
-        """One chunk of an upload, in a transaction of its own without an fsync of its own
-        (synchronous=NORMAL: SQLite still syncs the WAL before any checkpoint): the commit
-        of its bundle (FULL) syncs the WAL, which holds this row before it."""
-        with self._lock:
-            conn = self._conn
+    def _commit_file(self, fd: int, tmp: str, size: int, digest: str, signature: bytes, signer_cert: bytes) -> bool:
+        """An upload's file becomes a bundle: unless the digest is held, the file is made
+        durable under the digest's name (fsync, rename, directory fsync), then its row
+        commits. The file is sealed outside the state's lock (publishes do not wait for the
+        disk behind it); retention leaves the file of a digest being sealed alone."""
+        try:
+            digest = as_str(digest, "digest")
+            sig, cert = norm_blob(signature, "signature"), norm_blob(signer_cert, "signer_cert")
+            with self._lock:
+                if self._read("SELECT 1 FROM bundles WHERE digest = ?", (digest,)):
+                    self.files.discard(fd, tmp)  # the first upload wins
+                    return False
+                self._sealing[digest] = self._sealing.get(digest, 0) + 1
+        except BaseException:
+            self.files.discard(fd, tmp)
+            raise
+        try:
             try:
-                conn.execute("PRAGMA synchronous=NORMAL")
-                try:
-                    conn.execute("INSERT INTO bundle_parts (parts, data) VALUES (?, ?)", (parts, data))
-                finally:
-                    conn.execute("PRAGMA synchronous=FULL")
-            except sqlite3.Error as exc:
-                if not _is_storage_failure(exc):
-                    raise
-                raise self._storage_error(exc, "write") from exc
-
-    def _commit_parts(self, parts: int, size: int, digest: str, signature: bytes, signer_cert: bytes) -> bool:
-        digest = as_str(digest, "digest")
-        sig, cert = norm_blob(signature, "signature"), norm_blob(signer_cert, "signer_cert")
-        with self._tx() as conn:
-            cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert, parts) "
-                               "VALUES (?, x'', ?, ?, ?, ?, ?) ON CONFLICT (digest) DO NOTHING",
-                               (digest, size, time.time(), sig, cert, parts))
-            if cur.rowcount != 1:
-                conn.execute("DELETE FROM bundle_parts WHERE parts = ?", (parts,))
-            return cur.rowcount == 1
-
-    def _drop_parts(self, parts: int) -> None:
-        with self._tx() as conn:
-            conn.execute("DELETE FROM bundle_parts WHERE parts = ?", (parts,))
+                self.files.seal(fd, tmp, digest)
+            except BaseException:
+                self.files.discard(None, tmp)
+                raise
+            with self._tx() as conn:
+                cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert, parts, "
+                                   "in_file) VALUES (?, x'', ?, ?, ?, ?, 0, 1) ON CONFLICT (digest) DO NOTHING",
+                                   (digest, size, time.time(), sig, cert))
+                return cur.rowcount == 1  # 0: a concurrent upload of the digest won (same bytes, same file)
+        finally:
+            with self._lock:
+                self._sealing[digest] -= 1
+                if not self._sealing[digest]:
+                    del self._sealing[digest]
 
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
         digest, blob = as_str(digest, "digest"), norm_bytes(data)
         sig, cert = norm_blob(signature, "signature"), norm_blob(signer_cert, "signer_cert")
         writer = self.begin_bundle()
         try:
-            view = memoryview(blob)
-            for off in range(0, len(blob), PART_BYTES):
-                writer.write(view[off:off + PART_BYTES])
+            writer.write(blob)
             return writer.commit(digest, sig, cert)
         finally:
             writer.abort()  # a no-op once committed
@@ -812,18 +827,62 @@ class SqliteState(BrokerState):
         rows = self._read("SELECT signature, signer_cert FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
         return (bytes(rows[0][0]), bytes(rows[0][1])) if rows else None
 
-    def get_bundle(self, digest: str) -> bytes | None:
+    def _missing_file(self, digest: str) -> Exception:
+        log.error("broker state %s: bundle %s has a row but no file in %s (a damaged volume?); it is dropped at "
+                  "the next start", self.path, digest[:16], self.files.path)
+        return Unavailable("the broker's storage failed during a read: retry later (details in the broker's log)")
+
+    def _open_file(self, digest: str) -> tuple[int, int] | None:
+        """(descriptor, size) of a bundle whose bytes are a file; None when it is not held.
+        Under the lock, as retention deletes rows and then their files."""
         with self._lock:
-            rows = self._read("SELECT data, parts FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
-            if not rows or not rows[0][1]:
-                return bytes(rows[0][0]) if rows else None
-            return b"".join(r[0] for r in self._read("SELECT data FROM bundle_parts WHERE parts = ? ORDER BY id",
-                                                     (rows[0][1],)))
+            rows = self._read("SELECT size FROM bundles WHERE digest = ? AND in_file = 1", (digest,))
+            if not rows:
+                return None
+            fd = self.files.open(digest)
+            if fd is None:
+                raise self._missing_file(digest)
+            return fd, int(rows[0][0])
+
+    def _read_fd(self, fd: int, offset: int, length: int) -> bytes:
+        try:
+            out = []
+            while length > 0:
+                piece = os.pread(fd, min(length, 1 << 24), offset)
+                if not piece:
+                    break
+                out.append(piece)
+                offset += len(piece)
+                length -= len(piece)
+            return b"".join(out)
+        except OSError as exc:
+            raise storage_error(self.files.path, exc, "read") from exc
+        finally:
+            os.close(fd)
+
+    def get_bundle(self, digest: str) -> bytes | None:
+        digest = as_str(digest, "digest")
+        with self._lock:
+            rows = self._read("SELECT data, parts, in_file FROM bundles WHERE digest = ?", (digest,))
+            if not rows:
+                return None
+            if rows[0][2]:
+                opened = self._open_file(digest)
+                if opened is None:
+                    return None
+            elif not rows[0][1]:
+                return bytes(rows[0][0])
+            else:
+                return b"".join(r[0] for r in self._read("SELECT data FROM bundle_parts WHERE parts = ? ORDER BY id",
+                                                         (rows[0][1],)))
+        return self._read_fd(opened[0], 0, opened[1])
 
     @staticmethod
     def _pieces(conn: sqlite3.Connection, digest: str) -> tuple[int, list[tuple[str, int, int]]] | None:
-        """(size, [(table, rowid, bytes)]) of a held bundle: where its bytes lie, in order."""
-        row = conn.execute("SELECT rowid, size, parts FROM bundles WHERE digest = ?", (digest,)).fetchone()
+        """(size, [(table, rowid, bytes)]) of a bundle held in the database (schema 4 and
+        before): where its bytes lie, in order."""
+        row = conn.execute("SELECT rowid, size, parts FROM bundles WHERE digest = ? AND in_file = 0",
+                           (digest,)).fetchone()
         if row is None:
             return None
         if not row[2]:
@@ -835,6 +894,10 @@ class SqliteState(BrokerState):
         digest, offset, length = as_str(digest, "digest"), as_int(offset, "offset"), as_int(length, "length")
         if offset < 0 or length < 0:
             raise ValueError(f"offset and length must be >= 0, got {offset}, {length}")
+        opened = self._open_file(digest)
+        if opened is not None:
+            fd, size = opened
+            return self._read_fd(fd, offset, max(0, min(length, size - offset)))
         with self._lock:
             try:  # incremental blob I/O: only the chunk's pages are read, never the whole bundle
                 found = self._pieces(self._conn, digest)
@@ -855,14 +918,19 @@ class SqliteState(BrokerState):
                 raise self._storage_error(exc, "read") from exc
 
     def iter_bundle(self, digest: str, chunk: int) -> Iterator[bytes] | None:
-        """One read-only connection of its own per iteration, reading through one blob handle
-        per stored piece (a handle walks its piece's overflow pages once; a new handle per
-        chunk would walk them from the start every time), all in one snapshot (WAL), never
-        taking the state's lock. A piece no larger than `chunk` (an upload's chunk, as it
-        was stored) goes out as it is."""
+        """A bundle whose bytes are a file: read from a descriptor opened now (the file stays
+        readable to it if retention deletes it meanwhile), never taking the state's lock again.
+        One held in the database: one read-only connection of its own per iteration, reading
+        through one blob handle per stored piece (a handle walks its piece's overflow pages
+        once; a new handle per chunk would walk them from the start every time), all in one
+        snapshot (WAL). A piece no larger than `chunk` (an upload's chunk, as it was stored)
+        goes out as it is."""
         digest, chunk = as_str(digest, "digest"), as_int(chunk, "chunk")
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
+        opened = self._open_file(digest)
+        if opened is not None:
+            return self._file_chunks(digest, *opened, chunk)
         try:
             conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False, timeout=30.0)
         except sqlite3.Error as exc:
@@ -891,6 +959,23 @@ class SqliteState(BrokerState):
             finally:
                 conn.close()
         return chunks()
+
+    def _file_chunks(self, digest: str, fd: int, size: int, chunk: int) -> Iterator[bytes]:
+        try:
+            if not size:
+                yield b""
+            offset = 0
+            while offset < size:
+                try:
+                    piece = os.pread(fd, min(chunk, size - offset), offset)
+                except OSError as exc:
+                    raise storage_error(self.files.path, exc, "read") from exc
+                if not piece:
+                    raise self._missing_file(digest)  # shorter than its row says: damaged
+                offset += len(piece)
+                yield piece
+        finally:
+            os.close(fd)
 
     def bundle_size(self, digest: str) -> int | None:
         rows = self._read("SELECT size FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
@@ -965,50 +1050,70 @@ class SqliteState(BrokerState):
     # ----- retention
     def prune(self, keep_rounds: int | None = None, max_bundle_bytes: int | None = None) -> int:
         check_prune_args(keep_rounds, max_bundle_bytes)
-        removed = 0
-        with self._tx() as conn:
-            (latest,), = conn.execute("SELECT MAX(round) FROM rounds").fetchall()
-            cutoff = prune_cutoff(-1 if latest is None else latest, keep_rounds)
-            if cutoff is not None:
-                (held,), = conn.execute("SELECT COALESCE(SUM(count), 0) FROM summary_blocks WHERE round < ?",
-                                        (cutoff,)).fetchall()
-                conn.execute("DELETE FROM summary_blocks WHERE round < ?", (cutoff,))
-                conn.execute("DELETE FROM summary_digests WHERE round < ?", (cutoff,))
-                removed += held  # summaries, as the other tables count rows
-                for table in ("matches", "match_sets", "reports", "rounds"):
-                    removed += conn.execute(f"DELETE FROM {table} WHERE round < ?", (cutoff,)).rowcount
-            if max_bundle_bytes is not None:
-                drop = bundles_to_drop(conn.execute("SELECT digest, size FROM bundles ORDER BY rowid").fetchall(),
-                                       max_bundle_bytes)
-                if drop:
-                    ids = json.dumps(drop)
-                    conn.execute("DELETE FROM bundle_parts WHERE parts IN (SELECT parts FROM bundles WHERE parts != 0 "
-                                 "AND digest IN (SELECT value FROM json_each(?)))", (ids,))
-                    removed += conn.execute("DELETE FROM bundles WHERE digest IN (SELECT value FROM json_each(?))",
-                                            (ids,)).rowcount
-                    conn.execute("DELETE FROM summary_digests WHERE digest IN (SELECT value FROM json_each(?))",
-                                 (ids,))
+        removed, files = 0, []
+        with self._lock:
+            with self._tx() as conn:
+                (latest,), = conn.execute("SELECT MAX(round) FROM rounds").fetchall()
+                cutoff = prune_cutoff(-1 if latest is None else latest, keep_rounds)
+                if cutoff is not None:
+                    (held,), = conn.execute("SELECT COALESCE(SUM(count), 0) FROM summary_blocks WHERE round < ?",
+                                            (cutoff,)).fetchall()
+                    conn.execute("DELETE FROM summary_blocks WHERE round < ?", (cutoff,))
+                    conn.execute("DELETE FROM summary_digests WHERE round < ?", (cutoff,))
+                    removed += held  # summaries, as the other tables count rows
+                    for table in ("matches", "match_sets", "reports", "rounds"):
+                        removed += conn.execute(f"DELETE FROM {table} WHERE round < ?", (cutoff,)).rowcount
+                if max_bundle_bytes is not None:
+                    drop = bundles_to_drop(conn.execute("SELECT digest, size FROM bundles ORDER BY rowid").fetchall(),
+                                           max_bundle_bytes)
+                    if drop:
+                        dropped, files = self._drop_bundles(conn, drop)
+                        removed += dropped
+            # the files after their rows (a crash between leaves files no row names: deleted
+            # at the next open), still under the lock, but not the file of a digest an upload
+            # is sealing now (its row is about to name it again)
+            self.files.remove(d for d in files if d not in self._sealing)
         return removed
 
+    @staticmethod
+    def _drop_bundles(conn: sqlite3.Connection, digests: list[str]) -> tuple[int, list[str]]:
+        """Delete bundles' rows (theirs in bundle_parts too; their summaries lose the digest)
+        in the caller's transaction: (rows of `bundles` deleted, the digests whose bytes are
+        files, for the caller to delete once the transaction commits)."""
+        ids = json.dumps(digests)
+        files = [r[0] for r in conn.execute("SELECT digest FROM bundles WHERE in_file = 1 AND digest IN "
+                                            "(SELECT value FROM json_each(?))", (ids,))]
+        conn.execute("DELETE FROM bundle_parts WHERE parts IN (SELECT parts FROM bundles WHERE parts != 0 "
+                     "AND digest IN (SELECT value FROM json_each(?)))", (ids,))
+        removed = conn.execute("DELETE FROM bundles WHERE digest IN (SELECT value FROM json_each(?))", (ids,)).rowcount
+        conn.execute("DELETE FROM summary_digests WHERE digest IN (SELECT value FROM json_each(?))", (ids,))
+        return removed, files
 
-class _PartsWriter(BundleWriter):
-    """SqliteState's upload: each chunk a row of bundle_parts as it arrives."""
 
-    def __init__(self, state: SqliteState, parts: int) -> None:
-        self._sqlite, self._parts, self._open = state, parts, True
+class _FileWriter(BundleWriter):
+    """SqliteState's upload: the chunks appended to a temporary file as they arrive (memory
+    per upload: one chunk), which becomes the bundle's file at commit (bundlefiles.py)."""
+
+    def __init__(self, state: SqliteState) -> None:
+        self._sqlite = state
+        self._fd: int | None
+        self._fd, self._tmp = state.files.create()
         self.size = 0
 
     def write(self, data: bytes) -> None:
+        if self._fd is None:
+            raise ValueError("this upload was committed or aborted")
         if len(data):
-            self._sqlite._write_part(self._parts, data)
+            self._sqlite.files.write(self._fd, data)
             self.size += len(data)
 
     def commit(self, digest: str, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
-        stored = self._sqlite._commit_parts(self._parts, self.size, digest, signature, signer_cert)
-        self._open = False
-        return stored
+        if self._fd is None:
+            raise ValueError("this upload was committed or aborted")
+        fd, self._fd = self._fd, None  # the commit owns the descriptor and the file from here
+        return self._sqlite._commit_file(fd, self._tmp, self.size, digest, signature, signer_cert)
 
     def abort(self) -> None:
-        if self._open:
-            self._open = False
-            self._sqlite._drop_parts(self._parts)
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            self._sqlite.files.discard(fd, self._tmp)

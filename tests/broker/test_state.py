@@ -5,8 +5,10 @@ refusal of foreign or newer files, and rollback of a batch that fails half way."
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -19,10 +21,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from graft_fed.broker.bundlefiles import file_name
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
 from graft_fed.errors import DataError
+from graft_fed.federation.errors import StorageFull, Unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -550,9 +554,7 @@ class SameBehaviour(RuleBasedStateMachine):
     def teardown(self):
         self.mem.close()
         self.sql.close()
-        for name in os.listdir(self.dir):
-            os.remove(os.path.join(self.dir, name))
-        os.rmdir(self.dir)
+        shutil.rmtree(self.dir)  # the database, its WAL and its bundles directory
 
 
 test_implementations_agree = SameBehaviour.TestCase
@@ -655,9 +657,30 @@ def test_sqlite_refuses_a_newer_schema(tmp_path):
         SqliteState(path)
 
 
+def _as_version_4(c, parts: bool = False):
+    """Turn a state file (open on connection `c`) back into schema version 4: the bytes of
+    every bundle held as a file in bundles.data, or (`parts`) in rows of bundle_parts of
+    3-byte chunks; no bundles directory."""
+    path = next(r[2] for r in c.execute("PRAGMA database_list") if r[1] == "main")
+    files = path + "-bundles"
+    for digest, in c.execute("SELECT digest FROM bundles WHERE in_file = 1").fetchall():
+        data = open(os.path.join(files, file_name(digest)), "rb").read()
+        if parts:
+            (last,), = c.execute("SELECT COALESCE(MAX(parts), 0) + 1 FROM bundles").fetchall()
+            c.executemany("INSERT INTO bundle_parts (parts, data) VALUES (?, ?)",
+                          [(last, data[i:i + 3]) for i in range(0, len(data), 3)])
+            c.execute("UPDATE bundles SET parts = ? WHERE digest = ?", (last, digest))
+        else:
+            c.execute("UPDATE bundles SET data = ? WHERE digest = ?", (data, digest))
+    c.execute("ALTER TABLE bundles DROP COLUMN in_file")
+    c.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+    shutil.rmtree(files)
+
+
 def _as_version_3(c):
     """Turn a state file (open on connection `c`) back into schema version 3: every bundle's
     bytes in bundles.data, no bundle_parts."""
+    _as_version_4(c)
     for digest, parts in c.execute("SELECT digest, parts FROM bundles WHERE parts != 0").fetchall():
         data = b"".join(r[0] for r in c.execute("SELECT data FROM bundle_parts WHERE parts = ? ORDER BY id", (parts,)))
         c.execute("UPDATE bundles SET data = ? WHERE digest = ?", (data, digest))
@@ -951,10 +974,10 @@ def test_bundle_written_a_chunk_at_a_time(state):
     dropped.abort()
     assert state.get_bundle("d" * 64) == b"abcdefgh" and state.bundle_provenance("d" * 64) == (b"sig", b"cert")
     assert state.bundle_stats() == (1, 8) and state.has_bundles(["d" * 64, "e" * 64]) == ["d" * 64]
-    if isinstance(state, SqliteState):  # the duplicate's and the aborted upload's rows are gone
-        assert state._conn.execute("SELECT COUNT(*) FROM bundle_parts").fetchone()[0] == 3
+    if isinstance(state, SqliteState):  # one file: the duplicate's and the aborted upload's are gone
+        assert sorted(os.listdir(state.files.path)) == ["d" * 64]
         state.prune(max_bundle_bytes=0)
-        assert state._conn.execute("SELECT COUNT(*) FROM bundle_parts").fetchone()[0] == 0
+        assert os.listdir(state.files.path) == [] and state.get_bundle("d" * 64) is None
 
 
 def test_sqlite_upload_cut_off_by_a_crash_leaves_nothing(tmp_path):
@@ -962,14 +985,140 @@ def test_sqlite_upload_cut_off_by_a_crash_leaves_nothing(tmp_path):
     s.put_bundle("d" * 64, b"kept")
     w = s.begin_bundle()
     w.write(b"x" * 100_000)
-    s.close()  # the broker dies mid-upload: its rows are in the file, no bundle names them
+    # the broker dies mid-upload (a temporary file), and another dies between its file's
+    # rename and its row's commit (a file no row names)
+    with open(os.path.join(s.files.path, "f" * 64), "wb") as f:
+        f.write(b"sealed, never committed")
+    s.close()
     s = SqliteState(tmp_path / "b.db")
     try:
-        assert s._conn.execute("SELECT COUNT(*) FROM bundle_parts").fetchone()[0] == 1
+        assert os.listdir(s.files.path) == ["d" * 64]  # both swept at open
         assert s.bundle_stats() == (1, 4) and s.get_bundle("d" * 64) == b"kept"
+        assert s.has_bundles(["f" * 64]) == []
         w = s.begin_bundle()
         w.write(b"new")
         assert w.commit("e" * 64) and s.get_bundle("e" * 64) == b"new"
+    finally:
+        s.close()
+
+
+def test_sqlite_bundles_are_files_beside_the_database(tmp_path):
+    """A bundle's bytes are a file named by its digest in <db>-bundles/ (other keys hashed:
+    no key names a path outside it); reads of every kind come from it."""
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        data = bytes(range(256)) * 4096  # 1 MiB
+        assert s.put_bundle("a" * 64, data) and s.put_bundle("../../escape", b"k")
+        assert sorted(os.listdir(tmp_path / "b.db-bundles")) == sorted(["a" * 64, file_name("../../escape")])
+        assert file_name("../../escape").startswith("k-") and len(file_name("../../escape")) == 66
+        assert (tmp_path / "b.db-bundles" / ("a" * 64)).read_bytes() == data
+        assert s._conn.execute("SELECT length(data), parts, in_file FROM bundles WHERE digest = ?",
+                               ("a" * 64,)).fetchone() == (0, 0, 1)
+        assert s.get_bundle("a" * 64) == data and s.bundle_size("a" * 64) == len(data)
+        assert s.read_bundle("a" * 64, 1000, 7) == data[1000:1007] and s.read_bundle("a" * 64, len(data) - 2, 9) == \
+            data[-2:] and s.read_bundle("a" * 64, len(data) + 5, 3) == b""
+        chunks = list(s.iter_bundle("a" * 64, 300_000))
+        assert b"".join(chunks) == data and [len(c) for c in chunks] == [300_000, 300_000, 300_000, 148_576]
+        assert list(s.iter_bundle("../../escape", 4)) == [b"k"] and s.read_bundle("b" * 64, 0, 1) is None
+        assert s.put_bundle("e" * 64, b"") and list(s.iter_bundle("e" * 64, 4)) == [b""]
+        it = s.iter_bundle("a" * 64, 2**19)
+        first = next(it)
+        s.prune(max_bundle_bytes=0)  # retention deletes the file while a fetch reads it
+        assert os.listdir(tmp_path / "b.db-bundles") == ["e" * 64]  # the empty bundle fits a budget of 0
+        assert s.get_bundle("a" * 64) is None
+        assert first + b"".join(it) == data  # the fetch that had it open reads it to the end
+    finally:
+        s.close()
+
+
+def test_sqlite_a_bundle_whose_file_is_lost_is_dropped_at_open(tmp_path, caplog):
+    """A row whose file is missing (a damaged volume, the database restored without its
+    directory): reading it is UNAVAILABLE with the reason logged; the next open drops it, as
+    retention would (its summaries lose the digest), and says so."""
+    s = SqliteState(tmp_path / "b.db")
+    s.put_summaries([summ(prompt_id="p0")])
+    s.put_bundle("a" * 64, b"aaa")
+    s.put_bundle("b" * 64, b"bbb")
+    assert s.set_bundle_digest("a", 0, "p0", "a" * 64)
+    os.unlink(tmp_path / "b.db-bundles" / ("a" * 64))
+    try:
+        for read in (lambda: s.get_bundle("a" * 64), lambda: s.read_bundle("a" * 64, 0, 1),
+                     lambda: s.iter_bundle("a" * 64, 4)):
+            with pytest.raises(Unavailable, match="storage failed during a read"):
+                read()
+        assert "has a row but no file" in caplog.text
+    finally:
+        s.close()
+    caplog.clear()
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        assert s.has_bundles(["a" * 64, "b" * 64]) == ["b" * 64] and s.get_bundle("b" * 64) == b"bbb"
+        assert s.summaries()[0].bundle_digest == ""
+        assert "1 bundle(s) whose file is missing" in caplog.text
+    finally:
+        s.close()
+
+
+def test_sqlite_upload_disk_full_is_resource_exhausted_and_stores_nothing(tmp_path, monkeypatch):
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        w = s.begin_bundle()
+        w.write(b"first")
+        real = os.write
+
+        def full(fd, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(os, "write", full)
+        with pytest.raises(StorageFull, match="storage is full"):
+            w.write(b"second")
+        monkeypatch.setattr(os, "write", real)
+        w.abort()
+        assert os.listdir(s.files.path) == [] and s.bundle_stats() == (0, 0)
+        assert s.put_bundle("a" * 64, b"after") and s.get_bundle("a" * 64) == b"after"
+    finally:
+        s.close()
+
+
+def test_sqlite_retention_leaves_the_file_of_an_upload_being_sealed(tmp_path, monkeypatch):
+    """Retention drops a digest while a new upload of it is between its file's rename and its
+    row's commit: the file stays, and the new row names it."""
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        assert s.put_bundle("a" * 64, b"old")
+        real_seal = s.files.seal
+
+        def seal_then_prune(fd, tmp, digest):
+            real_seal(fd, tmp, digest)
+            s.prune(max_bundle_bytes=0)  # runs after the re-upload saw the digest not held
+        s.prune(max_bundle_bytes=0)
+        monkeypatch.setattr(s.files, "seal", seal_then_prune)
+        assert s.put_bundle("a" * 64, b"old")
+        assert s.get_bundle("a" * 64) == b"old" and os.listdir(s.files.path) == ["a" * 64]
+    finally:
+        s.close()
+
+
+def test_sqlite_migrates_a_version_4_file_in_place(tmp_path):
+    """Bundles of a version 4 file keep their bytes in bundle_parts and read as before; new
+    ones are files; retention drops both."""
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    data = bytes(range(256)) * 40
+    s.put_bundle("d" * 64, data, signature=b"sig", signer_cert=b"cert")
+    s.close()
+    with sqlite3.connect(path) as c:
+        _as_version_4(c, parts=True)
+    c.close()
+    s = SqliteState(path)
+    try:
+        assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        assert s._conn.execute("SELECT COUNT(*) FROM bundle_parts").fetchone()[0] == len(range(0, len(data), 3))
+        assert s.get_bundle("d" * 64) == data and s.bundle_provenance("d" * 64) == (b"sig", b"cert")
+        assert b"".join(s.iter_bundle("d" * 64, 100)) == data and s.read_bundle("d" * 64, 10, 5) == data[10:15]
+        assert s.put_bundle("e" * 64, b"new") and os.listdir(s.files.path) == ["e" * 64]
+        s.prune(max_bundle_bytes=0)
+        assert s.bundle_stats() == (0, 0) and os.listdir(s.files.path) == []
+        assert s._conn.execute("SELECT COUNT(*) FROM bundle_parts").fetchone()[0] == 0
     finally:
         s.close()
 

@@ -33,8 +33,13 @@ class _Context:
         return {}
 
 
-def _parts(state: SqliteState) -> int:
-    return state._conn.execute("SELECT COUNT(*) FROM bundle_parts").fetchone()[0]
+def _pending(state: SqliteState) -> int:
+    """Bytes of uploads not committed: their temporary files, written as the chunks come."""
+    return sum(e.stat().st_size for e in os.scandir(state.files.path) if e.name.endswith(".part"))
+
+
+def _files(state: SqliteState) -> list[str]:
+    return sorted(os.listdir(state.files.path))
 
 
 def _chunks(data: bytes, chunk: int, **fields):
@@ -70,7 +75,7 @@ def test_upload_holds_a_few_chunks_not_the_bundle(prompt_file, prompts, tmp_path
         tracemalloc.stop()
     try:
         assert resp.stored and state.get_bundle(fields["digest"]) == data
-        assert _parts(state) == -(-len(data) // (256 * 1024))  # one row per chunk, as it came
+        assert _files(state) == [fields["digest"]]  # one file, named by the digest
         assert peak - base < 8 * 256 * 1024, f"peak {peak - base} bytes uploading {len(data)} bytes in 256 KiB chunks"
     finally:
         state.close()
@@ -102,7 +107,7 @@ def test_a_refused_upload_leaves_nothing_stored(prompt_file, prompts, tmp_path):
                 (send(good, total=len(good) - 1), grpc.StatusCode.INVALID_ARGUMENT, "exceed"),
                 (send(good, total=2**40), grpc.StatusCode.RESOURCE_EXHAUSTED, "limit")]:
             assert code == want and words in details, (code, details)
-            assert broker.state.bundle_stats() == (0, 0) and _parts(broker.state) == 0
+            assert broker.state.bundle_stats() == (0, 0) and _files(broker.state) == []
 
         release = threading.Event()
 
@@ -114,14 +119,14 @@ def test_a_refused_upload_leaves_nothing_stored(prompt_file, prompts, tmp_path):
 
         call = a.stub.UploadBundle.future(stalled(), timeout=10)
         deadline = time.monotonic() + 10
-        while _parts(broker.state) < 2 and time.monotonic() < deadline:
+        while _pending(broker.state) < 2 * 16 * 1024 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _parts(broker.state) == 2  # written as they came
+        assert _pending(broker.state) == 2 * 16 * 1024  # written as they came
         call.cancel()
         release.set()
-        while _parts(broker.state) and time.monotonic() < deadline:
+        while _files(broker.state) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert broker.state.bundle_stats() == (0, 0) and _parts(broker.state) == 0
+        assert broker.state.bundle_stats() == (0, 0) and _files(broker.state) == []
 
         a.chunk = 16 * 1024  # the broker's chunk size
         digest, stored = a._upload_bytes(good, digest_of(good), prompts[0].id, 0)
