@@ -52,6 +52,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from graft_fed.broker.bundlefiles import BundleFiles, storage_error
+from graft_fed.broker.checkpointer import SAFETY_PAGES, WAL_SIZE_LIMIT, Checkpointer
 from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow,
                                     SummaryHead, SummaryRow)
 from graft_fed.broker.state_rows import (
@@ -249,6 +250,7 @@ class SqliteState(BrokerState):
                             "database restored without its bundles directory) are dropped, as retention would: "
                             "%s", self.path, len(missing), self.files.path, ", ".join(d[:16] for d in missing[:8]))
                 self._drop_bundles(conn, missing)
+        self.checkpointer = Checkpointer(self.path)
 
     # ----- opening
     @staticmethod
@@ -296,6 +298,9 @@ class SqliteState(BrokerState):
             raise self._fail(path, f"SQLite could not switch it to WAL mode (journal_mode={mode}); "
                                    "put the state on a local filesystem")
         conn.execute("PRAGMA synchronous=FULL")
+        # checkpoints run in a thread of their own (checkpointer.py), not inside a commit
+        conn.execute(f"PRAGMA wal_autocheckpoint={SAFETY_PAGES}")
+        conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
         conn.execute("BEGIN IMMEDIATE")
         try:
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -468,6 +473,7 @@ class SqliteState(BrokerState):
                 raise self._storage_error(exc, "read") from exc
 
     def close(self) -> None:
+        self.checkpointer.stop()
         with self._lock:
             self._conn.close()
 

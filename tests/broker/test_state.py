@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from graft_fed.broker.bundlefiles import file_name
+from graft_fed.broker.checkpointer import SAFETY_PAGES, Checkpointer
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
@@ -1159,3 +1161,35 @@ def test_sqlite_a_match_set_whose_rounds_row_fails_is_not_stored(tmp_path, monke
         assert s.put_match_set(4, b"four", round_row=RoundRow(4, "matched", 1.0, 2.0, ["a"])) is True
     finally:
         s.close()
+
+
+def test_sqlite_checkpoints_run_in_a_thread_not_in_commits(tmp_path):
+    """No commit checkpoints the WAL below the safety size; the state's checkpointer thread
+    copies it into the database file, and stops with the state."""
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        assert s._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == SAFETY_PAGES
+        s.checkpointer.stop()  # none in the background while the WAL fills
+        for i in range(40):  # 80 MB: 1,280 pages of 64 KiB, past SQLite's default of 1,000
+            s.put_match_set(i, bytes(2_000_000))
+        probe = sqlite3.connect(tmp_path / "b.db", isolation_level=None)
+        try:
+            logged, done = s.checkpointer.run_once(probe)  # what the thread does every interval
+            assert logged >= 40 * 31 and done == logged  # no commit had checkpointed (and reset) the WAL
+        finally:
+            probe.close()
+    finally:
+        s.close()
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        s.checkpointer.stop()
+        s.checkpointer = Checkpointer(s.path, interval_s=0.05)
+        s.put_match_set(99, bytes(200_000))
+        deadline = time.monotonic() + 10
+        while s.checkpointer.last[1] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.checkpointer.last[1] >= 3 and s.checkpointer.alive
+        assert s.match_set(99) == bytes(200_000) and s.match_set(39) == bytes(2_000_000)
+    finally:
+        s.close()
+    assert not s.checkpointer.alive
