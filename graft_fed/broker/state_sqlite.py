@@ -52,7 +52,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from graft_fed.broker.bundlefiles import BundleFiles, storage_error
-from graft_fed.broker.checkpointer import SAFETY_PAGES, WAL_SIZE_LIMIT, Checkpointer
+from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
 from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow,
                                     SummaryHead, SummaryRow)
 from graft_fed.broker.state_rows import (
@@ -299,7 +299,7 @@ class SqliteState(BrokerState):
                                    "put the state on a local filesystem")
         conn.execute("PRAGMA synchronous=FULL")
         # checkpoints run in a thread of their own (checkpointer.py), not inside a commit
-        conn.execute(f"PRAGMA wal_autocheckpoint={SAFETY_PAGES}")
+        conn.execute(f"PRAGMA wal_autocheckpoint={safety_pages(conn.execute('PRAGMA page_size').fetchone()[0])}")
         conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
         conn.execute("BEGIN IMMEDIATE")
         try:

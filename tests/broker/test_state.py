@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from graft_fed.broker.bundlefiles import file_name
-from graft_fed.broker.checkpointer import SAFETY_PAGES, Checkpointer
+from graft_fed.broker.checkpointer import Checkpointer, safety_pages
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
@@ -1165,10 +1165,11 @@ def test_sqlite_a_match_set_whose_rounds_row_fails_is_not_stored(tmp_path, monke
 
 def test_sqlite_checkpoints_run_in_a_thread_not_in_commits(tmp_path):
     """No commit checkpoints the WAL below the safety size; the state's checkpointer thread
-    copies it into the database file, and stops with the state."""
+    copies it into the database file once the WAL file reaches its threshold (and not
+    before), and stops with the state."""
     s = SqliteState(tmp_path / "b.db")
     try:
-        assert s._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == SAFETY_PAGES
+        assert s._conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == safety_pages(65536) == 4096
         s.checkpointer.stop()  # none in the background while the WAL fills
         for i in range(40):  # 80 MB: 1,280 pages of 64 KiB, past SQLite's default of 1,000
             s.put_match_set(i, bytes(2_000_000))
@@ -1183,13 +1184,18 @@ def test_sqlite_checkpoints_run_in_a_thread_not_in_commits(tmp_path):
     s = SqliteState(tmp_path / "b.db")
     try:
         s.checkpointer.stop()
-        s.checkpointer = Checkpointer(s.path, interval_s=0.05)
-        s.put_match_set(99, bytes(200_000))
+        s.checkpointer = Checkpointer(s.path, threshold_bytes=3_000_000, poll_s=0.02)
+        s.put_match_set(98, bytes(200_000))
+        s.put_match_set(99, bytes(200_000))  # the WAL starts over (the file truncated) and holds ~0.4 MB
+        assert s.checkpointer.wal_bytes() < 3_000_000
+        time.sleep(0.3)
+        assert s.checkpointer.runs == 0  # under the threshold: left alone
+        s.put_match_set(100, bytes(3_000_000))
         deadline = time.monotonic() + 10
         while s.checkpointer.last[1] == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert s.checkpointer.last[1] >= 3 and s.checkpointer.alive
-        assert s.match_set(99) == bytes(200_000) and s.match_set(39) == bytes(2_000_000)
+        assert s.checkpointer.last[1] >= 50 and s.checkpointer.alive
+        assert s.match_set(100) == bytes(3_000_000) and s.match_set(39) == bytes(2_000_000)
     finally:
         s.close()
     assert not s.checkpointer.alive
