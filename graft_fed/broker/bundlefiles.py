@@ -8,12 +8,17 @@ connection meanwhile: 44-48 ms (37 ms of CPU) for a 16 MiB bundle in 1 MiB chunk
 (`bench/broker/results/bundle_files_micro.py.txt`, issue 13's seventeenth pass).
 
 Durability, in this order: the bytes go to a temporary file (`.<random>.part`) as they
-arrive; at commit the file is fsynced, renamed to its digest's name and the directory
-fsynced, and only then the bundle's row commits (fsynced). A crash before the row commits
-leaves a file no row names; one after leaves both. So at open (`sweep`) temporary files and
-files no row names are deleted, and a row whose file is missing (a damaged volume, a
-restore of the database without its directory) is dropped with a warning, its summaries
-losing the digest, as retention would.
+arrive; then (`prepare`, before the broker takes its lock to check the bundle against its
+summary) the file is fsynced, renamed to its digest's name and the directory fsynced, and
+only at commit the bundle's row commits (fsynced). An upload that stores nothing after its
+rename (refused, a duplicate, a failed commit) deletes the file unless a row names it. A
+crash before the row commits leaves a file no row names; one after leaves both. So at open
+(`sweep`) temporary files and files no row names are deleted, and a row whose file is
+missing or not of its size (a damaged volume, a backup of the database newer than that of
+the directory) is dropped with a warning, its summaries losing the digest, as retention
+would. A directory missing altogether while rows name files in it stops the start instead
+(SqliteState): that is a volume not mounted or a database restored alone, and deleting
+every row would make it permanent.
 
 The files are immutable: a reader that opened one keeps reading it even if retention
 deletes it meanwhile (POSIX), so a fetch needs no lock for its whole length.
@@ -58,15 +63,24 @@ def storage_error(where: str, exc: OSError, what: str) -> Exception:
 
 
 class BundleFiles:
-    """The directory of bundle files (created when missing)."""
+    """The directory of bundle files (created when missing, its parent then fsynced so the
+    directory itself survives a crash). Opening it checks that the broker can write there:
+    a directory restored with the wrong owner stops the start with the reason, rather than
+    failing every upload later."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise DataError(f"broker bundle files {path!r}: cannot create the directory ({exc}); check that its "
-                            "parent is writable, or point the broker at another state file") from None
+            if not os.path.isdir(path):
+                os.makedirs(path, mode=0o700, exist_ok=True)
+                _sync_dir(os.path.dirname(os.path.abspath(path)))
+            fd, probe = self.create()
+            self.discard(fd, probe)
+        except (OSError, StorageFull, Unavailable) as exc:
+            cause = exc.__cause__ if isinstance(exc, (StorageFull, Unavailable)) and exc.__cause__ else exc
+            raise DataError(f"broker bundle files {path!r}: cannot write there ({cause}); check that the directory "
+                            "and its parent exist, belong to the broker's user and are writable (and that the disk "
+                            "has space), or point the broker at another state file") from None
 
     def file(self, digest: str) -> str:
         return os.path.join(self.path, file_name(digest))
@@ -135,44 +149,28 @@ class BundleFiles:
         except OSError as exc:
             raise storage_error(self.path, exc, "read") from exc
 
-    def read(self, digest: str, offset: int = 0, length: int | None = None) -> bytes | None:
-        """`length` bytes (all when None) from `offset`; None when the file is missing."""
-        fd = self.open(digest)
-        if fd is None:
-            return None
-        try:
-            if length is None:
-                length = max(0, os.fstat(fd).st_size - offset)
-            out, pos = [], offset
-            while length > 0:
-                piece = os.pread(fd, min(length, 1 << 24), pos)
-                if not piece:
-                    break
-                out.append(piece)
-                pos += len(piece)
-                length -= len(piece)
-            return b"".join(out)
-        except OSError as exc:
-            raise storage_error(self.path, exc, "read") from exc
-        finally:
-            os.close(fd)
-
-    def sweep(self, held: set[str]) -> list[str]:
-        """At open: delete temporary files and files whose bundle `held` (the digests of the
-        rows that say their bytes are here) does not name; return the held digests whose file
-        is missing."""
+    def sweep(self, held: dict[str, int]) -> list[str]:
+        """At open: delete temporary files and files whose bundle `held` (digest -> size, of
+        the rows that say their bytes are here) does not name; return the held digests whose
+        file is missing or not of the row's size."""
         names = {file_name(d): d for d in held}
         present = set()
         try:
             entries = list(os.scandir(self.path))
         except OSError as exc:
-            raise storage_error(self.path, exc, "read") from exc
+            raise DataError(f"broker bundle files {self.path!r}: cannot list the directory ({exc}); check that it "
+                            "belongs to the broker's user") from None
         stray = 0
         for e in entries:
             if e.name in names:
-                present.add(e.name)
-                continue
-            if e.name.endswith(".part") or (e.is_file(follow_symlinks=False) and (
+                try:
+                    if e.stat(follow_symlinks=False).st_size == held[names[e.name]]:
+                        present.add(e.name)
+                        continue
+                except OSError:
+                    pass
+                # not of its row's size: the row is dropped, and the file with it
+            if e.name in names or e.name.endswith(".part") or (e.is_file(follow_symlinks=False) and (
                     e.name.startswith("k-") or (len(e.name) == 64 and _HEX.issuperset(e.name)))):
                 try:
                     os.unlink(e.path)
@@ -184,8 +182,12 @@ class BundleFiles:
         return [d for name, d in names.items() if name not in present]
 
     def _sync_dir(self) -> None:
-        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _sync_dir(self.path)
+
+
+def _sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

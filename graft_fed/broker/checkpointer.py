@@ -6,16 +6,19 @@ WAL past `wal_autocheckpoint` pages: at 64 nodes x 4,096 prompts a round writes 
 of summary blocks, so every second round one publish's group commit (or the round's match
 set) also copied tens of megabytes and waited for their fsync. Here a thread with its own
 connection runs a PASSIVE checkpoint (it never waits for, nor blocks, the writer or readers)
-once the WAL holds `THRESHOLD_BYTES`, as often as SQLite's default would (1,000 pages of
-64 KiB), only not inside a commit. It reads the WAL's size from the file every `poll_s`:
-`journal_size_limit` (`WAL_SIZE_LIMIT`) truncates the file when SQLite starts it over after a
-checkpoint, so its size is what was written since, give or take that limit. A checkpoint
-every second instead cost the 1,000 x 128 cell, whose two rounds never reach the threshold,
-a checkpoint and an fsync of the database a second during its publishes (issue 13,
-seventeenth pass). The writer's own automatic checkpoint stays as a safety net at a much
-larger WAL (`SAFETY_BYTES`), should this thread fall behind. Durability is unchanged: a
-commit is durable once the WAL is fsynced (synchronous=FULL); a checkpoint only moves what is
-already durable.
+each time the WAL file has grown by `THRESHOLD_BYTES` since the last one, as often as
+SQLite's default would (1,000 pages of 64 KiB), only not inside a commit; it looks at the
+file's size every `poll_s`. When a checkpoint leaves nothing uncopied it also asks for a
+TRUNCATE checkpoint without waiting (no busy timeout): if no writer or reader is active
+that instant, SQLite starts the WAL over and empties the file; if one is, nothing happens.
+SQLite also starts the WAL over at the next write after a complete checkpoint, and
+`journal_size_limit` (`WAL_SIZE_LIMIT`) then truncates the file. Under writes that never
+pause, the WAL keeps growing until the writer's own automatic checkpoint, kept as a safety
+net at `SAFETY_BYTES`, runs in a commit; it finds most pages copied already. A checkpoint
+every second, or on every poll while the file was large, ran during the publishes of
+rounds that never reach the threshold (issue 13, seventeenth pass). Durability is
+unchanged: a commit is durable once the WAL is fsynced (synchronous=FULL); a checkpoint only
+moves what is already durable.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import threading
 
 log = logging.getLogger("graft_fed.broker")
 
-#: the WAL's size at which the thread checkpoints it (SQLite's default: 1,000 pages of 64 KiB)
+#: the WAL's growth after which the thread checkpoints it (SQLite's default: 1,000 pages of 64 KiB)
 THRESHOLD_BYTES = 64 << 20
 #: the writer's own automatic checkpoint: only past this size, where the thread would have to
 #: be far behind (set in pages: `safety_pages`)
@@ -41,16 +44,19 @@ def safety_pages(page_size: int) -> int:
 
 
 class Checkpointer:
-    """PASSIVE checkpoints of the WAL database at `path` once its WAL file reaches
-    `threshold_bytes` (looked at every `poll_s`), in a daemon thread, until `stop`. `runs` counts the checkpoints, `last` is the last one's (frames in
-    the WAL, frames of it in the database); a failure is logged and the next run tries again
-    (the WAL keeps everything meanwhile)."""
+    """PASSIVE checkpoints of the WAL database at `path` each time its WAL file grew by
+    `threshold_bytes` (looked at every `poll_s`), in a daemon thread, until `stop`. `runs`
+    counts the checkpoints, `last` is the last one's (frames in the WAL, frames of it in the
+    database), `truncated` the WALs started over; a failure is logged and retried with a
+    growing pause (the WAL keeps everything meanwhile), and `failures` counts them."""
 
     def __init__(self, path: str, threshold_bytes: int = THRESHOLD_BYTES, poll_s: float = 0.25) -> None:
         self.path = path
         self.threshold_bytes = threshold_bytes
         self.poll_s = poll_s
+        self.looks = 0  # times the thread looked at the WAL's size
         self.runs = 0
+        self.truncated = 0
         self.last: tuple[int, int] = (0, 0)
         self.failures = 0
         self._stop = threading.Event()
@@ -59,21 +65,33 @@ class Checkpointer:
 
     def _loop(self) -> None:
         conn = None
+        mark = self.wal_bytes()  # the file's size after the last checkpoint
+        pause = self.poll_s
         try:
-            while not self._stop.wait(self.poll_s):
-                if self.wal_bytes() < self.threshold_bytes:
+            while not self._stop.wait(pause):
+                size = self.wal_bytes()
+                self.looks += 1
+                mark = min(mark, size)  # SQLite started the WAL over: the file was truncated
+                if size - mark < self.threshold_bytes:
                     continue
                 try:
                     if conn is None:
-                        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
-                                               timeout=30.0)
+                        # no busy timeout: PASSIVE never waits, and TRUNCATE must not
+                        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=0.0)
                         conn.execute("PRAGMA synchronous=FULL")  # the database file fsynced after copying
                         conn.execute("PRAGMA cache_size=-1024")
-                    self.run_once(conn)
-                except sqlite3.Error as exc:
+                    logged, done = self.run_once(conn)
+                    if logged and done == logged:
+                        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                        self.truncated += not busy
+                    mark = self.wal_bytes()
+                    pause = self.poll_s
+                except Exception as exc:  # noqa: BLE001 - logged, retried; the WAL keeps everything
                     self.failures += 1
-                    log.warning("broker state %s: a WAL checkpoint failed (%s); retrying in %.1f s (nothing "
-                                "acknowledged is lost: the WAL keeps it)", self.path, exc, self.poll_s)
+                    pause = min(30.0, max(self.poll_s, 2 * pause))
+                    log.warning("broker state %s: a WAL checkpoint failed (%s: %s); retrying in %.1f s (nothing "
+                                "acknowledged is lost: the WAL keeps it)", self.path, type(exc).__name__, exc, pause,
+                                exc_info=not isinstance(exc, sqlite3.Error))
                     if conn is not None:
                         conn.close()
                         conn = None

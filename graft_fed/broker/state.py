@@ -325,6 +325,11 @@ class BundleWriter:
         self._chunks.append(bytes(data))
         self.size += len(data)
 
+    def prepare(self, digest: str) -> None:
+        """Make the bytes written durable under `digest` ahead of `commit`, outside the locks
+        the caller takes around it (a state on disk syncs its file here); they are still no
+        bundle until `commit`, and `abort` drops them. This default does nothing."""
+
     def commit(self, digest: str, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
         """Store the bytes written under `digest` (the caller checked it), as put_bundle does;
         False when the digest was held already (the bytes written are dropped)."""

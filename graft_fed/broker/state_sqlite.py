@@ -239,18 +239,34 @@ class SqliteState(BrokerState):
         self._conn = self._open(self.path)
         # bundles' bytes: a file each in <db>-bundles/ (bundles.in_file); digest -> uploads
         # between their file's rename and their row's commit (retention leaves their file)
-        self.files = BundleFiles(self.path + "-bundles")
         self._sealing: dict[str, int] = {}
-        with self._tx() as conn:  # what uploads a crash cut off: rows of schema 4's parts, files
-            conn.execute("DELETE FROM bundle_parts WHERE parts NOT IN (SELECT parts FROM bundles)")
-            held = {r[0] for r in conn.execute("SELECT digest FROM bundles WHERE in_file = 1")}
-            missing = self.files.sweep(held)
-            if missing:
-                log.warning("broker state %s: %d bundle(s) whose file is missing from %s (a damaged volume, or the "
-                            "database restored without its bundles directory) are dropped, as retention would: "
-                            "%s", self.path, len(missing), self.files.path, ", ".join(d[:16] for d in missing[:8]))
-                self._drop_bundles(conn, missing)
+        try:
+            self._open_files(self.path + "-bundles")
+        except BaseException:
+            self._conn.close()
+            raise
         self.checkpointer = Checkpointer(self.path)
+
+    def _open_files(self, where: str) -> None:
+        """The bundles directory, swept of what uploads a crash cut off (and the rows of
+        schema 4's parts no bundle names). A missing directory while rows name files in it is
+        an operator's mistake (a volume not mounted, a database restored alone), not damage:
+        the start stops, deleting nothing."""
+        with self._tx() as conn:
+            conn.execute("DELETE FROM bundle_parts WHERE parts NOT IN (SELECT parts FROM bundles)")
+            held = dict(conn.execute("SELECT digest, size FROM bundles WHERE in_file = 1").fetchall())
+            if held and not os.path.isdir(where):
+                raise self._fail(self.path, f"names {len(held)} bundle(s) stored as files in {where!r}, which does "
+                                            "not exist. Restore that directory beside the database (docs/deploy.md, "
+                                            "State and backups), or create it empty to start without those bundles")
+            self.files = BundleFiles(where)
+            lost = self.files.sweep(held)
+            if lost:
+                log.warning("broker state %s: %d bundle(s) whose file is missing from %s or shorter or longer than "
+                            "its row says (a damaged volume, or a backup of the database newer than that of its "
+                            "bundles) are dropped, as retention would: %s", self.path, len(lost), self.files.path,
+                            ", ".join(d[:16] for d in lost[:8]))
+                self._drop_bundles(conn, lost)
 
     # ----- opening
     @staticmethod
@@ -786,38 +802,35 @@ class SqliteState(BrokerState):
     def begin_bundle(self) -> BundleWriter:
         return _FileWriter(self)
 
-    def _commit_file(self, fd: int, tmp: str, size: int, digest: str, signature: bytes, signer_cert: bytes) -> bool:
-        """An upload's file becomes a bundle: unless the digest is held, the file is made
-        durable under the digest's name (fsync, rename, directory fsync), then its row
-        commits. The file is sealed outside the state's lock (publishes do not wait for the
-        disk behind it); retention leaves the file of a digest being sealed alone."""
-        try:
-            digest = as_str(digest, "digest")
-            sig, cert = norm_blob(signature, "signature"), norm_blob(signer_cert, "signer_cert")
-            with self._lock:
-                if self._read("SELECT 1 FROM bundles WHERE digest = ?", (digest,)):
-                    self.files.discard(fd, tmp)  # the first upload wins
-                    return False
-                self._sealing[digest] = self._sealing.get(digest, 0) + 1
-        except BaseException:
-            self.files.discard(fd, tmp)
-            raise
-        try:
+    def _claim(self, digest: str) -> None:
+        """An upload is about to put its file under `digest`'s name: retention leaves that file
+        alone until the upload's row is committed or given up (`_release`)."""
+        with self._lock:
+            self._sealing[digest] = self._sealing.get(digest, 0) + 1
+
+    def _release(self, digest: str, stored: bool) -> None:
+        """The end of an upload's claim on `digest`'s file. One that stored nothing (a failure,
+        a refusal, a duplicate) deletes the file unless a row names it or another upload of
+        the digest is under way; should the state not say, the next open's sweep does."""
+        with self._lock:
+            self._sealing[digest] -= 1
+            if not self._sealing[digest]:
+                del self._sealing[digest]
+            if stored or digest in self._sealing:
+                return
             try:
-                self.files.seal(fd, tmp, digest)
-            except BaseException:
-                self.files.discard(None, tmp)
-                raise
-            with self._tx() as conn:
-                cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert, parts, "
-                                   "in_file) VALUES (?, x'', ?, ?, ?, ?, 0, 1) ON CONFLICT (digest) DO NOTHING",
-                                   (digest, size, time.time(), sig, cert))
-                return cur.rowcount == 1  # 0: a concurrent upload of the digest won (same bytes, same file)
-        finally:
-            with self._lock:
-                self._sealing[digest] -= 1
-                if not self._sealing[digest]:
-                    del self._sealing[digest]
+                named = self._read("SELECT 1 FROM bundles WHERE digest = ? AND in_file = 1", (digest,))
+            except Exception:  # noqa: BLE001 - the state failed: leave the file to the sweep at open
+                return
+            if not named:
+                self.files.remove([digest])
+
+    def _insert_file_row(self, digest: str, size: int, signature: bytes, signer_cert: bytes) -> bool:
+        with self._tx() as conn:
+            cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert, parts, "
+                               "in_file) VALUES (?, x'', ?, ?, ?, ?, 0, 1) ON CONFLICT (digest) DO NOTHING",
+                               (digest, size, time.time(), signature, signer_cert))
+            return cur.rowcount == 1  # 0: another upload of the digest won (same bytes, same file)
 
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
         digest, blob = as_str(digest, "digest"), norm_bytes(data)
@@ -850,13 +863,14 @@ class SqliteState(BrokerState):
                 raise self._missing_file(digest)
             return fd, int(rows[0][0])
 
-    def _read_fd(self, fd: int, offset: int, length: int) -> bytes:
+    def _read_fd(self, digest: str, fd: int, offset: int, length: int) -> bytes:
+        """`length` bytes of a bundle's file from `offset` (within its row's size); closes `fd`."""
         try:
             out = []
             while length > 0:
                 piece = os.pread(fd, min(length, 1 << 24), offset)
                 if not piece:
-                    break
+                    raise self._short_file(digest)
                 out.append(piece)
                 offset += len(piece)
                 length -= len(piece)
@@ -865,6 +879,11 @@ class SqliteState(BrokerState):
             raise storage_error(self.files.path, exc, "read") from exc
         finally:
             os.close(fd)
+
+    def _short_file(self, digest: str) -> Exception:
+        log.error("broker state %s: the file of bundle %s in %s is shorter than its row says (a damaged volume?); "
+                  "it is dropped at the next start", self.path, digest[:16], self.files.path)
+        return Unavailable("the broker's storage failed during a read: retry later (details in the broker's log)")
 
     def get_bundle(self, digest: str) -> bytes | None:
         digest = as_str(digest, "digest")
@@ -881,7 +900,7 @@ class SqliteState(BrokerState):
             else:
                 return b"".join(r[0] for r in self._read("SELECT data FROM bundle_parts WHERE parts = ? ORDER BY id",
                                                          (rows[0][1],)))
-        return self._read_fd(opened[0], 0, opened[1])
+        return self._read_fd(digest, opened[0], 0, opened[1])
 
     @staticmethod
     def _pieces(conn: sqlite3.Connection, digest: str) -> tuple[int, list[tuple[str, int, int]]] | None:
@@ -903,7 +922,7 @@ class SqliteState(BrokerState):
         opened = self._open_file(digest)
         if opened is not None:
             fd, size = opened
-            return self._read_fd(fd, offset, max(0, min(length, size - offset)))
+            return self._read_fd(digest, fd, offset, max(0, min(length, size - offset)))
         with self._lock:
             try:  # incremental blob I/O: only the chunk's pages are read, never the whole bundle
                 found = self._pieces(self._conn, digest)
@@ -936,7 +955,9 @@ class SqliteState(BrokerState):
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         opened = self._open_file(digest)
         if opened is not None:
-            return self._file_chunks(digest, *opened, chunk)
+            # a file object, not a bare descriptor: closed with the iterator even if it is
+            # never started (a generator's code, and so its `finally`, runs only once it is)
+            return self._file_chunks(digest, open(opened[0], "rb", buffering=0), opened[1], chunk)
         try:
             conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False, timeout=30.0)
         except sqlite3.Error as exc:
@@ -966,22 +987,20 @@ class SqliteState(BrokerState):
                 conn.close()
         return chunks()
 
-    def _file_chunks(self, digest: str, fd: int, size: int, chunk: int) -> Iterator[bytes]:
-        try:
+    def _file_chunks(self, digest: str, f, size: int, chunk: int) -> Iterator[bytes]:
+        with f:
             if not size:
                 yield b""
             offset = 0
             while offset < size:
                 try:
-                    piece = os.pread(fd, min(chunk, size - offset), offset)
+                    piece = os.pread(f.fileno(), min(chunk, size - offset), offset)
                 except OSError as exc:
                     raise storage_error(self.files.path, exc, "read") from exc
                 if not piece:
-                    raise self._missing_file(digest)  # shorter than its row says: damaged
+                    raise self._short_file(digest)
                 offset += len(piece)
                 yield piece
-        finally:
-            os.close(fd)
 
     def bundle_size(self, digest: str) -> int | None:
         rows = self._read("SELECT size FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
@@ -1075,10 +1094,13 @@ class SqliteState(BrokerState):
                     if drop:
                         dropped, files = self._drop_bundles(conn, drop)
                         removed += dropped
-            # the files after their rows (a crash between leaves files no row names: deleted
-            # at the next open), still under the lock, but not the file of a digest an upload
-            # is sealing now (its row is about to name it again)
-            self.files.remove(d for d in files if d not in self._sealing)
+        # the files after their rows (a crash between leaves files no row names: deleted at
+        # the next open), each under the lock, but not the file of a digest an upload has
+        # claimed since (its row is about to name it again)
+        for d in files:
+            with self._lock:
+                if d not in self._sealing:
+                    self.files.remove([d])
         return removed
 
     @staticmethod
@@ -1098,28 +1120,74 @@ class SqliteState(BrokerState):
 
 class _FileWriter(BundleWriter):
     """SqliteState's upload: the chunks appended to a temporary file as they arrive (memory
-    per upload: one chunk), which becomes the bundle's file at commit (bundlefiles.py)."""
+    per upload: one chunk); `prepare` makes it durable under the digest's name (fsync,
+    rename, directory fsync; the caller does it outside its locks), `commit` writes the row
+    (bundlefiles.py). A write that fails aborts the upload: its file no longer matches its
+    size."""
 
     def __init__(self, state: SqliteState) -> None:
         self._sqlite = state
         self._fd: int | None
         self._fd, self._tmp = state.files.create()
+        self._sealed: str | None = None  # the digest this upload's file was put under
+        self._done = False
         self.size = 0
 
+    def _check_open(self) -> None:
+        if self._done or self._fd is None:
+            raise ValueError("this upload was committed, aborted, failed or already prepared")
+
     def write(self, data: bytes) -> None:
-        if self._fd is None:
-            raise ValueError("this upload was committed or aborted")
+        self._check_open()
         if len(data):
-            self._sqlite.files.write(self._fd, data)
+            try:
+                self._sqlite.files.write(self._fd, data)
+            except BaseException:
+                self.abort()
+                raise
             self.size += len(data)
 
+    def prepare(self, digest: str) -> None:
+        if self._sealed is not None and self._sealed == digest and not self._done:
+            return
+        self._check_open()
+        digest = as_str(digest, "digest")
+        fd, self._fd = self._fd, None
+        self._sqlite._claim(digest)
+        self._sealed = digest
+        try:
+            self._sqlite.files.seal(fd, self._tmp, digest)
+        except BaseException:
+            self._sqlite.files.discard(None, self._tmp)
+            self.abort()
+            raise
+
     def commit(self, digest: str, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
-        if self._fd is None:
-            raise ValueError("this upload was committed or aborted")
-        fd, self._fd = self._fd, None  # the commit owns the descriptor and the file from here
-        return self._sqlite._commit_file(fd, self._tmp, self.size, digest, signature, signer_cert)
+        if self._done:
+            raise ValueError("this upload was committed, aborted or failed")
+        digest = as_str(digest, "digest")
+        sig, cert = norm_blob(signature, "signature"), norm_blob(signer_cert, "signer_cert")
+        if self._sealed is None:
+            if self._sqlite._read("SELECT 1 FROM bundles WHERE digest = ?", (digest,)):
+                self.abort()  # the first upload wins: no need to put the file in place
+                return False
+            self.prepare(digest)
+        elif self._sealed != digest:
+            raise ValueError(f"this upload was prepared as {self._sealed[:16]}, not {digest[:16]}")
+        stored = False
+        try:
+            stored = self._sqlite._insert_file_row(digest, self.size, sig, cert)
+            return stored
+        finally:
+            self._done = True
+            self._sqlite._release(digest, stored)
 
     def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
         if self._fd is not None:
             fd, self._fd = self._fd, None
             self._sqlite.files.discard(fd, self._tmp)
+        elif self._sealed is not None:
+            self._sqlite._release(self._sealed, False)

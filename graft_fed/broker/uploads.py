@@ -52,6 +52,7 @@ class BundleUpload:
             rec = self.check.finish()
         except RecordError as exc:
             raise InvalidArgument(f"bundle rejected: {exc}") from None
+        self.writer.prepare(self.digest)  # the disk's part (fsync, rename), before the broker's lock
         return self.store(self, rec)
 
     def abort(self) -> None:

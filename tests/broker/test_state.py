@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from graft_fed.broker.bundlefiles import file_name
-from graft_fed.broker.checkpointer import Checkpointer, safety_pages
+from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
@@ -1052,13 +1053,48 @@ def test_sqlite_a_bundle_whose_file_is_lost_is_dropped_at_open(tmp_path, caplog)
     finally:
         s.close()
     caplog.clear()
+    (tmp_path / "b.db-bundles" / ("b" * 64)).write_bytes(b"bb")  # and one cut short
     s = SqliteState(tmp_path / "b.db")
     try:
-        assert s.has_bundles(["a" * 64, "b" * 64]) == ["b" * 64] and s.get_bundle("b" * 64) == b"bbb"
-        assert s.summaries()[0].bundle_digest == ""
-        assert "1 bundle(s) whose file is missing" in caplog.text
+        assert s.has_bundles(["a" * 64, "b" * 64]) == [] and s.summaries()[0].bundle_digest == ""
+        assert "2 bundle(s) whose file is missing" in caplog.text and os.listdir(s.files.path) == []
+        assert s.put_bundle("c" * 64, b"ccc")
+        (tmp_path / "b.db-bundles" / ("c" * 64)).write_bytes(b"c")  # damaged while the broker runs
+        with pytest.raises(Unavailable):
+            s.get_bundle("c" * 64)
+        with pytest.raises(Unavailable):
+            b"".join(s.iter_bundle("c" * 64, 2))
+        assert "shorter than its row says" in caplog.text
     finally:
         s.close()
+
+
+def test_sqlite_refuses_to_start_when_its_bundles_directory_is_missing(tmp_path):
+    """Rows name files in a directory that is not there (a volume not mounted, the database
+    restored alone): the start stops and deletes nothing; an empty directory is the way to
+    go on without those bundles."""
+    s = SqliteState(tmp_path / "b.db")
+    s.put_bundle("a" * 64, b"aaa")
+    s.close()
+    shutil.rmtree(tmp_path / "b.db-bundles")
+    with pytest.raises(DataError, match=r"names 1 bundle\(s\) stored as files in .*b\.db-bundles.*create it empty"):
+        SqliteState(tmp_path / "b.db")
+    assert not (tmp_path / "b.db-bundles").exists()
+    (tmp_path / "b.db-bundles").mkdir()
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        assert s.bundle_stats() == (0, 0)
+    finally:
+        s.close()
+
+
+def test_sqlite_a_bundles_directory_it_cannot_write_to_stops_the_start(tmp_path):
+    """Where the directory should be there is something the broker cannot write files into
+    (here a file, which fails as a directory of another owner does for a broker not run as
+    root): the start stops, naming the directory and what to check."""
+    (tmp_path / "b.db-bundles").write_bytes(b"not a directory")
+    with pytest.raises(DataError, match=r"b\.db-bundles.*cannot write there.*belong to the broker's user"):
+        SqliteState(tmp_path / "b.db")
 
 
 def test_sqlite_upload_disk_full_is_resource_exhausted_and_stores_nothing(tmp_path, monkeypatch):
@@ -1082,20 +1118,80 @@ def test_sqlite_upload_disk_full_is_resource_exhausted_and_stores_nothing(tmp_pa
 
 
 def test_sqlite_retention_leaves_the_file_of_an_upload_being_sealed(tmp_path, monkeypatch):
-    """Retention drops a digest while a new upload of it is between its file's rename and its
-    row's commit: the file stays, and the new row names it."""
+    """Upload B of a digest has put its file in place but not committed its row when upload
+    A of the same digest commits, and retention then drops A's row: the file must stay (B's
+    row is about to name it). Without the guard B commits a row with no file."""
     s = SqliteState(tmp_path / "b.db")
     try:
-        assert s.put_bundle("a" * 64, b"old")
-        real_seal = s.files.seal
+        b = s.begin_bundle()
+        b.write(b"same bytes")
+        b.prepare("a" * 64)  # B: renamed, row not yet written
+        assert s.put_bundle("a" * 64, b"same bytes")  # A wins the row
+        s.prune(max_bundle_bytes=0)  # retention drops A's row while B still holds its claim
+        assert s.bundle_stats() == (0, 0) and os.listdir(s.files.path) == ["a" * 64]
+        assert b.commit("a" * 64)  # B's row now names the file retention left
+        assert s.get_bundle("a" * 64) == b"same bytes"
+    finally:
+        s.close()
 
-        def seal_then_prune(fd, tmp, digest):
-            real_seal(fd, tmp, digest)
-            s.prune(max_bundle_bytes=0)  # runs after the re-upload saw the digest not held
-        s.prune(max_bundle_bytes=0)
-        monkeypatch.setattr(s.files, "seal", seal_then_prune)
-        assert s.put_bundle("a" * 64, b"old")
-        assert s.get_bundle("a" * 64) == b"old" and os.listdir(s.files.path) == ["a" * 64]
+
+def test_sqlite_an_upload_that_stores_nothing_leaves_no_file(tmp_path, monkeypatch):
+    """After its file was put in place: a refused upload (abort), a failed row commit, and a
+    duplicate of a bundle held in the database (schema 4) delete it; a duplicate of a bundle
+    held as a file keeps it (it is that bundle's)."""
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        w = s.begin_bundle()
+        w.write(b"refused")
+        w.prepare("a" * 64)
+        assert os.listdir(s.files.path) == ["a" * 64]
+        w.abort()
+        assert os.listdir(s.files.path) == [] and s.bundle_stats() == (0, 0)
+
+        def full(*args):
+            raise StorageFull("the broker's storage is full")
+        monkeypatch.setattr(s, "_insert_file_row", full)
+        w = s.begin_bundle()
+        w.write(b"no room for its row")
+        with pytest.raises(StorageFull):
+            w.commit("b" * 64)
+        assert os.listdir(s.files.path) == []
+        w.abort()  # after a failed commit: nothing left to do
+        monkeypatch.undo()
+
+        s._conn.execute("INSERT INTO bundles (digest, data, size, created) VALUES (?, ?, 3, 0)", ("c" * 64, b"old"))
+        w = s.begin_bundle()
+        w.write(b"old")
+        w.prepare("c" * 64)
+        assert not w.commit("c" * 64) and os.listdir(s.files.path) == [] and s.get_bundle("c" * 64) == b"old"
+
+        assert s.put_bundle("d" * 64, b"kept")
+        w = s.begin_bundle()
+        w.write(b"kept")
+        w.prepare("d" * 64)
+        assert not w.commit("d" * 64) and os.listdir(s.files.path) == ["d" * 64] and s.get_bundle("d" * 64) == b"kept"
+    finally:
+        s.close()
+
+
+def test_sqlite_bundle_reads_close_their_files(tmp_path):
+    """No descriptor outlives a read: whole, a chunk, an iteration read to its end, closed
+    half way or never started."""
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        assert s.put_bundle("a" * 64, bytes(10_000))
+        fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+        before = fds()
+        for _ in range(20):
+            s.get_bundle("a" * 64)
+            s.read_bundle("a" * 64, 5, 100)
+            assert len(b"".join(s.iter_bundle("a" * 64, 3000))) == 10_000
+            half = s.iter_bundle("a" * 64, 3000)
+            next(half)
+            half.close()
+            s.iter_bundle("a" * 64, 3000)  # never started, dropped
+        gc.collect()
+        assert fds() == before
     finally:
         s.close()
 
@@ -1184,18 +1280,38 @@ def test_sqlite_checkpoints_run_in_a_thread_not_in_commits(tmp_path):
     s = SqliteState(tmp_path / "b.db")
     try:
         s.checkpointer.stop()
-        s.checkpointer = Checkpointer(s.path, threshold_bytes=3_000_000, poll_s=0.02)
+        s.checkpointer = Checkpointer(s.path, threshold_bytes=3_000_000, poll_s=0.01)
+        time.sleep(0.05)
         s.put_match_set(98, bytes(200_000))
-        s.put_match_set(99, bytes(200_000))  # the WAL starts over (the file truncated) and holds ~0.4 MB
-        assert s.checkpointer.wal_bytes() < 3_000_000
-        time.sleep(0.3)
-        assert s.checkpointer.runs == 0  # under the threshold: left alone
+        s.put_match_set(99, bytes(200_000))
+        time.sleep(0.2)
+        assert s.checkpointer.runs == 0  # grown by less than the threshold: left alone
         s.put_match_set(100, bytes(3_000_000))
         deadline = time.monotonic() + 10
-        while s.checkpointer.last[1] == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert s.checkpointer.last[1] >= 50 and s.checkpointer.alive
+        while s.checkpointer.runs == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.checkpointer.runs == 1 and s.checkpointer.last[1] >= 50 and s.checkpointer.alive
+        s.put_match_set(101, bytes(1000))  # after a complete checkpoint the WAL starts over, its file cut back
+        assert s.checkpointer.wal_bytes() <= WAL_SIZE_LIMIT
         assert s.match_set(100) == bytes(3_000_000) and s.match_set(39) == bytes(2_000_000)
+        # writes that never pause: a checkpoint per threshold of growth, not one per look
+        stop = threading.Event()
+
+        def writer():
+            i = 1000
+            while not stop.is_set():
+                s.put_match_set(i, bytes(300_000))
+                i += 1
+        s.checkpointer.threshold_bytes = 30_000_000  # several polls' worth of this writer's pages
+        looks, runs = s.checkpointer.looks, s.checkpointer.runs
+        t = threading.Thread(target=writer)
+        t.start()
+        time.sleep(1.0)
+        stop.set()
+        t.join()
+        looks, runs = s.checkpointer.looks - looks, s.checkpointer.runs - runs
+        assert 1 <= runs and 2 * runs <= looks, (runs, looks)
+        assert s.checkpointer.failures == 0
     finally:
         s.close()
     assert not s.checkpointer.alive

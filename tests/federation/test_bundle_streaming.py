@@ -162,3 +162,35 @@ def test_fetch_holds_one_chunk_not_the_bundle(prompt_file, tmp_path):
         state.close()
     assert received == 16 * 2**20 and peak_chunk == 256 * 1024
     assert peak < 4 * 256 * 1024, f"peak {peak} bytes while streaming a 16 MiB bundle in 256 KiB chunks"
+
+
+def test_an_uploads_file_is_synced_outside_the_brokers_lock(prompt_file, prompts, tmp_path, monkeypatch):
+    """The bundle file's fsync and rename (bundlefiles.seal) run before the broker takes its
+    lock to check the bundle against its summary: publishes and heartbeats do not wait for
+    the disk behind an upload."""
+    state = SqliteState(tmp_path / "b.db")
+    fed = Federation(broker_config(prompt_file, chunk_kib=256), state)
+    servicer = BrokerServicer(fed)
+    session, _ = fed.join("a", "m", "tok", fed.manifest, "share_all", 0)
+    fed.publish("a", session, 0, [summary_row(prompts[0])])
+    data = encode_bundle(record(prompts[0], 1))
+    real_seal, free = state.files.seal, []
+
+    def seal(*args):
+        def take() -> None:  # from another thread, as a publish would
+            got = fed.cond.acquire(timeout=2)
+            if got:
+                fed.cond.release()
+            free.append(got)
+        t = threading.Thread(target=take)
+        t.start()
+        t.join()
+        return real_seal(*args)
+    monkeypatch.setattr(state.files, "seal", seal)
+    try:
+        resp = servicer.UploadBundle(_chunks(data, 256 * 1024, digest=digest_of(data), total_size=len(data),
+                                             node_id="a", session_id=session, prompt_id=prompts[0].id, round=0),
+                                     _Context())
+        assert resp.stored and free == [True] and state.get_bundle(digest_of(data)) == data
+    finally:
+        state.close()
