@@ -8,11 +8,9 @@ set) also copied tens of megabytes and waited for their fsync. Here a thread wit
 connection runs a PASSIVE checkpoint (it never waits for, nor blocks, the writer or readers)
 each time the WAL file has grown by `THRESHOLD_BYTES` since the last one, as often as
 SQLite's default would (1,000 pages of 64 KiB), only not inside a commit; it looks at the
-file's size every `poll_s`. When a checkpoint leaves nothing uncopied it also asks for a
-TRUNCATE checkpoint without waiting (no busy timeout): if no writer or reader is active
-that instant, SQLite starts the WAL over and empties the file; if one is, nothing happens.
-SQLite also starts the WAL over at the next write after a complete checkpoint, and
-`journal_size_limit` (`WAL_SIZE_LIMIT`) then truncates the file. Under writes that never
+file's size every `poll_s`. SQLite starts the WAL over at the first write after a
+checkpoint that left nothing uncopied, and `journal_size_limit` (`WAL_SIZE_LIMIT`) then
+truncates the file, so its size falls back and counts again from there. Under writes that never
 pause, the WAL keeps growing until the writer's own automatic checkpoint, kept as a safety
 net at `SAFETY_BYTES`, runs in a commit; it finds most pages copied already. A checkpoint
 every second, or on every poll while the file was large, ran during the publishes of
@@ -47,7 +45,7 @@ class Checkpointer:
     """PASSIVE checkpoints of the WAL database at `path` each time its WAL file grew by
     `threshold_bytes` (looked at every `poll_s`), in a daemon thread, until `stop`. `runs`
     counts the checkpoints, `last` is the last one's (frames in the WAL, frames of it in the
-    database), `truncated` the WALs started over; a failure is logged and retried with a
+    database); a failure is logged and retried with a
     growing pause (the WAL keeps everything meanwhile), and `failures` counts them."""
 
     def __init__(self, path: str, threshold_bytes: int = THRESHOLD_BYTES, poll_s: float = 0.25) -> None:
@@ -56,7 +54,6 @@ class Checkpointer:
         self.poll_s = poll_s
         self.looks = 0  # times the thread looked at the WAL's size
         self.runs = 0
-        self.truncated = 0
         self.last: tuple[int, int] = (0, 0)
         self.failures = 0
         self._stop = threading.Event()
@@ -76,14 +73,11 @@ class Checkpointer:
                     continue
                 try:
                     if conn is None:
-                        # no busy timeout: PASSIVE never waits, and TRUNCATE must not
+                        # no busy timeout: a PASSIVE checkpoint never waits
                         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=0.0)
                         conn.execute("PRAGMA synchronous=FULL")  # the database file fsynced after copying
                         conn.execute("PRAGMA cache_size=-1024")
-                    logged, done = self.run_once(conn)
-                    if logged and done == logged:
-                        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-                        self.truncated += not busy
+                    self.run_once(conn)
                     mark = self.wal_bytes()
                     pause = self.poll_s
                 except Exception as exc:  # noqa: BLE001 - logged, retried; the WAL keeps everything
