@@ -1196,18 +1196,23 @@ def test_sqlite_bundle_reads_close_their_files(tmp_path):
         s.close()
 
 
-def test_sqlite_migrates_a_version_4_file_in_place(tmp_path):
-    """Bundles of a version 4 file keep their bytes in bundle_parts and read as before; new
-    ones are files; retention drops both."""
-    path = tmp_path / "b.db"
+def _migrated(path, data: bytes, downgrade) -> SqliteState:
+    """A state holding `data` as the signed bundle "d" * 64, turned into an older schema by
+    `downgrade(connection)`, then opened again (and so migrated)."""
     s = SqliteState(path)
-    data = bytes(range(256)) * 40
     s.put_bundle("d" * 64, data, signature=b"sig", signer_cert=b"cert")
     s.close()
     with sqlite3.connect(path) as c:
-        _as_version_4(c, parts=True)
+        downgrade(c)
     c.close()
-    s = SqliteState(path)
+    return SqliteState(path)
+
+
+def test_sqlite_migrates_a_version_4_file_in_place(tmp_path):
+    """Bundles of a version 4 file keep their bytes in bundle_parts and read as before; new
+    ones are files; retention drops both."""
+    data = bytes(range(256)) * 40
+    s = _migrated(tmp_path / "b.db", data, lambda c: _as_version_4(c, parts=True))
     try:
         assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
         assert s._conn.execute("SELECT COUNT(*) FROM bundle_parts").fetchone()[0] == len(range(0, len(data), 3))
@@ -1223,15 +1228,8 @@ def test_sqlite_migrates_a_version_4_file_in_place(tmp_path):
 
 def test_sqlite_migrates_a_version_3_file_in_place(tmp_path):
     """Bundles of a version 3 file keep their bytes in bundles.data and read as before."""
-    path = tmp_path / "b.db"
-    s = SqliteState(path)
     data = bytes(range(256)) * 1000
-    s.put_bundle("d" * 64, data, signature=b"sig", signer_cert=b"cert")
-    s.close()
-    with sqlite3.connect(path) as c:
-        _as_version_3(c)
-    c.close()
-    s = SqliteState(path)
+    s = _migrated(tmp_path / "b.db", data, _as_version_3)
     try:
         assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
         assert s.get_bundle("d" * 64) == data and s.bundle_provenance("d" * 64) == (b"sig", b"cert")
