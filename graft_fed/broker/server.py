@@ -96,6 +96,16 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
     for key, (name, help_) in counts.items():
         if key in mem:
             metric(name, "gauge", help_, [("", mem[key])])
+    checkpointer = getattr(fed.state, "checkpointer", None)  # a SQLite state's (broker/checkpointer.py)
+    if checkpointer is not None:
+        metric("state_wal_bytes", "gauge", "Size of the state's WAL file (checkpointed each time it grows by 64 MiB).",
+               [("", checkpointer.wal_bytes())])
+        metric("state_checkpoints_total", "counter", "WAL checkpoints the state's checkpointer thread ran.",
+               [("", checkpointer.runs)])
+        metric("state_checkpoint_failures_total", "counter", "WAL checkpoints that failed (each logged, then retried).",
+               [("", checkpointer.failures)])
+        metric("state_checkpointer_up", "gauge", "1 while the state's checkpointer thread runs.",
+               [("", int(checkpointer.alive))])
     lines += node_metrics(fed, servicer.scalars, refusals)
     return "\n".join(lines) + "\n"
 

@@ -188,6 +188,34 @@ def test_metrics_and_healthz(broker, prompts):
     a.close()
 
 
+def test_metrics_say_how_the_state_checkpoints(prompt_file, prompts, tmp_path):
+    """A SQLite state's checkpointer on /metrics: the WAL's size, checkpoints run and failed,
+    whether the thread runs (an operator alerts on failures rising or the thread gone)."""
+    from graft_fed.broker.handlers import Federation
+    from graft_fed.broker.server import render_metrics
+    from graft_fed.broker.servicer import BrokerServicer
+    from graft_fed.broker.state_sqlite import SqliteState
+
+    state = SqliteState(tmp_path / "b.db")
+    fed = Federation(broker_config(prompt_file), state)
+    servicer = BrokerServicer(fed)
+    try:
+        with state._tx() as conn:  # 100 KB into the WAL
+            conn.execute("CREATE TABLE pad (b BLOB)")
+            conn.execute("INSERT INTO pad VALUES (?)", (bytes(100_000),))
+        state.checkpointer.failures = 2
+        values = {line.split()[0]: float(line.split()[1]) for line in render_metrics(fed, servicer).splitlines()
+                  if line.startswith("graft_fed_state_")}
+        assert values["graft_fed_state_wal_bytes"] == state.checkpointer.wal_bytes() > 100_000
+        assert values["graft_fed_state_checkpoints_total"] == state.checkpointer.runs
+        assert values["graft_fed_state_checkpoint_failures_total"] == 2
+        assert values["graft_fed_state_checkpointer_up"] == 1
+        state.checkpointer.stop()  # as if the thread had died
+        assert "graft_fed_state_checkpointer_up 0" in render_metrics(fed, servicer).splitlines()
+    finally:
+        state.close()
+
+
 def test_a_call_that_asks_gets_the_brokers_timing_in_its_trailers(broker, prompts):
     a = client(broker, prompts, "a")
     heartbeat = pb.HeartbeatRequest(node_id="a", session_id=a.session, round=0, tag=new_tag())
