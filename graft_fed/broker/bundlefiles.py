@@ -111,7 +111,7 @@ class BundleFiles:
             finally:
                 os.close(fd)
             os.replace(tmp, self.file(digest))
-            self._sync_dir()
+            _sync_dir(self.path)
         except OSError as exc:
             raise storage_error(self.path, exc, "write") from exc
 
@@ -180,10 +180,6 @@ class BundleFiles:
         if stray:
             log.info("broker bundle files %s: deleted %d file(s) of uploads a crash cut off", self.path, stray)
         return [d for name, d in names.items() if name not in present]
-
-    def _sync_dir(self) -> None:
-        _sync_dir(self.path)
-
 
 def _sync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -45,8 +45,8 @@ class Checkpointer:
     """PASSIVE checkpoints of the WAL database at `path` each time its WAL file grew by
     `threshold_bytes` (looked at every `poll_s`), in a daemon thread, until `stop`. `runs`
     counts the checkpoints, `last` is the last one's (frames in the WAL, frames of it in the
-    database); a failure is logged and retried with a
-    growing pause (the WAL keeps everything meanwhile), and `failures` counts them."""
+    database); a failure is logged and retried with a growing pause (the WAL keeps everything
+    meanwhile), and `failures` counts them."""
 
     def __init__(self, path: str, threshold_bytes: int = THRESHOLD_BYTES, poll_s: float = 0.25) -> None:
         self.path = path

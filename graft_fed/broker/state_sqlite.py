@@ -846,9 +846,9 @@ class SqliteState(BrokerState):
         rows = self._read("SELECT signature, signer_cert FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
         return (bytes(rows[0][0]), bytes(rows[0][1])) if rows else None
 
-    def _missing_file(self, digest: str) -> Exception:
-        log.error("broker state %s: bundle %s has a row but no file in %s (a damaged volume?); it is dropped at "
-                  "the next start", self.path, digest[:16], self.files.path)
+    def _damaged_file(self, digest: str, what: str) -> Exception:
+        log.error("broker state %s: bundle %s %s in %s (a damaged volume?); it is dropped at the next start",
+                  self.path, digest[:16], what, self.files.path)
         return Unavailable("the broker's storage failed during a read: retry later (details in the broker's log)")
 
     def _open_file(self, digest: str) -> tuple[int, int] | None:
@@ -860,47 +860,44 @@ class SqliteState(BrokerState):
                 return None
             fd = self.files.open(digest)
             if fd is None:
-                raise self._missing_file(digest)
+                raise self._damaged_file(digest, "has a row but no file")
             return fd, int(rows[0][0])
 
-    def _read_fd(self, digest: str, fd: int, offset: int, length: int) -> bytes:
-        """`length` bytes of a bundle's file from `offset` (within its row's size); closes `fd`."""
-        try:
-            out = []
-            while length > 0:
-                piece = os.pread(fd, min(length, 1 << 24), offset)
-                if not piece:
-                    raise self._short_file(digest)
-                out.append(piece)
-                offset += len(piece)
-                length -= len(piece)
-            return b"".join(out)
-        except OSError as exc:
-            raise storage_error(self.files.path, exc, "read") from exc
-        finally:
-            os.close(fd)
+    def _file_chunks(self, digest: str, fd: int, start: int, end: int, chunk: int) -> Iterator[bytes]:
+        """Bytes [start, end) of a bundle's file (within its row's size) in chunks of at most
+        `chunk` (one empty chunk when there are none), from descriptor `fd`, which it closes.
+        The descriptor is held by a file object made now, before the generator runs, so it is
+        closed with the iterator even if that is never started (a generator's code, and so its
+        `finally`, runs only once it is)."""
+        f = open(fd, "rb", buffering=0)
 
-    def _short_file(self, digest: str) -> Exception:
-        log.error("broker state %s: the file of bundle %s in %s is shorter than its row says (a damaged volume?); "
-                  "it is dropped at the next start", self.path, digest[:16], self.files.path)
-        return Unavailable("the broker's storage failed during a read: retry later (details in the broker's log)")
+        def chunks() -> Iterator[bytes]:
+            with f:
+                if start == end:
+                    yield b""
+                offset = start
+                while offset < end:
+                    try:
+                        piece = os.pread(f.fileno(), min(chunk, end - offset), offset)
+                    except OSError as exc:
+                        raise storage_error(self.files.path, exc, "read") from exc
+                    if not piece:
+                        raise self._damaged_file(digest, "has a file shorter than its row says")
+                    offset += len(piece)
+                    yield piece
+        return chunks()
 
     def get_bundle(self, digest: str) -> bytes | None:
         digest = as_str(digest, "digest")
+        opened = self._open_file(digest)
+        if opened is not None:
+            return b"".join(self._file_chunks(digest, opened[0], 0, opened[1], 1 << 24))
         with self._lock:
-            rows = self._read("SELECT data, parts, in_file FROM bundles WHERE digest = ?", (digest,))
-            if not rows:
-                return None
-            if rows[0][2]:
-                opened = self._open_file(digest)
-                if opened is None:
-                    return None
-            elif not rows[0][1]:
-                return bytes(rows[0][0])
-            else:
-                return b"".join(r[0] for r in self._read("SELECT data FROM bundle_parts WHERE parts = ? ORDER BY id",
-                                                         (rows[0][1],)))
-        return self._read_fd(digest, opened[0], 0, opened[1])
+            rows = self._read("SELECT data, parts FROM bundles WHERE digest = ? AND in_file = 0", (digest,))
+            if not rows or not rows[0][1]:
+                return bytes(rows[0][0]) if rows else None
+            return b"".join(r[0] for r in self._read("SELECT data FROM bundle_parts WHERE parts = ? ORDER BY id",
+                                                     (rows[0][1],)))
 
     @staticmethod
     def _pieces(conn: sqlite3.Connection, digest: str) -> tuple[int, list[tuple[str, int, int]]] | None:
@@ -922,7 +919,8 @@ class SqliteState(BrokerState):
         opened = self._open_file(digest)
         if opened is not None:
             fd, size = opened
-            return self._read_fd(digest, fd, offset, max(0, min(length, size - offset)))
+            start = min(offset, size)
+            return b"".join(self._file_chunks(digest, fd, start, min(size, start + length), 1 << 24))
         with self._lock:
             try:  # incremental blob I/O: only the chunk's pages are read, never the whole bundle
                 found = self._pieces(self._conn, digest)
@@ -955,9 +953,7 @@ class SqliteState(BrokerState):
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         opened = self._open_file(digest)
         if opened is not None:
-            # a file object, not a bare descriptor: closed with the iterator even if it is
-            # never started (a generator's code, and so its `finally`, runs only once it is)
-            return self._file_chunks(digest, open(opened[0], "rb", buffering=0), opened[1], chunk)
+            return self._file_chunks(digest, opened[0], 0, opened[1], chunk)
         try:
             conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False, timeout=30.0)
         except sqlite3.Error as exc:
@@ -986,21 +982,6 @@ class SqliteState(BrokerState):
             finally:
                 conn.close()
         return chunks()
-
-    def _file_chunks(self, digest: str, f, size: int, chunk: int) -> Iterator[bytes]:
-        with f:
-            if not size:
-                yield b""
-            offset = 0
-            while offset < size:
-                try:
-                    piece = os.pread(f.fileno(), min(chunk, size - offset), offset)
-                except OSError as exc:
-                    raise storage_error(self.files.path, exc, "read") from exc
-                if not piece:
-                    raise self._short_file(digest)
-                offset += len(piece)
-                yield piece
 
     def bundle_size(self, digest: str) -> int | None:
         rows = self._read("SELECT size FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
@@ -1148,7 +1129,7 @@ class _FileWriter(BundleWriter):
             self.size += len(data)
 
     def prepare(self, digest: str) -> None:
-        if self._sealed is not None and self._sealed == digest and not self._done:
+        if self._sealed == digest and not self._done:
             return
         self._check_open()
         digest = as_str(digest, "digest")
