@@ -62,7 +62,8 @@ class Checkpointer:
 
     def _loop(self) -> None:
         conn = None
-        mark = self.wal_bytes()  # the file's size after the last checkpoint
+        mark = self.wal_bytes()  # where in the file the last checkpoint's copied frames end
+        frame = 0  # bytes per WAL frame: a page and its 24-byte header
         pause = self.poll_s
         try:
             while not self._stop.wait(pause):
@@ -77,8 +78,11 @@ class Checkpointer:
                         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=0.0)
                         conn.execute("PRAGMA synchronous=FULL")  # the database file fsynced after copying
                         conn.execute("PRAGMA cache_size=-1024")
-                    self.run_once(conn)
-                    mark = self.wal_bytes()
+                        frame = 24 + conn.execute("PRAGMA page_size").fetchone()[0]
+                    _, done = self.run_once(conn)
+                    # frames a commit was still appending when the checkpoint ran are not
+                    # copied: they count as growth towards the next one, not as done
+                    mark = min(self.wal_bytes(), 32 + done * frame)
                     pause = self.poll_s
                 except Exception as exc:  # noqa: BLE001 - logged, retried; the WAL keeps everything
                     self.failures += 1

@@ -1286,9 +1286,11 @@ def test_sqlite_checkpoints_run_in_a_thread_not_in_commits(tmp_path):
         assert s.checkpointer.runs == 0  # grown by less than the threshold: left alone
         s.put_match_set(100, bytes(3_000_000))
         deadline = time.monotonic() + 10
-        while s.checkpointer.runs == 0 and time.monotonic() < deadline:
+        while s.checkpointer.last[1] < 50 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert s.checkpointer.runs == 1 and s.checkpointer.last[1] >= 50 and s.checkpointer.alive
+        # one checkpoint, or two when the first looked while the commit was still appending
+        # its frames (it copies only committed ones; the rest count towards the next)
+        assert 1 <= s.checkpointer.runs <= 2 and s.checkpointer.last[1] >= 50 and s.checkpointer.alive
         s.put_match_set(101, bytes(1000))  # the first write after a complete checkpoint starts the WAL over
         probe = sqlite3.connect(tmp_path / "b.db", isolation_level=None)
         try:
