@@ -162,30 +162,33 @@ class TimingInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
 
 
+def _mapped(stats: "RpcStats", name: str, context: grpc.ServicerContext, t0: float, step: Callable[[], Any]) -> Any:
+    """step(), its domain errors mapped to status codes and anything unexpected to a
+    sanitised INTERNAL (the call aborted, the failure counted in `stats`)."""
+    try:
+        return step()
+    except FederationError as exc:
+        code, message = to_status(exc)
+        stats.observe(name, code, time.perf_counter() - t0)
+        _abort(context, code, message)
+    except Exception:  # noqa: BLE001 - the last line of defence: never leak internals
+        log.exception("%s failed", name)
+        stats.observe(name, grpc.StatusCode.INTERNAL, time.perf_counter() - t0)
+        _abort(context, grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
 def _rpc(method: Callable) -> Callable:
-    """Map domain errors to status codes; anything unexpected becomes a sanitised INTERNAL."""
+    """A handler with one answer: its request checked first (a stream's messages are
+    checked one by one), its errors mapped (_mapped), its call counted."""
     name = method.__name__
 
     @functools.wraps(method)
     def wrapper(self: "BrokerServicer", request: Any, context: grpc.ServicerContext) -> Any:
         t0 = time.perf_counter()
-        code = grpc.StatusCode.OK
-        try:
-            if not isinstance(request, abc.Iterator):  # a stream's messages are checked one by one
-                request = parsed(request)
-            return method(self, request, context)
-        except FederationError as exc:
-            code, message = to_status(exc)
-            self.stats.observe(name, code, time.perf_counter() - t0)
-            _abort(context, code, message)
-        except Exception:  # noqa: BLE001 - the last line of defence: never leak internals
-            log.exception("%s failed", name)
-            code = grpc.StatusCode.INTERNAL
-            self.stats.observe(name, code, time.perf_counter() - t0)
-            _abort(context, code, INTERNAL_MESSAGE)
-        finally:
-            if code == grpc.StatusCode.OK:
-                self.stats.observe(name, code, time.perf_counter() - t0)
+        answer = _mapped(self.stats, name, context, t0, lambda: method(
+            self, request if isinstance(request, abc.Iterator) else parsed(request), context))
+        self.stats.observe(name, grpc.StatusCode.OK, time.perf_counter() - t0)
+        return answer
     return wrapper
 
 
@@ -330,24 +333,13 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     def FetchBundle(self, request: pb.FetchBundleRequest, context: Any) -> Iterator[pb.BundleChunk]:
         t0 = time.perf_counter()
-        try:
-            request = parsed(request)
-            size, signature, cert = self.fed.open_bundle(request.node_id, request.session_id, request.digest)
-        except FederationError as exc:
-            code, message = to_status(exc)
-            self.stats.observe("FetchBundle", code, time.perf_counter() - t0)
-            _abort(context, code, message)
-        except Exception:  # noqa: BLE001 - never leak internals
-            log.exception("FetchBundle failed")
-            self.stats.observe("FetchBundle", grpc.StatusCode.INTERNAL, time.perf_counter() - t0)
-            _abort(context, grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
-        try:
-            hold = self.fetches.hold(request.node_id)
-            hold.__enter__()
-        except FederationError as exc:
-            code, message = to_status(exc)
-            self.stats.observe("FetchBundle", code, time.perf_counter() - t0)
-            _abort(context, code, message)
+
+        def opened() -> tuple[Any, int, bytes, bytes]:
+            checked = parsed(request)
+            return checked, *self.fed.open_bundle(checked.node_id, checked.session_id, checked.digest)
+        request, size, signature, cert = _mapped(self.stats, "FetchBundle", context, t0, opened)
+        hold = self.fetches.hold(request.node_id)
+        _mapped(self.stats, "FetchBundle", context, t0, hold.__enter__)
         try:
             self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
             # one chunk read from the state at a time: memory per fetch is bounded by the chunk
