@@ -83,9 +83,11 @@ def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds:
         req.tag.CopyFrom(new_tag())  # replay protection: fresh id and send time per request
         barrier.wait()
         out["t_send"][r][i] = time.perf_counter()
+        sent = time.monotonic()
         resp, out["publish_times"][r][i] = _traced(f"{c.node_id} round {r} PublishSummaries", out["t_send"][r][i],
                                                    lambda: _timed(c.stub.PublishSummaries, req, timeout_s, timing))
         out["t_ack"][r][i] = time.perf_counter()
+        c.answered("PublishSummaries", sent)  # what BrokerClient.publish does: no heartbeat needed for a while
         out["accepted"][r][i] = resp.accepted
         while True:
             out["polls"][r][i] += 1
@@ -93,9 +95,11 @@ def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds:
             # objects, so that node threads sharing a process's GIL do not add their
             # decoding to each other's latency (a real node is a process)
             ask = pb.MatchRequest(node_id=c.node_id, session_id=c.session, round=r, wait_ms=30000)
+            sent = time.monotonic()
             m, out["match_times"][r][i] = _traced(f"{c.node_id} round {r} GetMatches #{out['polls'][r][i]}",
                                                   out["t_send"][r][i],
                                                   lambda: _timed(c.stub.GetMatches, ask, timeout_s, timing))
+            c.answered("GetMatches", sent)
             if m.ready:
                 break
         out["t_ready"][r][i] = time.perf_counter()

@@ -107,3 +107,36 @@ def test_nodes_learn_the_interval_from_join_and_from_heartbeat_answers(prompt_fi
 def test_the_rate_is_checked(prompt_file):
     with pytest.raises(ConfigError, match="max_heartbeats_per_s"):
         broker_config(prompt_file, max_heartbeats_per_s=0.5)
+
+
+def _calls_for(seconds: float, call) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        call()
+        time.sleep(0.05)
+
+
+def test_a_node_busy_with_calls_sends_no_heartbeats_and_stays_online(prompt_file):
+    # every call the broker marks the node alive for stands in for a heartbeat: a node busy
+    # with them for three offline windows sends none and is never seen offline; once it falls
+    # quiet it heartbeats again; calls that do not mark it (GetStatus) do not stand in
+    broker = start_broker(broker_config(prompt_file, heartbeat_interval_s=0.2, offline_after_s=0.6))
+    c = BrokerClient(broker.address, "busy", rpc_timeout_s=5)
+    try:
+        prompts = load_prompts(DataConfig(source=str(prompt_file)))
+        c.join("m", "tok", manifest(prompts), "share_all", 0)
+        fed = broker.fed
+        seen: list[str] = []
+        _calls_for(1.8, lambda: (c.has_bundles(["0" * 64]), seen.append(fed.node_state(fed.registry.get("busy")))))
+        assert c.heartbeats_sent == 0 and c.heartbeats_skipped >= 5
+        assert set(seen) == {"online"}
+        _calls_for(1.0, lambda: (c.status(), seen.append(fed.node_state(fed.registry.get("busy")))))
+        assert c.heartbeats_sent >= 3  # GetStatus does not mark it alive: the heartbeats did
+        assert set(seen) == {"online"}
+        sent = c.heartbeats_sent
+        time.sleep(0.7)  # quiet: a heartbeat every interval
+        assert c.heartbeats_sent >= sent + 2
+        assert fed.node_state(fed.registry.get("busy")) == "online"
+    finally:
+        c.close()
+        broker.stop(0)
