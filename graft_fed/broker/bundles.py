@@ -33,14 +33,14 @@ class Bundles(Part):
         for d in digests:
             if not is_digest(d):
                 raise InvalidArgument(f"malformed digest {clip(d, 70)}: expected 64 lowercase hex digits")
-        with self.cond:
-            self.registry.touch(node_id, session_id)
-            return self.state.has_bundles(digests)
+        # neither waits for the broker's lock: a session check, then a read of the state
+        self.registry.touch(node_id, session_id)
+        return self.state.has_bundles(digests)
 
     def upload_allowed(self, node_id: str, session_id: str) -> None:
-        """Checks that need no payload, run before receiving the chunks."""
-        with self.cond:
-            node = self.registry.touch(node_id, session_id)
+        """Checks that need no payload, run before receiving the chunks (without the broker's
+        lock, as a heartbeat's session check)."""
+        node = self.registry.touch(node_id, session_id)
         if node.privacy == "summaries_only":
             raise PermissionDenied(f"node {clip(node_id)} declared privacy summaries_only; it uploads no trajectories")
         if node_id in self.ctx.quarantined():
@@ -96,23 +96,31 @@ class Bundles(Part):
 
     def _store_upload(self, up: BundleUpload, rec: GroupRecord) -> bool:
         """The end of an upload whose bytes hashed to its digest and hold `rec`: check the
-        record against its summary, commit the bytes, attach the digest, wake the waiters."""
+        record against its summary, commit the bytes, attach the digest, wake the waiters.
+
+        The state's reads and writes happen outside the broker's lock (the state serialises
+        its own), so that concurrent uploads share the state's group commits (with each
+        other and with publishes) instead of queueing one commit at a time behind that lock
+        (issue 13, eighteenth pass). Retention (prune, under the lock) racing an upload at
+        worst drops a bundle just stored, as it would a moment later; the digest is attached
+        only to a summary the state still holds, and the round index is rebuilt from the
+        state after a prune."""
         node_id, round, prompt_id = up.node_id, up.round, up.prompt_id
+        summary = self.ctx.summary(node_id, round, prompt_id)
+        if summary is None:
+            raise NotFound(f"node {clip(node_id)} published no summary for prompt {clip(prompt_id)} in round {round}")
+        if (rec.prompt_id != prompt_id or rec.k != summary.k or rec.n != summary.n
+                or list(rec.mean_logprobs) != list(summary.mean_logprobs)
+                or list(rec.lengths) != list(summary.lengths) or rec.step != summary.policy_version):
+            raise InvalidArgument("the bundle does not hold the group its summary describes "
+                                  "(prompt id, k, n, lengths, step or mean log-probs differ)")
+        stored = up.writer.commit(up.digest, signature=up.signature, signer_cert=up.signer_cert)
+        if self.state.set_bundle_digest(node_id, round, prompt_id, up.digest):
+            self.index.set_digest(round, node_id, prompt_id, up.digest)
         with self.cond:
-            summary = self.ctx.summary(node_id, round, prompt_id)
-            if summary is None:
-                raise NotFound(f"node {clip(node_id)} published no summary for prompt {clip(prompt_id)} in round {round}")
-            if (rec.prompt_id != prompt_id or rec.k != summary.k or rec.n != summary.n
-                    or list(rec.mean_logprobs) != list(summary.mean_logprobs)
-                    or list(rec.lengths) != list(summary.lengths) or rec.step != summary.policy_version):
-                raise InvalidArgument("the bundle does not hold the group its summary describes "
-                                      "(prompt id, k, n, lengths, step or mean log-probs differ)")
-            stored = up.writer.commit(up.digest, signature=up.signature, signer_cert=up.signer_cert)
             if stored:
                 self.bytes_by_node[node_id] += up.size
                 self.counters["bundles_signed" if up.signature else "bundles_unsigned"] += 1
-            self.state.set_bundle_digest(node_id, round, prompt_id, up.digest)
-            self.index.set_digest(round, node_id, prompt_id, up.digest)
             self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
             self.counters["bundle_bytes_in"] += up.size
         self.wakeups.wake(bundles_key(self.cfg.mode, round))

@@ -201,12 +201,20 @@ _MAX_PARAMS = 999
 
 class _Job:
     """One caller's part of a group commit: its blocks (normalised, each with its encoding),
-    and the node row to write with them (its `published` count raised by what is stored)."""
+    and the node row to write with them (its `published` count raised by what is stored);
+    or an uploaded bundle's row, (digest, size, signature, certificate), whose file is in
+    place (result: 1 when stored, 0 when the digest was held); or a digest to attach to a
+    held summary, (node, round, prompt id, digest) (result: 1 when attached, 0 when no such
+    summary is held). Concurrent uploads thus share commits with each other and with
+    publishes (issue 13, eighteenth pass)."""
 
-    __slots__ = ("blocks", "encoded", "node", "done", "lead", "result", "error")
+    __slots__ = ("blocks", "encoded", "node", "bundle", "attach", "done", "lead", "result", "error")
 
-    def __init__(self, blocks: list[SummaryBlock], encoded: list[bytes], node: NodeRow | None) -> None:
+    def __init__(self, blocks: list[SummaryBlock], encoded: list[bytes], node: NodeRow | None,
+                 bundle: tuple[str, int, bytes, bytes] | None = None,
+                 attach: tuple[str, int, str, str] | None = None) -> None:
         self.blocks, self.encoded, self.node = blocks, encoded, node
+        self.bundle, self.attach = bundle, attach
         self.done = threading.Event()
         self.lead = False  # woken to commit the next group rather than with a result
         self.result: Any = None
@@ -638,11 +646,27 @@ class SqliteState(BrokerState):
         """The jobs' blocks and node rows, in three statements for all of them (one read, two
         multi-row INSERTs; a fourth for bundle digests, which publishes do not carry). A job
         that fails to plan gets its error and writes nothing; the others' results are set."""
-        held = self._held_many(conn, {(b.node_id, b.round) for j in jobs for b in j.blocks if len(b)})
+        held = self._held_many(conn, {(b.node_id, b.round) for j in jobs for b in j.blocks if len(b)}
+                               | {j.attach[:2] for j in jobs if j.attach is not None})
         blocks: list[tuple] = []
         digests: list[tuple] = []
         nodes: list[tuple] = []
         for j in jobs:
+            if j.bundle is not None:
+                cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert, parts, "
+                                   "in_file) VALUES (?, x'', ?, ?, ?, ?, 0, 1) ON CONFLICT (digest) DO NOTHING",
+                                   (j.bundle[0], j.bundle[1], time.time(), j.bundle[2], j.bundle[3]))
+                j.result = int(cur.rowcount == 1)  # 0: another upload of the digest won (same bytes)
+                continue
+            if j.attach is not None:
+                got = held.get(j.attach[:2])
+                if isinstance(got, Exception):
+                    j.error = got
+                    continue
+                j.result = int(got is not None and any(j.attach[2] in ids for ids in got[0]))
+                if j.result:  # written after the group's blocks, which may hold its summary
+                    digests.append(j.attach)
+                continue
             try:
                 rows, dg, accepted = self._plan(j, held)
             except Exception as exc:  # noqa: BLE001 - this caller's failure, re-raised to it
@@ -753,6 +777,8 @@ class SqliteState(BrokerState):
     def set_bundle_digest(self, node_id: str, round: int, prompt_id: str, digest: str) -> bool:
         key = (as_str(node_id, "node_id"), as_int(round, "round"), as_str(prompt_id, "prompt_id"),
                as_str(digest, "digest"))
+        if key[3]:  # an upload's: in the next group commit, with the other uploads' and publishes'
+            return bool(self._grouped(_Job([], [], None, attach=key)))
         with self._tx() as conn:
             if key[2] not in self._held_ids(conn, key[0], key[1])[0]:
                 return False
@@ -826,11 +852,8 @@ class SqliteState(BrokerState):
                 self.files.remove([digest])
 
     def _insert_file_row(self, digest: str, size: int, signature: bytes, signer_cert: bytes) -> bool:
-        with self._tx() as conn:
-            cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert, parts, "
-                               "in_file) VALUES (?, x'', ?, ?, ?, ?, 0, 1) ON CONFLICT (digest) DO NOTHING",
-                               (digest, size, time.time(), signature, signer_cert))
-            return cur.rowcount == 1  # 0: another upload of the digest won (same bytes, same file)
+        """The row of a bundle whose file is in place, in the next group commit."""
+        return bool(self._grouped(_Job([], [], None, bundle=(digest, size, signature, signer_cert))))
 
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
         digest, blob = as_str(digest, "digest"), norm_bytes(data)

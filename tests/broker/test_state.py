@@ -794,16 +794,18 @@ def _group_of(s: SqliteState, calls: list[tuple[str, object]], results: dict[str
         except Exception as exc:  # noqa: BLE001 - what the caller would see
             results[name] = exc
 
+    deadline = time.monotonic() + 20
     with s._lock:
         threads = [threading.Thread(target=run, args=calls[0])]
         threads[0].start()
         while not s._group_leader or s._group:
-            pass
+            assert time.monotonic() < deadline, "the first call never led a group commit"
         for call in calls[1:]:
             threads.append(threading.Thread(target=run, args=call))
             threads[-1].start()
         while len(s._group) < len(calls) - 1:
-            pass
+            assert time.monotonic() < deadline, (f"{len(s._group)} of {len(calls) - 1} calls queued for the group "
+                                                 "commit: the others wrote on their own")
     for t in threads:
         t.join(timeout=30)
 
@@ -840,6 +842,42 @@ def test_sqlite_group_commit_shares_one_transaction_and_isolates_failures(tmp_pa
     try:
         assert sorted((r.node_id, r.prompt_id) for r in s.summaries()) == [
             ("b", "p0"), ("b", "p1"), ("d", "p0"), ("e", "p2"), ("e", "p3"), ("e", "p4"), ("lead", "p0")]
+    finally:
+        s.close()
+
+
+def test_sqlite_uploads_share_group_commits_with_each_other_and_with_publishes(tmp_path):
+    """An upload's row and the attachment of its digest to its summary go through the same
+    group commit as publishes: uploads queued while a commit is under way share the next
+    one. A second upload of a digest in the group stores nothing; a digest for a summary the
+    state does not hold is not attached."""
+    import hashlib
+
+    s = SqliteState(tmp_path / "g.db")
+    try:
+        s.put_summaries([summ("a", 0, f"p{i}") for i in range(3)])
+        blobs = [f"bundle {i}".encode() for i in range(3)] + [b"bundle 0"]
+        digests = [hashlib.sha256(b).hexdigest() for b in blobs]
+        writers = []
+        for b, d in zip(blobs, digests):
+            w = s.begin_bundle()
+            w.write(b)
+            w.prepare(d)  # the file in place, as an upload's finish does before the broker's lock
+            writers.append(w)
+        results: dict[str, object] = {}
+        calls = [("publish", lambda: s.put_summaries([summ("b", 0, "p0")]))]
+        calls += [(f"row{i}", (lambda w=w, d=d: w.commit(d))) for i, (w, d) in enumerate(zip(writers, digests))]
+        calls += [(f"attach{i}", (lambda i=i: s.set_bundle_digest("a", 0, f"p{i}", digests[i]))) for i in range(3)]
+        calls += [("stray", lambda: s.set_bundle_digest("a", 0, "not-published", digests[0]))]
+        _group_of(s, calls, results)
+        assert results["publish"] == (1, 0)
+        assert sorted(results[f"row{i}"] for i in range(4)) == [False, True, True, True]  # bundle 0 twice: one stores
+        assert results["row1"] is True and results["row2"] is True
+        assert [results[f"attach{i}"] for i in range(3)] == [True, True, True] and results["stray"] is False
+        assert (s.group_commits, s.grouped_calls) == (3, 10)  # the first put, the lead, then one group of 8
+        assert {r.prompt_id: r.bundle_digest for r in s.summaries(node_id="a")} == {
+            f"p{i}": digests[i] for i in range(3)}
+        assert [s.get_bundle(d) for d in digests[:3]] == blobs[:3]
     finally:
         s.close()
 
