@@ -102,9 +102,9 @@ class Bundles(Part):
         its own), so that concurrent uploads share the state's group commits (with each
         other and with publishes) instead of queueing one commit at a time behind that lock
         (issue 13, eighteenth pass). Retention (prune, under the lock) racing an upload at
-        worst drops a bundle just stored, as it would a moment later; the digest is attached
-        only to a summary the state still holds, and the round index is rebuilt from the
-        state after a prune."""
+        worst drops a bundle just stored, as it would a moment later (its file is deleted
+        only once no row names it); the digest is attached only to a summary the state still
+        holds, and not put back into a round index that a prune cleared meanwhile."""
         node_id, round, prompt_id = up.node_id, up.round, up.prompt_id
         summary = self.ctx.summary(node_id, round, prompt_id)
         if summary is None:
@@ -114,15 +114,16 @@ class Bundles(Part):
                 or list(rec.lengths) != list(summary.lengths) or rec.step != summary.policy_version):
             raise InvalidArgument("the bundle does not hold the group its summary describes "
                                   "(prompt id, k, n, lengths, step or mean log-probs differ)")
+        generation = self.index.generation  # a prune after this clears the index: see set_digest
         stored = up.writer.commit(up.digest, signature=up.signature, signer_cert=up.signer_cert)
-        if self.state.set_bundle_digest(node_id, round, prompt_id, up.digest):
-            self.index.set_digest(round, node_id, prompt_id, up.digest)
-        with self.cond:
+        with self.cond:  # counted once stored, whatever happens to the attachment
             if stored:
                 self.bytes_by_node[node_id] += up.size
                 self.counters["bundles_signed" if up.signature else "bundles_unsigned"] += 1
             self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
             self.counters["bundle_bytes_in"] += up.size
+        if self.state.set_bundle_digest(node_id, round, prompt_id, up.digest):
+            self.index.set_digest(round, node_id, prompt_id, up.digest, since=generation)
         self.wakeups.wake(bundles_key(self.cfg.mode, round))
         return stored
 

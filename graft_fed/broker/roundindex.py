@@ -126,6 +126,9 @@ class RoundIndex:
         self.keep = max(2, keep)
         self._books: OrderedDict[int, RoundBook] = OrderedDict()
         self.lock = threading.RLock()
+        #: how often the index was cleared (retention): a writer that read the state before a
+        #: clear must not put what it read back into the rebuilt books (`set_digest`'s `since`)
+        self.generation = 0
 
     def book(self, round: int) -> RoundBook:
         with self.lock:
@@ -168,10 +171,13 @@ class RoundIndex:
         with self.lock:
             self.book(round).add_columns(node_id, pids, ks)
 
-    def set_digest(self, round: int, node_id: str, prompt_id: str, digest: str) -> None:
-        """Record a bundle attached to a summary the state holds (after the write returned)."""
+    def set_digest(self, round: int, node_id: str, prompt_id: str, digest: str, since: int | None = None) -> None:
+        """Record a bundle attached to a summary the state holds (after the write returned).
+        With `since` (the generation read before the write), nothing when the index was
+        cleared meanwhile: the books rebuilt from the state say what it still holds."""
         with self.lock:
-            self.book(round).set_digest(node_id, prompt_id, digest)
+            if since is None or since == self.generation:
+                self.book(round).set_digest(node_id, prompt_id, digest)
 
     def published(self, round: int) -> set[str]:
         with self.lock:
@@ -189,6 +195,7 @@ class RoundIndex:
         """Forget every book (after retention pruned the state); rebuilt on demand."""
         with self.lock:
             self._books.clear()
+            self.generation += 1
 
     def kn(self, round: int) -> tuple[list[str], list[str], np.ndarray]:
         """(participants sorted, prompt ids of the columns, k matrix) of one round."""

@@ -842,14 +842,20 @@ class SqliteState(BrokerState):
             self._sealing[digest] -= 1
             if not self._sealing[digest]:
                 del self._sealing[digest]
-            if stored or digest in self._sealing:
+            if digest in self._sealing:
                 return
+            # also after a store: retention may have dropped the row since (it leaves the
+            # files of claimed digests alone), and then nothing else deletes the file
             try:
-                named = self._read("SELECT 1 FROM bundles WHERE digest = ? AND in_file = 1", (digest,))
+                named = self._names_file(digest)
             except Exception:  # noqa: BLE001 - the state failed: leave the file to the sweep at open
                 return
             if not named:
                 self.files.remove([digest])
+
+    def _names_file(self, digest: str) -> bool:
+        """Whether a row names `digest`'s file (under the lock, or racing the writers)."""
+        return bool(self._read("SELECT 1 FROM bundles WHERE digest = ? AND in_file = 1", (digest,)))
 
     def _insert_file_row(self, digest: str, size: int, signature: bytes, signer_cert: bytes) -> bool:
         """The row of a bundle whose file is in place, in the next group commit."""
@@ -1100,10 +1106,11 @@ class SqliteState(BrokerState):
                         removed += dropped
         # the files after their rows (a crash between leaves files no row names: deleted at
         # the next open), each under the lock, but not the file of a digest an upload has
-        # claimed since (its row is about to name it again)
+        # claimed since (its row is about to name it again) or stored since (its row names it:
+        # uploads commit in group commits that do not wait for retention)
         for d in files:
             with self._lock:
-                if d not in self._sealing:
+                if d not in self._sealing and not self._names_file(d):
                     self.files.remove([d])
         return removed
 

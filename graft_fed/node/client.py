@@ -355,7 +355,7 @@ class BrokerClient:
         try:
             for chunk in call:
                 if size is None:
-                    self._alive(sent)  # the broker checked the session and marked the node alive
+                    self.answered("FetchBundle", sent)  # the broker checked the session, marked the node alive
                     signature, cert = chunk.signature, chunk.signer_cert
                     size = chunk.total_size
                     if size > self.max_bundle:  # a hostile broker must not make the node buffer without end

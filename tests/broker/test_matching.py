@@ -55,6 +55,24 @@ def test_empty_and_unshared() -> None:
     assert select_sources_fast(kn, False, {}) == select_sources(kn, False, {}) == [{"a": 1}, {}]
 
 
+def test_a_digest_read_before_a_clear_is_not_put_back_into_the_rebuilt_index() -> None:
+    """RoundIndex.set_digest(since=...): an upload that attached its digest before retention
+    pruned the state and cleared the index must not write it into the books rebuilt from
+    what the state still holds; one made after the clear, or without `since`, is written."""
+    from graft_fed.broker.roundindex import RoundIndex
+    from graft_fed.broker.state import SummaryHead
+
+    index = RoundIndex(4, lambda r: [SummaryHead("a", r, "p0", 4, 2, "")], keep=2)
+    before = index.generation
+    index.book(3)
+    index.clear()  # retention pruned the state (the bundle the digest names is gone)
+    index.set_digest(3, "a", "p0", "d" * 64, since=before)
+    assert index.book(3).digests == {}
+    index.set_digest(3, "a", "p0", "e" * 64, since=index.generation)
+    index.set_digest(3, "a", "p0", "f" * 64)
+    assert index.book(3).digests == {"a": {"p0": "f" * 64}}
+
+
 def test_an_opened_round_starts_empty_and_keeps_a_book_it_has() -> None:
     """RoundIndex.open: a round whose row was just written holds nothing (no read of the
     state); a round with a book keeps it."""

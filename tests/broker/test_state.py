@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -1169,6 +1170,58 @@ def test_sqlite_retention_leaves_the_file_of_an_upload_being_sealed(tmp_path, mo
         assert s.bundle_stats() == (0, 0) and os.listdir(s.files.path) == ["a" * 64]
         assert b.commit("a" * 64)  # B's row now names the file retention left
         assert s.get_bundle("a" * 64) == b"same bytes"
+    finally:
+        s.close()
+
+
+def test_sqlite_retention_keeps_the_file_of_a_bundle_stored_again_while_it_prunes(tmp_path):
+    """Uploads commit in group commits that do not wait for retention: between retention's
+    commit (the rows dropped) and its deletion of a file, an upload of that digest may store
+    a new row naming the file. Retention then leaves the file (without the check the bundle
+    would have a row and no file: held, but unreadable)."""
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        blobs = {hashlib.sha256(b).hexdigest(): b for b in (b"old zero", b"old one")}
+        for d, b in blobs.items():
+            assert s.put_bundle(d, b)
+        real_remove, again = s.files.remove, []
+
+        def remove(digests):
+            # retention has committed and deletes the first file (its lock is taken per file:
+            # an upload can only come in between two): the other digest is stored again
+            if not again:
+                other = next(d for d in blobs if d not in digests)
+                again.append(other)
+                w = s.begin_bundle()
+                w.write(blobs[other])
+                w.prepare(other)
+                assert w.commit(other)  # a fresh row naming the file retention is about to delete
+            return real_remove(digests)
+        s.files.remove = remove
+        s.prune(max_bundle_bytes=0)
+        assert s.has_bundles(list(blobs)) == again and s.get_bundle(again[0]) == blobs[again[0]]
+        assert os.listdir(s.files.path) == [file_name(again[0])]
+    finally:
+        s.close()
+
+
+def test_sqlite_a_bundle_dropped_by_retention_before_its_upload_let_go_leaves_no_file(tmp_path):
+    """Retention leaves the file of a claimed digest alone; when it drops the row of an upload
+    between the upload's commit and the end of its claim, the upload deletes the file itself
+    (else it would stay, named by no row, until the next open)."""
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        real_release = s._release
+
+        def release(digest, stored):
+            s.prune(max_bundle_bytes=0)  # the upload's row is committed; its claim not yet given up
+            real_release(digest, stored)
+        s._release = release
+        w = s.begin_bundle()
+        w.write(b"short-lived")
+        w.prepare("a" * 64)
+        assert w.commit("a" * 64)
+        assert s.bundle_stats() == (0, 0) and os.listdir(s.files.path) == []
     finally:
         s.close()
 
