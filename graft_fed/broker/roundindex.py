@@ -173,11 +173,19 @@ class RoundIndex:
 
     def set_digest(self, round: int, node_id: str, prompt_id: str, digest: str, since: int | None = None) -> None:
         """Record a bundle attached to a summary the state holds (after the write returned).
-        With `since` (the generation read before the write), nothing when the index was
-        cleared meanwhile: the books rebuilt from the state say what it still holds."""
+        With `since` (the generation read before the write): when the index was cleared
+        meanwhile, the round's book is read again from the state instead,
+        which says whether the digest survived the retention that cleared it (a book
+        rebuilt between the clear and the write would lack it; writing it into the book
+        could give back a digest retention dropped)."""
         with self.lock:
             if since is None or since == self.generation:
                 self.book(round).set_digest(node_id, prompt_id, digest)
+                return
+            old = self._books.pop(round, None)
+            if old is not None:  # read again now; answers cached on the old book's version are stale
+                fresh = self.book(round)
+                fresh.digest_version = max(fresh.digest_version, old.digest_version + 1)
 
     def published(self, round: int) -> set[str]:
         with self.lock:

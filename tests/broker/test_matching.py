@@ -55,22 +55,35 @@ def test_empty_and_unshared() -> None:
     assert select_sources_fast(kn, False, {}) == select_sources(kn, False, {}) == [{"a": 1}, {}]
 
 
-def test_a_digest_read_before_a_clear_is_not_put_back_into_the_rebuilt_index() -> None:
-    """RoundIndex.set_digest(since=...): an upload that attached its digest before retention
-    pruned the state and cleared the index must not write it into the books rebuilt from
-    what the state still holds; one made after the clear, or without `since`, is written."""
+def test_a_digest_written_across_a_clear_is_read_back_from_the_state() -> None:
+    """RoundIndex.set_digest(since=...): an upload whose attachment spans a clear (retention)
+    does not write its digest into the books: the round's book is read again from the state,
+    which holds the digest when it survived (even if a book was rebuilt between the clear and
+    the write) and not when retention dropped it; a write with no clear since, or without
+    `since`, goes into the book."""
     from graft_fed.broker.roundindex import RoundIndex
     from graft_fed.broker.state import SummaryHead
 
-    index = RoundIndex(4, lambda r: [SummaryHead("a", r, "p0", 4, 2, "")], keep=2)
+    state = {"p0": ""}  # what the state holds attached to node a's summaries of any round
+    index = RoundIndex(4, lambda r: [SummaryHead("a", r, p, 4, 2, d) for p, d in state.items()], keep=4)
     before = index.generation
     index.book(3)
-    index.clear()  # retention pruned the state (the bundle the digest names is gone)
+    index.clear()  # retention ran
+    assert index.book(3).digests == {}  # rebuilt before the upload's attachment committed
+    state["p0"] = "d" * 64  # the attachment commits: the digest survived
+    version = index.book(3).digest_version
     index.set_digest(3, "a", "p0", "d" * 64, since=before)
-    assert index.book(3).digests == {}
-    index.set_digest(3, "a", "p0", "e" * 64, since=index.generation)
-    index.set_digest(3, "a", "p0", "f" * 64)
-    assert index.book(3).digests == {"a": {"p0": "f" * 64}}
+    assert index.book(3).digests == {"a": {"p0": "d" * 64}}  # read back from the state
+    assert index.book(3).digest_version > version  # answers cached on the book read before are stale
+    before = index.generation
+    index.clear()
+    state["p0"] = ""  # this time retention dropped the bundle after the attachment
+    index.set_digest(4, "a", "p0", "e" * 64, since=before)
+    assert index.book(4).digests == {}  # not given back
+    index.set_digest(4, "a", "p0", "f" * 64, since=index.generation)
+    assert index.book(4).digests == {"a": {"p0": "f" * 64}}
+    index.set_digest(4, "a", "p0", "0" * 64)
+    assert index.book(4).digests == {"a": {"p0": "0" * 64}}
 
 
 def test_an_opened_round_starts_empty_and_keeps_a_book_it_has() -> None:

@@ -1205,6 +1205,28 @@ def test_sqlite_retention_keeps_the_file_of_a_bundle_stored_again_while_it_prune
         s.close()
 
 
+def test_sqlite_retention_that_cannot_check_a_file_after_its_commit_leaves_it_to_the_sweep(tmp_path, monkeypatch):
+    """Retention's rows are committed; if the state then fails to say whether a row names a
+    file again, the file stays (the sweep at the next open deletes it) and retention still
+    reports what it removed (so the broker still clears its round index)."""
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        assert s.put_bundle("a" * 64, b"bytes")
+
+        def failing(digest):
+            raise Unavailable("the broker's storage failed during a read: retry later")
+        monkeypatch.setattr(s, "_names_file", failing)
+        assert s.prune(max_bundle_bytes=0) == 1
+        assert s.bundle_stats() == (0, 0) and os.listdir(s.files.path) == ["a" * 64]
+    finally:
+        s.close()
+    s = SqliteState(tmp_path / "b.db")  # the sweep at open: a file no row names
+    try:
+        assert os.listdir(s.files.path) == []
+    finally:
+        s.close()
+
+
 def test_sqlite_a_bundle_dropped_by_retention_before_its_upload_let_go_leaves_no_file(tmp_path):
     """Retention leaves the file of a claimed digest alone; when it drops the row of an upload
     between the upload's commit and the end of its claim, the upload deletes the file itself
