@@ -54,7 +54,10 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--name", default=None)
     ap.add_argument("--out-dir", default=None, help="write NAME.json and NAME.md here instead of bench/broker/results")
+    ap.add_argument("--quick", action="store_true", help="8 nodes x 8 bundles")
     args = ap.parse_args()
+    if args.quick:
+        args.nodes, args.prompts, args.name = 8, 8, args.name or "upload_rate_quick"
     info = machine()
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="graft-bench-uploads-") as tmpd:
