@@ -46,6 +46,23 @@ from graft_fed.rewards.config import VerifierConfig  # noqa: E402
 CHUNK = 1024 * 1024
 
 
+def timed_at_barrier(count: int, timeout_s: float, work) -> float:
+    """Seconds from releasing `count` threads at one barrier to the last of them finishing
+    work(i) (the broker's uploads and the raw baseline are timed alike)."""
+    barrier = threading.Barrier(count, timeout=timeout_s)
+    start, done = [0.0], [0.0] * count
+
+    def one(i: int) -> None:
+        barrier.wait()
+        if i == 0:
+            start[0] = time.perf_counter()
+        work(i)
+        done[i] = time.perf_counter()
+
+    run_threads(one, count, timeout_s, barrier)
+    return max(done) - start[0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=64)
@@ -72,27 +89,19 @@ def main() -> int:
         raw = ChildServer("raw", max_message_mib=16, chunk=CHUNK)
         chans = [grpc.insecure_channel(raw.address, options=grpc_options(16)) for _ in range(args.nodes)]
         puts = [ch.stream_unary(f"/{RAW_SERVICE}/Put") for ch in chans]
-        raw_done = [0.0] * args.nodes
         try:
             for put in puts:
                 put(iter([b"warm"]), timeout=args.timeout_s)
-            barrier = threading.Barrier(args.nodes, timeout=args.timeout_s)
-            t_raw = [0.0]
 
             def raw_node(i: int) -> None:
-                barrier.wait()
-                if i == 0:
-                    t_raw[0] = time.perf_counter()
                 for data in encoded[i]:
                     puts[i](iter([data[o:o + CHUNK] for o in range(0, len(data), CHUNK)]), timeout=args.timeout_s)
-                raw_done[i] = time.perf_counter()
 
-            run_threads(raw_node, args.nodes, args.timeout_s, barrier)
+            raw_s = timed_at_barrier(args.nodes, args.timeout_s, raw_node)
         finally:
             for ch in chans:
                 ch.close()
             raw.stop()
-        raw_s = max(raw_done) - t_raw[0]
 
         cfg = {"listen": "127.0.0.1:0", "http": "", "db": str(tmp / "broker.sqlite"),
                "data": {"source": str(prompts_path)}, "verifier": {"name": VERIFIER}, "seed": 0, "n": N,
@@ -110,7 +119,6 @@ def main() -> int:
                    for i in range(args.nodes)]
         hb: list[float] = []
         stop = threading.Event()
-        done = [0.0] * args.nodes
         sent = [0] * args.nodes
         try:
             for i, c in enumerate(clients):
@@ -128,22 +136,16 @@ def main() -> int:
 
             prober = threading.Thread(target=probe, daemon=True)
             prober.start()
-            barrier = threading.Barrier(args.nodes, timeout=args.timeout_s)
-            t0 = [0.0]
 
             def node(i: int) -> None:
-                barrier.wait()
-                if i == 0:
-                    t0[0] = time.perf_counter()
                 c = clients[i]
                 digests = [digest_of(d) for d in encoded[i]]
                 present = c.has_bundles(digests)
                 for rec, data, digest in zip(records[i], encoded[i], digests):
                     if digest not in present and c._upload_bytes(data, digest, rec.prompt_id, 0)[1]:
                         sent[i] += 1
-                done[i] = time.perf_counter()
 
-            run_threads(node, args.nodes, args.timeout_s, barrier)
+            broker_s = timed_at_barrier(args.nodes, args.timeout_s, node)
             stop.set()
             prober.join(timeout=10)
             stats = broker.rpc_stats()
@@ -151,7 +153,6 @@ def main() -> int:
             for c in clients:
                 c.close()
             broker.stop()
-    broker_s = max(done) - t0[0]
     total = sum(sent)
     res = {"nodes": args.nodes, "bundles_per_node": args.prompts, "bundle_bytes": len(encoded[0][0]),
            "stored": total, "broker_s": broker_s, "broker_bundles_per_s": total / broker_s,

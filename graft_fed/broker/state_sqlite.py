@@ -779,15 +779,10 @@ class SqliteState(BrokerState):
                as_str(digest, "digest"))
         if key[3]:  # an upload's: in the next group commit, with the other uploads' and publishes'
             return bool(self._grouped(_Job([], [], None, attach=key)))
-        with self._tx() as conn:
+        with self._tx() as conn:  # "" detaches
             if key[2] not in self._held_ids(conn, key[0], key[1])[0]:
                 return False
-            if key[3]:
-                conn.execute("INSERT OR REPLACE INTO summary_digests (node_id, round, prompt_id, digest) "
-                             "VALUES (?,?,?,?)", key)
-            else:
-                conn.execute("DELETE FROM summary_digests WHERE node_id = ? AND round = ? AND prompt_id = ?",
-                             key[:3])
+            conn.execute("DELETE FROM summary_digests WHERE node_id = ? AND round = ? AND prompt_id = ?", key[:3])
             return True
 
     # ----- matches

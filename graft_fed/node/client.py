@@ -174,8 +174,9 @@ class BrokerClient:
         def beat() -> None:
             # Its own thread: a long training step never looks like death to the broker. Every
             # call in LIVENESS_RPCS marks the node alive at the broker as a heartbeat does, so
-            # a heartbeat is sent only after an interval without one of those (a busy node in
-            # a federation of a thousand sends a third fewer calls a round; issue 13).
+            # a heartbeat is sent only after an interval without one of those (at 1,000 nodes x
+            # 128 prompts the broker served 445-569 heartbeats a run instead of 1,076-1,435;
+            # issue 13, docs/performance.md).
             wait = self.heartbeat_interval_s
             while not stop.wait(wait):
                 wait = self.heartbeat_interval_s
@@ -190,7 +191,7 @@ class BrokerClient:
                                                                    round=self.round, tag=new_tag()),
                                                timeout=self.timeout)
                     self.heartbeats_sent += 1
-                    self._alive(sent)
+                    self.answered("Heartbeat", sent)
                     if resp.heartbeat_interval_ms:  # the broker's cadence grows with the federation
                         self.heartbeat_interval_s = wait = _interval_s(resp.heartbeat_interval_ms)
                 except grpc.RpcError as exc:
@@ -222,15 +223,12 @@ class BrokerClient:
         self._stop_heartbeats()
         self.channel.close()
 
-    def _alive(self, sent: float) -> None:
-        """A call sent at `sent` (time.monotonic) was answered and marked this node alive."""
-        self._alive_sent = max(self._alive_sent, sent)
-
     def answered(self, rpc: str, sent: float) -> None:
-        """For a caller of `stub` itself: its `rpc` call sent at `sent` (time.monotonic) was
-        answered, so that the heartbeat it stands in for is not sent (LIVENESS_RPCS)."""
+        """Its `rpc` call sent at `sent` (time.monotonic) was answered: when the broker marked
+        the node alive for it (LIVENESS_RPCS), the next heartbeat is due an interval later.
+        Every call of this client reports here; a caller of `stub` itself may too."""
         if rpc in LIVENESS_RPCS:
-            self._alive(sent)
+            self._alive_sent = max(self._alive_sent, sent)
 
     def _once(self, rpc: str, request: Any, timeout: float) -> Any:
         """One unary call; a failure comes out as the matching domain error."""

@@ -204,6 +204,9 @@ def test_set_bundle_digest(state):
     assert [s.bundle_digest for s in state.summaries()] == ["d" * 64, ""]
     assert state.set_bundle_digest("a", 0, "p0", "e" * 64) is True  # a later upload replaces the link
     assert state.summaries(prompt_ids=["p0"])[0].bundle_digest == "e" * 64
+    assert state.set_bundle_digest("a", 0, "p0", "") is True  # "" detaches
+    assert state.set_bundle_digest("a", 0, "missing", "") is False
+    assert [s.bundle_digest for s in state.summaries()] == ["", ""]
 
 
 # ---------------------------------------------------------------- matches, bundles, compat
