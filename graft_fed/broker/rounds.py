@@ -92,14 +92,13 @@ class Rounds:
         cached = self._ready_memo.get(key)
         if cached is not None and now - cached[0] < 0.25:
             return cached[1]
-        published = self._published_in(round)
-        ready = not self._waiting(round, published, now) and len(published) >= self.cfg.min_nodes
+        ready = count >= self.cfg.min_nodes and not self._waiting(round, now)
         if len(self._ready_memo) > 64:
             self._ready_memo.clear()
         self._ready_memo[key] = (now, ready)
         return ready
 
-    def _waiting(self, round: int, published: set[str], now: float) -> bool:
+    def _waiting(self, round: int, now: float) -> bool:
         """Whether an online node working near `round` has not published it: at the round, or
         one behind. One far behind (a late joiner replaying early rounds) is not waited for,
         and neither is one past it (it will not publish this round any more; and a node
@@ -109,7 +108,8 @@ class Rounds:
         join or a leave), and a cursor remembers how many of them in a row have published: a
         thousand publishes walk the list once between them, not once each (each walk sorted
         and filtered every node: 128 ms of the interpreter per 1,000 x 1,000 round, against
-        0.6 ms; bench/broker/results/ready_scan_cost.py.txt)."""
+        0.6 ms; bench/broker/results/ready_scan_cost.py.txt). It asks the round index about
+        each node rather than copying the round's publishers (a thousand names per publish)."""
         entry = self._near.get(round)
         if entry is None or now - entry[0] >= 0.25:
             near = [n.node_id for n in self.registry.online() if round - 1 <= n.round <= round]
@@ -117,13 +117,11 @@ class Rounds:
                 self._near.clear()
             entry = self._near[round] = [now, near, 0]
         near, i = entry[1], entry[2]
-        while i < len(near) and near[i] in published:  # published only grows: a cursor never passes a waiter
+        has_published = self.index.has_published
+        while i < len(near) and has_published(round, near[i]):  # publishers only grow: a cursor never passes a waiter
             i += 1
         entry[2] = i
         return i < len(near)
-
-    def _published_in(self, round: int) -> set[str]:
-        return self.index.published(round)
 
     def wake_ready(self) -> None:
         """Wake the long-polls of every round someone waits for that is ready now (a node went
