@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, OrderedDict
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -21,12 +21,9 @@ from graft_fed.federation.errors import FailedPrecondition, ResourceExhausted
 from graft_fed.federation.limits import MAX_LONG_POLLS_PER_NODE, clip
 from graft_fed.federation.messages import MatchResult, Offer
 
-class Encoders(NamedTuple):
-    """What the servicer passes to encode answers (federation/codec.py)."""
-
-    offers: Callable  # a round's encoder: (pids, nodes, models, round, n) -> .encode(...), .upload_requests(cols)
-    upload_pairs: Callable[[Iterable[tuple[str, int]]], bytes]  # upload requests as (prompt id, round) pairs
-    offer_tuples: Callable[[Iterable[tuple]], bytes]  # offers as (prompt, source, model, round, k, n, digest)
+#: what the servicer passes to encode answers (federation/codec.py): the offer encoder of a
+#: round's match set (its class), the writer of upload requests and that of offer tuples
+Encoders = tuple[Callable, Callable[[Iterable[tuple[str, int]]], bytes], Callable[[Iterable[tuple]], bytes]]
 
 
 class Answers(Part):
@@ -106,11 +103,12 @@ class Answers(Part):
         with self.work:
             cands, solved = self._complementarity(node_id, round, lo)
             offers, offers_wire = self._offers(node_id, round, encode)
+            uploads = self._upload_requests(node_id)
             if encode is None:
-                return MatchResult(ready=True, offers=offers, upload_requests=self._upload_requests(node_id),
-                                   candidates=cands, solved_by_peers=solved)
+                return MatchResult(ready=True, offers=offers, upload_requests=uploads, candidates=cands,
+                                   solved_by_peers=solved)
             return MatchResult(ready=True, offers=[], upload_requests=[], candidates=cands, solved_by_peers=solved,
-                               offers_wire=offers_wire, uploads_wire=self._uploads_wire(node_id, encode))
+                               offers_wire=offers_wire, uploads_wire=encode[1](uploads))
 
     def _wait_matched(self, node_id: str, session_id: str, round: int, deadline: float) -> bool:
         """Wait until the round is matched for this node, matching it when this call finds it
@@ -236,7 +234,15 @@ class Answers(Part):
         if entry is not None and entry[0] == key:
             return entry
         book, models, key = self._answer_key(ms)
-        encoder, known = self._round_encoder(ms, models, make_encoder)
+        with self._answer_build_lock:  # one encoder per round and sources' models, built by whoever comes first
+            cached = self._encoders.get(ms.round)
+            if cached is None or cached[0] is not ms or cached[1] != models:
+                cached = self._encoders[ms.round] = (
+                    ms, models, make_encoder(ms.pids, ms.nodes, [m or "" for m in models], ms.round, self.cfg.n),
+                    np.fromiter((m is not None for m in models), dtype=bool, count=len(models)))
+                while len(self._encoders) > max(16, 2 * self.cfg.staleness_rounds + 4):
+                    self._encoders.popitem(last=False)
+        encoder, known = cached[2], cached[3]
         col, src, k = ms.for_receiver(receiver)
         keep = known[src]
         if not keep.all():
@@ -250,19 +256,6 @@ class Answers(Part):
                 self._answers.popitem(last=False)
         return entry
 
-    def _round_encoder(self, ms: MatchSet, models: tuple, make_encoder: Callable) -> tuple:
-        """(the round's encoder, whether each source's model is known): one per round and
-        sources' models, built by whoever comes first."""
-        with self._answer_build_lock:
-            cached = self._encoders.get(ms.round)
-            if cached is None or cached[0] is not ms or cached[1] != models:
-                cached = self._encoders[ms.round] = (
-                    ms, models, make_encoder(ms.pids, ms.nodes, [m or "" for m in models], ms.round, self.cfg.n),
-                    np.fromiter((m is not None for m in models), dtype=bool, count=len(models)))
-                while len(self._encoders) > max(16, 2 * self.cfg.staleness_rounds + 4):
-                    self._encoders.popitem(last=False)
-        return cached[2], cached[3]
-
     def _offers(self, receiver: str, round: int, encode: Encoders | None = None) -> tuple[list[Offer], bytes | None]:
         """The receiver's offers of `round` (empty with `encode`) and, with `encode`, the
         same encoded; the receiver is granted the offered bundles."""
@@ -271,7 +264,7 @@ class Answers(Part):
         wire = b"" if encode is not None else None
         if ms is not None and ms.index(receiver) is not None:
             if encode is not None:
-                _, granted, wire = self._set_answer(ms, receiver, encode.offers)
+                _, granted, wire = self._set_answer(ms, receiver, encode[0])
             else:
                 head = self._receiver_offers(ms, receiver)[0]
                 granted = [t[6] for t in head if t[6]]
@@ -279,7 +272,7 @@ class Answers(Part):
                 self.grants.grant(receiver, granted)
         rows = self._row_offers(receiver, round)
         if encode is not None:
-            return [], wire + (encode.offer_tuples([(o.prompt_id, o.source_node, o.source_model, o.source_round, o.k, o.n,
+            return [], wire + (encode[2]([(o.prompt_id, o.source_node, o.source_model, o.source_round, o.k, o.n,
                                            o.digest) for o in rows]) if rows else b"")
         return [Offer(*t) for t in head] + rows, None
 
@@ -304,20 +297,17 @@ class Answers(Part):
             self.grants.grant(receiver, granted)
         return offers
 
-    def _upload_parts(self, source: str) -> tuple[list[tuple[MatchSet, np.ndarray]], list[tuple[str, int]]]:
-        """The uploads asked of `source`: per round matched as a set, (its match set, the
-        columns whose bundle the broker lacks, in prompt-id order); and (prompt id, round)
-        pairs from matches stored as rows."""
+    def _upload_requests(self, source: str) -> list[tuple[str, int]]:
         node = self.registry.get(source)
         if node is None or node.privacy == "summaries_only":
-            return [], []
+            return []
         # Only a receiver still at the round it was matched in fetches (it waits for uploads
         # during its own step), so look at the rounds online nodes are at rather than at the
         # whole history: the answer stays the same size however long the federation runs
         # (bench/broker/load.py saw it, and the broker's memory, grow with every round).
         # (The source itself may be among them: no match has a node as its own receiver.)
         waiting, masks = self._waiting_receivers()
-        sets, pairs = [], []
+        out = []
         for r, receivers in sorted(waiting.items()):
             ms = self.matcher.match_set(r)
             if ms is not None:
@@ -329,41 +319,15 @@ class Answers(Part):
                                                            count=len(ms.nodes)))
                     rows = rows[mask[1][ms.receiver[rows]]]
                 if rows.size:
-                    cols = ms.distinct_in_prompt_order(ms.col[rows])
                     with self.index.lock:
                         have = self.index.book(r).digests.get(source, {})
-                    if have:
-                        pids = ms.pids
-                        cols = cols[np.fromiter((pids[c] not in have for c in cols.tolist()), dtype=bool,
-                                                count=len(cols))]
-                    if cols.size:
-                        sets.append((ms, cols))
+                    pids = ms.pids
+                    out.extend((pids[c], r) for c in set(ms.col[rows].tolist()) if pids[c] not in have)
             if self.matcher.may_have_rows(r):
                 for m, s in self.state.matched_heads(r, source=source):
                     if m.receiver in receivers and not s.bundle_digest:
-                        pairs.append((m.prompt_id, m.source_round))
-        return sets, pairs
-
-    @staticmethod
-    def _upload_pairs(sets: list[tuple[MatchSet, np.ndarray]], pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
-        out = set(pairs)
-        for ms, cols in sets:
-            pids = ms.pids
-            out.update((pids[c], ms.round) for c in cols.tolist())
-        return sorted(out)
-
-    def _upload_requests(self, source: str) -> list[tuple[str, int]]:
-        """(prompt id, round) of each upload asked of `source`, sorted."""
-        return self._upload_pairs(*self._upload_parts(source))
-
-    def _uploads_wire(self, source: str, encode: Encoders) -> bytes:
-        """`_upload_requests(source)` encoded: from the round's pieces encoded once (one
-        round matched as a set, the usual case), else from the pairs."""
-        sets, pairs = self._upload_parts(source)
-        if len(sets) != 1 or pairs:
-            return encode.upload_pairs(self._upload_pairs(sets, pairs))
-        ms, cols = sets[0]
-        return self._round_encoder(ms, self._answer_key(ms)[1], encode.offers)[0].upload_requests(cols)
+                        out.append((m.prompt_id, m.source_round))
+        return sorted(set(out))
 
     def _waiting_receivers(self) -> tuple[dict[int, set[str]], dict[int, tuple[MatchSet, np.ndarray]]]:
         """Online nodes by the round they are at, and a cache for masks of them over a round's

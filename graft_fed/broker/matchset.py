@@ -31,18 +31,6 @@ class MatchSetError(ValueError):
     """A stored match set that does not decode (a damaged state file)."""
 
 
-def _prompt_order(pids: Sequence[str]) -> np.ndarray:
-    """The columns in prompt-id order."""
-    return np.argsort(np.asarray(pids, dtype=object), kind="stable")
-
-
-def _rank(pids: Sequence[str]) -> np.ndarray:
-    """Each column's place in prompt-id order."""
-    rank = np.empty(len(pids), dtype=np.int64)
-    rank[_prompt_order(pids)] = np.arange(len(pids))
-    return rank
-
-
 class MatchSet:
     def __init__(self, round: int, nodes: Sequence[str], pids: Sequence[str], receiver: np.ndarray,
                  col: np.ndarray, source: np.ndarray, k: np.ndarray) -> None:
@@ -57,7 +45,6 @@ class MatchSet:
         # receiver i's matches are [start[i], start[i + 1]) (rows are sorted by receiver)
         self._start = np.searchsorted(self.receiver, np.arange(len(self.nodes) + 1)).astype(np.int64)
         self._by_source: tuple[np.ndarray, np.ndarray] | None = None  # (row order by source, sources in it)
-        self._by_prompt: np.ndarray | None = None  # the columns in prompt-id order, when asked
 
     @classmethod
     def from_choice(cls, round: int, nodes: Sequence[str], pids: Sequence[str], k: np.ndarray,
@@ -68,7 +55,8 @@ class MatchSet:
         empty = np.zeros(0, dtype=np.int32)
         if not chosen:
             return cls(round, nodes, pids, empty, empty, empty, empty)
-        rank = _rank(pids)
+        rank = np.empty(len(pids), dtype=np.int64)  # a column's place in prompt-id order
+        rank[np.argsort(np.asarray(pids, dtype=object), kind="stable")] = np.arange(len(pids))
         recv, cols, srcs = [], [], []
         for r, (c, s) in enumerate(chosen):
             if not len(c):
@@ -96,15 +84,6 @@ class MatchSet:
             return empty, empty, empty
         lo, hi = int(self._start[i]), int(self._start[i + 1])
         return self.col[lo:hi], self.source[lo:hi], self.k[lo:hi]
-
-    def distinct_in_prompt_order(self, cols: np.ndarray) -> np.ndarray:
-        """The distinct columns of `cols`, sorted by their prompt ids (a mask over the
-        round's columns: no sort per call)."""
-        if self._by_prompt is None:
-            self._by_prompt = _prompt_order(self.pids)
-        mask = np.zeros(len(self.pids), dtype=bool)
-        mask[cols] = True
-        return self._by_prompt[mask[self._by_prompt]]
 
     def for_source(self, node: str) -> np.ndarray:
         """Row numbers of the matches whose source is `node`."""

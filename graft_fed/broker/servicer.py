@@ -19,12 +19,10 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from graft_fed.broker.answers import Encoders
 from graft_fed.broker.handlers import Federation
-from graft_fed.federation.codec import (OfferEncoder, manifest_from_pb, manifest_to_pb,
-                                        match_result_to_wire, offers_wire, privacy_from_pb, report_entries_from_pb,
-                                        summaries_from_columns, summaries_from_pb, summaries_in_bulk,
-                                        upload_requests_wire)
+from graft_fed.federation.codec import (OfferEncoder, manifest_from_pb, manifest_to_pb, match_result_to_wire,
+                                        offers_wire, privacy_from_pb, report_entries_from_pb, summaries_from_columns,
+                                        summaries_from_pb, summaries_in_bulk, upload_requests_wire)
 from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted
 from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES,
                                          check_message, clip)
@@ -38,10 +36,6 @@ log = logging.getLogger("graft_fed.broker")
 
 
 SERVICE = "graft_fed.v1.Broker"
-
-
-#: how GetMatches answers are written: from pieces encoded once per round (federation/codec.py)
-ENCODERS = Encoders(offers=OfferEncoder, upload_pairs=upload_requests_wire, offer_tuples=offers_wire)
 
 
 class Malformed:
@@ -274,7 +268,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         # the answer leaves as bytes: its offers were encoded once per round (see the codec)
         res = self.fed.get_matches(request.node_id, request.session_id, request.round, request.wait_ms / 1000.0,
                                    wait_for_bundles=request.wait_for_bundles,
-                                   encode=ENCODERS)
+                                   encode=(OfferEncoder, upload_requests_wire, offers_wire))
         return match_result_to_wire(res)
 
     @_rpc

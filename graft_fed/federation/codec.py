@@ -270,7 +270,6 @@ class OfferEncoder:
         self._sources = [(_delimited(b"\x12", s.encode()) if s else b"") + (_delimited(b"\x1a", m.encode()) if m else b"")
                          for s, m in zip(nodes, models)]
         self._tables: tuple | None = None  # (k values covered, pid pieces, their sizes, source+tail pieces, sizes)
-        self._uploads: np.ndarray | None = None  # each column's upload request, when asked
 
     def _tail(self, k: int) -> bytes:
         return ((b"\x20" + _varint(self.round) if self.round else b"") + (b"\x28" + _varint(k) if k else b"")
@@ -292,23 +291,6 @@ class OfferEncoder:
 
             self._tables = (n_k, *table(self._pids), *table(src_k))
         return self._tables
-
-    def upload_requests(self, cols: np.ndarray) -> bytes:
-        """MatchResponse.upload_requests (field 3) of the round's columns `cols` (prompt id,
-        round), in that order: what `upload_requests_wire` writes, each request encoded once
-        per round (64 answers of ~1,000 requests each as Python concatenations cost the
-        broker ~17 ms, issue 13)."""
-        if not len(cols):
-            return b""
-        pieces = self._uploads
-        if pieces is None:
-            import numpy as np
-
-            tail = b"\x10" + _varint(self.round) if self.round else b""
-            pieces = np.empty(len(self._pids), dtype=object)
-            pieces[:] = [_delimited(b"\x1a", p + tail) for p in self._pids]
-            self._uploads = pieces
-        return b"".join(pieces[cols].tolist())
 
     def encode(self, col: np.ndarray, src: np.ndarray, k: np.ndarray, digests: Sequence[str] | None = None) -> bytes:
         """The offers (prompt column, source index, k, digest), each encoded as one

@@ -12,8 +12,7 @@ from graft_fed.broker.handlers import Federation
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.wakeups import Wakeups
 from graft_fed.data.config import DataConfig, load_prompts
-from graft_fed.broker.servicer import ENCODERS
-from graft_fed.federation.codec import summaries_from_pb
+from graft_fed.federation.codec import OfferEncoder, offers_wire, summaries_from_pb, upload_requests_wire
 from tests.federation.helpers import broker_config
 from tests.federation.test_broker_rpc import manifest, record, summary
 from graft_fed.federation.bundles import digest_of, encode_bundle
@@ -135,7 +134,7 @@ def test_the_per_round_caches_keep_a_window_of_rounds_however_many_are_matched(t
     """Each cache of matched rounds holds at most the index's window of rounds (issue 13:
     the sources' models were kept for 64 rounds, each entry holding its round's match set)."""
     fed, clock, prompts, sessions = three
-    encode = ENCODERS
+    encode = (OfferEncoder, upload_requests_wire, offers_wire)
     rounds = fed.index.keep + 20
     for r in range(rounds):
         for name, ks in zip("abc", ([0] * 8, [1] * 8, [2] * 8)):
@@ -189,33 +188,3 @@ def test_a_node_that_joins_during_a_round_is_waited_for_at_once(prompt_file):
     assert not fed.rounds.ready(0)  # d, at round 0 and online, has not published
     _publish(fed, sessions, prompts, "d", [1, 1])
     assert fed.rounds.ready(0)
-
-
-def test_the_uploads_asked_are_the_same_encoded_from_the_rounds_pieces_as_from_pairs(three):
-    """A source's upload requests are written from pieces encoded once per round
-    (codec.UploadEncoder): the bytes must say what the pairs say, in prompt-id order, and
-    leave out the bundles the broker holds."""
-    from graft_fed.federation.codec import match_result_from_pb, match_result_to_wire
-
-    fed, _, prompts, sessions = three
-    _publish(fed, sessions, prompts, "a", [0] * 12)
-    _publish(fed, sessions, prompts, "b", [1] * 8 + [0] * 4)
-    _publish(fed, sessions, prompts, "c", [0] * 4 + [1] * 8)
-
-    def asked(name):
-        plain = fed.get_matches(name, sessions[name], 0, 0.0).upload_requests
-        wire = fed.get_matches(name, sessions[name], 0, 0.0, encode=ENCODERS)
-        assert wire.upload_requests == [] and wire.uploads_wire is not None
-        assert match_result_from_pb(pb.MatchResponse.FromString(match_result_to_wire(wire))).upload_requests == plain
-        return plain
-
-    by_b, by_c = asked("b"), asked("c")
-    assert by_b == sorted(by_b) and by_c == sorted(by_c)
-    # b is the source of c's failures (p0-p3), c of b's (p8-p11)
-    assert {p for p, _ in by_b} >= {p.id for p in prompts[:4]} and {p for p, _ in by_c} >= {p.id for p in prompts[8:]}
-    assert all(r == 0 for _, r in by_b + by_c)
-    held = by_b[1][0]
-    data = encode_bundle(record(next(p for p in prompts if p.id == held), 1, model="b"))
-    fed.put_bundle("b", sessions["b"], held, 0, digest_of(data), data)
-    assert asked("b") == [t for t in by_b if t[0] != held]
-    assert asked("a") == []  # a is nobody's source

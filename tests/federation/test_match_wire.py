@@ -51,18 +51,3 @@ def test_offer_encoder_writes_what_offers_wire_writes():
                                   digests[i:i + 5] if digests else None) == offers_wire(tuples[i:i + 5])
     assert OfferEncoder(pids, nodes, models, 1, 8).encode(np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32),
                                                           np.zeros(0, dtype=np.int32)) == b""
-
-
-def test_offer_encoder_writes_upload_requests_as_upload_requests_wire_does():
-    import numpy as np
-
-    from graft_fed.federation.codec import OfferEncoder, upload_requests_wire
-
-    rng = random.Random(2)
-    pids = [f"embedded:{i}" + "x" * rng.choice([0, 3, 130, 20000]) for i in range(40)] + ["", "ü"]
-    for rnd in (0, 1, 127, 128, 2**40):
-        enc = OfferEncoder(pids, ["a"], ["m"], rnd, 8)
-        cols = np.array([rng.randrange(len(pids)) for _ in range(300)], dtype=np.int32)
-        assert enc.upload_requests(cols) == upload_requests_wire([(pids[c], rnd) for c in cols.tolist()])
-        assert enc.upload_requests(cols[:1]) == upload_requests_wire([(pids[int(cols[0])], rnd)])
-        assert enc.upload_requests(np.zeros(0, dtype=np.int32)) == b""
