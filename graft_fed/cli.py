@@ -181,8 +181,11 @@ def cmd_broker(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(1.0) and not server.failed.is_set():
+        pass
     server.stop()
+    if server.failed.is_set():
+        raise GraftFedError(f"{server.failure}; restart it (nothing acknowledged was lost)")
     return 0
 
 

@@ -19,9 +19,11 @@ from graft_fed.broker.auth import Allowlist, IdentityInterceptor
 from graft_fed.broker.blas import one_blas_thread
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
+from graft_fed.broker.front import FrontLink
 from graft_fed.broker.heap import keep_chunk_buffers, limit_malloc_arenas, memory_usage, trim_heap
 from graft_fed.broker.live import RefusalLog, ScalarLog, node_metrics, status_view
-from graft_fed.broker.servicer import BrokerServicer, TimingInterceptor, add_to_server
+from graft_fed.broker.servicer import (METHODS, SERVICE, BrokerServicer, TimingInterceptor, add_to_server,
+                                       method_handlers)
 from graft_fed.broker.state import BrokerState
 from graft_fed.federation.transport import check_plaintext, grpc_options, server_credentials
 
@@ -128,6 +130,11 @@ def live_page() -> bytes:
     return files("graft_fed.broker").joinpath("live.html").read_bytes()
 
 
+def pending_calls(max_long_polls: int) -> int:
+    """How many calls may wait for a worker: four per node (see pending_call_options)."""
+    return max(1000, 4 * max_long_polls)
+
+
 def pending_call_options(max_long_polls: int) -> list[tuple[str, int]]:
     """gRPC core holds calls that arrived before the server asked for the next one (grpcio's
     synchronous server asks one call at a time, from one thread that needs the interpreter).
@@ -137,7 +144,7 @@ def pending_call_options(max_long_polls: int) -> list[tuple[str, int]]:
     the broker had idle threads; with these limits the same run completed (issue 13, third
     pass). Here the queue may hold four calls per node (`max_long_polls` is sized to the
     federation's nodes) and a call waits as long as its client's deadline says."""
-    pending = max(1000, 4 * max_long_polls)
+    pending = pending_calls(max_long_polls)
     return [("grpc.server.max_pending_requests", pending),
             ("grpc.server.max_pending_requests_hard_limit", 3 * pending),
             ("grpc.server_max_unrequested_time_in_server", 3600)]
@@ -157,20 +164,38 @@ class BrokerServer:
         interceptors = [TimingInterceptor(),
                         IdentityInterceptor(require_certificate=cfg.client_ca is not None, allowlist=allowlist,
                                             max_requests_per_s=cfg.max_requests_per_s, refusals=self.refusals)]
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="broker"),
-                                # no SO_REUSEPORT: a second broker on a taken port must fail, not share it
-                                options=grpc_options(cfg.max_message_mib) + [("grpc.so_reuseport", 0)]
-                                + pending_call_options(cfg.max_long_polls),
-                                interceptors=interceptors)
-        add_to_server(self.servicer, self.grpc)
-        if cfg.tls_cert and cfg.tls_key:
-            creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.client_ca)
-            self.port = self.grpc.add_secure_port(cfg.listen, creds)
-        else:
+        # no SO_REUSEPORT: a second broker on a taken port must fail, not share it
+        options = (grpc_options(cfg.max_message_mib) + [("grpc.so_reuseport", 0)]
+                   + pending_call_options(cfg.max_long_polls))
+        if not (cfg.tls_cert and cfg.tls_key):
             check_plaintext(cfg.listen, cfg.insecure, "broker")
-            self.port = self.grpc.add_insecure_port(cfg.listen)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {cfg.listen}")
+        #: set, with `failure`, when the broker cannot serve any more (its front process exited)
+        self.failed = threading.Event()
+        self.failure = ""
+        self.grpc: grpc.Server | None = None
+        self.front: FrontLink | None = None
+        if cfg.front_process:
+            # gRPC served by a process of its own, which hands every call over (broker/front.py)
+            self.front = FrontLink(SERVICE, [(name, kind) for name, (kind, _, _) in METHODS.items()],
+                                   method_handlers(self.servicer), interceptors, cfg.max_workers, self._front_lost)
+            tls = (cfg.tls_cert, cfg.tls_key, cfg.client_ca) if cfg.tls_cert and cfg.tls_key else None
+            try:
+                self.port = self.front.start(cfg.listen, options, tls, cfg.max_workers + pending_calls(cfg.max_long_polls))
+            except (OSError, RuntimeError):
+                self.front.stop(0)
+                self.state.close()
+                raise
+        else:
+            self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="broker"),
+                                    options=options, interceptors=interceptors)
+            add_to_server(self.servicer, self.grpc)
+            if cfg.tls_cert and cfg.tls_key:
+                creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.client_ca)
+                self.port = self.grpc.add_secure_port(cfg.listen, creds)
+            else:
+                self.port = self.grpc.add_insecure_port(cfg.listen)
+            if self.port == 0:
+                raise OSError(f"cannot listen on {cfg.listen}")
         self.http: ThreadingHTTPServer | None = None
         self.http_port: int | None = None
         self._stop = threading.Event()
@@ -242,13 +267,19 @@ class BrokerServer:
                 except Exception:  # noqa: BLE001 - retention must never take the broker down
                     log.exception("retention failed")
 
+    def _front_lost(self, why: str) -> None:
+        log.error("%s", why)
+        self.failure = why
+        self.failed.set()
+
     def start(self) -> "BrokerServer":
         keep_chunk_buffers(self.cfg.chunk_kib * 1024)  # heap/page-fault costs per chunk (broker/heap.py)
-        self.grpc.start()
+        if self.grpc is not None:
+            self.grpc.start()
         try:
             self._serve_http()
         except OSError:
-            self.grpc.stop(0).wait()
+            self._stop_grpc(0)
             self.state.close()
             raise
         t = threading.Thread(target=self._housekeeping, name="broker-housekeeping", daemon=True)
@@ -259,11 +290,20 @@ class BrokerServer:
         return self
 
     def wait(self) -> None:
-        self.grpc.wait_for_termination()
+        if self.grpc is not None:
+            self.grpc.wait_for_termination()
+        else:
+            self.failed.wait()
+
+    def _stop_grpc(self, grace: float) -> None:
+        if self.grpc is not None:
+            self.grpc.stop(grace).wait()
+        if self.front is not None:
+            self.front.stop(grace)
 
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
-        self.grpc.stop(grace).wait()
+        self._stop_grpc(grace)
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()

@@ -416,6 +416,12 @@ def _serializer(resp: Any) -> Callable[[Any], bytes]:
 def add_to_server(servicer: BrokerServicer, server: grpc.Server) -> None:
     """Register the servicer's methods with deserializers that never raise (see the module
     docstring): the replacement for the generated add_BrokerServicer_to_server."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, method_handlers(servicer)),))
+
+
+def method_handlers(servicer: BrokerServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The servicer's methods by name, as grpc method handlers (add_to_server's, and what
+    the front hands its calls to: broker/front.py)."""
     factories = {"unary_unary": grpc.unary_unary_rpc_method_handler,
                  "stream_unary": grpc.stream_unary_rpc_method_handler,
                  "unary_stream": grpc.unary_stream_rpc_method_handler}
@@ -423,4 +429,4 @@ def add_to_server(servicer: BrokerServicer, server: grpc.Server) -> None:
                                       request_deserializer=_publish_parser if name == "PublishSummaries" else _parser(req),
                                       response_serializer=_serializer(resp))
                 for name, (kind, req, resp) in METHODS.items()}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    return handlers

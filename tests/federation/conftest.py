@@ -11,8 +11,10 @@ def prompts(prompt_file):
     return load_prompts(DataConfig(source=str(prompt_file)))
 
 
-@pytest.fixture()
-def broker(prompt_file):
-    server = start_broker(broker_config(prompt_file))
+@pytest.fixture(params=[False, True], ids=["grpc-in-broker", "front-process"])
+def broker(prompt_file, request):
+    """A broker serving gRPC itself, and one whose gRPC a front process serves
+    (`front_process`, broker/front.py): every test that takes it runs on both."""
+    server = start_broker(broker_config(prompt_file, front_process=request.param))
     yield server
     server.stop()

@@ -51,11 +51,12 @@ def mtls_client(pki, address, name, **kw):
                         tls_key=str(d / f"{name}.key"), rpc_timeout_s=5, **kw)
 
 
-@pytest.fixture()
-def mtls_broker(pki, prompt_file):
+@pytest.fixture(params=[False, True], ids=["grpc-in-broker", "front-process"])
+def mtls_broker(pki, prompt_file, request):
+    """Also with the front process, which must hand the broker the client certificate it saw."""
     d = pki[0]
     broker = start_broker(broker_config(prompt_file, tls_cert=str(d / "broker.pem"), tls_key=str(d / "broker.key"),
-                                        client_ca=str(d / "ca.pem"), balance="none"))
+                                        client_ca=str(d / "ca.pem"), balance="none", front_process=request.param))
     yield broker
     broker.stop()
 

@@ -25,12 +25,15 @@ def prompts(prompt_file):
     return load_prompts(DataConfig(source=str(prompt_file)))
 
 
-def test_mutual_tls_identity_allowlist_and_revocation(pki, prompt_file, prompts, tmp_path):
+@pytest.mark.parametrize("front", [False, True], ids=["grpc-in-broker", "front-process"])
+def test_mutual_tls_identity_allowlist_and_revocation(pki, prompt_file, prompts, tmp_path, front):
+    """Also with the front process (broker/front.py), which ends TLS and hands the broker
+    the client certificate's name and PEM."""
     allow = tmp_path / "allow.yaml"
     Allowlist.edit(allow, "add", "alice")
     Allowlist.edit(allow, "add", "mallory")
     broker = start_broker(broker_config(prompt_file, tls_cert=str(pki / "broker.pem"), tls_key=str(pki / "broker.key"),
-                                        client_ca=str(pki / "ca.pem"), allowlist=str(allow)))
+                                        client_ca=str(pki / "ca.pem"), allowlist=str(allow), front_process=front))
     try:
         alice = tls_client(pki, broker.address, "alice")
         alice.join("alice", "tok", manifest(prompts), "share_all", 0)

@@ -1,0 +1,260 @@
+"""The front process (`front_process: true`, broker/front.py): gRPC served by a process of
+its own that hands every call to the broker over a Unix socket. The RPC, hostile-input,
+mutual-TLS and provenance tests run on it too (their broker fixtures take both); these
+cover what only the front has: streams flow-controlled across the socket, calls that end
+at the client, and either process dying."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+
+import grpc
+import pytest
+
+from graft_fed.broker.front import CANCEL, CLOSE, CREDIT, END, HEAD, MSG, START, WINDOW
+from graft_fed.federation.bundles import digest_of, encode_bundle
+from graft_fed.proto import broker_pb2 as pb
+from tests.federation.helpers import broker_config, start_broker
+from graft_fed.node.client import BrokerClient
+from tests.federation.test_broker_rpc import code_of, manifest, record, summary
+
+
+@pytest.fixture()
+def fronted(prompt_file):
+    server = start_broker(broker_config(prompt_file, front_process=True, chunk_kib=16, balance="none"))
+    yield server
+    server.stop()
+
+
+def client(broker, prompts, name):
+    c = BrokerClient(broker.address, name, chunk_kib=16)
+    c.join(name, "tok", manifest(prompts), "share_all", 0)
+    return c
+
+
+def _matched_bundle(broker, prompts, texts):
+    """a uploads its group of p0 (of `texts`), b failed p0 and is matched to it: (a, b, digest, record)."""
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    a.publish(0, [summary(prompts[0], 1)])
+    b.publish(0, [summary(prompts[0], 0)])
+    rec = dataclasses.replace(record(prompts[0], 1), texts=texts)
+    digest, stored = a.upload(rec, 0)
+    assert stored and [o.digest for o in b.get_matches(0, 10.0).offers] == [digest]
+    return a, b, digest, rec
+
+
+def _wait(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_a_bundle_of_many_chunks_goes_up_and_down_through_the_front(fronted, prompts):
+    # ~75 chunks of 16 KiB each way; the window is 4
+    a, b, digest, rec = _matched_bundle(fronted, prompts, ("x" * 600_000, os.urandom(300_000).hex()))
+    assert digest == digest_of(encode_bundle(rec))
+    assert b.fetch_bundle(digest, "a").record == rec
+    assert _wait(lambda: fronted.front._calls == {})
+    a.close()
+    b.close()
+
+
+def _fetch(c, digest):
+    return c.stub.FetchBundle(pb.FetchBundleRequest(node_id=c.node_id, session_id=c.session, digest=digest), timeout=30)
+
+
+def test_calls_that_end_at_the_client_end_at_the_broker(fronted, prompts):
+    a, b, digest, _ = _matched_bundle(fronted, prompts, (os.urandom(250_000).hex(), os.urandom(250_000).hex()))
+    # a fetch cancelled after one chunk: the broker's call ends
+    stream = _fetch(b, digest)
+    next(stream)
+    stream.cancel()
+    assert _wait(lambda: fronted.front._calls == {})
+    # a long-poll whose deadline passes at the client: the broker's call is told
+    a.publish(1, [summary(prompts[1], 1, round=1)])  # b has not: a's GetMatches waits for it
+    code, _ = code_of(lambda: a.stub.GetMatches(pb.MatchRequest(node_id="a", session_id=a.session, round=1,
+                                                                wait_ms=3000), timeout=0.5))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    calls = list(fronted.front._calls.values())
+    assert calls and _wait(lambda: all(c.cancelled.is_set() for c in calls))
+    assert _wait(lambda: fronted.front._calls == {})  # it returns when its wait ends
+    assert b.publish(1, [summary(prompts[1], 0, round=1)]) == (1, 0)  # and the broker serves on
+    assert a.get_matches(1, 5.0).ready
+    a.close()
+    b.close()
+
+
+def test_an_upload_refused_before_its_end_is_answered_at_once(fronted, prompts):
+    """The broker may refuse an upload at its first chunk; the front answers the client then,
+    rather than when the client's stream ends."""
+    a = client(fronted, prompts, "a")
+    release = threading.Event()
+
+    def trickle():
+        yield pb.BundleChunk(digest="ab" * 32, total_size=10**12, offset=0, data=b"x", node_id="a",
+                             session_id=a.session, prompt_id=prompts[0].id, round=0)
+        release.wait(20)
+
+    t0 = time.monotonic()
+    code, details = code_of(lambda: a.stub.UploadBundle(trickle(), timeout=15))
+    release.set()
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "exceeds" in details
+    assert time.monotonic() - t0 < 5
+    a.close()
+
+
+def test_the_socket_is_private_to_the_brokers_user(fronted):
+    mode = stat.S_IMODE(os.stat(os.path.dirname(fronted.front.path)).st_mode)
+    assert mode == 0o700
+
+
+def test_when_the_front_exits_the_broker_says_so_and_stops_serving(fronted, prompts):
+    a = client(fronted, prompts, "a")
+    fronted.front.proc.kill()
+    assert fronted.failed.wait(10)
+    assert "front process" in fronted.failure and "exited" in fronted.failure
+    code, _ = code_of(lambda: a.publish(0, [summary(prompts[0], 1)]))
+    assert code == grpc.StatusCode.UNAVAILABLE
+    a.close()
+
+
+def test_when_the_broker_goes_the_front_exits(prompt_file):
+    server = start_broker(broker_config(prompt_file, front_process=True))
+    proc = server.front.proc
+    server.front._stopping = True  # as if the broker died: its end of the socket closes
+    server.front._sock.shutdown(socket.SHUT_RDWR)
+    try:
+        assert proc.wait(15) is not None
+    finally:
+        server.stop()
+    # and a stopped broker leaves no front behind
+    server = start_broker(broker_config(prompt_file, front_process=True))
+    proc = server.front.proc
+    server.stop()
+    assert proc.poll() is not None
+
+
+def test_a_taken_port_is_the_same_error_as_without_the_front(prompt_file):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(RuntimeError, match="Failed to bind"):
+            start_broker(broker_config(prompt_file, front_process=True, listen=f"127.0.0.1:{port}"))
+
+
+# ----- the broker's end of the socket, driven frame by frame --------------------------------------
+
+class _Frames:
+    """A stand-in for the front: a FrontLink's socket, written and read frame by frame."""
+
+    def __init__(self, link) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(link.path)
+        link._sock, _ = link._listener.accept()
+        threading.Thread(target=link._read, daemon=True).start()
+        self.buf = b""
+
+    def send(self, cid, kind, payload=b""):
+        self.sock.sendall(HEAD.pack(len(payload), cid, kind) + payload)
+
+    def start(self, cid, method, request=b""):
+        self.send(cid, START, bytes([method]) + b"".join(struct.pack("<I", 0) for _ in range(4)) + request)
+
+    def _fill(self, n, end):
+        while len(self.buf) < n:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                return False
+            data = self.sock.recv(65536)
+            if not data:
+                return False
+            self.buf += data
+        return True
+
+    def read(self, timeout):
+        """(call id, kind, payload) of the broker's next frame; None if none comes in `timeout` s."""
+        end = time.monotonic() + timeout
+        if not self._fill(HEAD.size, end):
+            return None
+        size, cid, kind = HEAD.unpack(self.buf[:HEAD.size])
+        if not self._fill(HEAD.size + size, end):
+            return None
+        payload, self.buf = self.buf[HEAD.size:HEAD.size + size], self.buf[HEAD.size + size:]
+        return cid, kind, payload
+
+
+@pytest.fixture()
+def link():
+    from graft_fed.broker.front import FrontLink
+
+    made = {"yielded": 0, "closed": threading.Event(), "taken": [], "inbox_max": 0}
+
+    def answers(request, context):
+        try:
+            for i in range(100):
+                made["yielded"] += 1
+                yield bytes([i])
+        finally:
+            made["closed"].set()
+
+    def upload(requests, context):
+        for r in requests:
+            made["taken"].append(r)
+            time.sleep(0.05)
+        return b"done"
+
+    handlers = {"Answers": grpc.unary_stream_rpc_method_handler(answers),
+                "Upload": grpc.stream_unary_rpc_method_handler(upload)}
+    lost = []
+    fl = FrontLink("t.Svc", [("Answers", "unary_stream"), ("Upload", "stream_unary")], handlers, [], 8, lost.append)
+    frames = _Frames(fl)
+    yield fl, frames, made, lost
+    fl._stopping = True
+    frames.sock.close()
+    fl.stop(0)
+
+
+def test_the_broker_writes_a_streams_answers_only_as_the_front_passes_them_on(link):
+    fl, frames, made, _ = link
+    frames.start(7, 0, b"req")
+    got = [frames.read(2.0) for _ in range(WINDOW)]
+    assert [(cid, kind) for cid, kind, _ in got] == [(7, MSG)] * WINDOW
+    assert frames.read(0.5) is None  # nothing more without credit
+    assert made["yielded"] <= WINDOW + 1
+    frames.send(7, CREDIT, struct.pack("<I", 2))
+    assert [frames.read(2.0)[1] for _ in range(2)] == [MSG, MSG] and frames.read(0.5) is None
+    frames.send(7, CANCEL)  # the client went away: the handler's generator is closed
+    assert made["closed"].wait(5) and made["yielded"] <= WINDOW + 3
+    assert _wait(lambda: fl._calls == {})
+
+
+def test_a_client_stream_is_handed_over_as_the_handler_takes_it(link):
+    fl, frames, made, _ = link
+    frames.start(9, 1)
+    for i in range(3):
+        frames.send(9, MSG, bytes([i]))
+    credits = [frames.read(2.0) for _ in range(3)]  # one credit per message the handler took
+    assert [(cid, kind) for cid, kind, _ in credits] == [(9, CREDIT)] * 3
+    frames.send(9, CLOSE)
+    assert frames.read(2.0)[1:] == (MSG, b"done") and frames.read(2.0)[1] == END
+    assert made["taken"] == [b"\x00", b"\x01", b"\x02"]
+
+
+def test_the_broker_is_told_when_its_front_goes(link):
+    fl, frames, _, lost = link
+    frames.start(3, 1)  # a call in flight
+    frames.sock.close()
+    assert _wait(lambda: lost != [])
+    assert "front process" in lost[0]
+    assert _wait(lambda: fl._calls == {} or all(c.cancelled.is_set() for c in fl._calls.values()))
