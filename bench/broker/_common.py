@@ -231,6 +231,25 @@ class ChildServer:
             self.proc.join(5)
 
 
+def add_broker_set(ap) -> None:
+    """`--set KEY=VALUE` (repeatable): a broker setting over the bench's."""
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="broker config override (VALUE parsed as JSON when it parses), e.g. --set work_slots=64 "
+                         "or --set front_process=true")
+
+
+def broker_sets(items: list[str]) -> dict:
+    """The --set items as broker config overrides."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
 def write_prompts(path: Path, count: int, problem_chars: int = 0) -> Path:
     with path.open("w", encoding="utf-8") as fh:
         for i in range(count):

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from _common import RAW_SERVICE, ChildServer, machine, median, write_prompts, write_results  # noqa: E402
+from _common import RAW_SERVICE, ChildServer, add_broker_set, broker_sets, machine, median, write_prompts, write_results  # noqa: E402
 from graft_fed.federation.transport import grpc_options  # noqa: E402
 from graft_fed.core.records import GroupRecord  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
@@ -75,6 +75,7 @@ def main() -> int:
     ap.add_argument("--sizes-kib", type=int, nargs="*", default=[64, 1024, 16384])
     ap.add_argument("--reps", type=int, nargs="*", default=[30, 12, 4], help="reps per size (same order)")
     ap.add_argument("--name", default=None)
+    add_broker_set(ap)
     args = ap.parse_args()
     if args.quick:
         args.sizes_kib, args.reps = [64, 1024], [3, 3]
@@ -93,7 +94,7 @@ def main() -> int:
                "data": {"source": str(prompts_path)}, "verifier": {"name": VERIFIER}, "seed": 0, "n": N,
                "prompts_per_round": 8, "mode": "sync", "balance": "none", "round_deadline_s": 600.0,
                "heartbeat_interval_s": 2.0, "offline_after_s": 600.0, "chunk_kib": CHUNK_KIB, "max_message_mib": 16,
-               "max_bundle_mib": 64}
+               "max_bundle_mib": 64, **broker_sets(args.set)}
         broker = ChildServer("broker", cfg=cfg)
         raw = ChildServer("raw", max_message_mib=16, chunk=CHUNK_KIB * 1024)
         manifest = Manifest(federation_id="graft-fed", protocol_version=PROTOCOL_VERSION,

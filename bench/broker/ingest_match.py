@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from _common import K_MIX, RAW_SERVICE, ChildServer, machine, make_summaries, percentile, run_threads, stack_summary, write_prompts, write_results  # noqa: E402
+from _common import K_MIX, RAW_SERVICE, ChildServer, add_broker_set, broker_sets, machine, make_summaries, percentile, run_threads, stack_summary, write_prompts, write_results  # noqa: E402
 from graft_fed.federation.codec import columns_to_pb  # noqa: E402
 from graft_fed.federation.transport import TIMING_KEY, grpc_options, parse_timing  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
@@ -423,8 +423,7 @@ def main() -> int:
     ap.add_argument("--liveness", action="store_true",
                     help="the broker's default offline cut-off (15 s) instead of 3600 s; online_min then shows whether "
                          "any live node was marked offline")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="broker config override (VALUE parsed as JSON when it parses), e.g. --set work_slots=64")
+    add_broker_set(ap)
     ap.add_argument("--k-mix", choices=sorted(K_MIX), default="realistic",
                     help="k per group: realistic (30%% all-fail, 50%% informative, 20%% all-pass) or uniform in 0..n")
     ap.add_argument("--client-procs", type=int, default=1,
@@ -437,13 +436,7 @@ def main() -> int:
     if args.quick:
         args.nodes, args.prompts, args.rounds = [2, 4], [32, 128], 2
     backends = ["sqlite", "memory"] if args.db == "both" else [args.db]
-    overrides = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        try:
-            overrides[key] = json.loads(value)
-        except ValueError:
-            overrides[key] = value
+    overrides = broker_sets(args.set)
     name = args.name or ("ingest_match_quick" if args.quick else "ingest_match")
     info = machine()
     t_start = time.monotonic()

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from _common import RAW_SERVICE, ChildServer, machine, percentile, run_threads, write_prompts, write_results  # noqa: E402
+from _common import RAW_SERVICE, ChildServer, add_broker_set, broker_sets, machine, percentile, run_threads, write_prompts, write_results  # noqa: E402
 from bundle_throughput import N, VERIFIER, make_record, summary_of  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.bundles import digest_of, encode_bundle  # noqa: E402
@@ -72,6 +72,7 @@ def main() -> int:
     ap.add_argument("--name", default=None)
     ap.add_argument("--out-dir", default=None, help="write NAME.json and NAME.md here instead of bench/broker/results")
     ap.add_argument("--quick", action="store_true", help="8 nodes x 8 bundles")
+    add_broker_set(ap)
     args = ap.parse_args()
     if args.quick:
         args.nodes, args.prompts, args.name = 8, 8, args.name or "upload_rate_quick"
@@ -109,6 +110,7 @@ def main() -> int:
                "heartbeat_interval_s": 2.0, "offline_after_s": 3600.0, "max_bundle_mib": 64}
         if args.nodes > 90:
             cfg["max_long_polls"], cfg["max_workers"] = args.nodes + 8, args.nodes + 64
+        cfg.update(broker_sets(args.set))
         broker = ChildServer("broker", cfg=cfg)
         manifest = Manifest(federation_id="graft-fed", protocol_version=PROTOCOL_VERSION,
                             dataset_id=prompts[0].dataset, dataset_hash=dataset_hash(prompts), seed=0, n=N,
