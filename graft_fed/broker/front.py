@@ -504,7 +504,8 @@ async def _serve(spec: dict) -> None:
     reading = loop.create_task(read())
     waiting = loop.create_task(stopped.wait())
     await asyncio.wait({reading, waiting}, return_when=asyncio.FIRST_COMPLETED)
-    await server.stop(1.0)
+    # asked to stop: the calls in flight get a second; the broker gone: nothing can answer them
+    await server.stop(1.0 if waiting.done() else 0)
 
 
 def main(argv: list[str]) -> int:
