@@ -60,9 +60,9 @@ def test_packages_import_only_what_the_layout_allows():
 
 
 def test_grpc_and_the_generated_code_stay_at_the_transport_edge():
-    # the servicer and server (broker), the client (node), and the codec, status table and
+    # the servicer, server and front (broker), the client (node), and the codec, status table and
     # channel set-up shared by both; the node's logic and the domain errors see neither
-    allowed = {"graft_fed.broker.servicer", "graft_fed.broker.server", "graft_fed.broker.auth",
+    allowed = {"graft_fed.broker.servicer", "graft_fed.broker.server", "graft_fed.broker.auth", "graft_fed.broker.front",
                "graft_fed.node.client", "graft_fed.federation.codec", "graft_fed.federation.status",
                "graft_fed.federation.transport"}
     users = {m for m in IMPORTS if _uses(m, "grpc") or _uses(m, "graft_fed.proto")}

@@ -161,11 +161,21 @@ class FrontLink:
     socket and runs them on the broker's handlers in a thread pool of `max_workers`."""
 
     def __init__(self, service: str, methods: Sequence[tuple[str, str]], handlers: dict[str, Any],
-                 interceptors: Sequence[Any], max_workers: int, on_lost: Callable[[str], None]) -> None:
+                 interceptors: Sequence[Any], max_workers: int, on_lost: Callable[[str], None],
+                 long_polls: Sequence[str] = (), max_long_polls: int = 0) -> None:
         self.service, self.methods, self.handlers = service, list(methods), handlers
         self.interceptors = list(interceptors)
         self.on_lost = on_lost
-        self.pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="broker")
+        # Two pools. grpcio's own server takes calls one at a time, which paces how many
+        # handlers run at once; the front hands a round's thousand publishes over at once, and
+        # a thousand threads contending for the interpreter made a round take seconds more
+        # (issue 13, nineteenth pass). Calls that wait (`long_polls`: GetMatches) get threads
+        # of their own, up to `max_workers`; every other call one of the rest of the
+        # broker's threads (max_workers - max_long_polls, at least 8), however many arrive.
+        self.pool = futures.ThreadPoolExecutor(max_workers=max(8, max_workers - max_long_polls),
+                                               thread_name_prefix="broker")
+        self.waits = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="broker-wait")
+        self._waiting = {i for i, (name, _) in enumerate(methods) if name in set(long_polls)}
         self._dir = tempfile.mkdtemp(prefix="graft-fed-front-")  # mode 0700: only this user reaches the socket
         self.path = os.path.join(self._dir, "broker.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -194,6 +204,7 @@ class FrontLink:
         except OSError:
             self._kill()
             raise OSError("the front process did not connect to the broker") from None
+        self._listener.close()  # one front, one connection: nobody else gets in
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         line = self.proc.stdout.readline() if self.proc.stdout else b""
         if not line.strip().isdigit():
@@ -224,6 +235,7 @@ class FrontLink:
             self._sock.close()
         self._listener.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.waits.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _send(self, cid: int, kind: int, payload: bytes, more: bytes = b"") -> None:
@@ -247,7 +259,7 @@ class FrontLink:
                 if kind == START:
                     call = self._start_call(cid, payload)
                     self._calls[cid] = call
-                    self.pool.submit(self._run, call)
+                    (self.waits if call.method in self._waiting else self.pool).submit(self._run, call)
                     continue
                 call = self._calls.get(cid)
                 if call is None:

@@ -177,7 +177,8 @@ class BrokerServer:
         if cfg.front_process:
             # gRPC served by a process of its own, which hands every call over (broker/front.py)
             self.front = FrontLink(SERVICE, [(name, kind) for name, (kind, _, _) in METHODS.items()],
-                                   method_handlers(self.servicer), interceptors, cfg.max_workers, self._front_lost)
+                                   method_handlers(self.servicer), interceptors, cfg.max_workers, self._front_lost,
+                                   long_polls=("GetMatches",), max_long_polls=cfg.max_long_polls)
             tls = (cfg.tls_cert, cfg.tls_key, cfg.client_ca) if cfg.tls_cert and cfg.tls_key else None
             try:
                 self.port = self.front.start(cfg.listen, options, tls, cfg.max_workers + pending_calls(cfg.max_long_polls))
