@@ -38,25 +38,33 @@ import json
 import logging
 import os
 import queue
+import select
 import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import grpc
 
+from graft_fed.errors import GraftFedError
+from graft_fed.federation.status import INTERNAL_MESSAGE
+from graft_fed.federation.transport import server_credentials
+
 log = logging.getLogger(__name__)
 
 HEAD = struct.Struct("<IIB")
-START, MSG, CLOSE, CANCEL, CREDIT, END = 1, 2, 3, 4, 5, 6
+START, MSG, CLOSE, CANCEL, CREDIT, END, STOP = 1, 2, 3, 4, 5, 6, 7
 WINDOW = 4  # stream messages in flight per call and direction
 _U32 = struct.Struct("<I")
+_F64 = struct.Struct("<d")
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -156,27 +164,45 @@ def _intercepted(handler: Any, interceptors: Sequence[Any], details: _Details) -
     return step(0)(details)
 
 
+class FrontError(GraftFedError):
+    """The front process did not start (its own error is in the broker's log, above)."""
+
+
+def _socket_dir() -> str:
+    """A private directory (mode 0700: only this user reaches the socket) whose socket path
+    fits AF_UNIX's ~107 bytes however long TMPDIR is."""
+    d = tempfile.mkdtemp(prefix="graft-fed-front-")
+    if len(os.path.join(d, "broker.sock").encode()) > 100:
+        os.rmdir(d)
+        d = tempfile.mkdtemp(prefix="gff-", dir="/tmp")
+    return d
+
+
 class FrontLink:
     """The broker's end of the front: starts the front process, takes its calls from the
-    socket and runs them on the broker's handlers in a thread pool of `max_workers`."""
+    socket and runs them on the broker's handlers in thread pools."""
 
     def __init__(self, service: str, methods: Sequence[tuple[str, str]], handlers: dict[str, Any],
                  interceptors: Sequence[Any], max_workers: int, on_lost: Callable[[str], None],
-                 long_polls: Sequence[str] = (), max_long_polls: int = 0) -> None:
+                 waiting: Sequence[str] = (), max_long_polls: int = 0, quick: Sequence[str] = ()) -> None:
         self.service, self.methods, self.handlers = service, list(methods), handlers
         self.interceptors = list(interceptors)
         self.on_lost = on_lost
-        # Two pools. grpcio's own server takes calls one at a time, which paces how many
+        # Three pools. grpcio's own server takes calls one at a time, which paces how many
         # handlers run at once; the front hands a round's thousand publishes over at once, and
         # a thousand threads contending for the interpreter made a round take seconds more
-        # (issue 13, nineteenth pass). Calls that wait (`long_polls`: GetMatches) get threads
-        # of their own, up to `max_workers`; every other call one of the rest of the
-        # broker's threads (max_workers - max_long_polls, at least 8), however many arrive.
+        # (issue 13, nineteenth pass). Calls that wait on something other than the
+        # interpreter (`waiting`: long-polls, and bundle streams on a slow client) get up to
+        # `max_workers` threads of their own; calls that are quick and must stay so (`quick`:
+        # heartbeats) a pool of 8, so that they never queue behind publishes; every other
+        # call one of max_workers - max_long_polls threads (at least 8), however many arrive.
         self.pool = futures.ThreadPoolExecutor(max_workers=max(8, max_workers - max_long_polls),
                                                thread_name_prefix="broker")
         self.waits = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="broker-wait")
-        self._waiting = {i for i, (name, _) in enumerate(methods) if name in set(long_polls)}
-        self._dir = tempfile.mkdtemp(prefix="graft-fed-front-")  # mode 0700: only this user reaches the socket
+        self.quick = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="broker-quick")
+        self._pool_of = [self.waits if name in waiting else self.quick if name in quick else self.pool
+                         for name, _ in methods]
+        self._dir = _socket_dir()
         self.path = os.path.join(self._dir, "broker.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
@@ -185,36 +211,77 @@ class FrontLink:
         self._write = threading.Lock()
         self._calls: dict[int, _Call] = {}
         self._stopping = False
+        self._reader: threading.Thread | None = None
         self.proc: subprocess.Popen | None = None
         self.port = 0
 
     def start(self, listen: str, options: list, tls: tuple[str, str, str | None] | None,
-              max_concurrent_rpcs: int) -> int:
+              max_concurrent_rpcs: int, budget_bytes: int, timeout_s: float = 120.0) -> int:
         """Start the front serving `listen`; returns its port. RuntimeError when it cannot
-        listen there (as grpcio's own server), OSError when the front does not start."""
+        listen there (what grpcio's own server raises), FrontError when it does not start."""
         spec = json.dumps({"listen": listen, "socket": self.path, "service": self.service, "methods": self.methods,
                            "options": options, "tls": list(tls) if tls else None,
-                           "max_concurrent_rpcs": max_concurrent_rpcs})
+                           "max_concurrent_rpcs": max_concurrent_rpcs, "budget_bytes": budget_bytes})
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # a session of its own: a Ctrl-C or a group's SIGTERM meant for the broker does not
+        # reach it; the broker stops it (a STOP frame), and it exits when the broker is gone
         self.proc = subprocess.Popen([sys.executable, "-m", "graft_fed.broker.front", spec], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, env=env)
-        self._listener.settimeout(120)
+                                     stdout=subprocess.PIPE, env=env, start_new_session=True)
         try:
-            self._sock, _ = self._listener.accept()
-        except OSError:
+            self._connect(timeout_s)
+            line = self._first_line(timeout_s)
+        except BaseException:
             self._kill()
-            raise OSError("the front process did not connect to the broker") from None
-        self._listener.close()  # one front, one connection: nobody else gets in
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        line = self.proc.stdout.readline() if self.proc.stdout else b""
-        if not line.strip().isdigit():
+            raise
+        if not line.isdigit():
             self._kill()
             # what grpcio raises for a port it cannot bind, so that callers say the same
-            raise RuntimeError(f"Failed to bind to address {listen} (the front process: "
-                               f"{line.decode(errors='replace').strip() or 'exited'})")
+            raise RuntimeError(f"Failed to bind to address {listen} (the front process: {line or 'no answer'})")
         self.port = int(line)
-        threading.Thread(target=self._read, name="broker-front-link", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="broker-front-link", daemon=True)
+        self._reader.start()
         return self.port
+
+    def _connect(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        self._listener.settimeout(0.25)
+        end = time.monotonic() + timeout_s
+        while self._sock is None:
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                code = self.proc.poll()
+                if code is not None:
+                    raise FrontError(f"the front process exited at start (status {code}); its error is above "
+                                     "in this log") from None
+                if time.monotonic() > end:
+                    raise FrontError(f"the front process did not connect within {timeout_s:.0f} s") from None
+                continue
+            sock.setblocking(True)
+            if hasattr(socket, "SO_PEERCRED"):  # Linux: the peer must be the process started here
+                pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))[0]
+                if pid != self.proc.pid:
+                    sock.close()
+                    continue
+            self._sock = sock
+        # one front, one connection: the socket's name goes (nothing is left behind, even
+        # after a SIGKILL) and nobody else can connect
+        self._listener.close()
+        os.unlink(self.path)
+        os.rmdir(self._dir)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+
+    def _first_line(self, timeout_s: float) -> str:
+        """The front's one line on stdout: its port, or why it could not listen."""
+        assert self.proc is not None and self.proc.stdout is not None
+        out = self.proc.stdout
+        try:
+            if not select.select([out], [], [], timeout_s)[0]:
+                raise FrontError(f"the front process did not say within {timeout_s:.0f} s whether it listens")
+            return out.readline().decode(errors="replace").strip()
+        finally:
+            out.close()
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -222,20 +289,25 @@ class FrontLink:
             self.proc.wait(10)
 
     def stop(self, grace: float = 1.0) -> None:
+        """Stop the front: it takes no new call and gives those in flight `grace` seconds
+        (answered meanwhile, as grpcio's server.stop(grace) does), then exits."""
         self._stopping = True
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # the front stops taking calls and ends those in flight
+        if self.proc is not None and self.proc.poll() is None and self._sock is not None:
             try:
+                self._send(0, STOP, _F64.pack(max(0.0, grace)))
                 self.proc.wait(grace + 5)
-            except subprocess.TimeoutExpired:
-                self._kill()
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self._kill()
+        if self._reader is not None:
+            self._reader.join(5)
         for call in list(self._calls.values()):
             call.cancel()
         if self._sock is not None:
             self._sock.close()
         self._listener.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.waits.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.pool, self.waits, self.quick):
+            pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _send(self, cid: int, kind: int, payload: bytes, more: bytes = b"") -> None:
@@ -259,7 +331,8 @@ class FrontLink:
                 if kind == START:
                     call = self._start_call(cid, payload)
                     self._calls[cid] = call
-                    (self.waits if call.method in self._waiting else self.pool).submit(self._run, call)
+                    pools = self._pool_of
+                    (pools[call.method] if call.method < len(pools) else self.pool).submit(self._run, call)
                     continue
                 call = self._calls.get(cid)
                 if call is None:
@@ -272,9 +345,10 @@ class FrontLink:
                     call.cancel()
                 elif kind == CREDIT:
                     call.credit.release(_U32.unpack(payload)[0])
-        except OSError:
+        except (OSError, ValueError, struct.error):
             pass
         finally:
+            rd.close()
             for call in list(self._calls.values()):
                 call.cancel()
             if not self._stopping:
@@ -295,6 +369,8 @@ class FrontLink:
 
     def _run(self, call: _Call) -> None:
         try:
+            if call.cancelled.is_set():
+                return  # ended at the client before a thread took it (grpcio skips these too)
             name, _kind = self.methods[call.method]
             ctx = _Context(call)
             handler = _intercepted(self.handlers[name], self.interceptors,
@@ -326,15 +402,19 @@ class FrontLink:
             self._end(call, exc.code, exc.message)
         except grpc.RpcError:  # the client went away mid-stream (as grpc's own request iterator raises)
             self._end(call, grpc.StatusCode.CANCELLED, "the call was cancelled")
+        except OSError:
+            pass  # the front is gone: _read tells the broker
         except Exception:  # noqa: BLE001 - the servicer maps its own; this is the link's last line
             log.exception("a call handed over by the front failed")
-            self._end(call, grpc.StatusCode.INTERNAL, "internal error")
+            self._end(call, grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
         finally:
             self._calls.pop(call.cid, None)
 
     def _messages(self, call: _Call, de: Callable[[bytes], Any]) -> Iterator[Any]:
-        """A client stream's messages, each taken from the socket's frames; the front may send
-        one more for each taken (its window)."""
+        """A client stream's messages as the handler takes them: the front may send WINDOW
+        once the handler asks for the first, and one more for each taken (nothing of a
+        stream waits in the broker before a thread runs its handler)."""
+        self._send(call.cid, CREDIT, _U32.pack(WINDOW))
         while True:
             data = call.inbox.get()
             if data is None:
@@ -359,25 +439,55 @@ class FrontLink:
 
 # ----- the front process ------------------------------------------------------------------------
 
-def _credentials(tls: list | None) -> grpc.ServerCredentials | None:
-    if not tls:
-        return None
-    from graft_fed.federation.transport import server_credentials
+class _Budget:
+    """Bytes the front has handed the broker and the broker has not taken yet (requests
+    until their answer, stream messages until the broker takes them), at most `limit`: a
+    flood of large requests waits in the front's gRPC flow control, not in the broker's
+    memory. One request larger than the limit passes when nothing else is outstanding."""
 
-    return server_credentials(tls[0], tls[1], tls[2])
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._waiters: list[asyncio.Future] = []
+
+    async def take(self, n: int) -> None:
+        loop = asyncio.get_running_loop()
+        while self.used and self.used + n > self.limit:
+            fut = loop.create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
 
 async def _serve(spec: dict) -> None:
     reader, writer = await asyncio.open_unix_connection(spec["socket"], limit=1 << 24)
     loop = asyncio.get_running_loop()
     calls: dict[int, asyncio.Queue] = {}
-    next_id = iter(range(1, 2**32)).__next__
+    budget = _Budget(int(spec["budget_bytes"]))
+    last_id = 0
+
+    def new_id() -> int:  # call ids wrap around, skipping those in flight
+        nonlocal last_id
+        while True:
+            last_id = last_id % 0xFFFFFFFF + 1
+            if last_id not in calls:
+                return last_id
 
     def send(cid: int, kind: int, payload: bytes = b"") -> None:
         writer.write(HEAD.pack(len(payload), cid, kind) + payload)
 
     def open_call(index: int, context: grpc.aio.ServicerContext, request: bytes = b"") -> tuple[int, asyncio.Queue]:
-        cid = next_id()
+        cid = new_id()
         q: asyncio.Queue = asyncio.Queue()
         calls[cid] = q
         auth = context.auth_context()
@@ -403,47 +513,58 @@ async def _serve(spec: dict) -> None:
 
     def unary_unary(index: int) -> Callable:
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            cid, q = open_call(index, context, request)
-            ended, answer = False, b""
+            await budget.take(len(request))
             try:
-                while True:
-                    kind, payload = await q.get()
-                    if kind == MSG:
-                        answer = payload
-                    elif kind == END:
-                        ended = True
-                        await finish(context, payload)
-                        return answer
+                cid, q = open_call(index, context, request)
+                ended, answer = False, b""
+                try:
+                    while True:
+                        kind, payload = await q.get()
+                        if kind == MSG:
+                            answer = payload
+                        elif kind == END:
+                            ended = True
+                            await finish(context, payload)
+                            return answer
+                finally:
+                    close_call(cid, ended)
             finally:
-                close_call(cid, ended)
+                budget.give(len(request))
         return handle
 
     def unary_stream(index: int) -> Callable:
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> Any:
-            cid, q = open_call(index, context, request)
-            ended = False
+            await budget.take(len(request))
             try:
-                while True:
-                    kind, payload = await q.get()
-                    if kind == MSG:
-                        await context.write(payload)
-                        send(cid, CREDIT, _U32.pack(1))
-                    elif kind == END:
-                        ended = True
-                        await finish(context, payload)
-                        return
+                cid, q = open_call(index, context, request)
+                ended = False
+                try:
+                    while True:
+                        kind, payload = await q.get()
+                        if kind == MSG:
+                            await context.write(payload)
+                            send(cid, CREDIT, _U32.pack(1))
+                        elif kind == END:
+                            ended = True
+                            await finish(context, payload)
+                            return
+                finally:
+                    close_call(cid, ended)
             finally:
-                close_call(cid, ended)
+                budget.give(len(request))
         return handle
 
     def stream_unary(index: int) -> Callable:
         async def handle(requests: Any, context: grpc.aio.ServicerContext) -> bytes:
             cid, q = open_call(index, context)
-            credit = asyncio.Semaphore(WINDOW)
+            credit = asyncio.Semaphore(0)  # the broker grants WINDOW when its handler starts reading
+            held: list[int] = []  # sizes of the messages sent, not yet taken by the broker
 
-            async def pump() -> None:  # the client's messages to the broker, WINDOW ahead at most
+            async def pump() -> None:  # the client's messages to the broker, within its credit
                 async for message in requests:
                     await credit.acquire()
+                    await budget.take(len(message))
+                    held.append(len(message))
                     send(cid, MSG, message)
                     await writer.drain()
                 send(cid, CLOSE)
@@ -459,8 +580,12 @@ async def _serve(spec: dict) -> None:
                 while True:  # the broker may answer before the stream ends (a refusal)
                     kind, payload = await q.get()
                     if kind == CREDIT:
+                        # the first grant comes before anything was sent; each later one says
+                        # the broker took a message
                         for _ in range(_U32.unpack(payload)[0]):
                             credit.release()
+                            if held:
+                                budget.give(held.pop(0))
                     elif kind == MSG:
                         answer = payload
                     elif kind == END:
@@ -472,6 +597,7 @@ async def _serve(spec: dict) -> None:
                         await context.abort(grpc.StatusCode.CANCELLED, "the upload's stream broke")
             finally:
                 pumping.cancel()
+                budget.give(sum(held))
                 close_call(cid, ended)
         return handle
 
@@ -482,9 +608,10 @@ async def _serve(spec: dict) -> None:
     server = grpc.aio.server(options=[tuple(o) for o in spec["options"]],
                              maximum_concurrent_rpcs=spec["max_concurrent_rpcs"])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(spec["service"], handlers),))
-    creds = _credentials(spec["tls"])
+    tls = spec["tls"]
     try:
-        port = server.add_secure_port(spec["listen"], creds) if creds else server.add_insecure_port(spec["listen"])
+        port = (server.add_secure_port(spec["listen"], server_credentials(tls[0], tls[1], tls[2])) if tls
+                else server.add_insecure_port(spec["listen"]))
     except RuntimeError as exc:
         port, reason = 0, str(exc).split(";")[0]
     else:
@@ -494,33 +621,35 @@ async def _serve(spec: dict) -> None:
         return
     await server.start()
     print(port, flush=True)
+    sys.stdout = sys.stderr  # nothing more on the pipe the broker stopped reading
+
+    stop_grace: list[float] = []
 
     async def read() -> None:
         try:
             while True:
                 size, cid, kind = HEAD.unpack(await reader.readexactly(HEAD.size))
                 payload = await reader.readexactly(size) if size else b""
+                if kind == STOP:
+                    stop_grace.append(_F64.unpack(payload)[0])
+                    loop.create_task(server.stop(stop_grace[0]))  # answers still come meanwhile
+                    continue
                 q = calls.get(cid)
                 if q is not None:
                     q.put_nowait((kind, payload))
         except (asyncio.IncompleteReadError, OSError):
-            return  # the broker is gone
+            return  # the broker is gone, or closed the socket after a STOP
 
-    stopped = asyncio.Event()
-    try:
-        import signal
-
-        loop.add_signal_handler(signal.SIGTERM, stopped.set)
-    except (NotImplementedError, RuntimeError):
-        pass
     reading = loop.create_task(read())
-    waiting = loop.create_task(stopped.wait())
-    await asyncio.wait({reading, waiting}, return_when=asyncio.FIRST_COMPLETED)
-    # asked to stop: the calls in flight get a second; the broker gone: nothing can answer them
-    await server.stop(1.0 if waiting.done() else 0)
+    stopped = loop.create_task(server.wait_for_termination())
+    await asyncio.wait({reading, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    # asked to stop: the grace the broker gave; the broker gone: nothing can answer the calls
+    await server.stop(stop_grace[0] if stop_grace and not reading.done() else 0)
 
 
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the broker stops the front, nobody else
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="front: %(levelname)s %(message)s")
     asyncio.run(_serve(json.loads(argv[0])))
     return 0

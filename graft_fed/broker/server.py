@@ -176,14 +176,20 @@ class BrokerServer:
         self.front: FrontLink | None = None
         if cfg.front_process:
             # gRPC served by a process of its own, which hands every call over (broker/front.py)
-            self.front = FrontLink(SERVICE, [(name, kind) for name, (kind, _, _) in METHODS.items()],
-                                   method_handlers(self.servicer), interceptors, cfg.max_workers, self._front_lost,
-                                   long_polls=("GetMatches",), max_long_polls=cfg.max_long_polls)
             tls = (cfg.tls_cert, cfg.tls_key, cfg.client_ca) if cfg.tls_cert and cfg.tls_key else None
             try:
-                self.port = self.front.start(cfg.listen, options, tls, cfg.max_workers + pending_calls(cfg.max_long_polls))
-            except (OSError, RuntimeError):
-                self.front.stop(0)
+                if tls:
+                    server_credentials(*tls)  # a missing or unreadable file: its ConfigError here, not the front's
+                self.front = FrontLink(SERVICE, [(name, kind) for name, (kind, _, _) in METHODS.items()],
+                                       method_handlers(self.servicer), interceptors, cfg.max_workers,
+                                       self._front_lost, waiting=("GetMatches", "UploadBundle", "FetchBundle"),
+                                       max_long_polls=cfg.max_long_polls, quick=("Heartbeat", "Leave", "HasBundles"))
+                # requests handed over and not answered: at most 8 of the largest message (128 MiB)
+                self.port = self.front.start(cfg.listen, options, tls, cfg.max_workers + pending_calls(cfg.max_long_polls),
+                                             budget_bytes=8 * cfg.max_message_mib * 2**20)
+            except BaseException:
+                if self.front is not None:
+                    self.front.stop(0)
                 self.state.close()
                 raise
         else:
@@ -291,10 +297,12 @@ class BrokerServer:
         return self
 
     def wait(self) -> None:
+        """Until the broker stops (or, with the front, fails)."""
         if self.grpc is not None:
             self.grpc.wait_for_termination()
         else:
-            self.failed.wait()
+            while not (self._stop.wait(0.5) or self.failed.is_set()):
+                pass
 
     def _stop_grpc(self, grace: float) -> None:
         if self.grpc is not None:

@@ -113,9 +113,16 @@ def test_an_upload_refused_before_its_end_is_answered_at_once(fronted, prompts):
     a.close()
 
 
-def test_the_socket_is_private_to_the_brokers_user(fronted):
-    mode = stat.S_IMODE(os.stat(os.path.dirname(fronted.front.path)).st_mode)
-    assert mode == 0o700
+def test_the_socket_is_private_and_gone_once_the_front_is_connected(fronted):
+    from graft_fed.broker.front import _socket_dir
+
+    d = _socket_dir()
+    try:
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700  # only the broker's user can reach it
+    finally:
+        os.rmdir(d)
+    # the front holds the one connection; nothing is left to connect to (or behind, after a SIGKILL)
+    assert not os.path.exists(fronted.front.path) and not os.path.exists(os.path.dirname(fronted.front.path))
 
 
 def test_when_the_front_exits_the_broker_says_so_and_stops_serving(fronted, prompts):
@@ -214,10 +221,17 @@ def link():
             time.sleep(0.05)
         return b"done"
 
+    def note(request, context):
+        made["noted"].append(request)
+        return b"ok"
+
+    made["noted"] = []
     handlers = {"Answers": grpc.unary_stream_rpc_method_handler(answers),
-                "Upload": grpc.stream_unary_rpc_method_handler(upload)}
+                "Upload": grpc.stream_unary_rpc_method_handler(upload),
+                "Note": grpc.unary_unary_rpc_method_handler(note)}
     lost = []
-    fl = FrontLink("t.Svc", [("Answers", "unary_stream"), ("Upload", "stream_unary")], handlers, [], 8, lost.append)
+    fl = FrontLink("t.Svc", [("Answers", "unary_stream"), ("Upload", "stream_unary"), ("Note", "unary_unary")],
+                   handlers, [], 8, lost.append)
     frames = _Frames(fl)
     yield fl, frames, made, lost
     fl._stopping = True
@@ -242,10 +256,12 @@ def test_the_broker_writes_a_streams_answers_only_as_the_front_passes_them_on(li
 def test_a_client_stream_is_handed_over_as_the_handler_takes_it(link):
     fl, frames, made, _ = link
     frames.start(9, 1)
+    # the front may send nothing before the handler runs; then its window
+    assert frames.read(2.0) == (9, CREDIT, struct.pack("<I", WINDOW))
     for i in range(3):
         frames.send(9, MSG, bytes([i]))
-    credits = [frames.read(2.0) for _ in range(3)]  # one credit per message the handler took
-    assert [(cid, kind) for cid, kind, _ in credits] == [(9, CREDIT)] * 3
+    credits = [frames.read(2.0) for _ in range(3)]  # then one credit per message the handler took
+    assert credits == [(9, CREDIT, struct.pack("<I", 1))] * 3
     frames.send(9, CLOSE)
     assert frames.read(2.0)[1:] == (MSG, b"done") and frames.read(2.0)[1] == END
     assert made["taken"] == [b"\x00", b"\x01", b"\x02"]
@@ -258,3 +274,75 @@ def test_the_broker_is_told_when_its_front_goes(link):
     assert _wait(lambda: lost != [])
     assert "front process" in lost[0]
     assert _wait(lambda: fl._calls == {} or all(c.cancelled.is_set() for c in fl._calls.values()))
+
+
+def test_a_call_cancelled_before_a_thread_took_it_is_not_run(link):
+    """As grpcio's server skips such a call: a publish whose client gave up waiting is not
+    applied later behind its back."""
+    fl, frames, made, _ = link
+    for cid in range(20, 28):  # eight uploads hold the pool's eight threads
+        frames.start(cid, 1)
+    assert _wait(lambda: len([c for c in fl._calls.values() if c.method == 1]) == 8)
+    frames.start(40, 2, b"late")
+    frames.send(40, CANCEL)
+    frames.start(41, 2, b"kept")
+    for cid in range(20, 28):
+        frames.send(cid, CLOSE)
+    assert _wait(lambda: made["noted"] == [b"kept"])
+    time.sleep(0.2)
+    assert made["noted"] == [b"kept"]
+
+
+def test_the_fronts_budget_holds_back_requests_beyond_it():
+    import asyncio
+
+    from graft_fed.broker.front import _Budget
+
+    async def go():
+        b = _Budget(100)
+        await b.take(60)
+        late = asyncio.ensure_future(b.take(50))  # 110 > 100: waits
+        await asyncio.sleep(0.05)
+        assert not late.done()
+        b.give(60)
+        await asyncio.wait_for(late, 1)
+        assert b.used == 50
+        b.give(50)
+        await asyncio.wait_for(b.take(500), 1)  # larger than the budget: passes alone
+        big_then_small = asyncio.ensure_future(b.take(1))
+        await asyncio.sleep(0.05)
+        assert not big_then_small.done()
+        b.give(500)
+        await asyncio.wait_for(big_then_small, 1)
+    asyncio.run(go())
+
+
+def test_a_ctrl_c_at_the_terminal_reaches_the_broker_not_the_front(fronted, prompts):
+    """The front has a session of its own and ignores SIGINT and SIGTERM: only the broker
+    stops it, with the grace it was given."""
+    import signal
+
+    os.kill(fronted.front.proc.pid, signal.SIGINT)
+    os.kill(fronted.front.proc.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert fronted.front.proc.poll() is None and not fronted.failed.is_set()
+    assert os.getpgid(fronted.front.proc.pid) != os.getpgid(0)
+    a = client(fronted, prompts, "a")
+    assert a.publish(0, [summary(prompts[0], 1)]) == (1, 0)
+    a.close()
+
+
+def test_a_front_that_cannot_start_is_said_at_once(prompt_file, monkeypatch, tmp_path):
+    from graft_fed.broker.front import FrontError
+    from graft_fed.errors import ConfigError
+
+    # a TLS file missing: the broker's own error names it, as without the front
+    with pytest.raises(ConfigError, match="TLS"):
+        start_broker(broker_config(prompt_file, front_process=True, tls_cert=str(tmp_path / "none.pem"),
+                                   tls_key=str(tmp_path / "none.key")))
+    # a front that dies at start: said within seconds, not after the connect timeout
+    monkeypatch.setattr("sys.executable", "/bin/false")
+    t0 = time.monotonic()
+    with pytest.raises(FrontError, match="exited at start"):
+        start_broker(broker_config(prompt_file, front_process=True))
+    assert time.monotonic() - t0 < 10
