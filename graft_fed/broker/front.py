@@ -34,6 +34,7 @@ exits, the front sees the socket close and exits too.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -90,6 +91,10 @@ def _parse_end(payload: bytes) -> tuple[grpc.StatusCode, str, list[tuple[str, st
 
 
 # ----- the broker's side -----------------------------------------------------------------------
+
+class _LinkGone(Exception):
+    """The socket to the front failed: the front is gone (the reader tells the broker)."""
+
 
 class _Aborted(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
@@ -183,25 +188,26 @@ class FrontLink:
     socket and runs them on the broker's handlers in thread pools."""
 
     def __init__(self, service: str, methods: Sequence[tuple[str, str]], handlers: dict[str, Any],
-                 interceptors: Sequence[Any], max_workers: int, on_lost: Callable[[str], None],
-                 waiting: Sequence[str] = (), max_long_polls: int = 0, quick: Sequence[str] = ()) -> None:
+                 interceptors: Sequence[Any], threads: int, on_lost: Callable[[str], None],
+                 lanes: Sequence[tuple[Sequence[str], int]] = ()) -> None:
+        """`lanes`: (methods, threads) each with a thread pool of its own; every other
+        method runs on `threads` threads."""
         self.service, self.methods, self.handlers = service, list(methods), handlers
         self.interceptors = list(interceptors)
         self.on_lost = on_lost
-        # Three pools. grpcio's own server takes calls one at a time, which paces how many
-        # handlers run at once; the front hands a round's thousand publishes over at once, and
-        # a thousand threads contending for the interpreter made a round take seconds more
-        # (issue 13, nineteenth pass). Calls that wait on something other than the
-        # interpreter (`waiting`: long-polls, and bundle streams on a slow client) get up to
-        # `max_workers` threads of their own; calls that are quick and must stay so (`quick`:
-        # heartbeats) a pool of 8, so that they never queue behind publishes; every other
-        # call one of max_workers - max_long_polls threads (at least 8), however many arrive.
-        self.pool = futures.ThreadPoolExecutor(max_workers=max(8, max_workers - max_long_polls),
-                                               thread_name_prefix="broker")
-        self.waits = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="broker-wait")
-        self.quick = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="broker-quick")
-        self._pool_of = [self.waits if name in waiting else self.quick if name in quick else self.pool
-                         for name, _ in methods]
+        # grpcio's own server takes calls one at a time, which paces how many handlers run at
+        # once; the front hands a round's thousand publishes over at once, and a thousand
+        # threads contending for the interpreter made a round take seconds more (issue 13,
+        # nineteenth pass). So the broker runs them on bounded pools, one per lane of calls
+        # that must not take each other's threads (server.py says which).
+        self.pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="broker")
+        self._pools = [self.pool]
+        lane_of: dict[str, futures.ThreadPoolExecutor] = {}
+        for i, (names, size) in enumerate(lanes):
+            lane = futures.ThreadPoolExecutor(max_workers=size, thread_name_prefix=f"broker-lane{i}")
+            self._pools.append(lane)
+            lane_of.update({name: lane for name in names})
+        self._pool_of = [lane_of.get(name, self.pool) for name, _ in methods]
         self._dir = _socket_dir()
         self.path = os.path.join(self._dir, "broker.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -233,14 +239,21 @@ class FrontLink:
         except BaseException:
             self._kill()
             raise
+        if not line:
+            code = self.proc.wait(10)
+            raise FrontError(f"the front process exited at start (status {code}); its error is above in this log")
         if not line.isdigit():
             self._kill()
             # what grpcio raises for a port it cannot bind, so that callers say the same
-            raise RuntimeError(f"Failed to bind to address {listen} (the front process: {line or 'no answer'})")
+            raise RuntimeError(f"Failed to bind to address {listen} (the front process: {line})")
         self.port = int(line)
+        return self.port
+
+    def serve(self) -> None:
+        """Take the front's calls (until now they wait in the socket, as calls wait in gRPC
+        for a server that is bound but not started)."""
         self._reader = threading.Thread(target=self._read, name="broker-front-link", daemon=True)
         self._reader.start()
-        return self.port
 
     def _connect(self, timeout_s: float) -> None:
         assert self.proc is not None
@@ -288,15 +301,16 @@ class FrontLink:
             self.proc.kill()
             self.proc.wait(10)
 
-    def stop(self, grace: float = 1.0) -> None:
+    def stop(self, grace: float | None = 1.0) -> None:
         """Stop the front: it takes no new call and gives those in flight `grace` seconds
         (answered meanwhile, as grpcio's server.stop(grace) does), then exits."""
         self._stopping = True
         if self.proc is not None and self.proc.poll() is None and self._sock is not None:
             try:
-                self._send(0, STOP, _F64.pack(max(0.0, grace)))
+                grace = max(0.0, grace or 0.0)
+                self._send(0, STOP, _F64.pack(grace))
                 self.proc.wait(grace + 5)
-            except (OSError, subprocess.TimeoutExpired):
+            except (_LinkGone, subprocess.TimeoutExpired):
                 pass
         self._kill()
         if self._reader is not None:
@@ -306,15 +320,18 @@ class FrontLink:
         if self._sock is not None:
             self._sock.close()
         self._listener.close()
-        for pool in (self.pool, self.waits, self.quick):
+        for pool in self._pools:
             pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _send(self, cid: int, kind: int, payload: bytes, more: bytes = b"") -> None:
         frame = HEAD.pack(len(payload), cid, kind) + payload + more
-        with self._write:
-            assert self._sock is not None
-            self._sock.sendall(frame)
+        try:
+            with self._write:
+                assert self._sock is not None
+                self._sock.sendall(frame)
+        except OSError as exc:
+            raise _LinkGone() from exc
 
     def _read(self) -> None:
         assert self._sock is not None
@@ -402,7 +419,7 @@ class FrontLink:
             self._end(call, exc.code, exc.message)
         except grpc.RpcError:  # the client went away mid-stream (as grpc's own request iterator raises)
             self._end(call, grpc.StatusCode.CANCELLED, "the call was cancelled")
-        except OSError:
+        except _LinkGone:
             pass  # the front is gone: _read tells the broker
         except Exception:  # noqa: BLE001 - the servicer maps its own; this is the link's last line
             log.exception("a call handed over by the front failed")
@@ -433,7 +450,7 @@ class FrontLink:
                 self._send(call.cid, MSG, answer, HEAD.pack(len(end), call.cid, END) + end)
             else:
                 self._send(call.cid, END, end)
-        except OSError:
+        except _LinkGone:
             pass  # the front is gone: _read tells the broker
 
 
@@ -441,31 +458,46 @@ class FrontLink:
 
 class _Budget:
     """Bytes the front has handed the broker and the broker has not taken yet (requests
-    until their answer, stream messages until the broker takes them), at most `limit`: a
-    flood of large requests waits in the front's gRPC flow control, not in the broker's
-    memory. One request larger than the limit passes when nothing else is outstanding."""
+    until their answer, stream messages until the broker takes them), at most `limit`:
+    beyond it a request waits in the front, in order, rather than in the broker's memory.
+    A request counts as at most `limit` (one larger still passes, alone)."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.used = limit, 0
-        self._waiters: list[asyncio.Future] = []
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
-    async def take(self, n: int) -> None:
-        loop = asyncio.get_running_loop()
-        while self.used and self.used + n > self.limit:
-            fut = loop.create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            finally:
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
-        self.used += n
+    def _fits(self, n: int) -> bool:
+        return self.used + n <= self.limit
+
+    async def take(self, n: int) -> int:
+        """Wait for `n` bytes of room; returns what to give back."""
+        n = min(n, self.limit)
+        if not self._waiters and self._fits(n):
+            self.used += n
+            return n
+        fut = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.give(n)  # granted, then cancelled before it could use it
+            else:
+                self._waiters.remove(entry)
+                self._wake()  # a smaller one behind it may fit now
+            raise
+        return n
 
     def give(self, n: int) -> None:
         self.used -= n
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            n, fut = self._waiters.popleft()
             if not fut.done():
+                self.used += n
                 fut.set_result(None)
 
 
@@ -513,7 +545,7 @@ async def _serve(spec: dict) -> None:
 
     def unary_unary(index: int) -> Callable:
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            await budget.take(len(request))
+            held = await budget.take(len(request))
             try:
                 cid, q = open_call(index, context, request)
                 ended, answer = False, b""
@@ -529,12 +561,12 @@ async def _serve(spec: dict) -> None:
                 finally:
                     close_call(cid, ended)
             finally:
-                budget.give(len(request))
+                budget.give(held)
         return handle
 
     def unary_stream(index: int) -> Callable:
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> Any:
-            await budget.take(len(request))
+            held = await budget.take(len(request))
             try:
                 cid, q = open_call(index, context, request)
                 ended = False
@@ -551,7 +583,7 @@ async def _serve(spec: dict) -> None:
                 finally:
                     close_call(cid, ended)
             finally:
-                budget.give(len(request))
+                budget.give(held)
         return handle
 
     def stream_unary(index: int) -> Callable:
@@ -563,8 +595,7 @@ async def _serve(spec: dict) -> None:
             async def pump() -> None:  # the client's messages to the broker, within its credit
                 async for message in requests:
                     await credit.acquire()
-                    await budget.take(len(message))
-                    held.append(len(message))
+                    held.append(await budget.take(len(message)))
                     send(cid, MSG, message)
                     await writer.drain()
                 send(cid, CLOSE)

@@ -180,10 +180,14 @@ class BrokerServer:
             try:
                 if tls:
                     server_credentials(*tls)  # a missing or unreadable file: its ConfigError here, not the front's
+                # the broker's threads in lanes that cannot take each other's: long-polls up to
+                # max_workers; bundle streams (which wait on slow clients) and every other call
+                # max_workers - max_long_polls each; heartbeats 8 of their own, never behind a publish
+                rest = max(8, cfg.max_workers - cfg.max_long_polls)
                 self.front = FrontLink(SERVICE, [(name, kind) for name, (kind, _, _) in METHODS.items()],
-                                       method_handlers(self.servicer), interceptors, cfg.max_workers,
-                                       self._front_lost, waiting=("GetMatches", "UploadBundle", "FetchBundle"),
-                                       max_long_polls=cfg.max_long_polls, quick=("Heartbeat", "Leave", "HasBundles"))
+                                       method_handlers(self.servicer), interceptors, rest, self._front_lost,
+                                       lanes=[(("GetMatches",), cfg.max_workers),
+                                              (("UploadBundle", "FetchBundle"), rest), (("Heartbeat",), 8)])
                 # requests handed over and not answered: at most 8 of the largest message (128 MiB)
                 self.port = self.front.start(cfg.listen, options, tls, cfg.max_workers + pending_calls(cfg.max_long_polls),
                                              budget_bytes=8 * cfg.max_message_mib * 2**20)
@@ -283,6 +287,8 @@ class BrokerServer:
         keep_chunk_buffers(self.cfg.chunk_kib * 1024)  # heap/page-fault costs per chunk (broker/heap.py)
         if self.grpc is not None:
             self.grpc.start()
+        if self.front is not None:
+            self.front.serve()
         try:
             self._serve_http()
         except OSError:

@@ -308,12 +308,26 @@ def test_the_fronts_budget_holds_back_requests_beyond_it():
         await asyncio.wait_for(late, 1)
         assert b.used == 50
         b.give(50)
-        await asyncio.wait_for(b.take(500), 1)  # larger than the budget: passes alone
-        big_then_small = asyncio.ensure_future(b.take(1))
+        big = await asyncio.wait_for(b.take(500), 1)  # larger than the budget: counts as all of it
+        assert big == 100
+        small = asyncio.ensure_future(b.take(1))
         await asyncio.sleep(0.05)
-        assert not big_then_small.done()
-        b.give(500)
-        await asyncio.wait_for(big_then_small, 1)
+        assert not small.done()
+        b.give(big)
+        await asyncio.wait_for(small, 1)
+        # in order: a small request does not pass one that waits before it
+        first = asyncio.ensure_future(b.take(100))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(b.take(1))
+        await asyncio.sleep(0.05)
+        assert not first.done() and not second.done()
+        # a waiter that gives up lets the ones behind it through
+        first.cancel()
+        await asyncio.wait_for(second, 1)
+        assert b.used == 2
+        b.give(1)
+        b.give(1)
+        assert b.used == 0
     asyncio.run(go())
 
 
