@@ -543,8 +543,10 @@ async def _serve(spec: dict) -> None:
         if code is not grpc.StatusCode.OK:
             await context.abort(code, message)
 
-    def unary_unary(index: int) -> Callable:
-        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    def unary_request(index: int, streamed: bool) -> Callable:
+        """The handler of a method with one request: one answer, or (`streamed`) a stream of
+        them written as the broker sends them, each credited once written."""
+        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes | None:
             held = await budget.take(len(request))
             try:
                 cid, q = open_call(index, context, request)
@@ -552,34 +554,15 @@ async def _serve(spec: dict) -> None:
                 try:
                     while True:
                         kind, payload = await q.get()
-                        if kind == MSG:
+                        if kind == MSG and streamed:
+                            await context.write(payload)
+                            send(cid, CREDIT, _U32.pack(1))
+                        elif kind == MSG:
                             answer = payload
                         elif kind == END:
                             ended = True
                             await finish(context, payload)
-                            return answer
-                finally:
-                    close_call(cid, ended)
-            finally:
-                budget.give(held)
-        return handle
-
-    def unary_stream(index: int) -> Callable:
-        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> Any:
-            held = await budget.take(len(request))
-            try:
-                cid, q = open_call(index, context, request)
-                ended = False
-                try:
-                    while True:
-                        kind, payload = await q.get()
-                        if kind == MSG:
-                            await context.write(payload)
-                            send(cid, CREDIT, _U32.pack(1))
-                        elif kind == END:
-                            ended = True
-                            await finish(context, payload)
-                            return
+                            return None if streamed else answer
                 finally:
                     close_call(cid, ended)
             finally:
@@ -632,8 +615,8 @@ async def _serve(spec: dict) -> None:
                 close_call(cid, ended)
         return handle
 
-    kinds = {"unary_unary": (unary_unary, grpc.unary_unary_rpc_method_handler),
-             "unary_stream": (unary_stream, grpc.unary_stream_rpc_method_handler),
+    kinds = {"unary_unary": (lambda i: unary_request(i, False), grpc.unary_unary_rpc_method_handler),
+             "unary_stream": (lambda i: unary_request(i, True), grpc.unary_stream_rpc_method_handler),
              "stream_unary": (stream_unary, grpc.stream_unary_rpc_method_handler)}
     handlers = {name: kinds[kind][1](kinds[kind][0](i)) for i, (name, kind) in enumerate(spec["methods"])}
     server = grpc.aio.server(options=[tuple(o) for o in spec["options"]],
