@@ -125,10 +125,10 @@ def _sqlite_memory_used() -> int | None:
     return int(fn())
 
 
-def _proc_status() -> dict[str, int]:
+def _proc_status(pid: int | str = "self") -> dict[str, int]:
     out = {}
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 key, _, rest = line.partition(":")
                 if key in ("RssAnon", "RssFile", "RssShmem", "Threads"):
@@ -139,6 +139,14 @@ def _proc_status() -> dict[str, int]:
     return out
 
 
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """A process's resident memory (`resident_anon`, `resident_file`, `resident_shmem`, bytes)
+    and `threads` (a count), where Linux's /proc tells them; {} elsewhere or once it exited."""
+    names = {"RssAnon": "resident_anon", "RssFile": "resident_file", "RssShmem": "resident_shmem",
+             "Threads": "threads"}
+    return {names[k]: v for k, v in _proc_status(pid).items()}
+
+
 def memory_usage() -> dict[str, int]:
     """This process's memory by where it is, in bytes (threads: a count). Keys present only
     where the platform tells them: `resident_anon`, `resident_file`, `resident_shmem` and
@@ -146,12 +154,7 @@ def memory_usage() -> dict[str, int]:
     2.33, unless another malloc is preloaded: bytes handed out from its heaps, free in them,
     and in blocks mapped whole); `sqlite` (every connection's caches and statements); and
     `python_blocks` (objects Python's allocator holds, a count)."""
-    out: dict[str, int] = {}
-    proc = _proc_status()
-    for key, name in (("RssAnon", "resident_anon"), ("RssFile", "resident_file"), ("RssShmem", "resident_shmem"),
-                      ("Threads", "threads")):
-        if key in proc:
-            out[name] = proc[key]
+    out = process_memory()
     out.update((f"malloc_{k}", v) for k, v in malloc_stats().items() if k != "heap")
     sqlite = _sqlite_memory_used()
     if sqlite is not None:

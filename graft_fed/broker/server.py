@@ -20,7 +20,7 @@ from graft_fed.broker.blas import one_blas_thread
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
 from graft_fed.broker.front import FrontLink
-from graft_fed.broker.heap import keep_chunk_buffers, limit_malloc_arenas, memory_usage, trim_heap
+from graft_fed.broker.heap import keep_chunk_buffers, limit_malloc_arenas, memory_usage, process_memory, trim_heap
 from graft_fed.broker.live import RefusalLog, ScalarLog, node_metrics, status_view
 from graft_fed.broker.servicer import (METHODS, SERVICE, BrokerServicer, TimingInterceptor, add_to_server,
                                        method_handlers)
@@ -41,7 +41,8 @@ def open_state(db: str) -> BrokerState:
     return SqliteState(db)
 
 
-def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalLog | None = None) -> str:
+def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalLog | None = None,
+                   front_pid: int | None = None) -> str:
     lines = []
 
     def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -98,6 +99,11 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
     for key, (name, help_) in counts.items():
         if key in mem:
             metric(name, "gauge", help_, [("", mem[key])])
+    if front_pid is not None:  # front_process: the process serving gRPC (broker/front.py)
+        front = process_memory(front_pid)
+        metric("front_memory_bytes", "gauge", "The front process's resident memory (front_process: true).",
+               [(f'{{kind="{k}"}}', v) for k, v in front.items() if k != "threads"])
+        metric("front_threads", "gauge", "Threads of the front process.", [("", front.get("threads", 0))])
     checkpointer = getattr(fed.state, "checkpointer", None)  # a SQLite state's (broker/checkpointer.py)
     if checkpointer is not None:
         metric("state_wal_bytes", "gauge", "Size of the state's WAL file (checkpointed each time it grows by 64 MiB).",
@@ -189,7 +195,8 @@ class BrokerServer:
                                        lanes=[(("GetMatches",), cfg.max_workers),
                                               (("UploadBundle", "FetchBundle"), rest), (("Heartbeat",), 8)])
                 # requests handed over and not answered: at most 8 of the largest message (128 MiB)
-                self.port = self.front.start(cfg.listen, options, tls, cfg.max_workers + pending_calls(cfg.max_long_polls),
+                self.port = self.front.start(cfg.listen, options, tls,
+                                             cfg.max_workers + pending_calls(cfg.max_long_polls),
                                              budget_bytes=8 * cfg.max_message_mib * 2**20)
             except BaseException:
                 if self.front is not None:
@@ -221,12 +228,13 @@ class BrokerServer:
         if not self.cfg.http:
             return
         fed, servicer, refusals = self.fed, self.servicer, self.refusals
+        front_pid = self.front.proc.pid if self.front is not None and self.front.proc is not None else None
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    body, ctype, code = (render_metrics(fed, servicer, refusals).encode(),
+                    body, ctype, code = (render_metrics(fed, servicer, refusals, front_pid).encode(),
                                          "text/plain; version=0.0.4", 200)
                 elif path == "/healthz":
                     body, ctype, code = b"ok\n", "text/plain", 200

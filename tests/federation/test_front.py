@@ -360,3 +360,19 @@ def test_a_front_that_cannot_start_is_said_at_once(prompt_file, monkeypatch, tmp
     with pytest.raises(FrontError, match="exited at start"):
         start_broker(broker_config(prompt_file, front_process=True))
     assert time.monotonic() - t0 < 10
+
+
+def test_metrics_show_the_fronts_memory(fronted, prompt_file):
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{fronted.http_port}/metrics", timeout=10).read().decode()
+    rss = [line for line in body.splitlines() if line.startswith('graft_fed_front_memory_bytes{kind="resident_anon"}')]
+    assert rss and float(rss[0].split()[-1]) > 1e6
+    assert any(line.startswith("graft_fed_front_threads ") and float(line.split()[-1]) >= 1
+               for line in body.splitlines())
+    plain = start_broker(broker_config(prompt_file))
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{plain.http_port}/metrics", timeout=10).read().decode()
+        assert "graft_fed_front_" not in body
+    finally:
+        plain.stop()
