@@ -173,6 +173,10 @@ class FrontError(GraftFedError):
     """The front process did not start (its own error is in the broker's log, above)."""
 
 
+def _exited_at_start(code: int | None) -> FrontError:
+    return FrontError(f"the front process exited at start (status {code}); its error is above in this log")
+
+
 def _socket_dir() -> str:
     """A private directory (mode 0700: only this user reaches the socket) whose socket path
     fits AF_UNIX's ~107 bytes however long TMPDIR is."""
@@ -240,8 +244,7 @@ class FrontLink:
             self._kill()
             raise
         if not line:
-            code = self.proc.wait(10)
-            raise FrontError(f"the front process exited at start (status {code}); its error is above in this log")
+            raise _exited_at_start(self.proc.wait(10))
         if not line.isdigit():
             self._kill()
             # what grpcio raises for a port it cannot bind, so that callers say the same
@@ -265,8 +268,7 @@ class FrontLink:
             except socket.timeout:
                 code = self.proc.poll()
                 if code is not None:
-                    raise FrontError(f"the front process exited at start (status {code}); its error is above "
-                                     "in this log") from None
+                    raise _exited_at_start(code) from None
                 if time.monotonic() > end:
                     raise FrontError(f"the front process did not connect within {timeout_s:.0f} s") from None
                 continue
@@ -401,9 +403,7 @@ class FrontLink:
                 answers = handler.unary_stream(de(call.request), ctx)
                 try:
                     for message in answers:
-                        while not call.credit.acquire(timeout=1.0):
-                            if call.cancelled.is_set():
-                                break
+                        call.credit.acquire()  # a cancel releases the whole window: it wakes here
                         if call.cancelled.is_set():
                             return
                         self._send(call.cid, MSG, ser(message))
@@ -624,7 +624,7 @@ async def _serve(spec: dict) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(spec["service"], handlers),))
     tls = spec["tls"]
     try:
-        port = (server.add_secure_port(spec["listen"], server_credentials(tls[0], tls[1], tls[2])) if tls
+        port = (server.add_secure_port(spec["listen"], server_credentials(*tls)) if tls
                 else server.add_insecure_port(spec["listen"]))
     except RuntimeError as exc:
         port, reason = 0, str(exc).split(";")[0]

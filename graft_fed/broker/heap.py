@@ -125,13 +125,17 @@ def _sqlite_memory_used() -> int | None:
     return int(fn())
 
 
+_PROC_STATUS = {"RssAnon": "resident_anon", "RssFile": "resident_file", "RssShmem": "resident_shmem",
+                "Threads": "threads"}  # /proc/PID/status's fields, and their names here
+
+
 def _proc_status(pid: int | str = "self") -> dict[str, int]:
     out = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 key, _, rest = line.partition(":")
-                if key in ("RssAnon", "RssFile", "RssShmem", "Threads"):
+                if key in _PROC_STATUS:
                     parts = rest.split()
                     out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)  # kB, or a count
     except (OSError, ValueError, IndexError):
@@ -142,9 +146,7 @@ def _proc_status(pid: int | str = "self") -> dict[str, int]:
 def process_memory(pid: int | str = "self") -> dict[str, int]:
     """A process's resident memory (`resident_anon`, `resident_file`, `resident_shmem`, bytes)
     and `threads` (a count), where Linux's /proc tells them; {} elsewhere or once it exited."""
-    names = {"RssAnon": "resident_anon", "RssFile": "resident_file", "RssShmem": "resident_shmem",
-             "Threads": "threads"}
-    return {names[k]: v for k, v in _proc_status(pid).items()}
+    return {_PROC_STATUS[k]: v for k, v in _proc_status(pid).items()}
 
 
 def memory_usage() -> dict[str, int]:

@@ -173,7 +173,8 @@ class BrokerServer:
         # no SO_REUSEPORT: a second broker on a taken port must fail, not share it
         options = (grpc_options(cfg.max_message_mib) + [("grpc.so_reuseport", 0)]
                    + pending_call_options(cfg.max_long_polls))
-        if not (cfg.tls_cert and cfg.tls_key):
+        tls = (cfg.tls_cert, cfg.tls_key, cfg.client_ca) if cfg.tls_cert and cfg.tls_key else None
+        if tls is None:
             check_plaintext(cfg.listen, cfg.insecure, "broker")
         #: set, with `failure`, when the broker cannot serve any more (its front process exited)
         self.failed = threading.Event()
@@ -182,7 +183,6 @@ class BrokerServer:
         self.front: FrontLink | None = None
         if cfg.front_process:
             # gRPC served by a process of its own, which hands every call over (broker/front.py)
-            tls = (cfg.tls_cert, cfg.tls_key, cfg.client_ca) if cfg.tls_cert and cfg.tls_key else None
             try:
                 if tls:
                     server_credentials(*tls)  # a missing or unreadable file: its ConfigError here, not the front's
@@ -207,9 +207,8 @@ class BrokerServer:
             self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="broker"),
                                     options=options, interceptors=interceptors)
             add_to_server(self.servicer, self.grpc)
-            if cfg.tls_cert and cfg.tls_key:
-                creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.client_ca)
-                self.port = self.grpc.add_secure_port(cfg.listen, creds)
+            if tls:
+                self.port = self.grpc.add_secure_port(cfg.listen, server_credentials(*tls))
             else:
                 self.port = self.grpc.add_insecure_port(cfg.listen)
             if self.port == 0:
