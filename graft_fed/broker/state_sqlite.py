@@ -51,7 +51,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from graft_fed.broker.bundlefiles import BundleFiles, storage_error
+from graft_fed.broker.bundlefiles import BundleFiles, PartFile, storage_error
 from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
 from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow,
                                     SummaryHead, SummaryRow)
@@ -498,6 +498,7 @@ class SqliteState(BrokerState):
 
     def close(self) -> None:
         self.checkpointer.stop()
+        self.files.close()
         with self._lock:
             self._conn.close()
 
@@ -1137,21 +1138,20 @@ class _FileWriter(BundleWriter):
 
     def __init__(self, state: SqliteState) -> None:
         self._sqlite = state
-        self._fd: int | None
-        self._fd, self._tmp = state.files.create()
+        self._part: PartFile | None = state.files.create()
         self._sealed: str | None = None  # the digest this upload's file was put under
         self._done = False
         self.size = 0
 
     def _check_open(self) -> None:
-        if self._done or self._fd is None:
+        if self._done or self._part is None:
             raise ValueError("this upload was committed, aborted, failed or already prepared")
 
     def write(self, data: bytes) -> None:
         self._check_open()
         if len(data):
             try:
-                self._sqlite.files.write(self._fd, data)
+                self._part.write(data)
             except BaseException:
                 self.abort()
                 raise
@@ -1162,13 +1162,12 @@ class _FileWriter(BundleWriter):
             return
         self._check_open()
         digest = as_str(digest, "digest")
-        fd, self._fd = self._fd, None
+        part, self._part = self._part, None
         self._sqlite._claim(digest)
         self._sealed = digest
         try:
-            self._sqlite.files.seal(fd, self._tmp, digest)
+            part.seal(digest)  # discards the file if it fails
         except BaseException:
-            self._sqlite.files.discard(None, self._tmp)
             self.abort()
             raise
 
@@ -1196,8 +1195,8 @@ class _FileWriter(BundleWriter):
         if self._done:
             return
         self._done = True
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            self._sqlite.files.discard(fd, self._tmp)
+        if self._part is not None:
+            part, self._part = self._part, None
+            part.discard()
         elif self._sealed is not None:
             self._sqlite._release(self._sealed, False)

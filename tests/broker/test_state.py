@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from graft_fed.broker import bundlefiles
 from graft_fed.broker.bundlefiles import file_name
 from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
@@ -1286,6 +1287,78 @@ def test_sqlite_an_upload_that_stores_nothing_leaves_no_file(tmp_path, monkeypat
         w.write(b"kept")
         w.prepare("d" * 64)
         assert not w.commit("d" * 64) and os.listdir(s.files.path) == ["d" * 64] and s.get_bundle("d" * 64) == b"kept"
+    finally:
+        s.close()
+
+
+def test_sqlite_an_uploads_bytes_are_flushed_behind_its_writes(tmp_path, monkeypatch):
+    """Once FLUSH_BEHIND bytes are unflushed, a background thread fdatasyncs the file while
+    the upload goes on writing; sealing waits for that flush, then fsyncs the tail. An
+    upload under FLUSH_BEHIND flushes nothing behind."""
+    s = SqliteState(tmp_path / "b.db")
+    calls, release, started = [], threading.Event(), threading.Event()
+    real = os.fdatasync
+
+    def slow_fdatasync(fd):
+        calls.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(10)
+        os.fstat(fd)  # the descriptor is still the upload's: nobody closed it under the flush
+        return real(fd)
+    monkeypatch.setattr(os, "fdatasync", slow_fdatasync)
+    try:
+        chunk = bytes(range(256)) * (bundlefiles.FLUSH_BEHIND // 256)
+        w = s.begin_bundle()
+        w.write(chunk)
+        assert started.wait(10) and calls[0].startswith("bundle-flush")
+        w.write(chunk)  # a flush is under way: no second one
+        sealed = threading.Thread(target=w.prepare, args=("a" * 64,))
+        sealed.start()
+        sealed.join(0.2)
+        assert sealed.is_alive() and os.listdir(s.files.path) != ["a" * 64]  # waits for the flush
+        release.set()
+        sealed.join(10)
+        assert w.commit("a" * 64) and s.get_bundle("a" * 64) == chunk * 2 and len(calls) == 1
+
+        w = s.begin_bundle()
+        w.write(chunk[:-1])
+        assert w.commit("b" * 64) and len(calls) == 1  # under FLUSH_BEHIND: none
+
+        release.clear()
+        w = s.begin_bundle()
+        w.write(chunk)
+        threading.Timer(0.2, release.set).start()
+        w.abort()  # waits for the flush before it closes the descriptor (slow_fdatasync's fstat)
+        assert len(calls) == 2 and sorted(os.listdir(s.files.path)) == ["a" * 64, "b" * 64]
+    finally:
+        release.set()
+        s.close()
+
+
+@pytest.mark.parametrize("err, expected", [(errno.EIO, Unavailable), (errno.ENOSPC, StorageFull)])
+def test_sqlite_a_failed_background_flush_fails_the_upload(tmp_path, monkeypatch, err, expected):
+    """A write-back error seen by the background fdatasync is the upload's: Linux reports it
+    to one fsync of the file, so the seal's own fsync could succeed on bytes never written.
+    The next write or the seal raises it, and the file is gone."""
+    s = SqliteState(tmp_path / "b.db")
+
+    def failing(fd):
+        raise OSError(err, os.strerror(err))
+    monkeypatch.setattr(os, "fdatasync", failing)
+    try:
+        chunk = b"x" * bundlefiles.FLUSH_BEHIND
+        for finish in ("write", "seal"):
+            w = s.begin_bundle()
+            w.write(chunk)  # starts the flush that fails
+            with pytest.raises(expected):
+                if finish == "write":
+                    for _ in range(100):  # the next write to find the flush done raises
+                        w.write(chunk)
+                        time.sleep(0.01)
+                else:
+                    w.commit("a" * 64)
+            w.abort()
+            assert os.listdir(s.files.path) == [] and s.get_bundle("a" * 64) is None
     finally:
         s.close()
 

@@ -14,6 +14,7 @@ import tracemalloc
 
 import grpc
 
+from graft_fed.broker.bundlefiles import PartFile
 from graft_fed.broker.handlers import Federation
 from graft_fed.broker.servicer import BrokerServicer
 from graft_fed.broker.state_sqlite import SqliteState
@@ -165,7 +166,7 @@ def test_fetch_holds_one_chunk_not_the_bundle(prompt_file, tmp_path):
 
 
 def test_an_uploads_file_is_synced_outside_the_brokers_lock(prompt_file, prompts, tmp_path, monkeypatch):
-    """The bundle file's fsync and rename (bundlefiles.seal) run before the broker takes its
+    """The bundle file's fsync and rename (bundlefiles.PartFile.seal) run before the broker takes its
     lock to check the bundle against its summary: publishes and heartbeats do not wait for
     the disk behind an upload."""
     state = SqliteState(tmp_path / "b.db")
@@ -174,7 +175,7 @@ def test_an_uploads_file_is_synced_outside_the_brokers_lock(prompt_file, prompts
     session, _ = fed.join("a", "m", "tok", fed.manifest, "share_all", 0)
     fed.publish("a", session, 0, [summary_row(prompts[0])])
     data = encode_bundle(record(prompts[0], 1))
-    real_seal, free = state.files.seal, []
+    real_seal, free = PartFile.seal, []
 
     def seal(*args):
         def take() -> None:  # from another thread, as a publish would
@@ -186,7 +187,7 @@ def test_an_uploads_file_is_synced_outside_the_brokers_lock(prompt_file, prompts
         t.start()
         t.join()
         return real_seal(*args)
-    monkeypatch.setattr(state.files, "seal", seal)
+    monkeypatch.setattr(PartFile, "seal", seal)
     try:
         resp = servicer.UploadBundle(_chunks(data, 256 * 1024, digest=digest_of(data), total_size=len(data),
                                              node_id="a", session_id=session, prompt_id=prompts[0].id, round=0),
