@@ -115,14 +115,16 @@ class Bundles(Part):
             raise InvalidArgument("the bundle does not hold the group its summary describes "
                                   "(prompt id, k, n, lengths, step or mean log-probs differ)")
         generation = self.index.generation  # a prune after this clears the index: see set_digest
-        stored = up.writer.commit(up.digest, signature=up.signature, signer_cert=up.signer_cert)
-        with self.cond:  # counted once stored, whatever happens to the attachment
+        # the bundle's row and its digest on the summary in one commit (a state on disk)
+        stored, attached = up.writer.commit_attached(up.digest, up.signature, up.signer_cert, node_id, round,
+                                                     prompt_id)
+        with self.cond:
             if stored:
                 self.bytes_by_node[node_id] += up.size
                 self.counters["bundles_signed" if up.signature else "bundles_unsigned"] += 1
             self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
             self.counters["bundle_bytes_in"] += up.size
-        if self.state.set_bundle_digest(node_id, round, prompt_id, up.digest):
+        if attached:
             self.index.set_digest(round, node_id, prompt_id, up.digest, since=generation)
         self.wakeups.wake(bundles_key(self.cfg.mode, round))
         return stored

@@ -336,6 +336,14 @@ class BundleWriter:
         data, self._chunks = b"".join(self._chunks), []
         return self._state.put_bundle(digest, data, signature=signature, signer_cert=signer_cert)
 
+    def commit_attached(self, digest: str, signature: bytes, signer_cert: bytes, node_id: str, round: int,
+                        prompt_id: str) -> tuple[bool, bool]:
+        """`commit`, then the digest attached to the node's summary of the prompt in the round
+        (`set_bundle_digest`): (stored, attached). A state on disk does both in one commit,
+        the one an upload waits for."""
+        stored = self.commit(digest, signature, signer_cert)
+        return stored, self._state.set_bundle_digest(node_id, round, prompt_id, digest)
+
     def abort(self) -> None:
         """Drop what was written (nothing is stored); a no-op after commit."""
         self._chunks = []

@@ -205,10 +205,11 @@ class _Job:
     or an uploaded bundle's row, (digest, size, signature, certificate), whose file is in
     place (result: 1 when stored, 0 when the digest was held); or a digest to attach to a
     held summary, (node, round, prompt id, digest) (result: 1 when attached, 0 when no such
-    summary is held). Concurrent uploads thus share commits with each other and with
+    summary is held); or both, the row and then the attachment (result: stored; attached:
+    attached), so that an upload waits for one commit. Concurrent uploads thus share commits with each other and with
     publishes (issue 13, eighteenth pass)."""
 
-    __slots__ = ("blocks", "encoded", "node", "bundle", "attach", "done", "lead", "result", "error")
+    __slots__ = ("blocks", "encoded", "node", "bundle", "attach", "done", "lead", "result", "attached", "error")
 
     def __init__(self, blocks: list[SummaryBlock], encoded: list[bytes], node: NodeRow | None,
                  bundle: tuple[str, int, bytes, bytes] | None = None,
@@ -218,6 +219,7 @@ class _Job:
         self.done = threading.Event()
         self.lead = False  # woken to commit the next group rather than with a result
         self.result: Any = None
+        self.attached = 0  # a bundle's job with `attach`: whether the digest was attached
         self.error: BaseException | None = None
 
 
@@ -439,7 +441,7 @@ class SqliteState(BrokerState):
         for j in batch:
             j.lead = False
             j.done.clear()
-            j.result, j.error = None, None
+            j.result, j.attached, j.error = None, 0, None
         with self._lock:
             conn = self._conn
             try:
@@ -475,7 +477,7 @@ class SqliteState(BrokerState):
     def _write_each(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
         """The group one job at a time, each in its own savepoint (rolled back alone when it fails)."""
         for j in batch:
-            j.result, j.error = None, None
+            j.result, j.attached, j.error = None, 0, None
             conn.execute("SAVEPOINT grp")
             try:
                 self._write_jobs(conn, [j])
@@ -653,20 +655,25 @@ class SqliteState(BrokerState):
         digests: list[tuple] = []
         nodes: list[tuple] = []
         for j in jobs:
+            got = None if j.attach is None else held.get(j.attach[:2])
+            if isinstance(got, Exception):  # a damaged block of the summary's node and round: nothing
+                j.error = got
+                continue
             if j.bundle is not None:
                 cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert, parts, "
                                    "in_file) VALUES (?, x'', ?, ?, ?, ?, 0, 1) ON CONFLICT (digest) DO NOTHING",
                                    (j.bundle[0], j.bundle[1], time.time(), j.bundle[2], j.bundle[3]))
                 j.result = int(cur.rowcount == 1)  # 0: another upload of the digest won (same bytes)
-                continue
-            if j.attach is not None:
-                got = held.get(j.attach[:2])
-                if isinstance(got, Exception):
-                    j.error = got
+                if j.attach is None:
                     continue
-                j.result = int(got is not None and any(j.attach[2] in ids for ids in got[0]))
-                if j.result:  # written after the group's blocks, which may hold its summary
+            if j.attach is not None:
+                attached = int(got is not None and any(j.attach[2] in ids for ids in got[0]))
+                if attached:  # written after the group's blocks, which may hold its summary
                     digests.append(j.attach)
+                if j.bundle is None:
+                    j.result = attached
+                else:
+                    j.attached = attached
                 continue
             try:
                 rows, dg, accepted = self._plan(j, held)
@@ -853,9 +860,14 @@ class SqliteState(BrokerState):
         """Whether a row names `digest`'s file (under the lock, or racing the writers)."""
         return bool(self._read("SELECT 1 FROM bundles WHERE digest = ? AND in_file = 1", (digest,)))
 
-    def _insert_file_row(self, digest: str, size: int, signature: bytes, signer_cert: bytes) -> bool:
-        """The row of a bundle whose file is in place, in the next group commit."""
-        return bool(self._grouped(_Job([], [], None, bundle=(digest, size, signature, signer_cert))))
+    def _insert_file_row(self, digest: str, size: int, signature: bytes, signer_cert: bytes,
+                         attach: tuple[str, int, str] | None = None) -> tuple[bool, bool]:
+        """The row of a bundle whose file is in place, and with `attach` (node, round, prompt
+        id) its digest attached to that summary, in the next group commit: (stored, attached)."""
+        job = _Job([], [], None, bundle=(digest, size, signature, signer_cert),
+                   attach=None if attach is None else (*attach, digest))
+        self._grouped(job)
+        return bool(job.result), bool(job.attached)
 
     def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
         digest, blob = as_str(digest, "digest"), norm_bytes(data)
@@ -1172,6 +1184,15 @@ class _FileWriter(BundleWriter):
             raise
 
     def commit(self, digest: str, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+        return self._commit(digest, signature, signer_cert, None)[0]
+
+    def commit_attached(self, digest: str, signature: bytes, signer_cert: bytes, node_id: str, round: int,
+                        prompt_id: str) -> tuple[bool, bool]:
+        return self._commit(digest, signature, signer_cert, (as_str(node_id, "node_id"), as_int(round, "round"),
+                                                             as_str(prompt_id, "prompt_id")))
+
+    def _commit(self, digest: str, signature: bytes, signer_cert: bytes,
+                attach: tuple[str, int, str] | None) -> tuple[bool, bool]:
         if self._done:
             raise ValueError("this upload was committed, aborted or failed")
         digest = as_str(digest, "digest")
@@ -1179,14 +1200,14 @@ class _FileWriter(BundleWriter):
         if self._sealed is None:
             if self._sqlite._read("SELECT 1 FROM bundles WHERE digest = ?", (digest,)):
                 self.abort()  # the first upload wins: no need to put the file in place
-                return False
+                return False, attach is not None and self._sqlite.set_bundle_digest(*attach, digest)
             self.prepare(digest)
         elif self._sealed != digest:
             raise ValueError(f"this upload was prepared as {self._sealed[:16]}, not {digest[:16]}")
         stored = False
         try:
-            stored = self._sqlite._insert_file_row(digest, self.size, sig, cert)
-            return stored
+            stored, attached = self._sqlite._insert_file_row(digest, self.size, sig, cert, attach)
+            return stored, attached
         finally:
             self._done = True
             self._sqlite._release(digest, stored)

@@ -186,6 +186,24 @@ def test_record_liveness_moves_last_seen_forward_only(state):
     assert state.get_node("ghost") is None
 
 
+def test_an_upload_commits_its_bundle_and_attaches_its_digest(state):
+    """BundleWriter.commit_attached: the bundle stored and its digest on the node's summary,
+    (stored, attached); a second upload of the bytes stores nothing and still attaches; a
+    digest for a summary not held is not attached, the bundle stored all the same."""
+    state.put_summaries([summ(), summ(prompt_id="p1")])
+
+    def upload(data: bytes, digest: str, prompt_id: str, round: int = 0) -> tuple[bool, bool]:
+        w = state.begin_bundle()
+        w.write(data)
+        w.prepare(digest)
+        return w.commit_attached(digest, b"", b"", "a", round, prompt_id)
+    assert upload(b"one", "d" * 64, "p0") == (True, True)
+    assert upload(b"one", "d" * 64, "p1") == (False, True)
+    assert upload(b"two", "e" * 64, "p0", round=1) == (True, False)
+    assert [s.bundle_digest for s in state.summaries()] == ["d" * 64, "d" * 64]
+    assert state.get_bundle("d" * 64) == b"one" and state.get_bundle("e" * 64) == b"two"
+
+
 def test_summary_heads_match_summaries(state):
     rows = [summ(n, r, p, k=(r + len(p)) % 5) for n in ("a", "b") for r in (0, 1, 2) for p in ("p0", "p1", "p2")]
     state.put_summaries(list(reversed(rows)))
@@ -874,12 +892,18 @@ def test_sqlite_uploads_share_group_commits_with_each_other_and_with_publishes(t
         calls += [(f"row{i}", (lambda w=w, d=d: w.commit(d))) for i, (w, d) in enumerate(zip(writers, digests))]
         calls += [(f"attach{i}", (lambda i=i: s.set_bundle_digest("a", 0, f"p{i}", digests[i]))) for i in range(3)]
         calls += [("stray", lambda: s.set_bundle_digest("a", 0, "not-published", digests[0]))]
+        both = s.begin_bundle()  # an upload's row and its digest, as one job
+        both.write(b"bundle 3")
+        both.prepare(hashlib.sha256(b"bundle 3").hexdigest())
+        calls += [("both", lambda: both.commit_attached(hashlib.sha256(b"bundle 3").hexdigest(), b"", b"", "b", 0,
+                                                        "p0"))]
         _group_of(s, calls, results)
         assert results["publish"] == (1, 0)
         assert sorted(results[f"row{i}"] for i in range(4)) == [False, True, True, True]  # bundle 0 twice: one stores
         assert results["row1"] is True and results["row2"] is True
         assert [results[f"attach{i}"] for i in range(3)] == [True, True, True] and results["stray"] is False
-        assert (s.group_commits, s.grouped_calls) == (3, 10)  # the first put, the lead, then one group of 8
+        assert results["both"] == (True, True)  # its digest on b's summary, the first call's publish
+        assert (s.group_commits, s.grouped_calls) == (3, 11)  # the first put, the lead, then one group of 9
         assert {r.prompt_id: r.bundle_digest for r in s.summaries(node_id="a")} == {
             f"p{i}": digests[i] for i in range(3)}
         assert [s.get_bundle(d) for d in digests[:3]] == blobs[:3]
