@@ -13,7 +13,7 @@ from graft_fed.broker.uploads import BundleUpload
 from graft_fed.broker.wakeups import bundles_key
 from graft_fed.core.records import GroupRecord
 from graft_fed.federation.bundles import is_digest
-from graft_fed.federation.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from graft_fed.federation.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL, clip
 from graft_fed.federation.signing import ProvenanceError, common_name, load_certificate_der, verify_signature
 
@@ -162,6 +162,24 @@ class Bundles(Part):
         for data in chunks:
             self.counters["bundle_bytes_out"] += len(data)
             yield data
+
+    def bundle_file(self, digest: str) -> tuple[str, int] | None:
+        """(path, size) of a bundle `open_bundle` granted, when its bytes are a file a reader
+        may open itself (BrokerState.bundle_file); None otherwise."""
+        return self.state.bundle_file(digest)
+
+    def sent_from_file(self, digest: str, outcome: str, sent: int, reason: str = "") -> None:
+        """What a fetch streamed from the bundle's file by another process (the front) came
+        to: "sent", or the error the fetch ends with."""
+        self.counters["bundle_bytes_out"] += sent
+        if outcome == "sent":
+            return
+        if outcome == "missing":
+            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
+        what = "has a file shorter than its row says" if outcome == "short" else f"could not be read ({reason})"
+        log.error("broker: bundle %s %s (a damaged volume?); a file not of its row's size is dropped at the next "
+                  "start", digest[:16], what)
+        raise Unavailable("the broker's storage failed during a read: retry later (details in the broker's log)")
 
     def _check_grant(self, node_id: str, session_id: str, digest: str) -> None:
         if not is_digest(digest):

@@ -18,10 +18,20 @@ front -> broker
   CLOSE   the client stream ended
   CANCEL  the call ended at the client (cancelled, deadline passed, connection lost)
   CREDIT  <u32 n>: the front has sent on n more of the call's answer messages
+  SENT    <u8 outcome><u64 bytes sent><u32 n><reason utf-8>: what a FILE came to (outcome:
+          0 sent, 1 the file was missing, 2 it was shorter than said, 3 it could not be read)
 broker -> front
   MSG     one answer message
   END     <u8 status code><u32 n><message utf-8><trailing metadata JSON>
   CREDIT  <u32 n>: the broker has taken n more of the call's stream messages
+  FILE    <u64 start><u64 end><u32 chunk><u32 offset field><u32 data field>, then three byte
+          strings each <u32 n><bytes>: a file's path, the first answer message's other fields
+          and the later ones' (serialized protobuf). The front sends bytes [start, end) of
+          the file as answer messages of at most `chunk` bytes (one empty message for none),
+          each the fields given with the chunk's offset and bytes appended as the two field
+          numbers, and answers SENT. A large fetch thus leaves from the front's own read of
+          the bundle's file, not copied through the broker and the socket (a bundle file is
+          immutable and named by its digest: bundlefiles.py)
 
 Streams are flow-controlled both ways with a window of WINDOW messages per call, so a
 transfer holds a few chunks in each process, whatever the bundle's size. The socket lives
@@ -62,7 +72,10 @@ from graft_fed.federation.transport import server_credentials
 log = logging.getLogger(__name__)
 
 HEAD = struct.Struct("<IIB")
-START, MSG, CLOSE, CANCEL, CREDIT, END, STOP = 1, 2, 3, 4, 5, 6, 7
+START, MSG, CLOSE, CANCEL, CREDIT, END, STOP, FILE, SENT = 1, 2, 3, 4, 5, 6, 7, 8, 9
+_FILE = struct.Struct("<QQIII")
+_SENT = struct.Struct("<BQ")
+OUTCOMES = ("sent", "missing", "short", "failed")  # SENT's outcome byte, by index
 WINDOW = 4  # stream messages in flight per call and direction
 _U32 = struct.Struct("<I")
 _F64 = struct.Struct("<d")
@@ -75,6 +88,52 @@ def _strings(*values: str) -> bytes:
         b = v.encode()
         out.append(_U32.pack(len(b)) + b)
     return b"".join(out)
+
+
+def _blobs(*values: bytes) -> bytes:
+    return b"".join(_U32.pack(len(v)) + v for v in values)
+
+
+def _unblobs(payload: bytes, at: int, count: int) -> list[bytes]:
+    out = []
+    for _ in range(count):
+        n = _U32.unpack_from(payload, at)[0]
+        out.append(payload[at + 4:at + 4 + n])
+        at += 4 + n
+    return out
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+@dataclass
+class FileStream:
+    """What a server-streaming handler run behind the front may yield instead of messages:
+    the messages made of bytes [start, end) of the file at `path`, `chunk` bytes each (one
+    empty message for none), each `first` (the first) or `later` (the others), serialized
+    fields of the answer message, with the chunk's offset as field `offset_field` (uint64)
+    and its bytes as field `data_field` (bytes). The front reads the file and sends them;
+    when the handler resumes, `outcome` says what came of it ("sent", "missing", "short",
+    "failed" with `reason`, or "cancelled" when the client went first) and `sent` how
+    many of the bytes went out."""
+
+    path: str
+    start: int
+    end: int
+    chunk: int
+    first: bytes
+    later: bytes
+    offset_field: int
+    data_field: int
+    outcome: str = ""
+    sent: int = 0
+    reason: str = ""
 
 
 def _end_payload(code: grpc.StatusCode, message: str, trailing: Sequence[tuple[str, str]] = ()) -> bytes:
@@ -364,6 +423,8 @@ class FrontLink:
                     call.cancel()
                 elif kind == CREDIT:
                     call.credit.release(_U32.unpack(payload)[0])
+                elif kind == SENT:
+                    call.inbox.put(payload)  # an answer stream's inbox holds nothing else
         except (OSError, ValueError, struct.error):
             pass
         finally:
@@ -403,6 +464,10 @@ class FrontLink:
                 answers = handler.unary_stream(de(call.request), ctx)
                 try:
                     for message in answers:
+                        if isinstance(message, FileStream):
+                            if not self._send_file(call, message):
+                                return
+                            continue
                         call.credit.acquire()  # a cancel releases the whole window: it wakes here
                         if call.cancelled.is_set():
                             return
@@ -426,6 +491,21 @@ class FrontLink:
             self._end(call, grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
         finally:
             self._calls.pop(call.cid, None)
+
+    def _send_file(self, call: _Call, stream: FileStream) -> bool:
+        """Have the front send `stream`'s messages from the file; wait for what came of it
+        (False: the call was cancelled meanwhile)."""
+        self._send(call.cid, FILE, _FILE.pack(stream.start, stream.end, stream.chunk, stream.offset_field,
+                                              stream.data_field)
+                   + _blobs(os.fsencode(stream.path), stream.first, stream.later))
+        got = call.inbox.get()
+        if got is None or call.cancelled.is_set():
+            stream.outcome = "cancelled"
+            return False
+        outcome, stream.sent = _SENT.unpack_from(got)
+        stream.outcome = OUTCOMES[outcome] if outcome < len(OUTCOMES) else "failed"
+        stream.reason = _unblobs(got, _SENT.size, 1)[0].decode(errors="replace")
+        return True
 
     def _messages(self, call: _Call, de: Callable[[bytes], Any]) -> Iterator[Any]:
         """A client stream's messages as the handler takes them: the front may send WINDOW
@@ -543,6 +623,42 @@ async def _serve(spec: dict) -> None:
         if code is not grpc.StatusCode.OK:
             await context.abort(code, message)
 
+    async def send_file(context: grpc.aio.ServicerContext, payload: bytes) -> bytes:
+        """A FILE's messages, written as the client takes them (HTTP/2's flow control); the
+        SENT payload that says what came of it."""
+        start, end, chunk, offset_field, data_field = _FILE.unpack_from(payload)
+        path, first, later = _unblobs(payload, _FILE.size, 3)
+        data_tag = _varint(data_field << 3 | 2)
+        offset_tag = _varint(offset_field << 3)
+        sent = 0
+
+        def outcome(code: int, reason: str = "") -> bytes:
+            return _SENT.pack(code, sent) + _blobs(reason.encode(errors="replace"))
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return outcome(1)
+        except OSError as exc:
+            return outcome(3, str(exc))
+        try:
+            off = start
+            while True:
+                want = min(chunk, end - off)
+                try:
+                    data = await loop.run_in_executor(None, os.pread, fd, want, off) if want > 0 else b""
+                except OSError as exc:
+                    return outcome(3, str(exc))
+                if want > 0 and not data:
+                    return outcome(2)
+                await context.write(b"".join((first if off == start else later, offset_tag, _varint(off), data_tag,
+                                              _varint(len(data)), data)))
+                sent += len(data)
+                off += len(data)
+                if off >= end:
+                    return outcome(0)
+        finally:
+            os.close(fd)
+
     def unary_request(index: int, streamed: bool) -> Callable:
         """The handler of a method with one request: one answer, or (`streamed`) a stream of
         them written as the broker sends them, each credited once written."""
@@ -557,6 +673,8 @@ async def _serve(spec: dict) -> None:
                         if kind == MSG and streamed:
                             await context.write(payload)
                             send(cid, CREDIT, _U32.pack(1))
+                        elif kind == FILE and streamed:
+                            send(cid, SENT, await send_file(context, payload))
                         elif kind == MSG:
                             answer = payload
                         elif kind == END:

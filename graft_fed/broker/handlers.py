@@ -184,6 +184,12 @@ class Federation:
     def open_bundle(self, node_id: str, session_id: str, digest: str) -> tuple[int, bytes, bytes]:
         return self.bundles.open_bundle(node_id, session_id, digest)
 
+    def bundle_file(self, digest: str) -> tuple[str, int] | None:
+        return self.bundles.bundle_file(digest)
+
+    def sent_from_file(self, digest: str, outcome: str, sent: int, reason: str = "") -> None:
+        self.bundles.sent_from_file(digest, outcome, sent, reason)
+
     def stream_bundle(self, digest: str, chunk: int) -> Iterator[bytes]:
         return self.bundles.stream_bundle(digest, chunk)
 

@@ -191,7 +191,7 @@ class BrokerServer:
                 # max_workers - max_long_polls each; heartbeats 8 of their own, never behind a publish
                 rest = max(8, cfg.max_workers - cfg.max_long_polls)
                 self.front = FrontLink(SERVICE, [(name, kind) for name, (kind, _, _) in METHODS.items()],
-                                       method_handlers(self.servicer), interceptors, rest, self._front_lost,
+                                       method_handlers(self.servicer, front=True), interceptors, rest, self._front_lost,
                                        lanes=[(("GetMatches",), cfg.max_workers),
                                               (("UploadBundle", "FetchBundle"), rest), (("Heartbeat",), 8)])
                 # requests handed over and not answered: at most 8 of the largest message (128 MiB)

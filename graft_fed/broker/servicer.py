@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
+from graft_fed.broker.front import FileStream
 from graft_fed.broker.handlers import Federation
 from graft_fed.federation.codec import (OfferEncoder, manifest_from_pb, manifest_to_pb, match_result_to_wire,
                                         offers_wire, privacy_from_pb, report_entries_from_pb, summaries_from_columns,
@@ -36,6 +37,7 @@ log = logging.getLogger("graft_fed.broker")
 
 
 SERVICE = "graft_fed.v1.Broker"
+_CHUNK_FIELDS = {f.name: f.number for f in pb.BundleChunk.DESCRIPTOR.fields}
 
 
 class Malformed:
@@ -332,6 +334,14 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                                                                   list(request.digests)))
 
     def FetchBundle(self, request: pb.FetchBundleRequest, context: Any) -> Iterator[pb.BundleChunk]:
+        return self._fetch(request, context, from_file=False)
+
+    def fetch_through_front(self, request: pb.FetchBundleRequest, context: Any) -> Iterator[Any]:
+        """FetchBundle behind the front process: a bundle whose bytes are a file is sent by
+        the front from the file (a FileStream), not read here and copied through the socket."""
+        return self._fetch(request, context, from_file=True)
+
+    def _fetch(self, request: pb.FetchBundleRequest, context: Any, from_file: bool) -> Iterator[Any]:
         t0 = time.perf_counter()
 
         def opened() -> tuple[Any, int, bytes, bytes]:
@@ -342,6 +352,21 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         _mapped(self.stats, "FetchBundle", context, t0, hold.__enter__)
         try:
             self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
+            where = self.fed.bundle_file(request.digest) if from_file else None
+            if where is not None:
+                stream = FileStream(
+                    where[0], 0, size, self.chunk,
+                    first=pb.BundleChunk(digest=request.digest, total_size=size, signature=signature,
+                                         signer_cert=cert).SerializeToString(),
+                    later=pb.BundleChunk(digest=request.digest, total_size=size).SerializeToString(),
+                    offset_field=_CHUNK_FIELDS["offset"], data_field=_CHUNK_FIELDS["data"])
+                yield stream
+                if stream.outcome != "cancelled":
+                    try:
+                        self.fed.sent_from_file(request.digest, stream.outcome, stream.sent, stream.reason)
+                    except FederationError as exc:
+                        _abort(context, *to_status(exc))
+                return
             # one chunk read from the state at a time: memory per fetch is bounded by the chunk
             chunks = self.fed.stream_bundle(request.digest, self.chunk)
             off = 0
@@ -419,13 +444,15 @@ def add_to_server(servicer: BrokerServicer, server: grpc.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, method_handlers(servicer)),))
 
 
-def method_handlers(servicer: BrokerServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """The servicer's methods by name, as grpc method handlers (add_to_server's, and what
-    the front hands its calls to: broker/front.py)."""
+def method_handlers(servicer: BrokerServicer, front: bool = False) -> dict[str, grpc.RpcMethodHandler]:
+    """The servicer's methods by name, as grpc method handlers (add_to_server's, and, with
+    `front`, what the front hands its calls to: broker/front.py, where FetchBundle may
+    answer with a FileStream)."""
     factories = {"unary_unary": grpc.unary_unary_rpc_method_handler,
                  "stream_unary": grpc.stream_unary_rpc_method_handler,
                  "unary_stream": grpc.unary_stream_rpc_method_handler}
-    handlers = {name: factories[kind](getattr(servicer, name),
+    own = {"FetchBundle": servicer.fetch_through_front} if front else {}
+    handlers = {name: factories[kind](own.get(name) or getattr(servicer, name),
                                       request_deserializer=_publish_parser if name == "PublishSummaries" else _parser(req),
                                       response_serializer=_serializer(resp))
                 for name, (kind, req, resp) in METHODS.items()}

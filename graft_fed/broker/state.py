@@ -249,6 +249,14 @@ class BrokerState(abc.ABC):
             return None
         return iter([data[off:off + chunk] for off in range(0, max(1, len(data)), chunk)])
 
+    def bundle_file(self, digest: str) -> tuple[str, int] | None:
+        """(path, size) of a bundle whose bytes are a file of their own, which a reader may
+        open itself (the front process streams a fetch from it: broker/front.py); None when
+        not held, or not held as such a file (this default: an in-memory state has none).
+        The file is immutable and named by its digest: opened later, it holds the same bytes
+        or is gone (retention)."""
+        return None
+
     def bundle_size(self, digest: str) -> int | None:
         """A held bundle's size in bytes, None when not held."""
         data = self.get_bundle(digest)

@@ -977,6 +977,11 @@ class SqliteState(BrokerState):
                     raise
                 raise self._storage_error(exc, "read") from exc
 
+    def bundle_file(self, digest: str) -> tuple[str, int] | None:
+        digest = as_str(digest, "digest")
+        rows = self._read("SELECT size FROM bundles WHERE digest = ? AND in_file = 1", (digest,))
+        return (self.files.file(digest), int(rows[0][0])) if rows else None
+
     def iter_bundle(self, digest: str, chunk: int) -> Iterator[bytes] | None:
         """A bundle whose bytes are a file: read from a descriptor opened now (the file stays
         readable to it if retention deletes it meanwhile), never taking the state's lock again.

@@ -18,7 +18,7 @@ import time
 import grpc
 import pytest
 
-from graft_fed.broker.front import CANCEL, CLOSE, CREDIT, END, HEAD, MSG, START, WINDOW
+from graft_fed.broker.front import CANCEL, CLOSE, CREDIT, END, FILE, HEAD, MSG, SENT, START, WINDOW, FileStream
 from graft_fed.federation.bundles import digest_of, encode_bundle
 from graft_fed.proto import broker_pb2 as pb
 from tests.federation.helpers import broker_config, start_broker
@@ -29,6 +29,15 @@ from tests.federation.test_broker_rpc import code_of, manifest, record, summary
 @pytest.fixture()
 def fronted(prompt_file):
     server = start_broker(broker_config(prompt_file, front_process=True, chunk_kib=16, balance="none"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def fronted_files(prompt_file, tmp_path):
+    """The front before a broker whose state is on disk: its bundles are files."""
+    server = start_broker(broker_config(prompt_file, db=str(tmp_path / "b.db"), front_process=True, chunk_kib=16,
+                                        balance="none"))
     yield server
     server.stop()
 
@@ -65,6 +74,50 @@ def test_a_bundle_of_many_chunks_goes_up_and_down_through_the_front(fronted, pro
     assert digest == digest_of(encode_bundle(rec))
     assert b.fetch_bundle(digest, "a").record == rec
     assert _wait(lambda: fronted.front._calls == {})
+    a.close()
+    b.close()
+
+
+def test_a_fetch_leaves_from_the_fronts_own_read_of_the_bundle_file(fronted_files, prompts, monkeypatch):
+    """A bundle stored as a file is sent by the front from the file, in chunks of the
+    broker's size, as the broker would send them; the broker reads none of it."""
+    a, b, digest, rec = _matched_bundle(fronted_files, prompts, ("y" * 200_000, os.urandom(20_000).hex()))
+    size = fronted_files.state.bundle_size(digest)
+
+    def unread(*args):
+        raise AssertionError("the broker read the bundle")
+    monkeypatch.setattr(fronted_files.fed, "stream_bundle", unread)
+    out0 = fronted_files.fed.counters["bundle_bytes_out"]
+    chunks = list(_fetch(b, digest))
+    assert [c.offset for c in chunks] == list(range(0, size, 16 * 1024))
+    assert all(c.digest == digest and c.total_size == size for c in chunks)
+    assert {len(c.data) for c in chunks[:-1]} == {16 * 1024}
+    assert digest_of(b"".join(c.data for c in chunks)) == digest
+    assert fronted_files.fed.counters["bundle_bytes_out"] - out0 == size
+    assert b.fetch_bundle(digest, "a").record == rec
+    assert _wait(lambda: fronted_files.front._calls == {})
+    a.close()
+    b.close()
+
+
+def test_a_fetch_whose_file_is_gone_or_short_says_so(fronted_files, prompts, monkeypatch, tmp_path, caplog):
+    """Retention deleted the file before the front opened it: NOT_FOUND, as when it deletes
+    it before the broker reads it. A file shorter than its row: UNAVAILABLE, and the
+    operator is told in the broker's log."""
+    a, b, digest, rec = _matched_bundle(fronted_files, prompts, ("z" * 100_000, "w" * 1_000))
+    size = fronted_files.state.bundle_size(digest)
+    monkeypatch.setattr(fronted_files.fed, "bundle_file", lambda d: (str(tmp_path / "gone"), size))
+    code, details = code_of(lambda: list(_fetch(b, digest)))
+    assert code == grpc.StatusCode.NOT_FOUND and "pruned by retention" in details
+    short = tmp_path / "short"
+    short.write_bytes(b"x" * (size // 2))
+    monkeypatch.setattr(fronted_files.fed, "bundle_file", lambda d: (str(short), size))
+    code, details = code_of(lambda: list(_fetch(b, digest)))
+    assert code == grpc.StatusCode.UNAVAILABLE and "storage failed" in details
+    assert any("shorter than its row" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    assert b.fetch_bundle(digest, "a").record == rec  # the real file: as before
+    assert _wait(lambda: fronted_files.front._calls == {})
     a.close()
     b.close()
 
@@ -225,13 +278,22 @@ def link():
         made["noted"].append(request)
         return b"ok"
 
-    made["noted"] = []
+    def from_file(request, context):
+        stream = FileStream("/some/file", 3, 40, 16, b"first", b"later", 4, 5)
+        try:
+            yield stream
+            made["outcome"] = (stream.outcome, stream.sent, stream.reason)
+        finally:
+            made["file_closed"].set()
+
+    made["noted"], made["file_closed"] = [], threading.Event()
     handlers = {"Answers": grpc.unary_stream_rpc_method_handler(answers),
                 "Upload": grpc.stream_unary_rpc_method_handler(upload),
-                "Note": grpc.unary_unary_rpc_method_handler(note)}
+                "Note": grpc.unary_unary_rpc_method_handler(note),
+                "File": grpc.unary_stream_rpc_method_handler(from_file)}
     lost = []
-    fl = FrontLink("t.Svc", [("Answers", "unary_stream"), ("Upload", "stream_unary"), ("Note", "unary_unary")],
-                   handlers, [], 8, lost.append)
+    fl = FrontLink("t.Svc", [("Answers", "unary_stream"), ("Upload", "stream_unary"), ("Note", "unary_unary"),
+                             ("File", "unary_stream")], handlers, [], 8, lost.append)
     frames = _Frames(fl)
     yield fl, frames, made, lost
     fl._stopping = True
@@ -251,6 +313,30 @@ def test_the_broker_writes_a_streams_answers_only_as_the_front_passes_them_on(li
     frames.send(7, CANCEL)  # the client went away: the handler's generator is closed
     assert made["closed"].wait(5) and made["yielded"] <= WINDOW + 3
     assert _wait(lambda: fl._calls == {})
+
+
+def test_a_file_stream_is_handed_to_the_front_and_the_handler_told_what_came_of_it(link):
+    fl, frames, made, _ = link
+    frames.start(11, 3, b"req")
+    cid, kind, payload = frames.read(2.0)
+    assert (cid, kind) == (11, FILE)
+    assert struct.unpack_from("<QQIII", payload) == (3, 40, 16, 4, 5)
+    at, parts = struct.calcsize("<QQIII"), []
+    for _ in range(3):
+        n = struct.unpack_from("<I", payload, at)[0]
+        parts.append(payload[at + 4:at + 4 + n])
+        at += 4 + n
+    assert parts == [b"/some/file", b"first", b"later"] and at == len(payload)
+    assert frames.read(0.3) is None and not made["file_closed"].is_set()  # the handler waits for the front
+    frames.send(11, SENT, struct.pack("<BQ", 2, 16) + struct.pack("<I", 2) + b"hm")
+    assert frames.read(2.0)[1] == END
+    assert made["outcome"] == ("short", 16, "hm")
+    # the client goes while the front sends: the handler is closed, no END
+    frames.start(12, 3, b"req")
+    assert frames.read(2.0)[1] == FILE
+    frames.send(12, CANCEL)
+    assert made["file_closed"].wait(5) and _wait(lambda: fl._calls == {})
+    assert frames.read(0.3) is None
 
 
 def test_a_client_stream_is_handed_over_as_the_handler_takes_it(link):
