@@ -640,24 +640,32 @@ async def _serve(spec: dict) -> None:
             return outcome(1)
         except OSError as exc:
             return outcome(3, str(exc))
+        buf = bytearray(min(chunk, max(0, end - start)))  # one chunk, read into again and again
+        reading: asyncio.Future | None = None
         try:
             off = start
             while True:
                 want = min(chunk, end - off)
+                # off the event loop: a read from a slow disk must not hold up every other call
+                reading = loop.run_in_executor(None, os.preadv, fd, [memoryview(buf)[:want]], off) if want else None
                 try:
-                    data = await loop.run_in_executor(None, os.pread, fd, want, off) if want > 0 else b""
+                    got = await reading if reading is not None else 0
                 except OSError as exc:
                     return outcome(3, str(exc))
-                if want > 0 and not data:
+                if want and not got:
                     return outcome(2)
+                # the message in one copy of the bytes: the fields, then the chunk as read
                 await context.write(b"".join((first if off == start else later, offset_tag, _varint(off), data_tag,
-                                              _varint(len(data)), data)))
-                sent += len(data)
-                off += len(data)
+                                              _varint(got), memoryview(buf)[:got])))
+                sent += got
+                off += got
                 if off >= end:
                     return outcome(0)
         finally:
-            os.close(fd)
+            if reading is not None and not reading.done():  # the client went mid-read: close after it
+                reading.add_done_callback(lambda _: os.close(fd))
+            else:
+                os.close(fd)
 
     def unary_request(index: int, streamed: bool) -> Callable:
         """The handler of a method with one request: one answer, or (`streamed`) a stream of
