@@ -199,6 +199,22 @@ def _json(values: list) -> str:
 _MAX_PARAMS = 999
 
 
+def _spans(count: int, per: int) -> Iterator[tuple[int, int]]:
+    """[lo, hi) spans of `count` items for statements of a row each: `per` rows at most, and
+    the rest in powers of two (37 -> 32, 4, 1). Every distinct row count is a statement of
+    its own in the connection's cache of prepared statements, which keeps each (up to
+    `cached_statements`): with any count, a broker's SQLite memory grew for most of an hour
+    (issue 13, fifteenth pass); with these, a head has at most a few shapes."""
+    lo = 0
+    while count - lo >= per:
+        yield lo, lo + per
+        lo += per
+    while lo < count:
+        size = 1 << ((count - lo).bit_length() - 1)
+        yield lo, lo + size
+        lo += size
+
+
 class _Job:
     """One caller's part of a group commit: its blocks (normalised, each with its encoding),
     and the node row to write with them (its `published` count raised by what is stored);
@@ -582,8 +598,8 @@ class SqliteState(BrokerState):
         only). A key holding nothing is absent."""
         keys = list(keys)
         out: dict[tuple[str, int], tuple[tuple[list[str], ...], int] | Exception] = {}
-        for lo in range(0, len(keys), _MAX_PARAMS // 2):
-            part = keys[lo:lo + _MAX_PARAMS // 2]
+        for lo, hi in _spans(len(keys), _MAX_PARAMS // 2):
+            part = keys[lo:hi]
             rows = conn.execute("SELECT b.node_id, b.round, b.seq, b.data FROM (VALUES "
                                 + ",".join(["(?,?)"] * len(part)) + ") AS k JOIN summary_blocks b "
                                 "ON b.node_id = k.column1 AND b.round = k.column2",
@@ -638,11 +654,11 @@ class SqliteState(BrokerState):
 
     @staticmethod
     def _insert_many(conn: sqlite3.Connection, head: str, width: int, rows: list[tuple]) -> None:
-        """One multi-row INSERT (`head` ends with VALUES) per _MAX_PARAMS parameters."""
-        per = max(1, _MAX_PARAMS // width)
+        """Multi-row INSERTs (`head` ends with VALUES) of at most _MAX_PARAMS parameters, of
+        a few row counts only (_spans)."""
         one = "(" + ",".join("?" * width) + ")"
-        for lo in range(0, len(rows), per):
-            part = rows[lo:lo + per]
+        for lo, hi in _spans(len(rows), max(1, _MAX_PARAMS // width)):
+            part = rows[lo:hi]
             conn.execute(head + ",".join([one] * len(part)), [x for r in part for x in r])
 
     def _write_jobs(self, conn: sqlite3.Connection, jobs: list[_Job]) -> None:

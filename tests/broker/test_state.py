@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import gc
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -913,8 +914,8 @@ def test_sqlite_uploads_share_group_commits_with_each_other_and_with_publishes(t
 
 def test_sqlite_group_commit_writes_a_group_in_a_few_statements(tmp_path):
     """However many publishes a group holds, its transaction runs the same few statements:
-    BEGIN, one read of what their (node, round)s hold, one INSERT of the blocks, one of the
-    node rows, COMMIT. A publish whose stored block of the same node and round is damaged
+    BEGIN, a read of what their (node, round)s hold, INSERTs of the blocks, of the node rows,
+    COMMIT (each step one statement per power of two of its rows). A publish whose stored block of the same node and round is damaged
     fails alone, with the decoding error, inside the same transaction."""
     from graft_fed.federation.summaryblock import SummaryBlock, SummaryBlockError
 
@@ -938,13 +939,47 @@ def test_sqlite_group_commit_writes_a_group_in_a_few_statements(tmp_path):
         assert results["twice4"] == (2, 1) and results["twice7"] == (1, 2)  # q4, p1; then q7 (first write wins)
         assert all(results[f"{n}{i}"] == (3, 0) for i, n in enumerate(names) if n not in ("bad", "twice"))
         assert (s.group_commits, s.grouped_calls) == (4, 10)
-        verbs = [q.split()[0] for q in seen]
-        assert verbs == ["BEGIN", "SELECT", "INSERT", "INSERT", "COMMIT"] * 2, seen
+        # each step is one statement per power of two of its rows (_spans): the second
+        # group's six (node, round)s are read in two, its six blocks and six node rows
+        # written in two each
+        steps = [" ".join(q.split()[:3]) if q.startswith("INSERT") else q.split()[0] for q in seen]
+        runs = [(step, sum(1 for _ in group)) for step, group in itertools.groupby(steps)]
+        blocks, nodes = "INSERT INTO summary_blocks", "INSERT OR REPLACE"
+        assert runs == [("BEGIN", 1), ("SELECT", 1), (blocks, 1), (nodes, 1), ("COMMIT", 1),
+                        ("BEGIN", 1), ("SELECT", 2), (blocks, 2), (nodes, 2), ("COMMIT", 1)], seen
         rows = {r.node_id: r.published for r in s.list_nodes()}
         assert rows == {"lead": 10, "b": 10, "c": 10, "twice": 8, "d": 10, "e": 10}  # the later row of "twice" wins
         got = {(r.node_id, r.prompt_id) for r in s.summaries(node_id="twice")}
         assert got == {("twice", p) for p in ("p0", "p1", "q4", "q7")}
         assert [len(b) for b in _blocks(s, "twice")] == [1, 2, 1]  # seq 0, 1, 2 in one transaction
+    finally:
+        s.close()
+
+
+def test_sqlite_statements_come_in_a_few_shapes_whatever_the_group(tmp_path):
+    """The connection keeps every distinct statement it prepared (up to cached_statements);
+    a group commit of any size writes and reads with statements of a few row counts only,
+    so the cache, and the broker's SQLite memory, stop growing (issue 13)."""
+    from graft_fed.broker.state_sqlite import _spans
+
+    assert list(_spans(37, 199)) == [(0, 32), (32, 36), (36, 37)]
+    assert list(_spans(400, 199)) == [(0, 199), (199, 398), (398, 400)] and list(_spans(0, 5)) == []
+    s = SqliteState(tmp_path / "g.db")
+    try:
+        seen: set[str] = set()
+        s._conn.set_trace_callback(lambda q: seen.add(f"{q[:20]} with {q.count('(')} parentheses"))
+        conn = s._conn
+        for count in range(1, 260):
+            with s._lock:
+                conn.execute("BEGIN IMMEDIATE")
+                s._insert_many(conn, "INSERT INTO summary_blocks (node_id, round, seq, count, data) VALUES ", 5,
+                               [(f"n{i}", 0, i, 1, b"x") for i in range(count)])
+                s._held_many(conn, [(f"n{i}", 0) for i in range(count)])
+                conn.execute("ROLLBACK")
+        s._conn.set_trace_callback(None)
+        inserts = {q for q in seen if q.startswith("INSERT")}
+        selects = {q for q in seen if q.startswith("SELECT")}
+        assert len(inserts) <= 9 and len(selects) <= 9, (sorted(inserts), sorted(selects))
     finally:
         s.close()
 
