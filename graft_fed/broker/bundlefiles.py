@@ -84,6 +84,7 @@ class BundleFiles:
         self.path = path
         self._mu = threading.Lock()
         self._flusher: ThreadPoolExecutor | None = None
+        self._closed = False
         try:
             if not os.path.isdir(path):
                 os.makedirs(path, mode=0o700, exist_ok=True)
@@ -107,8 +108,11 @@ class BundleFiles:
             raise storage_error(self.path, exc, "write") from exc
         return PartFile(self, fd, tmp)
 
-    def _flush(self, fd: int) -> Future:
+    def _flush(self, fd: int) -> Future | None:
+        """A background fdatasync of `fd`; None once closed (the seal's fsync does it all)."""
         with self._mu:
+            if self._closed:
+                return None
             if self._flusher is None:
                 self._flusher = ThreadPoolExecutor(FLUSH_THREADS, thread_name_prefix="bundle-flush")
             return self._flusher.submit(os.fdatasync, fd)
@@ -116,6 +120,7 @@ class BundleFiles:
     def close(self) -> None:
         """Stop the flush threads (after the flushes under way)."""
         with self._mu:
+            self._closed = True
             flusher, self._flusher = self._flusher, None
         if flusher is not None:
             flusher.shutdown(wait=True)
@@ -197,10 +202,14 @@ class PartFile:
             self._flush = self.files._flush(self.fd)
             self._unflushed = 0
 
-    def _settle(self) -> None:
-        """Wait for the flush under way; raise its failure as the storage's."""
+    def _settle(self, drop: bool = False) -> None:
+        """Wait for the flush under way; raise its failure as the storage's. With `drop`, a
+        flush not yet started (queued behind other uploads') is dropped instead: the
+        caller's fsync covers its bytes, or the file goes."""
         flush, self._flush = self._flush, None
-        exc = None if flush is None else flush.exception()
+        if flush is None or (drop and flush.cancel()):
+            return
+        exc = flush.exception()
         if exc is not None:
             if isinstance(exc, OSError):
                 raise storage_error(self.files.path, exc, "write") from exc
@@ -214,7 +223,7 @@ class PartFile:
             raise ValueError("this bundle file was sealed or discarded")
         try:
             try:
-                self._settle()
+                self._settle(drop=True)
                 os.fsync(self.fd)
             finally:
                 fd, self.fd = self.fd, None
@@ -231,7 +240,7 @@ class PartFile:
     def discard(self) -> None:
         """Drop the temporary file (an aborted or duplicate upload); a no-op once renamed."""
         try:
-            self._settle()
+            self._settle(drop=True)
         except Exception:  # noqa: BLE001 - the file goes anyway
             pass
         if self.fd is not None:

@@ -168,17 +168,25 @@ class Bundles(Part):
         may open itself (BrokerState.bundle_file); None otherwise."""
         return self.state.bundle_file(digest)
 
-    def sent_from_file(self, digest: str, outcome: str, sent: int, reason: str = "") -> None:
-        """What a fetch streamed from the bundle's file by another process (the front) came
-        to: "sent", or the error the fetch ends with."""
-        self.counters["bundle_bytes_out"] += sent
-        if outcome == "sent":
+    def bytes_sent(self, count: int) -> None:
+        """Bytes of a bundle another process (the front) sent from its file."""
+        self.counters["bundle_bytes_out"] += count
+
+    def file_unsent(self, digest: str, outcome: str, reason: str = "") -> None:
+        """What a fetch streamed from the bundle's file by the front came to, when not all of
+        it went out: the error the fetch ends with ("sent" and "cancelled" end as they are)."""
+        if outcome in ("sent", "cancelled"):
             return
         if outcome == "missing":
-            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
-        what = "has a file shorter than its row says" if outcome == "short" else f"could not be read ({reason})"
-        log.error("broker: bundle %s %s (a damaged volume?); a file not of its row's size is dropped at the next "
-                  "start", digest[:16], what)
+            if self.state.bundle_file(digest) is None:  # retention deletes the row, then the file
+                raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
+            what = "has a row but no file"
+        elif outcome == "short":
+            what = "has a file shorter than its row says"
+        else:
+            log.error("broker: the front process could not read the file of bundle %s: %s", digest[:16], reason)
+            raise Unavailable("the broker's storage failed during a read: retry later (details in the broker's log)")
+        log.error("broker: bundle %s %s (a damaged volume?); it is dropped at the next start", digest[:16], what)
         raise Unavailable("the broker's storage failed during a read: retry later (details in the broker's log)")
 
     def _check_grant(self, node_id: str, session_id: str, digest: str) -> None:

@@ -19,7 +19,8 @@ front -> broker
   CANCEL  the call ended at the client (cancelled, deadline passed, connection lost)
   CREDIT  <u32 n>: the front has sent on n more of the call's answer messages
   SENT    <u8 outcome><u64 bytes sent><u32 n><reason utf-8>: what a FILE came to (outcome:
-          0 sent, 1 the file was missing, 2 it was shorter than said, 3 it could not be read)
+          0 sent, 1 the file was missing, 2 it was shorter than said, 3 it could not be read,
+          4 the client went first; a CANCEL follows)
 broker -> front
   MSG     one answer message
   END     <u8 status code><u32 n><message utf-8><trailing metadata JSON>
@@ -75,7 +76,7 @@ HEAD = struct.Struct("<IIB")
 START, MSG, CLOSE, CANCEL, CREDIT, END, STOP, FILE, SENT = 1, 2, 3, 4, 5, 6, 7, 8, 9
 _FILE = struct.Struct("<QQIII")
 _SENT = struct.Struct("<BQ")
-OUTCOMES = ("sent", "missing", "short", "failed")  # SENT's outcome byte, by index
+OUTCOMES = ("sent", "missing", "short", "failed", "cancelled")  # SENT's outcome byte, by index
 WINDOW = 4  # stream messages in flight per call and direction
 _U32 = struct.Struct("<I")
 _F64 = struct.Struct("<d")
@@ -119,9 +120,10 @@ class FileStream:
     empty message for none), each `first` (the first) or `later` (the others), serialized
     fields of the answer message, with the chunk's offset as field `offset_field` (uint64)
     and its bytes as field `data_field` (bytes). The front reads the file and sends them;
-    when the handler resumes, `outcome` says what came of it ("sent", "missing", "short",
-    "failed" with `reason`, or "cancelled" when the client went first) and `sent` how
-    many of the bytes went out."""
+    `outcome` then says what came of it ("sent", "missing", "short", "failed" with
+    `reason`, or "cancelled" when the client went first) and `sent` how many of the bytes
+    went out. The handler resumes only if the call goes on; when the client went, its
+    generator is closed at the yield (a `finally` there still sees `sent`)."""
 
     path: str
     start: int
@@ -499,13 +501,13 @@ class FrontLink:
                                               stream.data_field)
                    + _blobs(os.fsencode(stream.path), stream.first, stream.later))
         got = call.inbox.get()
-        if got is None or call.cancelled.is_set():
+        if got is None:  # cancelled before the front said anything
             stream.outcome = "cancelled"
             return False
-        outcome, stream.sent = _SENT.unpack_from(got)
+        outcome, stream.sent = _SENT.unpack_from(got)  # what went out counts, even if the client went
         stream.outcome = OUTCOMES[outcome] if outcome < len(OUTCOMES) else "failed"
         stream.reason = _unblobs(got, _SENT.size, 1)[0].decode(errors="replace")
-        return True
+        return stream.outcome != "cancelled" and not call.cancelled.is_set()
 
     def _messages(self, call: _Call, de: Callable[[bytes], Any]) -> Iterator[Any]:
         """A client stream's messages as the handler takes them: the front may send WINDOW
@@ -535,6 +537,56 @@ class FrontLink:
 
 
 # ----- the front process ------------------------------------------------------------------------
+
+async def _stream_file(write: Callable[[bytes], Any], payload: bytes, pool: futures.Executor,
+                       report: Callable[[bytes], None]) -> None:
+    """A FILE's messages, each written (`write`: the call's, awaited, so as fast as the
+    client takes them) before the next chunk is read; `report` gets the SENT payload that
+    says what came of it, also when the client goes (then the cancel is raised on)."""
+    start, end, chunk, offset_field, data_field = _FILE.unpack_from(payload)
+    path, first, later = _unblobs(payload, _FILE.size, 3)
+    data_tag, offset_tag = _varint(data_field << 3 | 2), _varint(offset_field << 3)
+    sent = 0
+
+    def outcome(code: int, reason: str = "") -> None:
+        report(_SENT.pack(code, sent) + _blobs(reason.encode(errors="replace")))
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return outcome(1)
+    except OSError as exc:
+        return outcome(3, str(exc))
+    buf = memoryview(bytearray(min(chunk, max(0, end - start))))  # one chunk, read into again and again
+    reading: futures.Future | None = None
+    try:
+        off = start
+        while True:
+            want, got = min(chunk, end - off), 0
+            if want:
+                # in a thread: a read from a slow disk must not hold up every other call
+                reading = pool.submit(os.preadv, fd, [buf[:want]], off)
+                try:
+                    got = await asyncio.wrap_future(reading)
+                except OSError as exc:
+                    return outcome(3, str(exc))
+                if not got:
+                    return outcome(2)
+            # the message in one copy of the bytes: the fields, then the chunk as read
+            await write(b"".join((first if off == start else later, offset_tag, _varint(off), data_tag, _varint(got),
+                                  buf[:got])))
+            sent += got
+            off += got
+            if off >= end:
+                return outcome(0)
+    except asyncio.CancelledError:
+        outcome(4)
+        raise
+    finally:
+        if reading is not None:  # after the read, which may still run (the client went mid-read)
+            reading.add_done_callback(lambda _: os.close(fd))
+        else:
+            os.close(fd)
+
 
 class _Budget:
     """Bytes the front has handed the broker and the broker has not taken yet (requests
@@ -586,6 +638,7 @@ async def _serve(spec: dict) -> None:
     loop = asyncio.get_running_loop()
     calls: dict[int, asyncio.Queue] = {}
     budget = _Budget(int(spec["budget_bytes"]))
+    files = futures.ThreadPoolExecutor(4, thread_name_prefix="front-files")  # FILE's reads
     last_id = 0
 
     def new_id() -> int:  # call ids wrap around, skipping those in flight
@@ -623,50 +676,6 @@ async def _serve(spec: dict) -> None:
         if code is not grpc.StatusCode.OK:
             await context.abort(code, message)
 
-    async def send_file(context: grpc.aio.ServicerContext, payload: bytes) -> bytes:
-        """A FILE's messages, written as the client takes them (HTTP/2's flow control); the
-        SENT payload that says what came of it."""
-        start, end, chunk, offset_field, data_field = _FILE.unpack_from(payload)
-        path, first, later = _unblobs(payload, _FILE.size, 3)
-        data_tag = _varint(data_field << 3 | 2)
-        offset_tag = _varint(offset_field << 3)
-        sent = 0
-
-        def outcome(code: int, reason: str = "") -> bytes:
-            return _SENT.pack(code, sent) + _blobs(reason.encode(errors="replace"))
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            return outcome(1)
-        except OSError as exc:
-            return outcome(3, str(exc))
-        buf = bytearray(min(chunk, max(0, end - start)))  # one chunk, read into again and again
-        reading: asyncio.Future | None = None
-        try:
-            off = start
-            while True:
-                want = min(chunk, end - off)
-                # off the event loop: a read from a slow disk must not hold up every other call
-                reading = loop.run_in_executor(None, os.preadv, fd, [memoryview(buf)[:want]], off) if want else None
-                try:
-                    got = await reading if reading is not None else 0
-                except OSError as exc:
-                    return outcome(3, str(exc))
-                if want and not got:
-                    return outcome(2)
-                # the message in one copy of the bytes: the fields, then the chunk as read
-                await context.write(b"".join((first if off == start else later, offset_tag, _varint(off), data_tag,
-                                              _varint(got), memoryview(buf)[:got])))
-                sent += got
-                off += got
-                if off >= end:
-                    return outcome(0)
-        finally:
-            if reading is not None and not reading.done():  # the client went mid-read: close after it
-                reading.add_done_callback(lambda _: os.close(fd))
-            else:
-                os.close(fd)
-
     def unary_request(index: int, streamed: bool) -> Callable:
         """The handler of a method with one request: one answer, or (`streamed`) a stream of
         them written as the broker sends them, each credited once written."""
@@ -682,7 +691,7 @@ async def _serve(spec: dict) -> None:
                             await context.write(payload)
                             send(cid, CREDIT, _U32.pack(1))
                         elif kind == FILE and streamed:
-                            send(cid, SENT, await send_file(context, payload))
+                            await _stream_file(context.write, payload, files, lambda p, c=cid: send(c, SENT, p))
                         elif kind == MSG:
                             answer = payload
                         elif kind == END:

@@ -187,8 +187,11 @@ class Federation:
     def bundle_file(self, digest: str) -> tuple[str, int] | None:
         return self.bundles.bundle_file(digest)
 
-    def sent_from_file(self, digest: str, outcome: str, sent: int, reason: str = "") -> None:
-        self.bundles.sent_from_file(digest, outcome, sent, reason)
+    def bytes_sent(self, count: int) -> None:
+        self.bundles.bytes_sent(count)
+
+    def file_unsent(self, digest: str, outcome: str, reason: str = "") -> None:
+        self.bundles.file_unsent(digest, outcome, reason)
 
     def stream_bundle(self, digest: str, chunk: int) -> Iterator[bytes]:
         return self.bundles.stream_bundle(digest, chunk)

@@ -351,8 +351,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         hold = self.fetches.hold(request.node_id)
         _mapped(self.stats, "FetchBundle", context, t0, hold.__enter__)
         try:
+            where = _mapped(self.stats, "FetchBundle", context, t0,
+                            lambda: self.fed.bundle_file(request.digest)) if from_file else None
             self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)
-            where = self.fed.bundle_file(request.digest) if from_file else None
             if where is not None:
                 stream = FileStream(
                     where[0], 0, size, self.chunk,
@@ -360,12 +361,14 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                                          signer_cert=cert).SerializeToString(),
                     later=pb.BundleChunk(digest=request.digest, total_size=size).SerializeToString(),
                     offset_field=_CHUNK_FIELDS["offset"], data_field=_CHUNK_FIELDS["data"])
-                yield stream
-                if stream.outcome != "cancelled":
-                    try:
-                        self.fed.sent_from_file(request.digest, stream.outcome, stream.sent, stream.reason)
-                    except FederationError as exc:
-                        _abort(context, *to_status(exc))
+                try:
+                    yield stream
+                finally:  # also when the client went (the generator closed at the yield)
+                    self.fed.bytes_sent(stream.sent)
+                try:
+                    self.fed.file_unsent(request.digest, stream.outcome, stream.reason)
+                except FederationError as exc:
+                    _abort(context, *to_status(exc))
                 return
             # one chunk read from the state at a time: memory per fetch is bounded by the chunk
             chunks = self.fed.stream_bundle(request.digest, self.chunk)

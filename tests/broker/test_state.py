@@ -912,6 +912,25 @@ def test_sqlite_uploads_share_group_commits_with_each_other_and_with_publishes(t
         s.close()
 
 
+def test_sqlite_an_upload_for_a_damaged_block_stores_nothing(tmp_path):
+    """An upload whose summary's (node, round) holds a damaged block: the decoding error,
+    and neither the bundle's row nor its file is left (its digest could not be attached)."""
+    from graft_fed.federation.summaryblock import SummaryBlockError
+
+    s = SqliteState(tmp_path / "g.db")
+    try:
+        s.put_summaries([summ("bad", 0, "p0")])
+        s._conn.execute("UPDATE summary_blocks SET data = x'00' WHERE node_id = 'bad'")  # damaged on disk
+        w = s.begin_bundle()
+        w.write(b"bytes")
+        w.prepare("a" * 64)
+        with pytest.raises(SummaryBlockError):
+            w.commit_attached("a" * 64, b"", b"", "bad", 0, "p0")
+        assert s.get_bundle("a" * 64) is None and os.listdir(s.files.path) == []
+    finally:
+        s.close()
+
+
 def test_sqlite_group_commit_writes_a_group_in_a_few_statements(tmp_path):
     """However many publishes a group holds, its transaction runs the same few statements:
     BEGIN, a read of what their (node, round)s hold, INSERTs of the blocks, of the node rows,
@@ -1352,23 +1371,32 @@ def test_sqlite_an_upload_that_stores_nothing_leaves_no_file(tmp_path, monkeypat
 
 def test_sqlite_an_uploads_bytes_are_flushed_behind_its_writes(tmp_path, monkeypatch):
     """Once FLUSH_BEHIND bytes are unflushed, a background thread fdatasyncs the file while
-    the upload goes on writing; sealing waits for that flush, then fsyncs the tail. An
-    upload under FLUSH_BEHIND flushes nothing behind."""
+    the upload goes on writing; sealing waits for that flush, then fsyncs the tail; an abort
+    closes the file only after it. An upload under FLUSH_BEHIND flushes nothing behind, and
+    a flush still queued behind other uploads' is dropped by the seal (its fsync covers it)."""
     s = SqliteState(tmp_path / "b.db")
-    calls, release, started = [], threading.Event(), threading.Event()
+    calls, release, started, seen = [], threading.Event(), threading.Event(), []
     real = os.fdatasync
+
+    def part_inode() -> int:
+        [part] = [e for e in os.scandir(s.files.path) if e.name.endswith(".part")]
+        return part.inode()
 
     def slow_fdatasync(fd):
         calls.append(threading.current_thread().name)
         started.set()
         assert release.wait(10)
-        os.fstat(fd)  # the descriptor is still the upload's: nobody closed it under the flush
+        try:
+            seen.append(os.fstat(fd).st_ino)  # still the upload's file: nobody closed it under the flush
+        except OSError as exc:
+            seen.append(exc)
         return real(fd)
     monkeypatch.setattr(os, "fdatasync", slow_fdatasync)
     try:
         chunk = bytes(range(256)) * (bundlefiles.FLUSH_BEHIND // 256)
         w = s.begin_bundle()
         w.write(chunk)
+        inode = part_inode()
         assert started.wait(10) and calls[0].startswith("bundle-flush")
         w.write(chunk)  # a flush is under way: no second one
         sealed = threading.Thread(target=w.prepare, args=("a" * 64,))
@@ -1378,17 +1406,37 @@ def test_sqlite_an_uploads_bytes_are_flushed_behind_its_writes(tmp_path, monkeyp
         release.set()
         sealed.join(10)
         assert w.commit("a" * 64) and s.get_bundle("a" * 64) == chunk * 2 and len(calls) == 1
+        assert seen == [inode]
 
         w = s.begin_bundle()
         w.write(chunk[:-1])
         assert w.commit("b" * 64) and len(calls) == 1  # under FLUSH_BEHIND: none
 
         release.clear()
+        started.clear()
         w = s.begin_bundle()
         w.write(chunk)
+        inode = part_inode()
+        assert started.wait(10)
         threading.Timer(0.2, release.set).start()
-        w.abort()  # waits for the flush before it closes the descriptor (slow_fdatasync's fstat)
-        assert len(calls) == 2 and sorted(os.listdir(s.files.path)) == ["a" * 64, "b" * 64]
+        w.abort()  # waits for the flush under way before it closes the descriptor
+        assert len(calls) == 2 and seen[1] == inode
+        assert sorted(os.listdir(s.files.path)) == ["a" * 64, "b" * 64]
+
+        release.clear()
+        started.clear()
+        monkeypatch.setattr(bundlefiles, "FLUSH_THREADS", 1)
+        s.files.close()  # a pool of one thread from here on
+        s.files._closed = False
+        first, second = s.begin_bundle(), s.begin_bundle()
+        first.write(chunk)
+        assert started.wait(10)  # the one flush thread is busy with the first upload's
+        second.write(chunk)  # its flush waits in the queue
+        t0 = time.monotonic()
+        assert second.commit("c" * 64) and time.monotonic() - t0 < 5  # dropped, not waited for
+        assert len(calls) == 3
+        release.set()
+        assert first.commit("d" * 64) and len(calls) == 3
     finally:
         release.set()
         s.close()
@@ -1401,14 +1449,19 @@ def test_sqlite_a_failed_background_flush_fails_the_upload(tmp_path, monkeypatch
     The next write or the seal raises it, and the file is gone."""
     s = SqliteState(tmp_path / "b.db")
 
+    failed = threading.Event()
+
     def failing(fd):
+        failed.set()
         raise OSError(err, os.strerror(err))
     monkeypatch.setattr(os, "fdatasync", failing)
     try:
         chunk = b"x" * bundlefiles.FLUSH_BEHIND
         for finish in ("write", "seal"):
+            failed.clear()
             w = s.begin_bundle()
             w.write(chunk)  # starts the flush that fails
+            assert failed.wait(10)  # (one not yet started is dropped by the seal: its fsync is the check)
             with pytest.raises(expected):
                 if finish == "write":
                     for _ in range(100):  # the next write to find the flush done raises

@@ -101,22 +101,34 @@ def test_a_fetch_leaves_from_the_fronts_own_read_of_the_bundle_file(fronted_file
 
 
 def test_a_fetch_whose_file_is_gone_or_short_says_so(fronted_files, prompts, monkeypatch, tmp_path, caplog):
-    """Retention deleted the file before the front opened it: NOT_FOUND, as when it deletes
-    it before the broker reads it. A file shorter than its row: UNAVAILABLE, and the
-    operator is told in the broker's log."""
+    """A file missing while its row is there, or shorter than its row: UNAVAILABLE, and the
+    operator is told in the broker's log (as when the broker reads it itself). Retention
+    deleting the bundle between the broker's checks and the front's open: NOT_FOUND, as
+    when it deletes it before the broker reads it."""
     a, b, digest, rec = _matched_bundle(fronted_files, prompts, ("z" * 100_000, "w" * 1_000))
-    size = fronted_files.state.bundle_size(digest)
-    monkeypatch.setattr(fronted_files.fed, "bundle_file", lambda d: (str(tmp_path / "gone"), size))
+    fed, state = fronted_files.fed, fronted_files.state
+    size = state.bundle_size(digest)
+    monkeypatch.setattr(fed, "bundle_file", lambda d: (str(tmp_path / "gone"), size))
     code, details = code_of(lambda: list(_fetch(b, digest)))
-    assert code == grpc.StatusCode.NOT_FOUND and "pruned by retention" in details
+    assert code == grpc.StatusCode.UNAVAILABLE and "storage failed" in details
+    assert any("has a row but no file" in r.getMessage() for r in caplog.records)
     short = tmp_path / "short"
     short.write_bytes(b"x" * (size // 2))
-    monkeypatch.setattr(fronted_files.fed, "bundle_file", lambda d: (str(short), size))
+    monkeypatch.setattr(fed, "bundle_file", lambda d: (str(short), size))
     code, details = code_of(lambda: list(_fetch(b, digest)))
     assert code == grpc.StatusCode.UNAVAILABLE and "storage failed" in details
     assert any("shorter than its row" in r.getMessage() for r in caplog.records)
     monkeypatch.undo()
     assert b.fetch_bundle(digest, "a").record == rec  # the real file: as before
+    real = fed.bundle_file
+
+    def pruned_meanwhile(d):
+        where = real(d)
+        state.prune(max_bundle_bytes=0)  # the row, then the file
+        return where
+    monkeypatch.setattr(fed, "bundle_file", pruned_meanwhile)
+    code, details = code_of(lambda: list(_fetch(b, digest)))
+    assert code == grpc.StatusCode.NOT_FOUND and "pruned by retention" in details
     assert _wait(lambda: fronted_files.front._calls == {})
     a.close()
     b.close()
@@ -377,6 +389,92 @@ def test_a_call_cancelled_before_a_thread_took_it_is_not_run(link):
     assert _wait(lambda: made["noted"] == [b"kept"])
     time.sleep(0.2)
     assert made["noted"] == [b"kept"]
+
+
+def _file_payload(path, start, end, chunk, first=b"", later=b""):
+    from graft_fed.broker.front import _FILE, _blobs
+
+    fields = {f.name: f.number for f in pb.BundleChunk.DESCRIPTOR.fields}
+    return _FILE.pack(start, end, chunk, fields["offset"], fields["data"]) + _blobs(os.fsencode(str(path)), first, later)
+
+
+def test_the_front_makes_a_files_chunk_messages_as_the_broker_would(tmp_path):
+    """_stream_file's hand-made messages parse as the BundleChunks the broker would send:
+    any start, a last chunk shorter, an empty range as one empty message; a file shorter
+    than said and a missing one are reported, not sent past."""
+    import asyncio
+    from concurrent import futures
+
+    from graft_fed.broker.front import _SENT, _stream_file
+
+    data = os.urandom(100_000)
+    f = tmp_path / "b"
+    f.write_bytes(data)
+    first = pb.BundleChunk(digest="d" * 64, total_size=len(data), signature=b"sig").SerializeToString()
+    later = pb.BundleChunk(digest="d" * 64, total_size=len(data)).SerializeToString()
+    pool = futures.ThreadPoolExecutor(2)
+
+    def run(payload):
+        out, reports = [], []
+
+        async def write(m):
+            out.append(pb.BundleChunk.FromString(m))
+        asyncio.run(_stream_file(write, payload, pool, reports.append))
+        return out, [_SENT.unpack_from(r) for r in reports]
+    out, rep = run(_file_payload(f, 0, len(data), 16_384, first, later))
+    assert [c.offset for c in out] == list(range(0, len(data), 16_384)) and rep == [(0, len(data))]
+    assert b"".join(c.data for c in out) == data and out[0].signature == b"sig" and not out[1].signature
+    assert all(c.digest == "d" * 64 and c.total_size == len(data) for c in out)
+    out, rep = run(_file_payload(f, 0, len(data), 16_384, later, later))
+    assert out[0] == pb.BundleChunk(digest="d" * 64, total_size=len(data), offset=0, data=data[:16_384])
+    out, rep = run(_file_payload(f, 40_000, 50_000, 4_096, later, later))
+    assert [c.offset for c in out] == [40_000, 44_096, 48_192] and b"".join(c.data for c in out) == data[40_000:50_000]
+    out, rep = run(_file_payload(f, 0, 0, 4_096, later, later))
+    assert [(c.offset, c.data) for c in out] == [(0, b"")] and rep == [(0, 0)]  # an empty bundle: one empty chunk
+    out, rep = run(_file_payload(f, 0, len(data) + 10, 65_536, later, later))
+    assert rep == [(2, len(data))] and len(out) == 2  # short: what there was, then said
+    out, rep = run(_file_payload(tmp_path / "none", 0, 10, 4_096))
+    assert out == [] and rep == [(1, 0)]
+    pool.shutdown()
+
+
+def test_a_client_gone_mid_read_closes_the_file_after_the_read(tmp_path, monkeypatch):
+    """The client goes while a chunk is being read in the pool: the front reports what went
+    out (SENT, cancelled) and closes the descriptor only once the read returned, so the read
+    never lands on a descriptor number reused meanwhile."""
+    import asyncio
+    from concurrent import futures
+
+    from graft_fed.broker.front import _SENT, _stream_file
+
+    f = tmp_path / "b"
+    f.write_bytes(os.urandom(50_000))
+    inode = os.stat(f).st_ino
+    real, entered, release, seen = os.preadv, threading.Event(), threading.Event(), []
+
+    def slow_preadv(fd, buffers, off):
+        if off:  # the second chunk: the client goes meanwhile
+            entered.set()
+            assert release.wait(10)
+        seen.append(os.fstat(fd).st_ino)
+        return real(fd, buffers, off)
+    monkeypatch.setattr(os, "preadv", slow_preadv)
+    pool, reports = futures.ThreadPoolExecutor(2), []
+
+    async def main():
+        async def write(m):
+            pass
+        task = asyncio.ensure_future(_stream_file(write, _file_payload(f, 0, 50_000, 16_384), pool, reports.append))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(main())
+    assert [_SENT.unpack_from(r) for r in reports] == [(4, 16_384)]
+    release.set()
+    pool.shutdown(wait=True)
+    assert seen == [inode, inode]  # the second read still saw the file, open
 
 
 def test_the_fronts_budget_holds_back_requests_beyond_it():
