@@ -146,14 +146,24 @@ class Answers(Part):
             event.wait(timeout=max(0.01, min(remaining, until_deadline)))
         if action is None:
             return True
-        with self.matcher.lock, self.work:  # whoever comes second finds the work done
+        # Whoever comes second finds the work done, and takes a work slot only to do some: a
+        # thousand long-polls woken at once, each through the lock and a slot to find the
+        # round matched, queued for seconds behind each other (issue 13, twentieth pass).
+        if action[0] == "round" and self._matched(round):
+            return True
+        with self.matcher.lock:
             if action[0] == "round":
-                rnd = self.rounds.get(round)
-                if rnd is not None and rnd.state != "matched":
-                    self.matcher.match_round(round)
+                if not self._matched(round):
+                    with self.work:
+                        self.matcher.match_round(round)
             elif not self.state.matches(round=round, receiver=node_id):
-                self.matcher.match_one(node_id, round, action[1], round)
+                with self.work:
+                    self.matcher.match_one(node_id, round, action[1], round)
         return True
+
+    def _matched(self, round: int) -> bool:
+        rnd = self.rounds.get(round)
+        return rnd is None or rnd.state == "matched"
 
     def _missing_bundles(self, receiver: str, round: int) -> bool:
         """Whether some group the receiver was matched to in `round` has no bundle yet."""
