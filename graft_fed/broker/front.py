@@ -67,6 +67,7 @@ from typing import Any, Callable, Iterator, NoReturn, Sequence
 import grpc
 
 from graft_fed.errors import GraftFedError
+from graft_fed.federation.protowire import varint
 from graft_fed.federation.status import INTERNAL_MESSAGE
 from graft_fed.federation.transport import server_credentials
 
@@ -102,15 +103,6 @@ def _unblobs(payload: bytes, at: int, count: int) -> list[bytes]:
         out.append(payload[at + 4:at + 4 + n])
         at += 4 + n
     return out
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 @dataclass
@@ -545,7 +537,7 @@ async def _stream_file(write: Callable[[bytes], Any], payload: bytes, pool: futu
     says what came of it, also when the client goes (then the cancel is raised on)."""
     start, end, chunk, offset_field, data_field = _FILE.unpack_from(payload)
     path, first, later = _unblobs(payload, _FILE.size, 3)
-    data_tag, offset_tag = _varint(data_field << 3 | 2), _varint(offset_field << 3)
+    data_tag, offset_tag = varint(data_field << 3 | 2), varint(offset_field << 3)
     sent = 0
 
     def outcome(code: int, reason: str = "") -> None:
@@ -572,7 +564,7 @@ async def _stream_file(write: Callable[[bytes], Any], payload: bytes, pool: futu
                 if not got:
                     return outcome(2)
             # the message in one copy of the bytes: the fields, then the chunk as read
-            await write(b"".join((first if off == start else later, offset_tag, _varint(off), data_tag, _varint(got),
+            await write(b"".join((first if off == start else later, offset_tag, varint(off), data_tag, varint(got),
                                   buf[:got])))
             sent += got
             off += got

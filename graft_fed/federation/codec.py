@@ -15,6 +15,7 @@ from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
 from graft_fed.federation.errors import InvalidArgument
 from graft_fed.federation.limits import INT64_MAX, MAX_REPEATED, MAX_STRING_LEN
+from graft_fed.federation.protowire import varint as _varint
 from graft_fed.federation.summaryblock import SummaryBlock, facts_of, intern_ids
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import views_pb2
@@ -219,15 +220,6 @@ def match_result_to_pb(res: MatchResult) -> pb.MatchResponse:
 # serves the answer as bytes: the fixed fields of MatchResponse followed by the cached
 # offers. Protobuf parses fields in any order and appends repeated ones, so the bytes parse
 # to the same message (tests/federation/test_match_wire.py).
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
 
 _SMALL = [bytes((i,)) for i in range(128)]
 
