@@ -13,7 +13,7 @@ from graft_fed.broker.uploads import BundleUpload
 from graft_fed.broker.wakeups import bundles_key
 from graft_fed.core.records import GroupRecord
 from graft_fed.federation.bundles import is_digest
-from graft_fed.federation.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
+from graft_fed.federation.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL, clip
 from graft_fed.federation.signing import ProvenanceError, common_name, load_certificate_der, verify_signature
 
@@ -174,20 +174,10 @@ class Bundles(Part):
 
     def file_unsent(self, digest: str, outcome: str, reason: str = "") -> None:
         """What a fetch streamed from the bundle's file by the front came to, when not all of
-        it went out: the error the fetch ends with ("sent" and "cancelled" end as they are)."""
-        if outcome in ("sent", "cancelled"):
-            return
-        if outcome == "missing":
-            if self.state.bundle_file(digest) is None:  # retention deletes the row, then the file
-                raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
-            what = "has a row but no file"
-        elif outcome == "short":
-            what = "has a file shorter than its row says"
-        else:
-            log.error("broker: the front process could not read the file of bundle %s: %s", digest[:16], reason)
-            raise Unavailable("the broker's storage failed during a read: retry later (details in the broker's log)")
-        log.error("broker: bundle %s %s (a damaged volume?); it is dropped at the next start", digest[:16], what)
-        raise Unavailable("the broker's storage failed during a read: retry later (details in the broker's log)")
+        it went out: the error the fetch ends with, the state's (BrokerState.bundle_file_error);
+        "sent" and "cancelled" end as they are."""
+        if outcome not in ("sent", "cancelled"):
+            raise self.state.bundle_file_error(digest, outcome, reason)
 
     def _check_grant(self, node_id: str, session_id: str, digest: str) -> None:
         if not is_digest(digest):

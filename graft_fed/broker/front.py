@@ -84,25 +84,23 @@ _F64 = struct.Struct("<d")
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def _strings(*values: str) -> bytes:
-    out = []
-    for v in values:
-        b = v.encode()
-        out.append(_U32.pack(len(b)) + b)
-    return b"".join(out)
-
-
 def _blobs(*values: bytes) -> bytes:
+    """Byte strings, each <u32 n><bytes>."""
     return b"".join(_U32.pack(len(v)) + v for v in values)
 
 
-def _unblobs(payload: bytes, at: int, count: int) -> list[bytes]:
+def _strings(*values: str) -> bytes:
+    return _blobs(*(v.encode() for v in values))
+
+
+def _unblobs(payload: bytes, at: int, count: int) -> tuple[list[bytes], int]:
+    """`count` byte strings of `_blobs` from offset `at`, and the offset after them."""
     out = []
     for _ in range(count):
         n = _U32.unpack_from(payload, at)[0]
         out.append(payload[at + 4:at + 4 + n])
         at += 4 + n
-    return out
+    return out, at
 
 
 @dataclass
@@ -432,14 +430,10 @@ class FrontLink:
 
     @staticmethod
     def _start_call(cid: int, payload: bytes) -> _Call:
-        method, at = payload[0], 1
-        parts = []
-        for _ in range(4):
-            n = _U32.unpack_from(payload, at)[0]
-            parts.append(payload[at + 4:at + 4 + n].decode(errors="replace"))
-            at += 4 + n
+        raw, at = _unblobs(payload, 1, 4)
+        parts = [b.decode(errors="replace") for b in raw]
         metadata = tuple((str(k), str(v)) for k, v in json.loads(parts[3])) if parts[3] else ()
-        return _Call(cid, method, parts[0], parts[1], parts[2], metadata, payload[at:])
+        return _Call(cid, payload[0], parts[0], parts[1], parts[2], metadata, payload[at:])
 
     def _run(self, call: _Call) -> None:
         try:
@@ -498,7 +492,7 @@ class FrontLink:
             return False
         outcome, stream.sent = _SENT.unpack_from(got)  # what went out counts, even if the client went
         stream.outcome = OUTCOMES[outcome] if outcome < len(OUTCOMES) else "failed"
-        stream.reason = _unblobs(got, _SENT.size, 1)[0].decode(errors="replace")
+        stream.reason = _unblobs(got, _SENT.size, 1)[0][0].decode(errors="replace")
         return stream.outcome != "cancelled" and not call.cancelled.is_set()
 
     def _messages(self, call: _Call, de: Callable[[bytes], Any]) -> Iterator[Any]:
@@ -536,7 +530,7 @@ async def _stream_file(write: Callable[[bytes], Any], payload: bytes, pool: futu
     client takes them) before the next chunk is read; `report` gets the SENT payload that
     says what came of it, also when the client goes (then the cancel is raised on)."""
     start, end, chunk, offset_field, data_field = _FILE.unpack_from(payload)
-    path, first, later = _unblobs(payload, _FILE.size, 3)
+    (path, first, later), _ = _unblobs(payload, _FILE.size, 3)
     data_tag, offset_tag = varint(data_field << 3 | 2), varint(offset_field << 3)
     sent = 0
 

@@ -192,23 +192,23 @@ class RoundIndex:
             return self.book(round).nodes
 
     def published_count(self, round: int) -> int:
-        book = self._books.get(round)  # without the lock (a read the GIL makes whole): see has_published
-        if book is not None:
-            return len(book._rows)
-        with self.lock:
-            return len(self.book(round)._rows)
+        return len(self._present(round)._rows)
 
     def has_published(self, round: int, node_id: str) -> bool:
-        """Asked by every GetMatches when it arrives and when it is woken, and by readiness
-        after every publish: a thousand woken long-polls each taking the lock, which the
-        answers being built take again and again, queued for seconds behind them (issue 13,
-        twentieth pass). A book present is read without the lock (a dict lookup; a publisher
-        once in a book stays in it); a missing one is loaded under it."""
+        return node_id in self._present(round)._rows
+
+    def _present(self, round: int) -> RoundBook:
+        """The round's book for the two reads above, which every GetMatches makes when it
+        arrives and when it is woken, and readiness after every publish: a thousand woken
+        long-polls each taking the lock, which the answers being built take again and again,
+        queued for seconds behind them (issue 13, twentieth pass). A book present is read
+        without the lock (a dict lookup the interpreter makes whole; a publisher once in a
+        book stays in it); a missing one is loaded under it."""
         book = self._books.get(round)
-        if book is not None:
-            return node_id in book._rows
-        with self.lock:
-            return node_id in self.book(round)._rows
+        if book is None:
+            with self.lock:
+                book = self.book(round)
+        return book
 
     def clear(self) -> None:
         """Forget every book (after retention pruned the state); rebuilt on demand."""

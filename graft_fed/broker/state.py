@@ -257,6 +257,13 @@ class BrokerState(abc.ABC):
         or is gone (retention)."""
         return None
 
+    def bundle_file_error(self, digest: str, outcome: str, reason: str = "") -> Exception:
+        """The error a fetch ends with when another process could not send all of the file
+        `bundle_file` named: `outcome` "missing" (no such file), "short" (fewer bytes than the
+        row's size) or "failed" (`reason`, the read's error). Only for states whose
+        `bundle_file` names files; this default names none."""
+        raise NotImplementedError("this state holds no bundle as a file of its own")
+
     def bundle_size(self, digest: str) -> int | None:
         """A held bundle's size in bytes, None when not held."""
         data = self.get_bundle(digest)

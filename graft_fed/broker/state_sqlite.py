@@ -62,7 +62,7 @@ from graft_fed.broker.state_rows import (
 )
 from graft_fed.errors import DataError
 from graft_fed.federation.summaryblock import SummaryBlock, facts_of, group_rows
-from graft_fed.federation.errors import StorageFull, Unavailable
+from graft_fed.federation.errors import NotFound, StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -194,6 +194,8 @@ def _db2f(v) -> float:
 def _json(values: list) -> str:
     return json.dumps(values, separators=(",", ":"))  # repr of a float round-trips exactly
 
+
+_READ_FAILED = "the broker's storage failed during a read: retry later (details in the broker's log)"
 
 #: bound parameters per statement (SQLite's default limit before 3.32 is 999)
 _MAX_PARAMS = 999
@@ -874,7 +876,7 @@ class SqliteState(BrokerState):
 
     def _names_file(self, digest: str) -> bool:
         """Whether a row names `digest`'s file (under the lock, or racing the writers)."""
-        return bool(self._read("SELECT 1 FROM bundles WHERE digest = ? AND in_file = 1", (digest,)))
+        return self.bundle_file(digest) is not None
 
     def _insert_file_row(self, digest: str, size: int, signature: bytes, signer_cert: bytes,
                          attach: tuple[str, int, str] | None = None) -> tuple[bool, bool]:
@@ -902,19 +904,30 @@ class SqliteState(BrokerState):
     def _damaged_file(self, digest: str, what: str) -> Exception:
         log.error("broker state %s: bundle %s %s in %s (a damaged volume?); it is dropped at the next start",
                   self.path, digest[:16], what, self.files.path)
-        return Unavailable("the broker's storage failed during a read: retry later (details in the broker's log)")
+        return Unavailable(_READ_FAILED)
+
+    def bundle_file_error(self, digest: str, outcome: str, reason: str = "") -> Exception:
+        if outcome == "missing":
+            if self.bundle_file(digest) is None:  # retention deletes the row, then the file
+                return NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
+            return self._damaged_file(digest, "has a row but no file")
+        if outcome == "short":
+            return self._damaged_file(digest, "has a file shorter than its row says")
+        log.error("broker state %s: the file of bundle %s in %s could not be read: %s", self.path, digest[:16],
+                  self.files.path, reason)
+        return Unavailable(_READ_FAILED)
 
     def _open_file(self, digest: str) -> tuple[int, int] | None:
         """(descriptor, size) of a bundle whose bytes are a file; None when it is not held.
         Under the lock, as retention deletes rows and then their files."""
         with self._lock:
-            rows = self._read("SELECT size FROM bundles WHERE digest = ? AND in_file = 1", (digest,))
-            if not rows:
+            where = self.bundle_file(digest)
+            if where is None:
                 return None
             fd = self.files.open(digest)
             if fd is None:
                 raise self._damaged_file(digest, "has a row but no file")
-            return fd, int(rows[0][0])
+            return fd, where[1]
 
     def _file_chunks(self, digest: str, fd: int, start: int, end: int, chunk: int) -> Iterator[bytes]:
         """Bytes [start, end) of a bundle's file (within its row's size) in chunks of at most
