@@ -66,7 +66,7 @@ from graft_fed.federation.errors import NotFound, StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 PAGE_SIZE = 65536
 
 _SCHEMA = """
@@ -143,7 +143,12 @@ CREATE INDEX bundle_parts_by_parts ON bundle_parts (parts, id);
 _MIGRATE_5 = """
 ALTER TABLE bundles ADD COLUMN in_file INTEGER NOT NULL DEFAULT 0;
 """
-_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4, 5: _MIGRATE_5}
+# Schema version 5 -> 6 (issue 13): summary blocks are written in the narrow encoding
+# (b"GFS2", federation/summaryblock.py); the blocks already held keep theirs (b"GFS1", which
+# still decodes). No statement: the version says that a graft-fed from before, which cannot
+# read the new blocks, must not open the file (it would take them for damaged ones).
+_MIGRATE_6 = ""
+_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4, 5: _MIGRATE_5, 6: _MIGRATE_6}
 
 
 def _convert_summaries(conn: sqlite3.Connection) -> None:

@@ -13,11 +13,15 @@ handlers require n of each): `lengths` and `mean_logprobs` are flat arrays with 
 summary. `digests` (None when all are empty) are the summaries' bundle digests as given:
 the state keeps digests apart from the blob (they arrive later, with the bundles).
 
-The encoding: b"GFS1", a 4-byte little-endian length, a JSON header {"node_id", "round",
-"prompt_ids", "nl", "nm"}, then little-endian arrays: policy_version, n, k (int64),
-reward_mean, reward_std (float64), the count of lengths and of mean log-probs per summary
-(int64), the flat lengths (int64), the flat mean log-probs (float64). Floats keep their
-bits (-0.0, NaN payloads, subnormals).
+The encoding: b"GFS2", a 4-byte little-endian length, a JSON header {"node_id", "round",
+"prompt_ids", "nl", "nm", "w"}, then little-endian arrays: policy_version, n, k,
+reward_mean, reward_std (float64), the count of lengths and of mean log-probs per summary,
+the flat lengths, the flat mean log-probs (float64). Each integer column is stored in the
+narrowest signed width that holds its values, "w" lists those widths in bytes (1, 2, 4 or
+8) in column order: a stored row of 8 responses is about 115 bytes rather than 200, and the
+state's write (SQLite's pages, its WAL and the checkpoint's copy) is per byte (issue 13).
+Floats keep their bits (-0.0, NaN payloads, subnormals). Blocks stored before, b"GFS1"
+(every integer column int64, no "w"), decode as they always did.
 
 Prompt-id lists are interned (`intern_ids`): the nodes of a round publish the same prompts in
 the same order, so the broker keeps the lists of the last few publishes and hands every
@@ -38,8 +42,25 @@ import numpy as np
 
 from graft_fed.federation.messages import SummaryRow
 
-MAGIC = b"GFS1"
+MAGIC = b"GFS2"
+_MAGIC_V1 = b"GFS1"  # every integer column int64 (blocks stored before the narrow widths)
 _I8, _F8 = np.dtype("<i8"), np.dtype("<f8")
+_INT_DTYPES = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: _I8}
+# the stored columns in order: (attribute, integer?)
+_COLUMNS = (("policy_version", True), ("n", True), ("k", True), ("reward_mean", False), ("reward_std", False),
+            ("n_lengths", True), ("n_logprobs", True), ("lengths", True), ("mean_logprobs", False))
+
+
+def _width(a: np.ndarray) -> int:
+    """The narrowest signed width (bytes) that holds every value of an int64 column."""
+    if not a.size:
+        return 1
+    lo, hi = int(a.min()), int(a.max())
+    for w in (1, 2, 4):
+        bound = 1 << (8 * w - 1)
+        if -bound <= lo and hi < bound:
+            return w
+    return 8
 
 
 class SummaryBlockError(ValueError):
@@ -172,45 +193,69 @@ class SummaryBlock:
         return out
 
     def to_bytes(self) -> bytes:
-        # what json.dumps({"node_id", "round", "prompt_ids", "nl", "nm"}) writes, with the
-        # prompt ids' JSON memoised for an interned list
+        cols = []
+        widths = []
+        for name, integer in _COLUMNS:
+            a = getattr(self, name)
+            if integer:
+                a = np.asarray(a, dtype=np.int64)
+                w = _width(a)
+                widths.append(w)
+                cols.append(np.ascontiguousarray(a, dtype=_INT_DTYPES[w]).data)
+            else:  # already of the stored type: in as it is (no copy; a view of the buffer)
+                cols.append(np.ascontiguousarray(a, dtype=_F8).data)
+        # what json.dumps({"node_id", "round", "prompt_ids", "nl", "nm", "w"}) writes, with
+        # the prompt ids' JSON memoised for an interned list
         header = (f'{{"node_id":{json.dumps(self.node_id)},"round":{json.dumps(self.round)},"prompt_ids":'
-                  f'{_ids_json(self.prompt_ids)},"nl":{int(self.lengths.size)},"nm":{int(self.mean_logprobs.size)}}}'
-                  ).encode("utf-8")
-        # arrays already of the stored type go in as they are (no copy; a view of the buffer)
-        return b"".join([MAGIC, len(header).to_bytes(4, "little"), header,
-                         *(np.ascontiguousarray(a, dtype=t).data for a, t in (
-                             (self.policy_version, _I8), (self.n, _I8), (self.k, _I8), (self.reward_mean, _F8),
-                             (self.reward_std, _F8), (self.n_lengths, _I8), (self.n_logprobs, _I8),
-                             (self.lengths, _I8), (self.mean_logprobs, _F8)))])
+                  f'{_ids_json(self.prompt_ids)},"nl":{int(self.lengths.size)},"nm":{int(self.mean_logprobs.size)},'
+                  f'"w":[{",".join(map(str, widths))}]}}').encode("utf-8")
+        return b"".join([MAGIC, len(header).to_bytes(4, "little"), header, *cols])
 
     @staticmethod
     def header(data: bytes) -> tuple[dict, int]:
         """(the JSON header, where the arrays start) of an encoded block."""
-        if data[:4] != MAGIC:
+        magic = bytes(data[:4])
+        if magic not in (MAGIC, _MAGIC_V1):
             raise SummaryBlockError("a stored summary block does not decode (bad magic)")
         size = int.from_bytes(data[4:8], "little")
         try:
-            return json.loads(bytes(data[8:8 + size]).decode("utf-8")), 8 + size
+            head = json.loads(bytes(data[8:8 + size]).decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as exc:
             raise SummaryBlockError(f"a stored summary block does not decode ({exc})") from None
+        if not isinstance(head, dict):
+            raise SummaryBlockError("a stored summary block does not decode (its header is not an object)")
+        if magic == _MAGIC_V1:
+            head["w"] = [8] * 6
+        return head, 8 + size
+
+    @staticmethod
+    def _layout(head: dict) -> list[tuple[int, np.dtype]]:
+        """(element count, stored dtype) of each column, in order."""
+        count, nl, nm = len(head["prompt_ids"]), int(head["nl"]), int(head["nm"])
+        widths = head["w"]
+        if not isinstance(widths, list) or len(widths) != 6 or any(
+                type(w) is not int or w not in _INT_DTYPES for w in widths):
+            raise ValueError(f"integer widths {widths!r}: six of 1, 2, 4 or 8")
+        it = iter(widths)
+        sizes = [count] * 7 + [nl, nm]
+        return [(size, _INT_DTYPES[next(it)] if integer else _F8) for size, (_, integer) in zip(sizes, _COLUMNS)]
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "SummaryBlock":
         head, off = cls.header(data)
         try:
-            count, nl, nm = len(head["prompt_ids"]), int(head["nl"]), int(head["nm"])
+            layout = cls._layout(head)
             body = memoryview(data)[off:]
-            sizes = [count] * 7 + [nl, nm]
-            if len(body) != 8 * sum(sizes):
-                raise ValueError(f"{len(body)} bytes of arrays, expected {8 * sum(sizes)}")
+            expected = sum(size * dtype.itemsize for size, dtype in layout)
+            if len(body) != expected:
+                raise ValueError(f"{len(body)} bytes of arrays, expected {expected}")
             arrays, pos = [], 0
-            for i, size in enumerate(sizes):
-                dtype = _F8 if i in (3, 4, 8) else _I8
-                arrays.append(np.frombuffer(body[pos:pos + 8 * size], dtype=dtype))
-                pos += 8 * size
+            for size, dtype in layout:
+                a = np.frombuffer(body[pos:pos + size * dtype.itemsize], dtype=dtype)
+                arrays.append(a if dtype in (_I8, _F8) else a.astype(np.int64))  # int64 in memory
+                pos += size * dtype.itemsize
             pv, n, k, rm, rs, cl, cm, lengths, logprobs = arrays
-            if int(cl.sum()) != nl or int(cm.sum()) != nm:
+            if int(cl.sum()) != len(lengths) or int(cm.sum()) != len(logprobs):
                 raise ValueError("per-summary counts disagree with the flat arrays")
             return cls(head["node_id"], int(head["round"]), list(head["prompt_ids"]), pv, n, k, rm, rs, cl, cm,
                        lengths, logprobs)
@@ -221,11 +266,20 @@ class SummaryBlock:
     def heads_of(cls, data: bytes) -> tuple[list[str], np.ndarray, np.ndarray]:
         """(prompt ids, n, k) of an encoded block, without decoding the rest."""
         head, off = cls.header(data)
-        count = len(head["prompt_ids"])
-        body = memoryview(data)[off:]
-        n = np.frombuffer(body[8 * count:16 * count], dtype=_I8)
-        k = np.frombuffer(body[16 * count:24 * count], dtype=_I8)
-        return list(head["prompt_ids"]), n, k
+        try:
+            layout = cls._layout(head)
+            body = memoryview(data)[off:]
+            expected = sum(size * dtype.itemsize for size, dtype in layout)
+            if len(body) != expected:
+                raise ValueError(f"{len(body)} bytes of arrays, expected {expected}")
+            (c0, t0), (c1, t1), (c2, t2) = layout[:3]
+            at = c0 * t0.itemsize
+            n = np.frombuffer(body[at:at + c1 * t1.itemsize], dtype=t1)
+            at += c1 * t1.itemsize
+            k = np.frombuffer(body[at:at + c2 * t2.itemsize], dtype=t2)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SummaryBlockError(f"a stored summary block does not decode ({exc})") from None
+        return list(head["prompt_ids"]), n.astype(np.int64), k.astype(np.int64)
 
 
 def group_rows(rows: Iterable[SummaryRow]) -> list[list[SummaryRow]]:

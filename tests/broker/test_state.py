@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -33,6 +34,7 @@ from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
 from graft_fed.errors import DataError
 from graft_fed.federation.errors import StorageFull, Unavailable
+from graft_fed.federation.summaryblock import SummaryBlock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -684,10 +686,51 @@ def test_sqlite_refuses_a_newer_schema(tmp_path):
         SqliteState(path)
 
 
+def _as_version_5(c):
+    """Turn a state file (open on connection `c`) back into schema version 5: every summary
+    block in the encoding it had then (b"GFS1": every integer column int64)."""
+    for rowid, data in c.execute("SELECT rowid, data FROM summary_blocks").fetchall():
+        b = SummaryBlock.from_bytes(data)
+        head = json.dumps({"node_id": b.node_id, "round": b.round, "prompt_ids": b.prompt_ids,
+                           "nl": int(b.lengths.size), "nm": int(b.mean_logprobs.size)}).encode()
+        old = b"".join([b"GFS1", len(head).to_bytes(4, "little"), head] + [
+            np.asarray(a).astype(t).tobytes() for a, t in (
+                (b.policy_version, "<i8"), (b.n, "<i8"), (b.k, "<i8"), (b.reward_mean, "<f8"),
+                (b.reward_std, "<f8"), (b.n_lengths, "<i8"), (b.n_logprobs, "<i8"), (b.lengths, "<i8"),
+                (b.mean_logprobs, "<f8"))])
+        c.execute("UPDATE summary_blocks SET data = ? WHERE rowid = ?", (old, rowid))
+    c.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
+
+
+def test_sqlite_migrates_a_version_5_file_its_old_blocks_read_as_before(tmp_path):
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    _populate(s)
+    before = _observe(s)
+    heads = s.summary_heads()
+    with sqlite3.connect(path) as c:
+        _as_version_5(c)
+        assert {bytes(r[0][:4]) for r in c.execute("SELECT data FROM summary_blocks")} == {b"GFS1"}
+        s.close()
+    c.close()
+    s = SqliteState(path)
+    try:
+        assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        assert _observe(s) == before and s.summary_heads() == heads
+        assert s.put_summaries([summ(prompt_id="fresh", round=7, lengths=[300, 70000])]) == (1, 0)
+        magics = sorted(bytes(r[0][:4]) for r in s._conn.execute("SELECT data FROM summary_blocks"))
+        assert magics[-1] == b"GFS2" and magics[0] == b"GFS1"  # the new block narrow, the old ones as they were
+        fresh = [r for r in s.summaries(round=7) if r.prompt_id == "fresh"]
+        assert fresh[0].lengths == [300, 70000]
+    finally:
+        s.close()
+
+
 def _as_version_4(c, parts: bool = False):
     """Turn a state file (open on connection `c`) back into schema version 4: the bytes of
     every bundle held as a file in bundles.data, or (`parts`) in rows of bundle_parts of
     3-byte chunks; no bundles directory."""
+    _as_version_5(c)
     path = next(r[2] for r in c.execute("PRAGMA database_list") if r[1] == "main")
     files = path + "-bundles"
     for digest, in c.execute("SELECT digest FROM bundles WHERE in_file = 1").fetchall():
