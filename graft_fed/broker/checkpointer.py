@@ -14,7 +14,16 @@ truncates the file, so its size falls back and counts again from there. Under wr
 pause, the WAL keeps growing until the writer's own automatic checkpoint, kept as a safety
 net at `SAFETY_BYTES`, runs in a commit; it finds most pages copied already. A checkpoint
 every second, or on every poll while the file was large, ran during the publishes of
-rounds that never reach the threshold (issue 13, seventeenth pass). Durability is
+rounds that never reach the threshold (issue 13, seventeenth pass).
+
+A checkpoint triggered by growth runs while commits append, so it rarely copies the last
+frames, and SQLite starts the WAL over only after one that copied everything: at 64 nodes
+x 4,096 prompts the file grew by about 38 MB a round to the safety size, and every seventh
+round or so one commit (a publish's, or the match set's that every answer of the round
+waits for) ran the safety net's checkpoint: 246 ms instead of 60-80 for the round's match
+(issue 13, twenty-first pass). So the thread also checkpoints a WAL of at least
+`IDLE_BYTES` that has frames left to copy and did not grow since its last look: the quiet
+moment after a round's match, while the nodes train. Durability is
 unchanged: a commit is durable once the WAL is fsynced (synchronous=FULL); a checkpoint only
 moves what is already durable.
 """
@@ -35,6 +44,9 @@ THRESHOLD_BYTES = 64 << 20
 SAFETY_BYTES = 256 << 20
 #: the WAL file is truncated back to this size when SQLite starts it over
 WAL_SIZE_LIMIT = 4 << 20
+#: a WAL file at least this large, with frames left to copy, that did not grow between two
+#: looks is checkpointed (so it starts over in a quiet moment)
+IDLE_BYTES = 16 << 20
 
 
 def safety_pages(page_size: int) -> int:
@@ -43,14 +55,19 @@ def safety_pages(page_size: int) -> int:
 
 class Checkpointer:
     """PASSIVE checkpoints of the WAL database at `path` each time its WAL file grew by
-    `threshold_bytes` (looked at every `poll_s`), in a daemon thread, until `stop`. `runs`
+    `threshold_bytes`, and when a file of at least `idle_bytes` with frames left to copy did
+    not grow since the last look (looked at every `poll_s`), in a daemon thread, until
+    `stop`. `idle_runs` counts the checkpoints of the second kind. `runs`
     counts the checkpoints, `last` is the last one's (frames in the WAL, frames of it in the
     database); a failure is logged and retried with a growing pause (the WAL keeps everything
     meanwhile), and `failures` counts them."""
 
-    def __init__(self, path: str, threshold_bytes: int = THRESHOLD_BYTES, poll_s: float = 0.25) -> None:
+    def __init__(self, path: str, threshold_bytes: int = THRESHOLD_BYTES, poll_s: float = 0.25,
+                 idle_bytes: int = IDLE_BYTES) -> None:
         self.path = path
         self.threshold_bytes = threshold_bytes
+        self.idle_bytes = idle_bytes
+        self.idle_runs = 0
         self.poll_s = poll_s
         self.looks = 0  # times the thread looked at the WAL's size
         self.runs = 0
@@ -66,11 +83,15 @@ class Checkpointer:
         frame = 0  # bytes per WAL frame: a page and its 24-byte header
         pause = self.poll_s
         try:
+            seen = mark  # the file's size at the last look
+            idle_at = -1  # its size at the last checkpoint for idleness (one per quiet spell)
             while not self._stop.wait(pause):
                 size = self.wal_bytes()
                 self.looks += 1
                 mark = min(mark, size)  # SQLite started the WAL over: the file was truncated
-                if size - mark < self.threshold_bytes:
+                idle = size == seen and size >= self.idle_bytes and size > mark and size != idle_at
+                seen = size
+                if size - mark < self.threshold_bytes and not idle:
                     continue
                 try:
                     if conn is None:
@@ -79,7 +100,17 @@ class Checkpointer:
                         conn.execute("PRAGMA synchronous=FULL")  # the database file fsynced after copying
                         conn.execute("PRAGMA cache_size=-1024")
                         frame = 24 + conn.execute("PRAGMA page_size").fetchone()[0]
-                    _, done = self.run_once(conn)
+                    quiet = idle and size - mark < self.threshold_bytes
+                    logged, done = self.run_once(conn)
+                    if quiet and logged == done:
+                        # all copied, and the database fsynced, without stopping a writer; now the
+                        # WAL starts over here, truncated, rather than in the next commit
+                        # (one TRUNCATE, with nothing left to copy, holds writers off only for
+                        # that; busy, it gives up at once and the next commit starts it over)
+                        logged, done = self.run_once(conn, "TRUNCATE")
+                    if quiet:
+                        self.idle_runs += 1
+                        idle_at = size
                     # frames a commit was still appending when the checkpoint ran are not
                     # copied: they count as growth towards the next one, not as done
                     mark = min(self.wal_bytes(), 32 + done * frame)
@@ -103,9 +134,9 @@ class Checkpointer:
         except OSError:
             return 0
 
-    def run_once(self, conn: sqlite3.Connection) -> tuple[int, int]:
-        """One PASSIVE checkpoint on `conn`: (frames in the WAL, frames of it now in the database)."""
-        _busy, logged, done = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    def run_once(self, conn: sqlite3.Connection, mode: str = "PASSIVE") -> tuple[int, int]:
+        """One checkpoint on `conn`: (frames in the WAL, frames of it now in the database)."""
+        _busy, logged, done = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
         self.runs += 1
         self.last = (logged, done)
         return self.last

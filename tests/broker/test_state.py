@@ -1622,7 +1622,8 @@ def test_sqlite_checkpoints_run_in_a_thread_not_in_commits(tmp_path):
     s = SqliteState(tmp_path / "b.db")
     try:
         s.checkpointer.stop()
-        s.checkpointer = Checkpointer(s.path, threshold_bytes=3_000_000, poll_s=0.01)
+        # (checkpoints of a WAL that stopped growing: their own test, below)
+        s.checkpointer = Checkpointer(s.path, threshold_bytes=3_000_000, poll_s=0.01, idle_bytes=1 << 40)
         time.sleep(0.05)
         s.put_match_set(98, bytes(200_000))
         s.put_match_set(99, bytes(200_000))
@@ -1661,6 +1662,55 @@ def test_sqlite_checkpoints_run_in_a_thread_not_in_commits(tmp_path):
         looks, runs = s.checkpointer.looks - looks, s.checkpointer.runs - runs
         assert 1 <= runs and 2 * runs <= looks, (runs, looks)
         assert s.checkpointer.failures == 0
+    finally:
+        s.close()
+    assert not s.checkpointer.alive
+
+
+def test_sqlite_a_wal_that_stopped_growing_is_checkpointed_once_and_starts_over(tmp_path):
+    """A checkpoint by growth runs while commits append and leaves the last frames, so the
+    WAL would never start over and would grow to the safety size, whose checkpoint some
+    commit then runs. A WAL of at least idle_bytes that did not grow between two looks is
+    checkpointed once and truncated, so that the next commit does not start it over.
+    Smaller ones, and growing ones, are left to the threshold."""
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        s.checkpointer.stop()
+        s.checkpointer = cp = Checkpointer(s.path, threshold_bytes=1 << 40, poll_s=0.02, idle_bytes=3_000_000)
+        s.put_match_set(0, bytes(1_000_000))
+        time.sleep(0.2)
+        assert cp.runs == 0  # quiet, but smaller than idle_bytes
+        stop = threading.Event()
+
+        def writer():
+            i = 1
+            while not stop.is_set():
+                s.put_match_set(i, bytes(200_000))
+                i += 1
+                time.sleep(0.001)
+        t = threading.Thread(target=writer)
+        t.start()
+        deadline = time.monotonic() + 10
+        while cp.wal_bytes() < 3_500_000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stop.set()
+        t.join()
+        while (cp.wal_bytes() or not cp.idle_runs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # everything copied (PASSIVE), then the WAL truncated (TRUNCATE, nothing left to copy)
+        assert cp.wal_bytes() == 0 and cp.last[0] == cp.last[1] and cp.failures == 0
+        runs = cp.runs
+        time.sleep(0.2)  # ten more looks: nothing more to do
+        # (a commit slower than a look could have let one run while the writer wrote)
+        assert 1 <= cp.idle_runs <= 2 and cp.runs == runs <= 2 * cp.idle_runs
+        s.put_match_set(10_000, bytes(1000))  # the WAL starts again from its beginning
+        probe = sqlite3.connect(tmp_path / "b.db", isolation_level=None)
+        try:
+            assert probe.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1] <= 4
+        finally:
+            probe.close()
+        assert cp.wal_bytes() <= WAL_SIZE_LIMIT
+        assert s.match_set(0) == bytes(1_000_000) and s.match_set(10_000) == bytes(1000)
     finally:
         s.close()
     assert not s.checkpointer.alive
