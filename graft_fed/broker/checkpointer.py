@@ -23,7 +23,10 @@ round or so one commit (a publish's, or the match set's that every answer of the
 waits for) ran the safety net's checkpoint: 246 ms instead of 60-80 for the round's match
 (issue 13, twenty-first pass). So the thread also checkpoints a WAL of at least
 `IDLE_BYTES` that has frames left to copy and did not grow since its last look: the quiet
-moment after a round's match, while the nodes train. Durability is
+moment after a round's match, while the nodes train. A PASSIVE checkpoint copies the frames;
+when it copied them all and no commit came meanwhile, a TRUNCATE one empties the file (it
+holds writers off while it runs, which with nothing left to copy is the truncation, and gives
+up at once when a writer or a reader of the WAL is busy). Durability is
 unchanged: a commit is durable once the WAL is fsynced (synchronous=FULL); a checkpoint only
 moves what is already durable.
 """
@@ -102,18 +105,21 @@ class Checkpointer:
                         frame = 24 + conn.execute("PRAGMA page_size").fetchone()[0]
                     quiet = idle and size - mark < self.threshold_bytes
                     logged, done = self.run_once(conn)
-                    if quiet and logged == done:
-                        # all copied, and the database fsynced, without stopping a writer; now the
-                        # WAL starts over here, truncated, rather than in the next commit
-                        # (one TRUNCATE, with nothing left to copy, holds writers off only for
-                        # that; busy, it gives up at once and the next commit starts it over)
+                    if quiet and 0 <= logged == done and self.wal_bytes() == size:
+                        # All copied, and the database fsynced, without holding a writer off, and
+                        # no commit since (it would have grown the file, or started it over and
+                        # cut it to WAL_SIZE_LIMIT): the WAL starts over here, truncated, rather
+                        # than in the next commit. TRUNCATE holds writers off while it runs, which
+                        # with nothing left to copy is the file's truncation; a writer or a
+                        # reader of the WAL busy makes it give up at once (busy timeout 0).
                         logged, done = self.run_once(conn, "TRUNCATE")
                     if quiet:
                         self.idle_runs += 1
                         idle_at = size
-                    # frames a commit was still appending when the checkpoint ran are not
-                    # copied: they count as growth towards the next one, not as done
-                    mark = min(self.wal_bytes(), 32 + done * frame)
+                    if done >= 0:  # -1: another connection's checkpoint was running; nothing known
+                        # frames a commit was still appending when the checkpoint ran are not
+                        # copied: they count as growth towards the next one, not as done
+                        mark = min(self.wal_bytes(), 32 + done * frame)
                     pause = self.poll_s
                 except Exception as exc:  # noqa: BLE001 - logged, retried; the WAL keeps everything
                     self.failures += 1

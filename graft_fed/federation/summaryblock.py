@@ -213,31 +213,30 @@ class SummaryBlock:
 
     @staticmethod
     def header(data: bytes) -> tuple[dict, int]:
-        """(the JSON header, where the arrays start) of an encoded block."""
+        """(the JSON header, where the arrays start) of an encoded block; its fields checked
+        (types, counts not negative, the integer widths), SummaryBlockError if one is wrong."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise SummaryBlockError(f"a stored summary block does not decode (a {type(data).__name__}, not bytes)")
         magic = bytes(data[:4])
         if magic not in (MAGIC, _MAGIC_V1):
             raise SummaryBlockError("a stored summary block does not decode (bad magic)")
         size = int.from_bytes(data[4:8], "little")
         try:
             head = json.loads(bytes(data[8:8 + size]).decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise SummaryBlockError(f"a stored summary block does not decode ({exc})") from None
-        if not isinstance(head, dict):
-            raise SummaryBlockError("a stored summary block does not decode (its header is not an object)")
-        if magic == _MAGIC_V1:
+        if magic == _MAGIC_V1 and isinstance(head, dict):
             head["w"] = [8] * 6
+        problem = _header_problem(head)
+        if problem:
+            raise SummaryBlockError(f"a stored summary block does not decode ({problem})")
         return head, 8 + size
 
     @staticmethod
     def _layout(head: dict) -> list[tuple[int, np.dtype]]:
-        """(element count, stored dtype) of each column, in order."""
-        count, nl, nm = len(head["prompt_ids"]), int(head["nl"]), int(head["nm"])
-        widths = head["w"]
-        if not isinstance(widths, list) or len(widths) != 6 or any(
-                type(w) is not int or w not in _INT_DTYPES for w in widths):
-            raise ValueError(f"integer widths {widths!r}: six of 1, 2, 4 or 8")
-        it = iter(widths)
-        sizes = [count] * 7 + [nl, nm]
+        """(element count, stored dtype) of each column, in order, for a checked header."""
+        it = iter(head["w"])
+        sizes = [len(head["prompt_ids"])] * 7 + [head["nl"], head["nm"]]
         return [(size, _INT_DTYPES[next(it)] if integer else _F8) for size, (_, integer) in zip(sizes, _COLUMNS)]
 
     @classmethod
@@ -255,9 +254,14 @@ class SummaryBlock:
                 arrays.append(a if dtype in (_I8, _F8) else a.astype(np.int64))  # int64 in memory
                 pos += size * dtype.itemsize
             pv, n, k, rm, rs, cl, cm, lengths, logprobs = arrays
-            if int(cl.sum()) != len(lengths) or int(cm.sum()) != len(logprobs):
-                raise ValueError("per-summary counts disagree with the flat arrays")
-            return cls(head["node_id"], int(head["round"]), list(head["prompt_ids"]), pv, n, k, rm, rs, cl, cm,
+            for counts, flat in ((cl, lengths), (cm, logprobs)):
+                # each count in [0, the flat array's size], so that their sum cannot wrap
+                if counts.size and (int(counts.min()) < 0 or int(counts.max()) > flat.size
+                                    or int(counts.sum()) != flat.size):
+                    raise ValueError("per-summary counts disagree with the flat arrays")
+                if not counts.size and flat.size:
+                    raise ValueError("values for no summary")
+            return cls(head["node_id"], head["round"], list(head["prompt_ids"]), pv, n, k, rm, rs, cl, cm,
                        lengths, logprobs)
         except (ValueError, KeyError, TypeError) as exc:
             raise SummaryBlockError(f"a stored summary block does not decode ({exc})") from None
@@ -280,6 +284,30 @@ class SummaryBlock:
         except (ValueError, KeyError, TypeError) as exc:
             raise SummaryBlockError(f"a stored summary block does not decode ({exc})") from None
         return list(head["prompt_ids"]), n.astype(np.int64), k.astype(np.int64)
+
+
+def _header_problem(head: Any) -> str:
+    """What is wrong with a decoded block header ("" when nothing is)."""
+    if not isinstance(head, dict):
+        return "its header is not an object"
+    for key in ("node_id", "round", "prompt_ids", "nl", "nm", "w"):
+        if key not in head:
+            return f"its header has no {key!r}"
+    if not isinstance(head["node_id"], str):
+        return "node_id is not a string"
+    if type(head["round"]) is not int:
+        return "round is not an integer"
+    ids = head["prompt_ids"]
+    if not isinstance(ids, list) or not all(type(p) is str for p in ids):
+        return "prompt_ids is not a list of strings"
+    for key in ("nl", "nm"):
+        if type(head[key]) is not int or head[key] < 0:
+            return f"{key} is not a count"
+    widths = head["w"]
+    if not isinstance(widths, list) or len(widths) != 6 or any(type(w) is not int or w not in _INT_DTYPES
+                                                               for w in widths):
+        return f"integer widths {str(widths)[:60]}: six of 1, 2, 4 or 8"
+    return ""
 
 
 def group_rows(rows: Iterable[SummaryRow]) -> list[list[SummaryRow]]:

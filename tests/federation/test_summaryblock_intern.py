@@ -151,9 +151,39 @@ def test_a_damaged_header_or_body_is_a_clear_error():
     bad_heads.append(b"GFS2" + len(h).to_bytes(4, "little") + h + good[8 + size:])
     h = b"[1, 2]"
     bad_heads.append(b"GFS2" + len(h).to_bytes(4, "little") + h + good[8 + size:])
+    # hostile counts and fields: a negative count must not shift the columns it is summed with
+    bad_heads += [with_head(nl=-8, nm=2), with_head(nl=2**70), with_head(nm="6"), with_head(nl=6.0),
+                  with_head(prompt_ids="abc"), with_head(prompt_ids=["a", 1, "c"]), with_head(round=1.5),
+                  with_head(round="1"), with_head(node_id=None)]
+    h = b'{"nl": Infinity}'
+    bad_heads.append(b"GFS2" + len(h).to_bytes(4, "little") + h + good[8 + size:])
+    h = b"[" * 100_000 + b"]" * 100_000
+    bad_heads.append(b"GFS2" + len(h).to_bytes(4, "little") + h)
     for data in bad_heads + [good[:-1], good + b"\0", b"GFS3" + good[4:], good[:8 + size + 2]]:
         with pytest.raises(SummaryBlockError, match="does not decode"):
             SummaryBlock.from_bytes(data)
     for data in bad_heads + [good[:-1], good + b"\0", good[:8 + size + 2]]:
         with pytest.raises(SummaryBlockError, match="does not decode"):
             SummaryBlock.heads_of(data)
+
+
+def test_per_summary_counts_that_do_not_partition_the_flat_arrays_are_a_clear_error():
+    # counts [3, -1] sum to the 2 lengths there are; [2**62] * 4 would wrap to 0 in int64
+    def block(n_lengths, lengths):
+        return SummaryBlock("n", 0, ["a"] * len(n_lengths), *(np.zeros(len(n_lengths), dtype=np.int64),) * 3,
+                            np.zeros(len(n_lengths)), np.zeros(len(n_lengths)), np.array(n_lengths, dtype=np.int64),
+                            np.zeros(len(n_lengths), dtype=np.int64), np.array(lengths, dtype=np.int64),
+                            np.zeros(0))
+    for n_lengths, lengths in (([3, -1], [5, 6]), ([2**62] * 4, []), ([1, 0], [7, 8]), ([], [1])):
+        with pytest.raises(SummaryBlockError, match="does not decode"):
+            SummaryBlock.from_bytes(block(n_lengths, lengths).to_bytes())
+    ok = block([0, 2], [7, 8])
+    assert SummaryBlock.from_bytes(ok.to_bytes()).n_lengths.tolist() == [0, 2]
+
+
+def test_a_stored_value_that_is_not_bytes_is_a_clear_error():
+    for data in ("GFS2 text", 7, None):
+        with pytest.raises(SummaryBlockError, match="not bytes"):
+            SummaryBlock.from_bytes(data)
+        with pytest.raises(SummaryBlockError, match="not bytes"):
+            SummaryBlock.header(data)
