@@ -240,14 +240,21 @@ class SummaryBlock:
         return [(size, _INT_DTYPES[next(it)] if integer else _F8) for size, (_, integer) in zip(sizes, _COLUMNS)]
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "SummaryBlock":
+    def _body(cls, data: bytes) -> tuple[dict, list[tuple[int, np.dtype]], memoryview]:
+        """(the checked header, the columns' layout, the arrays' bytes) of an encoded block
+        whose arrays take exactly the bytes after the header (ValueError, else)."""
         head, off = cls.header(data)
+        layout = cls._layout(head)
+        body = memoryview(data)[off:]
+        expected = sum(size * dtype.itemsize for size, dtype in layout)
+        if len(body) != expected:
+            raise ValueError(f"{len(body)} bytes of arrays, expected {expected}")
+        return head, layout, body
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "SummaryBlock":
         try:
-            layout = cls._layout(head)
-            body = memoryview(data)[off:]
-            expected = sum(size * dtype.itemsize for size, dtype in layout)
-            if len(body) != expected:
-                raise ValueError(f"{len(body)} bytes of arrays, expected {expected}")
+            head, layout, body = cls._body(data)
             arrays, pos = [], 0
             for size, dtype in layout:
                 a = np.frombuffer(body[pos:pos + size * dtype.itemsize], dtype=dtype)
@@ -263,24 +270,23 @@ class SummaryBlock:
                     raise ValueError("values for no summary")
             return cls(head["node_id"], head["round"], list(head["prompt_ids"]), pv, n, k, rm, rs, cl, cm,
                        lengths, logprobs)
+        except SummaryBlockError:
+            raise
         except (ValueError, KeyError, TypeError) as exc:
             raise SummaryBlockError(f"a stored summary block does not decode ({exc})") from None
 
     @classmethod
     def heads_of(cls, data: bytes) -> tuple[list[str], np.ndarray, np.ndarray]:
         """(prompt ids, n, k) of an encoded block, without decoding the rest."""
-        head, off = cls.header(data)
         try:
-            layout = cls._layout(head)
-            body = memoryview(data)[off:]
-            expected = sum(size * dtype.itemsize for size, dtype in layout)
-            if len(body) != expected:
-                raise ValueError(f"{len(body)} bytes of arrays, expected {expected}")
+            head, layout, body = cls._body(data)
             (c0, t0), (c1, t1), (c2, t2) = layout[:3]
             at = c0 * t0.itemsize
             n = np.frombuffer(body[at:at + c1 * t1.itemsize], dtype=t1)
             at += c1 * t1.itemsize
             k = np.frombuffer(body[at:at + c2 * t2.itemsize], dtype=t2)
+        except SummaryBlockError:
+            raise
         except (ValueError, KeyError, TypeError) as exc:
             raise SummaryBlockError(f"a stored summary block does not decode ({exc})") from None
         return list(head["prompt_ids"]), n.astype(np.int64), k.astype(np.int64)

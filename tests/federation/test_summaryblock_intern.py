@@ -183,7 +183,7 @@ def test_per_summary_counts_that_do_not_partition_the_flat_arrays_are_a_clear_er
 
 def test_a_stored_value_that_is_not_bytes_is_a_clear_error():
     for data in ("GFS2 text", 7, None):
-        with pytest.raises(SummaryBlockError, match="not bytes"):
+        with pytest.raises(SummaryBlockError, match=r"^a stored summary block does not decode \(a \w+, not bytes\)$"):
             SummaryBlock.from_bytes(data)
         with pytest.raises(SummaryBlockError, match="not bytes"):
             SummaryBlock.header(data)
