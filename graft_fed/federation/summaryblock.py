@@ -242,19 +242,20 @@ class SummaryBlock:
     @classmethod
     def _body(cls, data: bytes) -> tuple[dict, list[tuple[int, np.dtype]], memoryview]:
         """(the checked header, the columns' layout, the arrays' bytes) of an encoded block
-        whose arrays take exactly the bytes after the header (ValueError, else)."""
+        whose arrays take exactly the bytes after the header (SummaryBlockError, else)."""
         head, off = cls.header(data)
         layout = cls._layout(head)
         body = memoryview(data)[off:]
         expected = sum(size * dtype.itemsize for size, dtype in layout)
         if len(body) != expected:
-            raise ValueError(f"{len(body)} bytes of arrays, expected {expected}")
+            raise SummaryBlockError(f"a stored summary block does not decode ({len(body)} bytes of arrays, "
+                                    f"expected {expected})")
         return head, layout, body
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "SummaryBlock":
+        head, layout, body = cls._body(data)
         try:
-            head, layout, body = cls._body(data)
             arrays, pos = [], 0
             for size, dtype in layout:
                 a = np.frombuffer(body[pos:pos + size * dtype.itemsize], dtype=dtype)
@@ -263,32 +264,23 @@ class SummaryBlock:
             pv, n, k, rm, rs, cl, cm, lengths, logprobs = arrays
             for counts, flat in ((cl, lengths), (cm, logprobs)):
                 # each count in [0, the flat array's size], so that their sum cannot wrap
-                if counts.size and (int(counts.min()) < 0 or int(counts.max()) > flat.size
-                                    or int(counts.sum()) != flat.size):
+                if (counts.size and (int(counts.min()) < 0 or int(counts.max()) > flat.size)
+                        or int(counts.sum()) != flat.size):
                     raise ValueError("per-summary counts disagree with the flat arrays")
-                if not counts.size and flat.size:
-                    raise ValueError("values for no summary")
             return cls(head["node_id"], head["round"], list(head["prompt_ids"]), pv, n, k, rm, rs, cl, cm,
                        lengths, logprobs)
-        except SummaryBlockError:
-            raise
         except (ValueError, KeyError, TypeError) as exc:
             raise SummaryBlockError(f"a stored summary block does not decode ({exc})") from None
 
     @classmethod
     def heads_of(cls, data: bytes) -> tuple[list[str], np.ndarray, np.ndarray]:
         """(prompt ids, n, k) of an encoded block, without decoding the rest."""
-        try:
-            head, layout, body = cls._body(data)
-            (c0, t0), (c1, t1), (c2, t2) = layout[:3]
-            at = c0 * t0.itemsize
-            n = np.frombuffer(body[at:at + c1 * t1.itemsize], dtype=t1)
-            at += c1 * t1.itemsize
-            k = np.frombuffer(body[at:at + c2 * t2.itemsize], dtype=t2)
-        except SummaryBlockError:
-            raise
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SummaryBlockError(f"a stored summary block does not decode ({exc})") from None
+        head, layout, body = cls._body(data)
+        (c0, t0), (c1, t1), (c2, t2) = layout[:3]
+        at = c0 * t0.itemsize
+        n = np.frombuffer(body[at:at + c1 * t1.itemsize], dtype=t1)
+        at += c1 * t1.itemsize
+        k = np.frombuffer(body[at:at + c2 * t2.itemsize], dtype=t2)
         return list(head["prompt_ids"]), n.astype(np.int64), k.astype(np.int64)
 
 
