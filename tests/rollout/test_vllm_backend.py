@@ -30,7 +30,7 @@ from graft_fed.errors import ConfigError
 from graft_fed.modeling import pack, response_forward
 from graft_fed.rollout import vllm as vb
 from graft_fed.rollout.base import SamplingParams
-from graft_fed.rollout.hf import filter_logits
+from graft_fed.rollout.hf import _cache_kwarg, filter_logits
 from graft_fed.trainer.config import VllmSection
 
 # ----- fakes shaped like vLLM's objects --------------------------------------------------------
@@ -178,31 +178,45 @@ class FakeLLM:
 
     @torch.no_grad()
     def _request(self, i: int, prompt_ids: list[int], sp: FakeSamplingParams) -> FakeRequestOutput:
+        """The request's n samples decode together, one token a step through the model's KV
+        cache (the same prompt, so no padding; a finished sample's row is fed a dummy token
+        and ignored). Draws come from the request's generator in sample order each step."""
         gen = torch.Generator().manual_seed(sp.seed)
-        outputs = []
-        for j in range(sp.n):
-            seq, toks, lps, reason = list(prompt_ids), [], [], "length"
-            for _ in range(sp.max_tokens):
-                logits = self.hf(torch.tensor([seq])).logits[0, -1].float()
-                raw = torch.log_softmax(logits, -1)
-                proc = torch.log_softmax(filter_logits((logits / sp.temperature).unsqueeze(0), max(sp.top_k, 0),
-                                                       sp.top_p)[0], -1)
-                tok = int(torch.multinomial(proc.exp(), 1, generator=gen))
-                if self.eos_on_last_step and len(toks) == sp.max_tokens - 1:
+        n, cache_kw = sp.n, _cache_kwarg(self.hf)
+        step = self.hf(torch.tensor([list(prompt_ids)] * n), use_cache=True)
+        toks: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[dict]] = [[] for _ in range(n)]
+        reasons, live = ["length"] * n, [True] * n
+        while True:
+            logits = step.logits[:, -1].float()
+            raw = torch.log_softmax(logits, -1)
+            proc = torch.log_softmax(filter_logits(logits / sp.temperature, max(sp.top_k, 0), sp.top_p), -1)
+            fed = []
+            for j in range(n):
+                if not live[j]:
+                    fed.append(0)
+                    continue
+                tok = int(torch.multinomial(proc[j].exp(), 1, generator=gen))
+                if self.eos_on_last_step and len(toks[j]) == sp.max_tokens - 1:
                     tok = sp.stop_token_ids[0]
-                lp = float((raw if self.logprobs_mode == "raw_logprobs" else proc)[tok])
-                toks.append(tok)
-                lps.append({tok: FakeLogprob(lp, 1, "?")})
-                seq.append(tok)
-                if self.length_before_stop and len(toks) == sp.max_tokens:
-                    break  # reason stays "length" even when tok is a stop token
-                if tok in sp.stop_token_ids:
-                    reason = "stop"
-                    break
-            outputs.append(FakeCompletionOutput(index=j, text="(vLLM's own text)", token_ids=tuple(toks),
-                                                cumulative_logprob=sum(d[t].logprob for d, t in zip(lps, toks)),
-                                                logprobs=lps, finish_reason=reason,
-                                                stop_reason=toks[-1] if reason == "stop" else None))
+                lp = float((raw if self.logprobs_mode == "raw_logprobs" else proc)[j, tok])
+                toks[j].append(tok)
+                lps[j].append({tok: FakeLogprob(lp, 1, "?")})
+                fed.append(tok)
+                if len(toks[j]) == sp.max_tokens:
+                    live[j] = False  # the cap; the reason is "stop" if that token stops, unless
+                    if tok in sp.stop_token_ids and not self.length_before_stop:  # length_before_stop
+                        reasons[j] = "stop"
+                elif tok in sp.stop_token_ids:
+                    reasons[j], live[j] = "stop", False
+            if not any(live):
+                break
+            step = self.hf(torch.tensor(fed).unsqueeze(1), use_cache=True, **{cache_kw: getattr(step, cache_kw)})
+        outputs = [FakeCompletionOutput(index=j, text="(vLLM's own text)", token_ids=tuple(toks[j]),
+                                        cumulative_logprob=sum(d[t].logprob for d, t in zip(lps[j], toks[j])),
+                                        logprobs=lps[j], finish_reason=reasons[j],
+                                        stop_reason=toks[j][-1] if reasons[j] == "stop" else None)
+                   for j in range(n)]
         # vLLM does not promise the samples of a request in index order
         return FakeRequestOutput(request_id=str(i), prompt_token_ids=list(prompt_ids), outputs=outputs[::-1])
 
