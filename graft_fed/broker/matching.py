@@ -82,23 +82,36 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     # est[s, r]: source_rank's first key (an unexplored pair counts as +inf; NaN never wins a
     # comparison in max(), so it ranks below everything)
     est_all = np.full((n_nodes, n_nodes), math.inf)
-    for (s, r), v in compat.items():
-        if 0 <= s < n_nodes and 0 <= r < n_nodes:
-            est_all[s, r] = -math.inf if math.isnan(v) else v
+    if compat:
+        pairs = np.array(list(compat), dtype=np.int64).reshape(-1, 2)
+        vals = np.fromiter(compat.values(), dtype=np.float64, count=len(compat))
+        inside = ((pairs >= 0) & (pairs < n_nodes)).all(axis=1)
+        est_all[pairs[inside, 0], pairs[inside, 1]] = np.where(np.isnan(vals[inside]), -math.inf, vals[inside])
     uniform = not compat
-    # per (source, prompt): k_S where the source offers an informative group (else -1), and
-    # source_rank's last two keys folded into one integer (higher k_S, then lower index)
-    kk = np.where(inf_src, k, -1).astype(np.int32)
-    kspan = int(kk.max()) + 2
-    base = (kk * n_nodes + (n_nodes - 1 - order)[:, None]).astype(np.int64)
-    # Prompt-major copies: a receiver's failed columns are then whole rows (a gather of rows
-    # is a copy of contiguous memory; one of columns was most of the time at 64 x 4,096).
-    kkT = np.ascontiguousarray(kk.T)  # (P, N)
-    baseT = np.ascontiguousarray(base.T)
+    # Prompt-major (P, N): per (prompt, source), k_S where the source offers an informative
+    # group, else -1. A receiver's failed prompts are then whole rows (a gather of rows is a
+    # copy of contiguous memory; one of columns was most of the time at 64 x 4,096).
+    kkT = np.ascontiguousarray(np.where(inf_src, k, -1).T, dtype=np.int32)
+    kspan = int(kkT.max()) + 2  # k_S + 1 in [0, kspan)
+    # source_rank for receiver r is one integer per (source, k_S): ((compatibility rank) x
+    # kspan + k_S) x N + (N - 1 - source), higher is better, -1 where the pair's threshold
+    # rejects that k_S. So each receiver needs a (N, kspan) table, and a prompt's candidates
+    # are that table gathered at flat[p, s] = s x kspan + k_S + 1: one gather and one arg-max.
+    flat = None
+    ks_of = np.arange(kspan) - 1  # the k_S of each table column
+    tie = (n_nodes - 1 - order)[:, None]  # the lower index wins a tie
+    wide = (n_nodes * kspan + kspan) * n_nodes >= 2**31
+    score_dtype = np.int64 if wide else np.int32
+
+    def table(r: int, rank: np.ndarray | int) -> np.ndarray:
+        score = (rank * kspan + ks_of[None, :]) * n_nodes + tie
+        return np.where(ks_of[None, :] >= t[:, r][:, None], score, -1).astype(score_dtype).ravel()
+
     # Without compatibility estimates the score of a (source, prompt) does not depend on the
-    # receiver: the best-scored source of each prompt wins wherever it passes its pair's
-    # threshold, which it usually does; only the other prompts need the masked arg-max.
-    top = baseT.argmax(axis=1) if uniform else None  # (P,)
+    # receiver: the best-scored source of each prompt (highest k_S, then lowest index: the
+    # first arg-max) wins wherever it passes its pair's threshold, which it usually does;
+    # only the other prompts need the table.
+    top = kkT.argmax(axis=1) if uniform else None  # (P,)
     top_k = kkT[np.arange(kkT.shape[0]), top] if uniform else None
     out = []
     for r in range(n_nodes):
@@ -106,47 +119,47 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
         if not cols.size:
             out.append((cols, cols.copy()))
             continue
-        t_r = t[:, r]
         if uniform:
             src = top[cols]
-            done = top_k[cols] >= t_r[src]
-            if not done.all():
-                rest = cols[~done]
-                ks = kkT[rest]  # (C, N)
-                eligible = ks >= t_r[None, :]
-                src = src.copy()
-                src[~done] = np.where(eligible, baseT[rest], -1).argmax(axis=1)
-                has = np.ones(cols.size, dtype=bool)
-                has[~done] = eligible.any(axis=1)
-                if not has.all():
-                    cols, src = cols[has], src[has]
-        else:
-            ks = kkT[cols]  # (C, N)
-            eligible = ks >= t_r[None, :]  # t >= 1, so a source without an informative group never is
-            has = eligible.any(axis=1)
-            if not has.all():
-                cols, ks, eligible = cols[has], ks[has], eligible[has]
-            if not cols.size:
-                out.append((cols, cols.copy()))
+            done = top_k[cols] >= t[src, r]
+            if done.all():
+                out.append(_capped(cols, src, kkT, cap))
                 continue
+            rest = cols[~done]
+            if flat is None:
+                flat = kkT + 1 + (order * kspan).astype(np.int32)[None, :]
+            cand = table(r, 0)[flat[rest]]  # (C, N)
+            best = cand.argmax(axis=1)
+            src = src.copy()
+            src[~done] = best
+            has = np.ones(cols.size, dtype=bool)
+            has[~done] = cand[np.arange(rest.size), best] >= 0
+        else:
+            if flat is None:
+                flat = kkT + 1 + (order * kspan).astype(np.int32)[None, :]
             # compatibility first (unknown = +inf); equal estimates tie
             est = est_all[:, r]
-            score = baseT[cols] + (np.searchsorted(np.unique(est), est) * (kspan * n_nodes))[None, :]
-            src = np.where(eligible, score, -1).argmax(axis=1)
-        if not cols.size:
-            out.append((cols, cols.copy()))
-            continue
-        if cap is not None:
-            k_chosen = kkT[cols, src]
-            if cap <= 0:
-                keep = np.zeros(cols.size, dtype=bool)
-            elif cols.size > cap:
-                keep = k_chosen >= np.sort(k_chosen)[::-1][cap - 1]  # SelectWithTies on k_S
-            else:
-                keep = np.ones(cols.size, dtype=bool)
-            cols, src = cols[keep], src[keep]
-        out.append((cols, src))
+            cand = table(r, np.searchsorted(np.unique(est), est)[:, None])[flat[cols]]  # (C, N)
+            src = cand.argmax(axis=1)
+            has = cand[np.arange(cols.size), src] >= 0
+        if not has.all():
+            cols, src = cols[has], src[has]
+        out.append(_capped(cols, src, kkT, cap))
     return out
+
+
+def _capped(cols: np.ndarray, src: np.ndarray, kkT: np.ndarray, cap: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """A receiver's choice with at most `cap` groups: SelectWithTies on k_S."""
+    if cap is None or not cols.size:
+        return cols, src
+    k_chosen = kkT[cols, src]
+    if cap <= 0:
+        keep = np.zeros(cols.size, dtype=bool)
+    elif cols.size > cap:
+        keep = k_chosen >= np.sort(k_chosen)[::-1][cap - 1]
+    else:
+        return cols, src
+    return cols[keep], src[keep]
 
 
 def select_sources_fast(kn: Sequence[Mapping[Hashable, tuple[int, int]]], balance: bool,

@@ -27,6 +27,22 @@ from graft_fed.broker.state import MatchRow
 MAGIC = b"GFM1"
 
 
+_ORDER: tuple[tuple[str, ...], np.ndarray] | None = None  # the last prompt-id order computed
+
+
+def _pid_order(pids: Sequence[str]) -> np.ndarray:
+    """The column numbers of `pids` in prompt-id order, remembered for the last list (a
+    synchronous round's columns are the same list round after round)."""
+    global _ORDER
+    key = tuple(pids)
+    memo = _ORDER
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    order = np.array(sorted(range(len(key)), key=key.__getitem__), dtype=np.int64)
+    _ORDER = (key, order)
+    return order
+
+
 class MatchSetError(ValueError):
     """A stored match set that does not decode (a damaged state file)."""
 
@@ -44,31 +60,28 @@ class MatchSet:
         self._pos = {n: i for i, n in enumerate(self.nodes)}
         # receiver i's matches are [start[i], start[i + 1]) (rows are sorted by receiver)
         self._start = np.searchsorted(self.receiver, np.arange(len(self.nodes) + 1)).astype(np.int64)
-        self._by_source: tuple[np.ndarray, np.ndarray] | None = None  # (row order by source, sources in it)
 
     @classmethod
     def from_choice(cls, round: int, nodes: Sequence[str], pids: Sequence[str], k: np.ndarray,
                     chosen: Sequence[tuple[np.ndarray, np.ndarray]]) -> "MatchSet":
         """From broker.matching.select_sources_arrays' result (per receiver index:
         (columns, source indices)) on the (N, P) matrix `k`; rows sorted by (receiver,
-        prompt id)."""
+        prompt id). The choice is laid out as an (N, P) matrix of sources whose columns are
+        then read in prompt-id order (one scatter, one gather, one nonzero: sorting each
+        receiver's columns took 10-13 ms a round at 64 x 4,096)."""
         empty = np.zeros(0, dtype=np.int32)
-        if not chosen:
+        sizes = [len(c) for c, _ in chosen]
+        if not sum(sizes):
             return cls(round, nodes, pids, empty, empty, empty, empty)
-        rank = np.empty(len(pids), dtype=np.int64)  # a column's place in prompt-id order
-        rank[np.argsort(np.asarray(pids, dtype=object), kind="stable")] = np.arange(len(pids))
-        recv, cols, srcs = [], [], []
-        for r, (c, s) in enumerate(chosen):
-            if not len(c):
-                continue
-            order = np.argsort(rank[c], kind="stable")
-            recv.append(np.full(len(c), r, dtype=np.int32))
-            cols.append(np.asarray(c)[order])
-            srcs.append(np.asarray(s)[order])
-        if not recv:
-            return cls(round, nodes, pids, empty, empty, empty, empty)
-        col, src = np.concatenate(cols), np.concatenate(srcs)
-        return cls(round, nodes, pids, np.concatenate(recv), col, src, np.asarray(k)[src, col])
+        by_id = _pid_order(pids)  # the columns in prompt-id order
+        grid = np.full((len(chosen), len(pids)), -1, dtype=np.int32)
+        recv = np.repeat(np.arange(len(chosen), dtype=np.int64), sizes)
+        grid[recv, np.concatenate([np.asarray(c, dtype=np.int64) for c, _ in chosen])] = np.concatenate(
+            [np.asarray(s_, dtype=np.int32) for _, s_ in chosen])
+        grid = grid[:, by_id]
+        rows, at = np.nonzero(grid >= 0)
+        col, src = by_id[at], grid[rows, at]
+        return cls(round, nodes, pids, rows, col, src, np.asarray(k)[src, col])
 
     def __len__(self) -> int:
         return int(self.receiver.size)
@@ -85,17 +98,15 @@ class MatchSet:
         lo, hi = int(self._start[i]), int(self._start[i + 1])
         return self.col[lo:hi], self.source[lo:hi], self.k[lo:hi]
 
-    def for_source(self, node: str) -> np.ndarray:
-        """Row numbers of the matches whose source is `node`."""
-        j = self._pos.get(node)
-        if j is None:
-            return np.zeros(0, dtype=np.int64)
-        if self._by_source is None:
-            order = np.argsort(self.source, kind="stable")
-            self._by_source = (order, self.source[order])
-        order, sorted_sources = self._by_source
-        lo, hi = np.searchsorted(sorted_sources, [j, j + 1])
-        return order[lo:hi]
+    def columns_by_source(self, receivers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For a mask over the nodes, (starts, columns): source j's distinct prompt columns
+        among the matches whose receiver is in the mask are columns[starts[j]:starts[j + 1]],
+        ascending."""
+        width = max(1, len(self.pids))
+        rows = np.asarray(receivers, dtype=bool)[self.receiver]
+        key = np.unique(self.source[rows].astype(np.int64) * width + self.col[rows])
+        starts = np.searchsorted(key, np.arange(len(self.nodes) + 1, dtype=np.int64) * width)
+        return starts, key % width
 
     def rows(self, receiver: str | None = None, source: str | None = None) -> list[MatchRow]:
         """MatchRows (source_round = round), in (receiver, prompt id) order."""

@@ -111,3 +111,38 @@ def test_an_opened_round_starts_empty_and_keeps_a_book_it_has() -> None:
     index.open(7)
     index.open(8)  # keep=2: round 5 evicted, read back when asked for
     assert index.published(5) == {"a"} and loads == [6, 5]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_match_set_rows_are_in_receiver_then_prompt_id_order(seed: int) -> None:
+    """MatchSet.from_choice lays out any choice (columns in any order, receivers with none)
+    as rows sorted by (receiver, prompt id), each with its source's k; prompt lists of the
+    same length but another order do not reuse the previous list's order. And the columns
+    each source is asked to upload for a set of receivers (columns_by_source)."""
+    import numpy as np
+
+    from graft_fed.broker.matchset import MatchSet
+
+    rng = random.Random(seed)
+    n_nodes, n_prompts = rng.choice([1, 3, 9]), rng.choice([1, 7, 60])
+    k = np.array([[rng.randrange(-1, 9) for _ in range(n_prompts)] for _ in range(n_nodes)], dtype=np.int16)
+    for pids in ([f"q{rng.randrange(10**6):06d}-{i}" for i in range(n_prompts)],
+                 [f"p{n_prompts - i:03d}" for i in range(n_prompts)]):
+        chosen = []
+        for _ in range(n_nodes):
+            cols = np.array(rng.sample(range(n_prompts), rng.randrange(n_prompts + 1)), dtype=np.int64)
+            chosen.append((cols, np.array([rng.randrange(n_nodes) for _ in cols], dtype=np.int64)))
+        want = sorted((r, pids[c], s, int(k[s, c])) for r, (cols, srcs) in enumerate(chosen)
+                      for c, s in zip(cols.tolist(), srcs.tolist()))
+        ms = MatchSet.from_choice(4, [f"n{i}" for i in range(n_nodes)], pids, k, chosen)
+        got = [(r, pids[c], s, kk) for r, c, s, kk in zip(ms.receiver.tolist(), ms.col.tolist(), ms.source.tolist(),
+                                                           ms.k.tolist())]
+        assert got == want
+        assert MatchSet.from_bytes(ms.to_bytes()).rows() == ms.rows()
+        # each source's distinct columns among the matches of the receivers in a mask
+        mask = np.array([rng.random() < 0.6 for _ in range(n_nodes)])
+        starts, cols = ms.columns_by_source(mask)
+        for j in range(n_nodes):
+            want_cols = sorted({c for r, c, s in zip(ms.receiver.tolist(), ms.col.tolist(), ms.source.tolist())
+                                if s == j and mask[r]})
+            assert cols[starts[j]:starts[j + 1]].tolist() == want_cols
