@@ -335,7 +335,7 @@ def call_segments(publish_times: list, match_times: list) -> dict:
     per round and node: queued (sent .. grpcio's serving thread took the call), to a worker
     (.. a worker thread entered the handler chain), handler (.. it returned), back (.. the
     node had the answer); for the GetMatches that returned ready, also when the serving
-    thread took it and when the node had it, after the round's last publish was
+    thread took it, when its handler returned and when the node had it, after the round's last publish was
     acknowledged. Each as p50 / p99 / max in seconds over every round's calls."""
     def dist(xs: list[float]) -> dict:
         return {"p50": percentile(xs, 50), "p99": percentile(xs, 99), "max": max(xs, default=float("nan"))}
@@ -345,7 +345,7 @@ def call_segments(publish_times: list, match_times: list) -> dict:
         rows = [t for per in per_round for t in per if t is not None]
         out[kind] = {name: dist([t[b] - t[a] for t in rows]) for name, a, b in SEGMENTS}
         out[kind]["calls"] = len(rows)
-    after = {"picked": [], "received": []}
+    after = {"picked": [], "left": [], "received": []}
     for pubs, matches in zip(publish_times, match_times):
         acked = [t[4] for t in pubs if t is not None]
         if not acked:
@@ -354,6 +354,7 @@ def call_segments(publish_times: list, match_times: list) -> dict:
         for t in matches:
             if t is not None:
                 after["picked"].append(t[1] - last)
+                after["left"].append(t[3] - last)
                 after["received"].append(t[4] - last)
     out["matches"]["after_last_ack"] = {k: dist(v) for k, v in after.items()}
     return out
@@ -363,7 +364,8 @@ def timing_table(cells: list[dict], backends: list[str]) -> list[str]:
     """The markdown of --timing's segments, one row per cell, backend and call."""
     md = ["", "Where the calls' time went (`--timing`; ms, p50 / p99; broker times from its trailing metadata):", "",
           "| nodes | prompts | state | call | queued | to a worker | handler | back | taken after the last ack | "
-          "answered after the last ack |", "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+          "handler returned after the last ack | answered after the last ack |",
+          "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         for b in backends:
             t = c[b].get("timing")
@@ -373,7 +375,7 @@ def timing_table(cells: list[dict], backends: list[str]) -> list[str]:
                 seg = " | ".join(f"{1e3 * t[kind][n]['p50']:.1f} / {1e3 * t[kind][n]['p99']:.1f}" for n, _, _ in SEGMENTS)
                 after = t[kind].get("after_last_ack")
                 tail = (" | ".join(f"{1e3 * after[k]['p50']:.0f} / {1e3 * after[k]['p99']:.0f}"
-                                   for k in ("picked", "received")) if after else "- | -")
+                                   for k in ("picked", "left", "received")) if after else "- | - | -")
                 md.append(f"| {c['nodes']} | {c['prompts']} | {b} | {'PublishSummaries' if kind == 'publish' else 'GetMatches (ready)'} | {seg} | {tail} |")
     return md
 

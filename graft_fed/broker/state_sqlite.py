@@ -66,7 +66,7 @@ from graft_fed.federation.errors import NotFound, StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 PAGE_SIZE = 65536
 
 _SCHEMA = """
@@ -148,7 +148,11 @@ ALTER TABLE bundles ADD COLUMN in_file INTEGER NOT NULL DEFAULT 0;
 # still decodes). No statement: the version says that a graft-fed from before, which cannot
 # read the new blocks, must not open the file (it would take them for damaged ones).
 _MIGRATE_6 = ""
-_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4, 5: _MIGRATE_5, 6: _MIGRATE_6}
+# Schema version 6 -> 7 (issue 13): match sets are written in the narrow encoding (b"GFM2",
+# broker/matchset.py); the sets already held keep theirs (b"GFM1", which still decodes). No
+# statement, for the same reason as 6.
+_MIGRATE_7 = ""
+_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4, 5: _MIGRATE_5, 6: _MIGRATE_6, 7: _MIGRATE_7}
 
 
 def _convert_summaries(conn: sqlite3.Connection) -> None:

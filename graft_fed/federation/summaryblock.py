@@ -45,13 +45,13 @@ from graft_fed.federation.messages import SummaryRow
 MAGIC = b"GFS2"
 _MAGIC_V1 = b"GFS1"  # every integer column int64 (blocks stored before the narrow widths)
 _I8, _F8 = np.dtype("<i8"), np.dtype("<f8")
-_INT_DTYPES = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: _I8}
+INT_DTYPES = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: _I8}
 # the stored columns in order: (attribute, integer?)
 _COLUMNS = (("policy_version", True), ("n", True), ("k", True), ("reward_mean", False), ("reward_std", False),
             ("n_lengths", True), ("n_logprobs", True), ("lengths", True), ("mean_logprobs", False))
 
 
-def _width(a: np.ndarray) -> int:
+def int_width(a: np.ndarray) -> int:
     """The narrowest signed width (bytes) that holds every value of an int64 column."""
     if not a.size:
         return 1
@@ -199,9 +199,9 @@ class SummaryBlock:
             a = getattr(self, name)
             if integer:
                 a = np.asarray(a, dtype=np.int64)
-                w = _width(a)
+                w = int_width(a)
                 widths.append(w)
-                cols.append(np.ascontiguousarray(a, dtype=_INT_DTYPES[w]).data)
+                cols.append(np.ascontiguousarray(a, dtype=INT_DTYPES[w]).data)
             else:  # already of the stored type: in as it is (no copy; a view of the buffer)
                 cols.append(np.ascontiguousarray(a, dtype=_F8).data)
         # what json.dumps({"node_id", "round", "prompt_ids", "nl", "nm", "w"}) writes, with
@@ -237,7 +237,7 @@ class SummaryBlock:
         """(element count, stored dtype) of each column, in order, for a checked header."""
         it = iter(head["w"])
         sizes = [len(head["prompt_ids"])] * 7 + [head["nl"], head["nm"]]
-        return [(size, _INT_DTYPES[next(it)] if integer else _F8) for size, (_, integer) in zip(sizes, _COLUMNS)]
+        return [(size, INT_DTYPES[next(it)] if integer else _F8) for size, (_, integer) in zip(sizes, _COLUMNS)]
 
     @classmethod
     def _body(cls, data: bytes) -> tuple[dict, list[tuple[int, np.dtype]], memoryview]:
@@ -302,7 +302,7 @@ def _header_problem(head: Any) -> str:
         if type(head[key]) is not int or head[key] < 0:
             return f"{key} is not a count"
     widths = head["w"]
-    if not isinstance(widths, list) or len(widths) != 6 or any(type(w) is not int or w not in _INT_DTYPES
+    if not isinstance(widths, list) or len(widths) != 6 or any(type(w) is not int or w not in INT_DTYPES
                                                                for w in widths):
         return f"integer widths {str(widths)[:60]}: six of 1, 2, 4 or 8"
     return ""

@@ -146,3 +146,77 @@ def test_match_set_rows_are_in_receiver_then_prompt_id_order(seed: int) -> None:
             want_cols = sorted({c for r, c, s in zip(ms.receiver.tolist(), ms.col.tolist(), ms.source.tolist())
                                 if s == j and mask[r]})
             assert cols[starts[j]:starts[j + 1]].tolist() == want_cols
+
+
+def _gfm1(ms) -> bytes:
+    """A match set in the encoding stored before the narrow widths (b"GFM1": all int32)."""
+    import json
+
+    head = json.dumps({"round": ms.round, "nodes": ms.nodes, "pids": ms.pids, "count": len(ms)}).encode()
+    return b"".join([b"GFM1", len(head).to_bytes(4, "little"), head] +
+                    [a.astype("<i4").tobytes() for a in (ms.receiver, ms.col, ms.source, ms.k)])
+
+
+def _some_match_set(n_nodes: int = 300, n_prompts: int = 40000):
+    import numpy as np
+
+    from graft_fed.broker.matchset import MatchSet
+
+    rng = np.random.default_rng(3)
+    k = rng.integers(-1, 9, size=(n_nodes, n_prompts)).astype(np.int16)
+    chosen = [(np.array([0, n_prompts - 1, r % n_prompts]), np.array([n_nodes - 1, 0, (r + 1) % n_nodes]))
+              for r in range(n_nodes)]
+    return MatchSet.from_choice(9, [f"n{i}" for i in range(n_nodes)], [f"p{i}" for i in range(n_prompts)], k, chosen)
+
+
+def test_match_sets_are_stored_narrow_and_old_ones_still_decode() -> None:
+    """GFM2 keeps each array in the narrowest width that holds it (here 2 bytes for the
+    nodes and 300 nodes' receivers, 4 for 40,000 columns, 1 for k) and reads back exactly;
+    a set stored before (GFM1, all int32) decodes to the same."""
+    from graft_fed.broker.matchset import MatchSet
+
+    ms = _some_match_set()
+    data = ms.to_bytes()
+    old = _gfm1(ms)
+    body = len(data) - 8 - int.from_bytes(data[4:8], "little")
+    assert data[:4] == b"GFM2" and body == len(ms) * (2 + 4 + 2 + 1)
+    assert len(old) - 8 - int.from_bytes(old[4:8], "little") == len(ms) * 16
+    for blob in (data, _gfm1(ms)):
+        back = MatchSet.from_bytes(blob)
+        assert back.rows() == ms.rows() and back.k.tolist() == ms.k.tolist()
+
+
+@pytest.mark.parametrize("mangle, why", [
+    (lambda h, b: ({**h, "w": [4, 4, 4]}, b), "widths"),
+    (lambda h, b: ({**h, "w": [3, 4, 4, 4]}, b), "widths"),
+    (lambda h, b: ({**h, "w": "1111"}, b), "widths"),
+    (lambda h, b: ({**h, "count": -1}, b), "matches"),
+    (lambda h, b: ({**h, "count": h["count"] + 1}, b), "bytes of arrays"),
+    (lambda h, b: ({**h, "nodes": "n0"}, b), "lists"),
+    (lambda h, b: ({**h, "nodes": h["nodes"][:2]}, b), "does not hold"),
+    (lambda h, b: ({**h, "w": [8, 8, 8, 8]}, None), "does not hold"),
+    (lambda h, b: ({k: v for k, v in h.items() if k != "w"}, b), "'w'"),
+    (lambda h, b: ({**h, "count": float("inf")}, b), "does not decode"),
+])
+def test_a_damaged_match_set_is_a_match_set_error(mangle, why) -> None:
+    """Every way a stored header can disagree with its arrays is MatchSetError (never values
+    read from the wrong bytes, nor another exception): widths, counts, lists, references
+    to nodes or prompts outside the set (an 8-byte column past int32)."""
+    import json
+
+    import numpy as np
+
+    from graft_fed.broker.matchset import MatchSet, MatchSetError
+
+    ms = _some_match_set(4, 6)
+    data = ms.to_bytes()
+    size = int.from_bytes(data[4:8], "little")
+    head, body = json.loads(data[8:8 + size]), data[8 + size:]
+    head, body = mangle(head, body)
+    if body is None:  # 8-byte columns, the first column number past int32
+        col = ms.col.astype(np.int64)
+        col[0] += 2**32
+        body = b"".join(a.astype("<i8").tobytes() for a in (ms.receiver, col, ms.source, ms.k))
+    raw = json.dumps(head).encode()
+    with pytest.raises(MatchSetError, match=why):
+        MatchSet.from_bytes(b"GFM2" + len(raw).to_bytes(4, "little") + raw + body)

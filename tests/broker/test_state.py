@@ -29,6 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from graft_fed.broker import bundlefiles
 from graft_fed.broker.bundlefiles import file_name
 from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
+from graft_fed.broker.matchset import MatchSet
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
@@ -686,9 +687,54 @@ def test_sqlite_refuses_a_newer_schema(tmp_path):
         SqliteState(path)
 
 
+def _as_version_6(c):
+    """Turn a state file (open on connection `c`) back into schema version 6: every match set
+    in the encoding it had then (b"GFM1": every array int32)."""
+    for round_, data in c.execute("SELECT round, data FROM match_sets").fetchall():
+        if bytes(data[:4]) == b"GFM2":
+            ms = MatchSet.from_bytes(data)
+            head = json.dumps({"round": ms.round, "nodes": ms.nodes, "pids": ms.pids, "count": len(ms)}).encode()
+            old = b"".join([b"GFM1", len(head).to_bytes(4, "little"), head] +
+                           [a.astype("<i4").tobytes() for a in (ms.receiver, ms.col, ms.source, ms.k)])
+            c.execute("UPDATE match_sets SET data = ? WHERE round = ?", (old, round_))
+    c.execute("UPDATE meta SET value = '6' WHERE key = 'schema_version'")
+
+
+def _a_match_set(round_: int) -> MatchSet:
+    k = np.array([[0, 3, 5], [2, 0, 0], [6, 1, 0]], dtype=np.int16)
+    return MatchSet.from_choice(round_, ["a", "b", "c"], ["p2", "p0", "p1"], k,
+                                [(np.array([0]), np.array([2])), (np.array([1, 2]), np.array([0, 0])),
+                                 (np.array([2]), np.array([0]))])
+
+
+def test_sqlite_migrates_a_version_6_file_its_old_match_sets_read_as_before(tmp_path):
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    _populate(s)
+    s.put_match_set(4, _a_match_set(4).to_bytes())
+    before = _observe(s)
+    rows = MatchSet.from_bytes(s.match_set(4)).rows()
+    with sqlite3.connect(path) as c:
+        _as_version_6(c)
+        assert bytes(c.execute("SELECT data FROM match_sets WHERE round = 4").fetchone()[0][:4]) == b"GFM1"
+        s.close()
+    c.close()
+    s = SqliteState(path)
+    try:
+        assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        assert _observe(s) == before and MatchSet.from_bytes(s.match_set(4)).rows() == rows
+        assert s.match_set(4)[:4] == b"GFM1"  # kept as it was
+        s.put_match_set(5, _a_match_set(5).to_bytes())
+        assert s.match_set(5)[:4] == b"GFM2" and MatchSet.from_bytes(s.match_set(5)).rows()[0].round == 5
+    finally:
+        s.close()
+
+
 def _as_version_5(c):
     """Turn a state file (open on connection `c`) back into schema version 5: every summary
-    block in the encoding it had then (b"GFS1": every integer column int64)."""
+    block in the encoding it had then (b"GFS1": every integer column int64), every match set
+    in b"GFM1"."""
+    _as_version_6(c)
     for rowid, data in c.execute("SELECT rowid, data FROM summary_blocks").fetchall():
         b = SummaryBlock.from_bytes(data)
         head = json.dumps({"node_id": b.node_id, "round": b.round, "prompt_ids": b.prompt_ids,
