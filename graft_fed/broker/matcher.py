@@ -13,7 +13,7 @@ from typing import Sequence
 
 from graft_fed.broker.context import Context, Part
 from graft_fed.broker.matching import select_sources_arrays
-from graft_fed.broker.matchset import MatchSet
+from graft_fed.broker.matchset import MatchSet, pid_order
 from graft_fed.broker.state import MatchRow
 from graft_fed.core.exchange import SourceGroup, classify, select_for_receiver
 
@@ -62,6 +62,11 @@ class Matcher(Part):
         exactly the paper's balanced rule): core.exchange.select_sources, computed on the
         round index's arrays (broker/matching.py; the same choices)."""
         participants, pids, k = self.index.kn(round)
+        # the columns in prompt-id order first: the match set's rows (receiver, prompt id)
+        # are then in order as the selection makes them (sorting each receiver's afterwards
+        # took 10-13 ms a round at 64 x 4,096, issue 13); the choice does not depend on it
+        by_id = pid_order(pids)
+        pids, k = [pids[i] for i in by_id.tolist()], k[:, by_id]
         chosen = select_sources_arrays(k, self.cfg.n, self.cfg.balance == "pairwise",
                                        self._compat_index(participants), self.can_source(participants),
                                        cap=self.cfg.per_receiver_cap if self.cfg.balance == "per_receiver_cap"

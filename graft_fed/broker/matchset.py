@@ -20,7 +20,8 @@ both state backends and the handlers use it.
 from __future__ import annotations
 
 import json
-from collections import Counter
+import threading
+from collections import Counter, OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -32,20 +33,31 @@ MAGIC = b"GFM2"
 _MAGIC_V1 = b"GFM1"  # every array int32 (sets stored before the narrow widths)
 
 
-_ORDER: tuple[tuple[str, ...], np.ndarray] | None = None  # the last prompt-id order computed
+_ORDERS: "OrderedDict[tuple[str, ...], np.ndarray]" = OrderedDict()  # the last few prompt-id orders
+_ORDERS_LOCK = threading.Lock()
 
 
-def _pid_order(pids: Sequence[str]) -> np.ndarray:
-    """The column numbers of `pids` in prompt-id order, remembered for the last list (a
-    synchronous round's columns are the same list round after round)."""
-    global _ORDER
+def pid_order(pids: Sequence[str]) -> np.ndarray:
+    """The column numbers of `pids` in prompt-id order, remembered for the last few lists (a
+    synchronous round's columns are the same list round after round). Read-only."""
     key = tuple(pids)
-    memo = _ORDER
-    if memo is not None and memo[0] == key:
-        return memo[1]
+    with _ORDERS_LOCK:
+        order = _ORDERS.get(key)
+        if order is not None:
+            _ORDERS.move_to_end(key)
+            return order
     order = np.array(sorted(range(len(key)), key=key.__getitem__), dtype=np.int64)
-    _ORDER = (key, order)
+    order.flags.writeable = False
+    with _ORDERS_LOCK:
+        _ORDERS[key] = order
+        while len(_ORDERS) > 4:
+            _ORDERS.popitem(last=False)
     return order
+
+
+def _in_id_order(pids: Sequence[str]) -> bool:
+    ids = list(pids)
+    return all(map(str.__lt__, ids, ids[1:]))
 
 
 class MatchSetError(ValueError):
@@ -71,14 +83,22 @@ class MatchSet:
                     chosen: Sequence[tuple[np.ndarray, np.ndarray]]) -> "MatchSet":
         """From broker.matching.select_sources_arrays' result (per receiver index:
         (columns, source indices)) on the (N, P) matrix `k`; rows sorted by (receiver,
-        prompt id). The choice is laid out as an (N, P) matrix of sources whose columns are
-        then read in prompt-id order (one scatter, one gather, one nonzero: sorting each
-        receiver's columns took 10-13 ms a round at 64 x 4,096)."""
+        prompt id). Columns that are in prompt-id order already (the matcher's) are taken as
+        they come; otherwise the choice is laid out as an (N, P) matrix of sources whose
+        columns are then read in prompt-id order (one scatter, one gather, one nonzero:
+        sorting each receiver's columns took 10-13 ms a round at 64 x 4,096)."""
         empty = np.zeros(0, dtype=np.int32)
         sizes = [len(c) for c, _ in chosen]
         if not sum(sizes):
             return cls(round, nodes, pids, empty, empty, empty, empty)
-        by_id = _pid_order(pids)  # the columns in prompt-id order
+        if all(len(c) < 2 or bool((np.diff(c) > 0).all()) for c, _ in chosen) and _in_id_order(pids):
+            # columns already in prompt-id order (the matcher sorts a round's columns before
+            # it selects), each receiver's ascending: the rows are in order as they come
+            rows = np.repeat(np.arange(len(chosen), dtype=np.int32), sizes)
+            col = np.concatenate([np.asarray(c, dtype=np.int64) for c, _ in chosen])
+            src = np.concatenate([np.asarray(s_, dtype=np.int64) for _, s_ in chosen])
+            return cls(round, nodes, pids, rows, col, src, np.asarray(k)[src, col])
+        by_id = pid_order(pids)  # the columns in prompt-id order
         grid = np.full((len(chosen), len(pids)), -1, dtype=np.int32)
         recv = np.repeat(np.arange(len(chosen), dtype=np.int64), sizes)
         grid[recv, np.concatenate([np.asarray(c, dtype=np.int64) for c, _ in chosen])] = np.concatenate(

@@ -126,11 +126,14 @@ def test_match_set_rows_are_in_receiver_then_prompt_id_order(seed: int) -> None:
     rng = random.Random(seed)
     n_nodes, n_prompts = rng.choice([1, 3, 9]), rng.choice([1, 7, 60])
     k = np.array([[rng.randrange(-1, 9) for _ in range(n_prompts)] for _ in range(n_nodes)], dtype=np.int16)
-    for pids in ([f"q{rng.randrange(10**6):06d}-{i}" for i in range(n_prompts)],
-                 [f"p{n_prompts - i:03d}" for i in range(n_prompts)]):
+    for pids, ascending in (([f"q{rng.randrange(10**6):06d}-{i}" for i in range(n_prompts)], False),
+                            ([f"p{n_prompts - i:03d}" for i in range(n_prompts)], False),
+                            ([f"p{i:03d}" for i in range(n_prompts)], False),  # in id order, columns shuffled
+                            ([f"p{i:03d}" for i in range(n_prompts)], True)):  # as the matcher passes them
         chosen = []
         for _ in range(n_nodes):
-            cols = np.array(rng.sample(range(n_prompts), rng.randrange(n_prompts + 1)), dtype=np.int64)
+            cols = rng.sample(range(n_prompts), rng.randrange(n_prompts + 1))
+            cols = np.array(sorted(cols) if ascending else cols, dtype=np.int64)
             chosen.append((cols, np.array([rng.randrange(n_nodes) for _ in cols], dtype=np.int64)))
         want = sorted((r, pids[c], s, int(k[s, c])) for r, (cols, srcs) in enumerate(chosen)
                       for c, s in zip(cols.tolist(), srcs.tolist()))

@@ -34,7 +34,8 @@ def test_segments_and_times_after_the_last_ack():
     assert math.isclose(t["matches"]["back"]["p99"], 0.1)
     after = t["matches"]["after_last_ack"]
     assert math.isclose(after["picked"]["p50"], 0.2) and math.isclose(after["received"]["max"], 0.5)
+    assert math.isclose(after["left"]["p50"], 0.4)
     cell = {"nodes": 2, "prompts": 8, "sqlite": {"timing": t}}
     table = "\n".join(bench.timing_table([cell], ["sqlite"]))
     assert "| 2 | 8 | sqlite | GetMatches (ready) | 600.0 / 600.0 |" in table
-    assert "| 200 / 200 | 500 / 500 |" in table
+    assert "| 200 / 200 | 400 / 400 | 500 / 500 |" in table
