@@ -343,8 +343,9 @@ class Answers(Part):
 
     def _waiting_receivers(self) -> tuple[dict[int, set[str]], dict[int, tuple[MatchSet, np.ndarray, np.ndarray]]]:
         """Online nodes by the round they are at, and a cache per round of its match set's
-        columns by source among those receivers (MatchSet.columns_by_source): recomputed when the registry changed (a node joined, left or moved to
-        another round) and at most every quarter second for liveness alone."""
+        columns by source among those receivers (MatchSet.columns_by_source): recomputed
+        when the registry changed (a node joined, left or moved to another round) and at most
+        every quarter second for liveness alone."""
         now, version = time.monotonic(), self.registry.version
         cached = self._waiting
         if cached is not None and cached[1] == version and now - cached[0] < 0.25:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from graft_fed.broker.context import Context, Part
 from graft_fed.broker.matching import select_sources_arrays
-from graft_fed.broker.matchset import MatchSet, pid_order
+from graft_fed.broker.matchset import MatchSet, MatchSetError, pid_order
 from graft_fed.broker.state import MatchRow
 from graft_fed.core.exchange import SourceGroup, classify, select_for_receiver
 
@@ -130,6 +130,8 @@ class Matcher(Part):
         if data is None:
             return None
         ms = MatchSet.from_bytes(data)
+        if ms.round != round:  # never cached under another round's number
+            raise MatchSetError(f"the match set stored for round {round} says it is round {ms.round}'s")
         self._remember_set(ms)
         return ms
 

@@ -24,6 +24,8 @@ import numpy as np
 
 MISSING = -1  # k of a prompt the node did not publish
 
+INT32_SCORES_BELOW = 2**31  # scores (and flat table indices) from this on are computed in int64
+
 
 def kn_arrays(kn: Sequence[Mapping[Hashable, tuple[int, int]]]) -> tuple[list[Hashable], np.ndarray, np.ndarray]:
     """(prompt ids, k, n) from select_sources' input: k and n are (N, P) int arrays, k
@@ -100,7 +102,7 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     flat = None
     ks_of = np.arange(kspan) - 1  # the k_S of each table column
     tie = (n_nodes - 1 - order)[:, None]  # the lower index wins a tie
-    wide = (n_nodes * kspan + kspan) * n_nodes >= 2**31
+    wide = (n_nodes * kspan + kspan) * n_nodes >= INT32_SCORES_BELOW
     score_dtype = np.int64 if wide else np.int32
 
     def table(r: int, rank: np.ndarray | int) -> np.ndarray:

@@ -55,6 +55,14 @@ def pid_order(pids: Sequence[str]) -> np.ndarray:
     return order
 
 
+def _id_rank(pids: Sequence[str]) -> np.ndarray:
+    """Each column's place in prompt-id order."""
+    order = pid_order(pids)
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return rank
+
+
 def _in_id_order(pids: Sequence[str]) -> bool:
     ids = list(pids)
     return all(map(str.__lt__, ids, ids[1:]))
@@ -84,9 +92,8 @@ class MatchSet:
         """From broker.matching.select_sources_arrays' result (per receiver index:
         (columns, source indices)) on the (N, P) matrix `k`; rows sorted by (receiver,
         prompt id). Columns that are in prompt-id order already (the matcher's) are taken as
-        they come; otherwise the choice is laid out as an (N, P) matrix of sources whose
-        columns are then read in prompt-id order (one scatter, one gather, one nonzero:
-        sorting each receiver's columns took 10-13 ms a round at 64 x 4,096)."""
+        they come; otherwise the rows are sorted once by (receiver, a column's place in
+        prompt-id order). A receiver given one prompt twice is a ValueError."""
         empty = np.zeros(0, dtype=np.int32)
         sizes = [len(c) for c, _ in chosen]
         if not sum(sizes):
@@ -98,15 +105,15 @@ class MatchSet:
             col = np.concatenate([np.asarray(c, dtype=np.int64) for c, _ in chosen])
             src = np.concatenate([np.asarray(s_, dtype=np.int64) for _, s_ in chosen])
             return cls(round, nodes, pids, rows, col, src, np.asarray(k)[src, col])
-        by_id = pid_order(pids)  # the columns in prompt-id order
-        grid = np.full((len(chosen), len(pids)), -1, dtype=np.int32)
         recv = np.repeat(np.arange(len(chosen), dtype=np.int64), sizes)
-        grid[recv, np.concatenate([np.asarray(c, dtype=np.int64) for c, _ in chosen])] = np.concatenate(
-            [np.asarray(s_, dtype=np.int32) for _, s_ in chosen])
-        grid = grid[:, by_id]
-        rows, at = np.nonzero(grid >= 0)
-        col, src = by_id[at], grid[rows, at]
-        return cls(round, nodes, pids, rows, col, src, np.asarray(k)[src, col])
+        col = np.concatenate([np.asarray(c, dtype=np.int64) for c, _ in chosen])
+        src = np.concatenate([np.asarray(s_, dtype=np.int64) for _, s_ in chosen])
+        key = recv * max(1, len(pids)) + _id_rank(pids)[col]
+        order = np.argsort(key, kind="stable")
+        if bool((np.diff(key[order]) == 0).any()):
+            raise ValueError("a receiver's prompt was chosen twice")
+        col, src = col[order], src[order]
+        return cls(round, nodes, pids, recv[order], col, src, np.asarray(k)[src, col])
 
     def __len__(self) -> int:
         return int(self.receiver.size)
@@ -172,32 +179,39 @@ class MatchSet:
                 raise ValueError("bad magic")
             size = int.from_bytes(data[4:8], "little")
             head = json.loads(data[8:8 + size].decode("utf-8"))
-            count = int(head["count"])
+            if not isinstance(head, dict):
+                raise ValueError("its header is not an object")
+            count, round_ = head["count"], head["round"]
+            if type(count) is not int or count < 0 or type(round_) is not int:
+                raise ValueError(f"count {count!r} and round {round_!r} must be integers, count >= 0")
             widths = head["w"] if data[:4] == MAGIC else [4, 4, 4, 4]
             if (not isinstance(widths, list) or len(widths) != 4
                     or any(type(w) is not int or w not in INT_DTYPES for w in widths)):
                 raise ValueError(f"widths {widths!r} are not four of 1, 2, 4, 8")
-            if count < 0:
-                raise ValueError(f"{count} matches")
             body = memoryview(data)[8 + size:]
             if len(body) != sum(widths) * count:
                 raise ValueError(f"{len(body)} bytes of arrays for {count} matches")
+            nodes, pids = head["nodes"], head["pids"]
+            for name, ids in (("node", nodes), ("prompt", pids)):
+                if not isinstance(ids, list) or not all(type(x) is str for x in ids):
+                    raise ValueError(f"its {name} ids are not a list of strings")
+                if len(set(ids)) != len(ids):
+                    raise ValueError(f"its {name} ids repeat")
             arrays, at = [], 0
             for w in widths:
                 arrays.append(np.frombuffer(body[at:at + w * count], dtype=INT_DTYPES[w]).astype(np.int64))
                 at += w * count
-            nodes, pids = head["nodes"], head["pids"]
-            if not isinstance(nodes, list) or not isinstance(pids, list):
-                raise ValueError("nodes and prompt ids must be lists")
             receiver, col, source, k = arrays
             for a, hi in ((receiver, len(nodes)), (col, len(pids)), (source, len(nodes))):
                 if a.size and (int(a.min()) < 0 or int(a.max()) >= hi):
                     raise ValueError("it refers to nodes or prompts it does not hold")
             if k.size and (int(k.min()) < -2**31 or int(k.max()) >= 2**31):
                 raise ValueError("a k outside int32")
-            if receiver.size > 1 and bool((receiver[1:] < receiver[:-1]).any()):
-                raise ValueError("its matches are not in receiver order")
-            out = cls(head["round"], nodes, pids, *arrays)
+            if count > 1:
+                key = receiver * len(pids) + _id_rank(pids)[col]
+                if bool((key[1:] <= key[:-1]).any()):
+                    raise ValueError("its matches are not in (receiver, prompt id) order, each once")
+            out = cls(round_, nodes, pids, *arrays)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError, RecursionError) as exc:
             raise MatchSetError(f"a stored match set does not decode ({exc})") from None
         return out

@@ -48,6 +48,21 @@ def test_fast_path_equals_select_sources(seed: int) -> None:
             assert got == want, (seed, balance, cap)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_scores_in_int64_choose_the_same(seed: int, monkeypatch) -> None:
+    """A federation whose scores would pass int32 (tens of thousands of nodes) scores in
+    int64: forced here for small rounds, the choices are still select_sources'."""
+    from graft_fed.broker import matching
+
+    monkeypatch.setattr(matching, "INT32_SCORES_BELOW", 0)
+    rng = random.Random(100 + seed)
+    n_nodes = rng.choice([2, 3, 7])
+    kn = _round(rng, n_nodes, rng.choice([5, 40]), 8, partial=seed % 3 == 0)
+    compat = _compat(rng, n_nodes) if seed % 2 else {}
+    for cap in (None, 1):
+        assert select_sources_fast(kn, True, compat, cap=cap) == select_sources(kn, True, compat, cap=cap)
+
+
 def test_empty_and_unshared() -> None:
     assert select_sources_fast([], True, {}) == select_sources([], True, {}) == []
     kn = [{"a": (0, 4)}, {"a": (2, 4)}]
@@ -151,7 +166,21 @@ def test_match_set_rows_are_in_receiver_then_prompt_id_order(seed: int) -> None:
             assert cols[starts[j]:starts[j + 1]].tolist() == want_cols
 
 
-def _gfm1(ms) -> bytes:
+def test_a_choice_that_gives_a_receiver_one_prompt_twice_is_refused() -> None:
+    """from_choice keeps each (receiver, prompt) once or says the choice was wrong (the matcher
+    never makes one: each receiver's columns are its failed prompts, once each)."""
+    import numpy as np
+
+    from graft_fed.broker.matchset import MatchSet
+
+    k = np.zeros((2, 3), dtype=np.int16)
+    for pids in (["p0", "p1", "p2"], ["p2", "p1", "p0"]):
+        with pytest.raises(ValueError, match="chosen twice"):
+            MatchSet.from_choice(0, ["a", "b"], pids, k, [(np.array([1, 0, 1]), np.array([1, 1, 1])),
+                                                           (np.array([], dtype=np.int64),) * 2])
+
+
+def gfm1_bytes(ms) -> bytes:
     """A match set in the encoding stored before the narrow widths (b"GFM1": all int32)."""
     import json
 
@@ -167,7 +196,7 @@ def _some_match_set(n_nodes: int = 300, n_prompts: int = 40000):
 
     rng = np.random.default_rng(3)
     k = rng.integers(-1, 9, size=(n_nodes, n_prompts)).astype(np.int16)
-    chosen = [(np.array([0, n_prompts - 1, r % n_prompts]), np.array([n_nodes - 1, 0, (r + 1) % n_nodes]))
+    chosen = [(np.array([0, n_prompts - 1, 1 + r % (n_prompts - 2)]), np.array([n_nodes - 1, 0, (r + 1) % n_nodes]))
               for r in range(n_nodes)]
     return MatchSet.from_choice(9, [f"n{i}" for i in range(n_nodes)], [f"p{i}" for i in range(n_prompts)], k, chosen)
 
@@ -180,11 +209,11 @@ def test_match_sets_are_stored_narrow_and_old_ones_still_decode() -> None:
 
     ms = _some_match_set()
     data = ms.to_bytes()
-    old = _gfm1(ms)
+    old = gfm1_bytes(ms)
     body = len(data) - 8 - int.from_bytes(data[4:8], "little")
     assert data[:4] == b"GFM2" and body == len(ms) * (2 + 4 + 2 + 1)
     assert len(old) - 8 - int.from_bytes(old[4:8], "little") == len(ms) * 16
-    for blob in (data, _gfm1(ms)):
+    for blob in (data, gfm1_bytes(ms)):
         back = MatchSet.from_bytes(blob)
         assert back.rows() == ms.rows() and back.k.tolist() == ms.k.tolist()
 
@@ -193,18 +222,28 @@ def test_match_sets_are_stored_narrow_and_old_ones_still_decode() -> None:
     (lambda h, b: ({**h, "w": [4, 4, 4]}, b), "widths"),
     (lambda h, b: ({**h, "w": [3, 4, 4, 4]}, b), "widths"),
     (lambda h, b: ({**h, "w": "1111"}, b), "widths"),
-    (lambda h, b: ({**h, "count": -1}, b), "matches"),
+    (lambda h, b: ({**h, "count": -1}, b), "count -1"),
     (lambda h, b: ({**h, "count": h["count"] + 1}, b), "bytes of arrays"),
-    (lambda h, b: ({**h, "nodes": "n0"}, b), "lists"),
+    (lambda h, b: ({**h, "count": float("inf")}, b), "count inf"),
+    (lambda h, b: ({**h, "count": str(h["count"])}, b), "must be integers"),
+    (lambda h, b: ({**h, "round": 9.5}, b), "round 9.5"),
+    (lambda h, b: ([h], b), "not an object"),
+    (lambda h, b: ({**h, "nodes": "n0"}, b), "node ids are not a list"),
+    (lambda h, b: ({**h, "nodes": [0, 1, 2, 3]}, b), "node ids are not a list of strings"),
+    (lambda h, b: ({**h, "nodes": ["n0", "n0", "n2", "n3"]}, b), "node ids repeat"),
+    (lambda h, b: ({**h, "pids": ["p0"] * len(h["pids"])}, b), "prompt ids repeat"),
     (lambda h, b: ({**h, "nodes": h["nodes"][:2]}, b), "does not hold"),
-    (lambda h, b: ({**h, "w": [8, 8, 8, 8]}, None), "does not hold"),
+    (lambda h, b: ({**h, "w": [8, 8, 8, 8]}, "col"), "does not hold"),
+    (lambda h, b: ({**h, "w": [8, 8, 8, 8]}, "k"), "a k outside int32"),
+    (lambda h, b: (h, "reversed"), r"not in \(receiver, prompt id\) order"),
+    (lambda h, b: (h, "twice"), r"not in \(receiver, prompt id\) order"),
     (lambda h, b: ({k: v for k, v in h.items() if k != "w"}, b), "'w'"),
-    (lambda h, b: ({**h, "count": float("inf")}, b), "does not decode"),
 ])
 def test_a_damaged_match_set_is_a_match_set_error(mangle, why) -> None:
-    """Every way a stored header can disagree with its arrays is MatchSetError (never values
-    read from the wrong bytes, nor another exception): widths, counts, lists, references
-    to nodes or prompts outside the set (an 8-byte column past int32)."""
+    """Every way a stored set can be damaged is a MatchSetError that says what (never values
+    read from the wrong bytes, nor another exception): widths, counts, types, lists, ids
+    that repeat, references to nodes or prompts outside the set (an 8-byte column past
+    int32), a k past int32, rows out of (receiver, prompt id) order or twice."""
     import json
 
     import numpy as np
@@ -216,10 +255,13 @@ def test_a_damaged_match_set_is_a_match_set_error(mangle, why) -> None:
     size = int.from_bytes(data[4:8], "little")
     head, body = json.loads(data[8:8 + size]), data[8 + size:]
     head, body = mangle(head, body)
-    if body is None:  # 8-byte columns, the first column number past int32
-        col = ms.col.astype(np.int64)
-        col[0] += 2**32
-        body = b"".join(a.astype("<i8").tobytes() for a in (ms.receiver, col, ms.source, ms.k))
+    arrays = [a.astype(np.int64) for a in (ms.receiver, ms.col, ms.source, ms.k)]
+    if body in ("col", "k"):  # 8-byte columns, the first column number (or k) past int32
+        arrays[1 if body == "col" else 3][0] += 2**32
+        body = b"".join(a.astype("<i8").tobytes() for a in arrays)
+    elif body in ("reversed", "twice"):  # rows out of order, or one row twice
+        order = np.arange(len(ms))[::-1] if body == "reversed" else np.r_[0, 0, np.arange(2, len(ms))]
+        body = b"".join(a[order].astype(f"<i{w}").tobytes() for a, w in zip(arrays, head["w"]))
     raw = json.dumps(head).encode()
     with pytest.raises(MatchSetError, match=why):
         MatchSet.from_bytes(b"GFM2" + len(raw).to_bytes(4, "little") + raw + body)

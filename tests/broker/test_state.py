@@ -36,6 +36,7 @@ from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
 from graft_fed.errors import DataError
 from graft_fed.federation.errors import StorageFull, Unavailable
 from graft_fed.federation.summaryblock import SummaryBlock
+from tests.broker.test_matching import gfm1_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -692,11 +693,7 @@ def _as_version_6(c):
     in the encoding it had then (b"GFM1": every array int32)."""
     for round_, data in c.execute("SELECT round, data FROM match_sets").fetchall():
         if bytes(data[:4]) == b"GFM2":
-            ms = MatchSet.from_bytes(data)
-            head = json.dumps({"round": ms.round, "nodes": ms.nodes, "pids": ms.pids, "count": len(ms)}).encode()
-            old = b"".join([b"GFM1", len(head).to_bytes(4, "little"), head] +
-                           [a.astype("<i4").tobytes() for a in (ms.receiver, ms.col, ms.source, ms.k)])
-            c.execute("UPDATE match_sets SET data = ? WHERE round = ?", (old, round_))
+            c.execute("UPDATE match_sets SET data = ? WHERE round = ?", (gfm1_bytes(MatchSet.from_bytes(data)), round_))
     c.execute("UPDATE meta SET value = '6' WHERE key = 'schema_version'")
 
 

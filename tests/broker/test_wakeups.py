@@ -174,6 +174,22 @@ def test_a_match_set_stored_before_the_rounds_row_wins_and_the_round_reads_as_ma
     assert fed.get_matches("b", sessions["b"], 0, 0.0).offers == []
 
 
+def test_a_match_set_stored_under_another_rounds_number_is_refused(three):
+    """A damaged row whose set says it is another round's is a MatchSetError, and is not
+    remembered under that other round (whose answers it would replace)."""
+    import numpy as np
+
+    from graft_fed.broker.matchset import MatchSet, MatchSetError
+    fed, _, prompts, _ = three
+    k = np.array([[0, 2], [1, 0], [1, 1]], dtype=np.int16)
+    other = MatchSet.from_choice(5, ["a", "b", "c"], [prompts[0].id, prompts[1].id], k,
+                                 [(np.array([0]), np.array([2]))] + [(np.array([], dtype=np.int64),) * 2] * 2)
+    assert fed.state.put_match_set(0, other.to_bytes())
+    with pytest.raises(MatchSetError, match="stored for round 0 says it is round 5's"):
+        fed.matcher.match_set(0)
+    assert fed.state.match_set(5) is None and fed.matcher.match_set(5) is None
+
+
 def test_a_node_that_joins_during_a_round_is_waited_for_at_once(prompt_file):
     # readiness lists the nodes near a round for a quarter second (rounds.py::_waiting); a
     # join drops that list, so the publish right after it does not close the round without

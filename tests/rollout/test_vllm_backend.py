@@ -186,8 +186,8 @@ class FakeLLM:
         step = self.hf(torch.tensor([list(prompt_ids)] * n), use_cache=True)
         toks: list[list[int]] = [[] for _ in range(n)]
         lps: list[list[dict]] = [[] for _ in range(n)]
-        reasons, live = ["length"] * n, [True] * n
-        while True:
+        reasons, live = ["length"] * n, [sp.max_tokens > 0] * n  # vLLM refuses max_tokens < 1; no tokens then
+        while any(live):
             logits = step.logits[:, -1].float()
             raw = torch.log_softmax(logits, -1)
             proc = torch.log_softmax(filter_logits(logits / sp.temperature, max(sp.top_k, 0), sp.top_p), -1)
