@@ -55,12 +55,13 @@ def pid_order(pids: Sequence[str]) -> np.ndarray:
     return order
 
 
-def _id_rank(pids: Sequence[str]) -> np.ndarray:
-    """Each column's place in prompt-id order."""
+def _row_keys(receiver: np.ndarray, col: np.ndarray, pids: Sequence[str]) -> np.ndarray:
+    """One int64 per row that orders rows as a match set holds them: by receiver, then by
+    the column's place in prompt-id order (equal keys: the same receiver and prompt)."""
     order = pid_order(pids)
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
-    return rank
+    return receiver.astype(np.int64) * max(1, len(pids)) + rank[col]
 
 
 def _in_id_order(pids: Sequence[str]) -> bool:
@@ -108,7 +109,7 @@ class MatchSet:
         recv = np.repeat(np.arange(len(chosen), dtype=np.int64), sizes)
         col = np.concatenate([np.asarray(c, dtype=np.int64) for c, _ in chosen])
         src = np.concatenate([np.asarray(s_, dtype=np.int64) for _, s_ in chosen])
-        key = recv * max(1, len(pids)) + _id_rank(pids)[col]
+        key = _row_keys(recv, col, pids)
         order = np.argsort(key, kind="stable")
         if bool((np.diff(key[order]) == 0).any()):
             raise ValueError("a receiver's prompt was chosen twice")
@@ -208,7 +209,7 @@ class MatchSet:
             if k.size and (int(k.min()) < -2**31 or int(k.max()) >= 2**31):
                 raise ValueError("a k outside int32")
             if count > 1:
-                key = receiver * len(pids) + _id_rank(pids)[col]
+                key = _row_keys(receiver, col, pids)
                 if bool((key[1:] <= key[:-1]).any()):
                     raise ValueError("its matches are not in (receiver, prompt id) order, each once")
             out = cls(round_, nodes, pids, *arrays)
