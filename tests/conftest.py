@@ -3,11 +3,19 @@ locally (never downloaded) so unit tests do not depend on the shipped zoo weight
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Nothing in the suite may reach a model hub: a hub id that is not cached fails at once
+# instead of waiting on a network that CI may not have.
+for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
 
 CHARS = list("0123456789+-*/=()[]{}\\., :?xXQAabcdefghijklmnopqrstuvwxyzT\n")
 
@@ -69,3 +77,12 @@ def prompt_file(tmp_path) -> Path:
         for i in range(12):
             fh.write(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n")
     return path
+
+
+def pytest_unconfigure(config):
+    """The run is over: the interpreter now joins what tests left behind (executor threads,
+    child processes). Should one of them never end, print every thread's stack and exit 1
+    after GRAFT_FED_TEST_EXIT_GRACE_S (120 s) instead of hanging until CI's own limit, which
+    says nothing about where."""
+    grace = float(os.environ.get("GRAFT_FED_TEST_EXIT_GRACE_S", "120"))
+    faulthandler.dump_traceback_later(grace, exit=True, file=sys.__stderr__)
