@@ -16,6 +16,7 @@ from graft_fed.broker.matching import select_sources_arrays
 from graft_fed.broker.matchset import MatchSet, MatchSetError, pid_order
 from graft_fed.broker.state import MatchRow
 from graft_fed.core.exchange import SourceGroup, classify, select_for_receiver
+from graft_fed.federation.errors import Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -129,9 +130,17 @@ class Matcher(Part):
         data = self.state.match_set(round)
         if data is None:
             return None
-        ms = MatchSet.from_bytes(data)
-        if ms.round != round:  # never cached under another round's number
-            raise MatchSetError(f"the match set stored for round {round} says it is round {ms.round}'s")
+        try:
+            ms = MatchSet.from_bytes(data)
+            if ms.round != round:  # never cached under another round's number
+                raise MatchSetError(f"the match set stored for round {round} says it is round {ms.round}'s")
+        except MatchSetError as exc:
+            # as for a damaged bundle file: the operator reads what in the log, the caller is
+            # told the storage failed (UNAVAILABLE, retried), never a bare INTERNAL
+            log.error("broker state: the match set stored for round %d is damaged (a damaged volume?): %s",
+                      round, exc)
+            raise Unavailable(f"the broker's storage failed reading round {round}'s matches: retry later "
+                              "(details in the broker's log)") from exc
         self._remember_set(ms)
         return ms
 

@@ -174,20 +174,40 @@ def test_a_match_set_stored_before_the_rounds_row_wins_and_the_round_reads_as_ma
     assert fed.get_matches("b", sessions["b"], 0, 0.0).offers == []
 
 
-def test_a_match_set_stored_under_another_rounds_number_is_refused(three):
-    """A damaged row whose set says it is another round's is a MatchSetError, and is not
-    remembered under that other round (whose answers it would replace)."""
+def test_a_match_set_stored_under_another_rounds_number_is_refused(three, caplog):
+    """A damaged row whose set says it is another round's is refused, and is not remembered
+    under that other round (whose answers it would replace): the log says what was wrong,
+    the caller is told the storage failed (UNAVAILABLE, retried) and not an INTERNAL."""
     import numpy as np
 
     from graft_fed.broker.matchset import MatchSet, MatchSetError
-    fed, _, prompts, _ = three
+    from graft_fed.federation.errors import Unavailable
+    fed, _, prompts, sessions = three
     k = np.array([[0, 2], [1, 0], [1, 1]], dtype=np.int16)
     other = MatchSet.from_choice(5, ["a", "b", "c"], [prompts[0].id, prompts[1].id], k,
                                  [(np.array([0]), np.array([2]))] + [(np.array([], dtype=np.int64),) * 2] * 2)
     assert fed.state.put_match_set(0, other.to_bytes())
-    with pytest.raises(MatchSetError, match="stored for round 0 says it is round 5's"):
+    with caplog.at_level("ERROR", logger="graft_fed.broker"), \
+            pytest.raises(Unavailable, match="storage failed reading round 0's matches: retry later") as got:
         fed.matcher.match_set(0)
+    assert isinstance(got.value.__cause__, MatchSetError)
+    assert "stored for round 0 is damaged" in caplog.text and "says it is round 5's" in caplog.text
     assert fed.state.match_set(5) is None and fed.matcher.match_set(5) is None
+    # a node asking for its matches gets the same answer; nothing was cached meanwhile
+    for name, ks in (("a", [0, 2]), ("b", [1, 0]), ("c", [1, 1])):
+        _publish(fed, sessions, prompts, name, ks)
+    with pytest.raises(Unavailable, match="round 0's matches"):
+        fed.get_matches("a", sessions["a"], 0, 0.0)
+
+
+def test_a_stored_match_set_that_does_not_decode_is_unavailable_not_internal(three):
+    from graft_fed.federation.errors import Unavailable
+    fed, _, prompts, sessions = three
+    for name, ks in (("a", [0, 2]), ("b", [1, 0]), ("c", [1, 1])):
+        _publish(fed, sessions, prompts, name, ks)
+    assert fed.state.put_match_set(0, b"GFM2 not a match set")  # a broker before this one stored it
+    with pytest.raises(Unavailable, match="storage failed reading round 0's matches"):
+        fed.get_matches("b", sessions["b"], 0, 0.0)
 
 
 def test_a_node_that_joins_during_a_round_is_waited_for_at_once(prompt_file):
