@@ -60,10 +60,11 @@ class Checkpointer:
     """PASSIVE checkpoints of the WAL database at `path` each time its WAL file grew by
     `threshold_bytes`, and when a file of at least `idle_bytes` with frames left to copy did
     not grow since the last look (looked at every `poll_s`), in a daemon thread, until
-    `stop`. `idle_runs` counts the checkpoints of the second kind. `runs`
-    counts the checkpoints, `last` is the last one's (frames in the WAL, frames of it in the
-    database); a failure is logged and retried with a growing pause (the WAL keeps everything
-    meanwhile), and `failures` counts them."""
+    `stop`. `runs` counts the checkpoints, `idle_runs` those of the second kind, and
+    `truncations` the TRUNCATE checkpoints that follow a quiet one which copied everything
+    (each part of a checkpoint counted in `runs`, not another one); `last` is the last
+    one's (frames in the WAL, frames of it in the database); a failure is logged and retried
+    with a growing pause (the WAL keeps everything meanwhile), and `failures` counts them."""
 
     def __init__(self, path: str, threshold_bytes: int = THRESHOLD_BYTES, poll_s: float = 0.25,
                  idle_bytes: int = IDLE_BYTES) -> None:
@@ -74,6 +75,7 @@ class Checkpointer:
         self.poll_s = poll_s
         self.looks = 0  # times the thread looked at the WAL's size
         self.runs = 0
+        self.truncations = 0
         self.last: tuple[int, int] = (0, 0)
         self.failures = 0
         self._stop = threading.Event()
@@ -143,7 +145,10 @@ class Checkpointer:
     def run_once(self, conn: sqlite3.Connection, mode: str = "PASSIVE") -> tuple[int, int]:
         """One checkpoint on `conn`: (frames in the WAL, frames of it now in the database)."""
         _busy, logged, done = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
-        self.runs += 1
+        if mode == "TRUNCATE":
+            self.truncations += 1
+        else:
+            self.runs += 1
         self.last = (logged, done)
         return self.last
 

@@ -110,6 +110,8 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
                [("", checkpointer.wal_bytes())])
         metric("state_checkpoints_total", "counter", "WAL checkpoints the state's checkpointer thread ran.",
                [("", checkpointer.runs)])
+        metric("state_wal_truncations_total", "counter", "WAL files truncated after a quiet checkpoint that copied "
+               "every frame.", [("", checkpointer.truncations)])
         metric("state_checkpoint_failures_total", "counter", "WAL checkpoints that failed (each logged, then retried).",
                [("", checkpointer.failures)])
         metric("state_checkpointer_up", "gauge", "1 while the state's checkpointer thread runs.",

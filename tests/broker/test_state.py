@@ -1710,6 +1710,40 @@ def test_sqlite_checkpoints_run_in_a_thread_not_in_commits(tmp_path):
     assert not s.checkpointer.alive
 
 
+def test_sqlite_a_commit_between_the_quiet_checkpoint_and_its_truncation_skips_the_truncation(tmp_path):
+    """The TRUNCATE after a quiet checkpoint holds writers off while it runs; it only runs when
+    nothing was committed since the PASSIVE one copied every frame (else it would copy the new
+    frames with the writers held off). A commit in between starts the WAL over and cuts it to
+    WAL_SIZE_LIMIT: the checkpointer sees the file's size change and leaves it at that."""
+    s = SqliteState(tmp_path / "b.db")
+    calls = []
+    injected = threading.Event()
+
+    class CommitInBetween(Checkpointer):
+        def run_once(self, conn, mode="PASSIVE"):
+            calls.append((mode, injected.is_set()))
+            got = super().run_once(conn, mode)
+            if not injected.is_set() and got[0] == got[1] > 0:  # everything copied ...
+                s.put_match_set(9_999, b"in between")  # ... and then a commit
+                injected.set()
+            return got
+    try:
+        s.checkpointer.stop()
+        s.checkpointer = cp = CommitInBetween(s.path, threshold_bytes=1 << 40, poll_s=0.1,
+                                              idle_bytes=WAL_SIZE_LIMIT + (512 << 10))
+        s.put_match_set(0, bytes(6_000_000))
+        deadline = time.monotonic() + 20
+        while not injected.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.6)  # six more looks: the file, cut to WAL_SIZE_LIMIT, is below idle_bytes
+        # no TRUNCATE after the commit: the checkpoint that copied everything was the last
+        assert injected.is_set() and calls[-1] == ("PASSIVE", False), calls
+        assert cp.idle_runs >= 1 and cp.failures == 0 and 0 < cp.wal_bytes() <= WAL_SIZE_LIMIT
+        assert s.match_set(9_999) == b"in between" and s.match_set(0) == bytes(6_000_000)
+    finally:
+        s.close()
+
+
 def test_sqlite_a_wal_that_stopped_growing_is_checkpointed_once_and_starts_over(tmp_path):
     """A checkpoint by growth runs while commits append and leaves the last frames, so the
     WAL would never start over and would grow to the safety size, whose checkpoint some
@@ -1746,7 +1780,7 @@ def test_sqlite_a_wal_that_stopped_growing_is_checkpointed_once_and_starts_over(
         runs = cp.runs
         time.sleep(0.6)  # three more looks: nothing more to do
         # (a commit slower than a look could have let one run while the writer wrote)
-        assert 1 <= cp.idle_runs and cp.runs == runs <= 2 * cp.idle_runs
+        assert 1 <= cp.idle_runs and cp.runs == runs and 1 <= cp.truncations <= cp.idle_runs <= cp.runs
         s.put_match_set(10_000, bytes(1000))  # the WAL starts again from its beginning
         probe = sqlite3.connect(tmp_path / "b.db", isolation_level=None)
         try:

@@ -208,6 +208,7 @@ def test_metrics_say_how_the_state_checkpoints(prompt_file, prompts, tmp_path):
                   if line.startswith("graft_fed_state_")}
         assert values["graft_fed_state_wal_bytes"] == state.checkpointer.wal_bytes() > 100_000
         assert values["graft_fed_state_checkpoints_total"] == state.checkpointer.runs
+        assert values["graft_fed_state_wal_truncations_total"] == state.checkpointer.truncations
         assert values["graft_fed_state_checkpoint_failures_total"] == 2
         assert values["graft_fed_state_checkpointer_up"] == 1
         state.checkpointer.stop()  # as if the thread had died
