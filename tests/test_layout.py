@@ -122,5 +122,5 @@ def test_the_broker_does_not_load_torch():
     code = ("import sys, graft_fed.cli, graft_fed.broker.server, graft_fed.broker.handlers; "
             "graft_fed.cli.build_parser(); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=PKG.parent, env={**os.environ, "PYTHONPATH": str(PKG.parent)})
+                         cwd=PKG.parent, env={**os.environ, "PYTHONPATH": str(PKG.parent)}, timeout=120)
     assert out.stdout.strip() == "False", out.stdout + out.stderr

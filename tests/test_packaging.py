@@ -36,9 +36,9 @@ def test_trl_venv_check_installs_graft_fed_even_when_run_from_the_repo_root(tmp_
     Python; the check must ask the venv whether graft-fed (and math-verify) are installed."""
     check = _setup_venv_check()
     bare = tmp_path / "bare"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
     run = lambda venv: subprocess.run(["bash", "-c", check], cwd=ROOT, env={**os.environ, "VENV": str(venv)},
-                                      capture_output=True)
+                                      capture_output=True, timeout=120)
     assert run(bare).returncode != 0, "a venv without graft-fed must be found wanting (so setup installs it)"
     here = Path(sys.executable).parent.parent  # this test's environment has graft-fed and math-verify
     assert run(here).returncode == 0

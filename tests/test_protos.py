@@ -7,7 +7,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_generated_code_is_current():
     proc = subprocess.run(["bash", "scripts/gen_protos.sh", "--check"], cwd=ROOT, capture_output=True, text=True,
-                          env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+                          env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -204,10 +204,10 @@ class KillablePool:
         while remaining:
             now = time.monotonic()
             for worker in list(self._workers):
-                if worker.ready and not worker.proc.is_alive():
-                    self._replace(worker)  # died while idle (e.g. killed from outside)
-                    continue
-                if worker.ready and not worker.inflight and pending:
+                # A dead worker is dealt with once, below, after its last answers are read:
+                # checking here too would replace it before those answers and its chunk
+                # were accounted for (that lost items, and the pool then waited forever).
+                if worker.ready and not worker.inflight and pending and worker.proc.is_alive():
                     size = min(self.chunk_size, max(1, math.ceil(len(pending) / self.n_workers)))
                     chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
                     worker.inflight.extend(chunk)
@@ -218,12 +218,23 @@ class KillablePool:
                         requeue(worker)  # died while idle: nothing of ours was on it
                         self._replace(worker)
 
+            if not pending and not any(w.inflight for w in self._workers):
+                # Every unsettled item is either queued or on a worker; anything else is a
+                # bug. Say so and score what is left rather than wait for answers that
+                # cannot come.
+                log.error("verifier pool lost track of %d item(s); they score 0 as errors", remaining)
+                for i, r in enumerate(results):
+                    if r is None:
+                        settle(i, 0.0, ERROR)
+                break
             deadlines = [w.item_started + self.timeout_s if w.ready else w.spawned_at + _STARTUP_TIMEOUT_S
                          for w in self._workers if w.inflight or not w.ready]
             waitables: list[Any] = []
             for w in self._workers:
                 waitables += [w.conn, w.proc.sentinel]
-            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            # Never an unbounded wait: with nothing on a clock (a dead idle worker, whose
+            # sentinel wakes us anyway) the loop looks again within a second.
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 1.0
             wait(waitables, timeout=timeout)
 
             for worker in list(self._workers):
@@ -244,11 +255,16 @@ class KillablePool:
                             worker.item_started = time.monotonic()
                 except (EOFError, OSError):
                     dead = True
-                if (dead or not worker.proc.is_alive()) and not worker.ready and self._fatal is None:
+                now = time.monotonic()
+                dead = dead or not worker.proc.is_alive()
+                start_timed_out = not worker.ready and now - worker.spawned_at > _STARTUP_TIMEOUT_S
+                if (dead or start_timed_out) and not worker.ready and self._fatal is None:
                     self._startup_failures += 1
                     if self._startup_failures >= _MAX_STARTUP_FAILURES:
-                        self._fatal = (f"{self._startup_failures} verifier workers in a row died while "
-                                       f"starting (last exit code {worker.proc.exitcode})")
+                        last = (f"exit code {worker.proc.exitcode}" if dead
+                                else f"no answer within {_STARTUP_TIMEOUT_S:.0f} s")
+                        self._fatal = (f"{self._startup_failures} verifier workers in a row failed to "
+                                       f"start (last: {last})")
                 if self._fatal is not None:
                     log.error("verifier pool disabled, every item scores 0 as an error: %s", self._fatal)
                     for i, r in enumerate(results):
@@ -256,8 +272,7 @@ class KillablePool:
                             settle(i, 0.0, ERROR)
                     self.close()
                     return [r for r in results if r is not None]
-                now = time.monotonic()
-                if dead or not worker.proc.is_alive():
+                if dead:
                     if worker.inflight:
                         crashed = worker.inflight.popleft()
                         log.warning("verifier worker died (exit code %s) on item %d; scored 0 as an error",
@@ -265,7 +280,7 @@ class KillablePool:
                         settle(crashed, 0.0, ERROR)
                     requeue(worker)
                     self._replace(worker)
-                elif not worker.ready and now - worker.spawned_at > _STARTUP_TIMEOUT_S:
+                elif start_timed_out:
                     log.error("verifier worker did not start within %.0f s; replacing it", _STARTUP_TIMEOUT_S)
                     self._replace(worker)
                 elif worker.inflight and now - worker.item_started > self.timeout_s:

@@ -97,7 +97,10 @@ class _PoolVerifier(_Closing):
             return self._pool.run(items)
 
     def close(self) -> None:
-        self._finalizer()
+        # After any score() in progress (bounded by the per-item wall clock): closing the
+        # pool under a running score() would leave that call without workers.
+        with self._lock:
+            self._finalizer()
 
 
 class MathVerifyVerifier(_PoolVerifier):

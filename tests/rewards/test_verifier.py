@@ -1,5 +1,6 @@
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from graft_fed.data.loaders import BENCHMARKS, load_benchmark
 from graft_fed.errors import ConfigError
 from graft_fed.rewards import Verifier, VerifierConfig, build_verifier
+from graft_fed.rewards import pool as pool_module
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"
 PLUGINS = "tests.rewards.verifier_plugins"
@@ -74,9 +76,11 @@ def test_fixture_benchmark_golds_score_one_when_given_back_boxed(mv):
 def test_scoring_off_the_main_thread(mv):
     """math-verify's own signal.alarm timeouts fail off the main thread; the pool does not care."""
     out = {}
-    thread = threading.Thread(target=lambda: out.update(r=mv.score(["\\boxed{0.25}"], ["\\frac14"])))
+    thread = threading.Thread(target=lambda: out.update(r=mv.score(["\\boxed{0.25}"], ["\\frac14"])),
+                              daemon=True)
     thread.start()
     thread.join(timeout=30)
+    assert not thread.is_alive(), "scoring off the main thread did not finish within 30 s"
     assert out["r"].rewards == [1.0]
 
 
@@ -103,6 +107,50 @@ def test_worker_crash_is_counted_as_an_error_and_costs_only_that_item():
         assert result.statuses == ["ok", "error", "ok", "error", "ok"]
         assert result.errors == 2 and result.timeouts == 0
         assert verifier.score(["e"], ["e"]).rewards == [1.0]
+
+
+def test_a_worker_that_dies_after_the_parent_last_looked_costs_only_its_item(monkeypatch):
+    """CI once hung for 90 minutes on the test above: a worker that answered an item and
+    died on the next one between the parent's look at it and its next dispatch pass was
+    replaced there without its chunk being accounted for; those items were lost and the
+    pool waited, without a deadline, for answers that could not come. A parent slowed to
+    200 ms per clock reading makes that ordering near certain: the chunk goes out at D,
+    'a' is answered at once, the parent reads the clock three times before it sees the
+    worker alive (D+600 ms), the worker dies at D+700 ms, and the next pass looks at D+800."""
+    real_monotonic = time.monotonic
+
+    def slow_monotonic() -> float:
+        time.sleep(0.2)
+        return real_monotonic()
+
+    monkeypatch.setattr(pool_module, "time", types.SimpleNamespace(monotonic=slow_monotonic))
+    cfg = VerifierConfig(name=f"{PLUGINS}:exact", isolate_plugin=True, workers=1, chunk_size=8, timeout_s=30.0)
+    with build_verifier(cfg) as verifier:
+        out = {}
+        thread = threading.Thread(target=lambda: out.update(r=verifier.score(["a", "die_soon", "b"], ["a", "a", "b"])),
+                                  daemon=True)
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the pool lost the dead worker's items and waited for them"
+        assert out["r"].statuses == ["ok", "error", "ok"]
+        assert out["r"].rewards == [1.0, 0.0, 1.0]
+        assert verifier.restarts == 1
+
+
+def test_workers_that_never_finish_starting_disable_the_pool_after_three_tries(monkeypatch, caplog):
+    """A start-up that hangs (an import stuck on a network drive, say) counts as a failed
+    start like a crash does: three in a row and every item scores 0 as an error, instead
+    of the pool replacing workers for ever."""
+    monkeypatch.setattr(pool_module, "_STARTUP_TIMEOUT_S", 1.0)
+    pool = pool_module.KillablePool("tests.rewards.slow_import_plugin:f", workers=1, timeout_s=1.0,
+                                    chunk_size=1, start_method="spawn")
+    try:
+        with caplog.at_level("ERROR", logger=pool_module.__name__):
+            assert pool.run([("a", "a"), ("b", "b")]) == [(0.0, "error"), (0.0, "error")]
+        assert "3 verifier workers in a row failed to start (last: no answer within 1 s)" in caplog.text
+        assert pool.run([("c", "c")]) == [(0.0, "error")]  # disabled: no fourth try
+    finally:
+        pool.close()
 
 
 def test_in_process_plugin_errors_and_bad_values_score_zero_and_are_counted():

@@ -6,10 +6,14 @@ import time
 
 
 def exact(response: str, answer: str) -> float:
-    """1 when the response equals the answer; sleeps forever on 'hang', dies on 'crash'."""
+    """1 when the response equals the answer; sleeps forever on 'hang', dies on 'crash'
+    (at once) and on 'die_soon' (after 0.7 s)."""
     if response == "hang":
         time.sleep(10_000)
     if response == "crash":
+        os._exit(3)
+    if response == "die_soon":
+        time.sleep(0.7)
         os._exit(3)
     if response == "raise":
         raise RuntimeError("plugin failure")

@@ -56,6 +56,8 @@ def write_cfg(tmp: Path, name: str, **over) -> Path:
         "verifier": {"name": "tests.plugins:odd_char_sum"},
         "algorithm": {"prompts_per_step": 4, "num_minibatches": 2, "micro_batch_size": 3, "micro_batch_tokens": 40},
         "optim": {"lr": 1e-2, "eps": 1e-3},
+        # A rank whose peer died stops within two minutes, not the default half hour.
+        "distributed": {"timeout_s": 120},
     }
     for dotted, value in over.items():
         node = base
