@@ -238,7 +238,11 @@ class KillablePool:
             wait(waitables, timeout=timeout)
 
             for worker in list(self._workers):
-                dead = False
+                # Whether it was alive is asked before its answers are read: everything it
+                # sent before dying is then read below, and an item it answered is never the
+                # one scored as its crash. A worker that dies after this look is seen dead on
+                # the next pass (its sentinel ends the wait at once).
+                dead = not worker.proc.is_alive()
                 try:
                     while worker.conn.poll():
                         msg = worker.conn.recv()
@@ -256,7 +260,6 @@ class KillablePool:
                 except (EOFError, OSError):
                     dead = True
                 now = time.monotonic()
-                dead = dead or not worker.proc.is_alive()
                 start_timed_out = not worker.ready and now - worker.spawned_at > _STARTUP_TIMEOUT_S
                 if (dead or start_timed_out) and not worker.ready and self._fatal is None:
                     self._startup_failures += 1

@@ -109,14 +109,9 @@ def test_worker_crash_is_counted_as_an_error_and_costs_only_that_item():
         assert verifier.score(["e"], ["e"]).rewards == [1.0]
 
 
-def test_a_worker_that_dies_after_the_parent_last_looked_costs_only_its_item(monkeypatch):
-    """CI once hung for 90 minutes on the test above: a worker that answered an item and
-    died on the next one between the parent's look at it and its next dispatch pass was
-    replaced there without its chunk being accounted for; those items were lost and the
-    pool waited, without a deadline, for answers that could not come. A parent slowed to
-    200 ms per clock reading makes that ordering near certain: the chunk goes out at D,
-    'a' is answered at once, the parent reads the clock three times before it sees the
-    worker alive (D+600 ms), the worker dies at D+700 ms, and the next pass looks at D+800."""
+def _slow_pool_clock(monkeypatch) -> None:
+    """The pool's clock takes 200 ms per reading: the parent's passes become slow enough for
+    a worker's answers and death to fall between two of its steps, in a known order."""
     real_monotonic = time.monotonic
 
     def slow_monotonic() -> float:
@@ -124,16 +119,46 @@ def test_a_worker_that_dies_after_the_parent_last_looked_costs_only_its_item(mon
         return real_monotonic()
 
     monkeypatch.setattr(pool_module, "time", types.SimpleNamespace(monotonic=slow_monotonic))
+
+
+def _score_within(verifier, responses, answers, limit_s: float = 60.0):
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(r=verifier.score(responses, answers)), daemon=True)
+    thread.start()
+    thread.join(timeout=limit_s)
+    assert not thread.is_alive(), "the pool lost the dead worker's items and waited for them"
+    return out["r"]
+
+
+def test_a_worker_that_dies_after_the_parent_last_looked_costs_only_its_item(monkeypatch):
+    """CI once hung for 90 minutes on the test above: a worker that answered an item and
+    died on the next one between the parent's look at it and its next dispatch pass was
+    replaced there without its chunk being accounted for; those items were lost and the
+    pool waited, without a deadline, for answers that could not come. With the slow clock
+    the chunk goes out at D, 'a' is answered at once, the parent reads the clock three
+    times before it sees the worker alive (D+600 ms), the worker dies at D+700 ms, and the
+    next pass looks at D+800."""
+    _slow_pool_clock(monkeypatch)
     cfg = VerifierConfig(name=f"{PLUGINS}:exact", isolate_plugin=True, workers=1, chunk_size=8, timeout_s=30.0)
     with build_verifier(cfg) as verifier:
-        out = {}
-        thread = threading.Thread(target=lambda: out.update(r=verifier.score(["a", "die_soon", "b"], ["a", "a", "b"])),
-                                  daemon=True)
-        thread.start()
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "the pool lost the dead worker's items and waited for them"
-        assert out["r"].statuses == ["ok", "error", "ok"]
-        assert out["r"].rewards == [1.0, 0.0, 1.0]
+        result = _score_within(verifier, ["a", "die_soon", "b"], ["a", "a", "b"])
+        assert result.statuses == ["ok", "error", "ok"]
+        assert result.rewards == [1.0, 0.0, 1.0]
+        assert verifier.restarts == 1
+
+
+def test_an_answer_sent_just_before_a_worker_died_is_read_not_scored_as_its_crash(monkeypatch):
+    """The parent asks whether a worker is alive before it reads the worker's answers: asked
+    after, an answer that arrived in between was left unread and its item scored as the
+    crash (and the item that crashed re-run). With the slow clock 'a' is read at about
+    D+400 ms, 'slow:b' is answered at D+500 and 'crash' dies at once; the parent's look
+    after its reading came at D+600."""
+    _slow_pool_clock(monkeypatch)
+    cfg = VerifierConfig(name=f"{PLUGINS}:exact", isolate_plugin=True, workers=1, chunk_size=8, timeout_s=30.0)
+    with build_verifier(cfg) as verifier:
+        result = _score_within(verifier, ["a", "slow:b", "crash", "c"], ["a", "b", "a", "c"])
+        assert result.statuses == ["ok", "ok", "error", "ok"]
+        assert result.rewards == [1.0, 1.0, 0.0, 1.0]
         assert verifier.restarts == 1
 
 
