@@ -63,14 +63,15 @@ def file_name(digest: str) -> str:
     return "k-" + hashlib.sha256(digest.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def storage_error(where: str, exc: OSError, what: str) -> Exception:
-    """The domain error for a failure of the bundle files' filesystem (as SqliteState's own)."""
+def storage_error(where: str, exc: OSError, what: str, kind: str = "bundle files") -> Exception:
+    """The domain error for a failure of the filesystem of the bundle files (or of `kind`:
+    the block files, blockfiles.py), as SqliteState's own."""
     if exc.errno in _NO_SPACE:
-        log.error("broker bundle files %s: the disk is full (%s): %s refused, nothing of it stored. Free disk "
-                  "space, or set retention (keep_rounds, max_bundle_gib)", where, exc, what)
+        log.error("broker %s %s: the disk is full (%s): %s refused, nothing of it stored. Free disk "
+                  "space, or set retention (keep_rounds, max_bundle_gib)", kind, where, exc, what)
         return StorageFull("the broker's storage is full: nothing of this request was stored; retry later "
                            "(the operator must free disk space)")
-    log.error("broker bundle files %s failed during a %s: %s", where, what, exc)
+    log.error("broker %s %s failed during a %s: %s", kind, where, what, exc)
     return Unavailable(f"the broker's storage failed during a {what}: retry later (details in the broker's log)")
 
 
@@ -88,7 +89,7 @@ class BundleFiles:
         try:
             if not os.path.isdir(path):
                 os.makedirs(path, mode=0o700, exist_ok=True)
-                _sync_dir(os.path.dirname(os.path.abspath(path)))
+                sync_dir(os.path.dirname(os.path.abspath(path)))
             self.create().discard()
         except (OSError, StorageFull, Unavailable) as exc:
             cause = exc.__cause__ if isinstance(exc, (StorageFull, Unavailable)) and exc.__cause__ else exc
@@ -229,7 +230,7 @@ class PartFile:
                 fd, self.fd = self.fd, None
                 os.close(fd)
             os.replace(self.path, self.files.file(digest))
-            _sync_dir(self.files.path)
+            sync_dir(self.files.path)
         except OSError as exc:
             self.discard()
             raise storage_error(self.files.path, exc, "write") from exc
@@ -257,7 +258,7 @@ class PartFile:
             log.warning("broker bundle files %s: could not delete %s (%s)", self.files.path, self.path, exc)
 
 
-def _sync_dir(path: str) -> None:
+def sync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)

@@ -51,6 +51,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from graft_fed.broker.blockfiles import BlockFiles
 from graft_fed.broker.bundlefiles import BundleFiles, PartFile, storage_error
 from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
 from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow,
@@ -66,7 +67,7 @@ from graft_fed.federation.errors import NotFound, StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 PAGE_SIZE = 65536
 
 _SCHEMA = """
@@ -152,7 +153,19 @@ _MIGRATE_6 = ""
 # broker/matchset.py); the sets already held keep theirs (b"GFM1", which still decodes). No
 # statement, for the same reason as 6.
 _MIGRATE_7 = ""
-_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4, 5: _MIGRATE_5, 6: _MIGRATE_6, 7: _MIGRATE_7}
+# Schema version 7 -> 8 (issue 13): a summary block's bytes in its round's file
+# (broker/blockfiles.py), the row saying where (`file_offset` >= 0, `file_length`,
+# `file_crc`; data empty). The blocks already held keep their bytes in `data`
+# (`file_offset` -1).
+_MIGRATE_8 = """
+ALTER TABLE summary_blocks ADD COLUMN file_offset INTEGER NOT NULL DEFAULT -1;
+ALTER TABLE summary_blocks ADD COLUMN file_length INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE summary_blocks ADD COLUMN file_crc INTEGER NOT NULL DEFAULT 0;
+"""
+_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4, 5: _MIGRATE_5, 6: _MIGRATE_6, 7: _MIGRATE_7,
+               8: _MIGRATE_8}
+# what a summary block's row says of its bytes: the bytes, or where they are in its round's file
+_BLOCK_BYTES = "data, file_offset, file_length, file_crc"
 
 
 def _convert_summaries(conn: sqlite3.Connection) -> None:
@@ -190,6 +203,13 @@ _STORAGE_FAILURES = {sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_C
 def _is_storage_failure(exc: sqlite3.Error) -> bool:
     code = getattr(exc, "sqlite_errorcode", None)
     return code is not None and (code & 0xFF) in _STORAGE_FAILURES
+
+
+def _storage_failed(exc: BaseException) -> bool:
+    """A failure of the storage (SQLite's or the block files'), not of one caller's data: it
+    fails the whole group commit."""
+    return isinstance(exc, (StorageFull, Unavailable)) or (isinstance(exc, sqlite3.Error)
+                                                            and _is_storage_failure(exc))
 
 
 def _f2db(x: float):
@@ -279,6 +299,11 @@ class SqliteState(BrokerState):
         self._sealing: dict[str, int] = {}
         try:
             self._open_files(self.path + "-bundles")
+            try:
+                self._open_blocks(self.path + "-blocks")
+            except BaseException:
+                self.files.close()
+                raise
         except BaseException:
             self._conn.close()
             raise
@@ -304,6 +329,32 @@ class SqliteState(BrokerState):
                             "bundles) are dropped, as retention would: %s", self.path, len(lost), self.files.path,
                             ", ".join(d[:16] for d in lost[:8]))
                 self._drop_bundles(conn, lost)
+
+    def _open_blocks(self, where: str) -> None:
+        """The summary blocks' directory (blockfiles.py), swept of what a crash left: files
+        of rounds no row names, bytes past the last block rows name. As for bundles, a
+        missing directory while rows name files in it stops the start."""
+        ends = dict(self._read("SELECT round, MAX(file_offset + file_length) FROM summary_blocks "
+                               "WHERE file_offset >= 0 GROUP BY round"))
+        if ends and not os.path.isdir(where):
+            raise self._fail(self.path, f"names summary blocks of {len(ends)} round(s) stored as files in {where!r}, "
+                                        "which does not exist. Restore that directory beside the database "
+                                        "(docs/deploy.md, State and backups), or move the database aside to start "
+                                        "with an empty state")
+        self.blocks = BlockFiles(where)
+        short = self.blocks.sweep(ends)
+        if short:
+            log.error("broker state %s: the block files of %d round(s) (%s) are missing or shorter than their rows "
+                      "say (a damaged volume, or a backup of the database newer than that of %s): those "
+                      "publishes read as damaged. Restore the directory from a copy taken after the database's",
+                      self.path, len(short), ", ".join(map(str, sorted(short)[:8])), where)
+
+    def _block_data(self, node_id: str, round: int, data: bytes, offset: int, length: int, crc: int) -> bytes:
+        """A summary block's bytes from its row (_BLOCK_BYTES): in the row, or read from its
+        round's file and checked (a SummaryBlockError when damaged)."""
+        if offset < 0:
+            return data
+        return self.blocks.read(round, offset, length, crc, f"summary block of node {node_id!r}, round {round}")
 
     # ----- opening
     @staticmethod
@@ -477,7 +528,7 @@ class SqliteState(BrokerState):
                     try:
                         self._write_jobs(conn, batch)  # the whole group in a few statements
                     except Exception as exc:  # noqa: BLE001 - not a job's own failure: see below
-                        if isinstance(exc, sqlite3.Error) and _is_storage_failure(exc):
+                        if _storage_failed(exc):
                             raise
                         # Not expected (the callers checked and encoded their blocks): write the
                         # group again one job at a time, so that only a job that fails fails.
@@ -509,7 +560,7 @@ class SqliteState(BrokerState):
             try:
                 self._write_jobs(conn, [j])
             except Exception as exc:  # noqa: BLE001 - this caller's failure, re-raised to it
-                if isinstance(exc, sqlite3.Error) and _is_storage_failure(exc):
+                if _storage_failed(exc):
                     raise
                 j.result, j.error = None, exc
             if j.error is not None:
@@ -530,6 +581,7 @@ class SqliteState(BrokerState):
         self.files.close()
         with self._lock:
             self._conn.close()
+            self.blocks.close()
 
     # ----- nodes
     @staticmethod
@@ -589,19 +641,17 @@ class SqliteState(BrokerState):
         return -1 if latest is None else latest
 
     # ----- summaries (one block per publish: federation/summaryblock.py)
-    @staticmethod
-    def _held_ids(conn: sqlite3.Connection, node_id: str, round: int) -> tuple[set[str], int]:
+    def _held_ids(self, conn: sqlite3.Connection, node_id: str, round: int) -> tuple[set[str], int]:
         """(prompt ids the node holds in `round`, the next block's seq)."""
         held: set[str] = set()
         seq = 0
-        for data, s_ in conn.execute("SELECT data, seq FROM summary_blocks WHERE node_id = ? AND round = ?",
-                                     (node_id, round)):
-            held.update(SummaryBlock.header(data)[0]["prompt_ids"])
+        for s_, *stored in conn.execute(f"SELECT seq, {_BLOCK_BYTES} FROM summary_blocks WHERE node_id = ? AND "
+                                        "round = ?", (node_id, round)).fetchall():
+            held.update(SummaryBlock.header(self._block_data(node_id, round, *stored))[0]["prompt_ids"])
             seq = max(seq, s_ + 1)
         return held, seq
 
-    @staticmethod
-    def _held_many(conn: sqlite3.Connection, keys: Iterable[tuple[str, int]]
+    def _held_many(self, conn: sqlite3.Connection, keys: Iterable[tuple[str, int]]
                    ) -> dict[tuple[str, int], tuple[tuple[list[str], ...], int] | Exception]:
         """What `_held_ids` answers, for many (node, round)s in one statement: (node, round) ->
         (the prompt ids of each block held, the next block's seq), or the error decoding a
@@ -611,17 +661,18 @@ class SqliteState(BrokerState):
         out: dict[tuple[str, int], tuple[tuple[list[str], ...], int] | Exception] = {}
         for lo, hi in _spans(len(keys), _MAX_PARAMS // 2):
             part = keys[lo:hi]
-            rows = conn.execute("SELECT b.node_id, b.round, b.seq, b.data FROM (VALUES "
+            rows = conn.execute("SELECT b.node_id, b.round, b.seq, b.data, b.file_offset, b.file_length, b.file_crc "
+                                "FROM (VALUES "
                                 + ",".join(["(?,?)"] * len(part)) + ") AS k JOIN summary_blocks b "
                                 "ON b.node_id = k.column1 AND b.round = k.column2",
                                 [x for key in part for x in key]).fetchall()
-            for node_id, round, seq, data in rows:
+            for node_id, round, seq, *stored in rows:
                 key = (node_id, round)
                 got = out.get(key)
                 if isinstance(got, Exception):
                     continue
                 try:
-                    ids = SummaryBlock.header(data)[0]["prompt_ids"]
+                    ids = SummaryBlock.header(self._block_data(node_id, round, *stored))[0]["prompt_ids"]
                 except Exception as exc:  # noqa: BLE001 - SummaryBlockError, a header without ids
                     out[key] = exc
                     continue
@@ -715,7 +766,11 @@ class SqliteState(BrokerState):
                               _f2db(n.last_seen), n.published + accepted))
             j.result = accepted
         if blocks:
-            self._insert_many(conn, "INSERT INTO summary_blocks (node_id, round, seq, count, data) VALUES ", 5, blocks)
+            # the bytes into their rounds' files, durable before the rows naming them commit
+            where = self.blocks.append([(b[1], b[4]) for b in blocks])
+            self._insert_many(conn, "INSERT INTO summary_blocks (node_id, round, seq, count, data, file_offset, "
+                              "file_length, file_crc) VALUES ", 8,
+                              [(*b[:4], b"", *loc) for b, loc in zip(blocks, where)])
         if digests:
             self._insert_many(conn, "INSERT OR REPLACE INTO summary_digests (node_id, round, prompt_id, digest) VALUES ",
                               4, digests)
@@ -771,8 +826,9 @@ class SqliteState(BrokerState):
                             ) -> tuple[list[tuple], dict[tuple[str, int], dict[str, str]]]:
         where, params = self._block_where(round, node_id, min_round)
         with self._lock:
-            blocks = self._read(f"SELECT node_id, round, data FROM summary_blocks{where} ORDER BY round, node_id, seq",
-                                params)
+            blocks = [(nid, rnd, self._block_data(nid, rnd, *stored)) for nid, rnd, *stored in
+                      self._read(f"SELECT node_id, round, {_BLOCK_BYTES} FROM summary_blocks{where} "
+                                 "ORDER BY round, node_id, seq", params)]
             digests: dict[tuple[str, int], dict[str, str]] = {}
             for nid, rnd, pid, d in self._read(f"SELECT node_id, round, prompt_id, digest FROM summary_digests{where}",
                                                params):
@@ -1155,6 +1211,8 @@ class SqliteState(BrokerState):
                     if drop:
                         dropped, files = self._drop_bundles(conn, drop)
                         removed += dropped
+            if cutoff is not None:  # the files after their rows (a crash between: the sweep at open deletes them)
+                self.blocks.remove_below(cutoff)
         # the files after their rows (a crash between leaves files no row names: deleted at
         # the next open), each under the lock, but not the file of a digest an upload has
         # claimed since (its row is about to name it again) or stored since (its row names it:

@@ -688,9 +688,46 @@ def test_sqlite_refuses_a_newer_schema(tmp_path):
         SqliteState(path)
 
 
+def _stored_blocks(s) -> list[bytes]:
+    """The bytes of every summary block the state holds (in its row or in its round's file)."""
+    return [s._block_data(*r) for r in s._conn.execute("SELECT node_id, round, data, file_offset, file_length, "
+                                                        "file_crc FROM summary_blocks").fetchall()]
+
+
+def _damage_blocks(s, node_id: str) -> None:
+    """Damage the stored blocks of a node on disk: one byte of each changed in its round's file."""
+    rows = s._conn.execute("SELECT round, file_offset FROM summary_blocks WHERE node_id = ?", (node_id,)).fetchall()
+    assert rows and all(off >= 0 for _, off in rows)
+    for rnd, off in rows:
+        with open(os.path.join(s.blocks.path, f"r{rnd}"), "r+b") as f:
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _as_version_7(c):
+    """Turn a state file (open on connection `c`) back into schema version 7: every summary
+    block's bytes in its row (read from its round's file), the columns saying where they
+    were and the block files' directory gone."""
+    path = c.execute("PRAGMA database_list").fetchone()[2]
+    files = path + "-blocks"
+    for rowid, rnd, off, length in c.execute("SELECT rowid, round, file_offset, file_length FROM summary_blocks "
+                                             "WHERE file_offset >= 0").fetchall():
+        with open(os.path.join(files, f"r{rnd}"), "rb") as f:
+            f.seek(off)
+            c.execute("UPDATE summary_blocks SET data = ? WHERE rowid = ?", (f.read(length), rowid))
+    for col in ("file_offset", "file_length", "file_crc"):
+        c.execute(f"ALTER TABLE summary_blocks DROP COLUMN {col}")
+    c.execute("UPDATE meta SET value = '7' WHERE key = 'schema_version'")
+    c.commit()
+    shutil.rmtree(files, ignore_errors=True)
+
+
 def _as_version_6(c):
     """Turn a state file (open on connection `c`) back into schema version 6: every match set
     in the encoding it had then (b"GFM1": every array int32)."""
+    _as_version_7(c)
     for round_, data in c.execute("SELECT round, data FROM match_sets").fetchall():
         if bytes(data[:4]) == b"GFM2":
             c.execute("UPDATE match_sets SET data = ? WHERE round = ?", (gfm1_bytes(MatchSet.from_bytes(data)), round_))
@@ -761,7 +798,7 @@ def test_sqlite_migrates_a_version_5_file_its_old_blocks_read_as_before(tmp_path
         assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
         assert _observe(s) == before and s.summary_heads() == heads
         assert s.put_summaries([summ(prompt_id="fresh", round=7, lengths=[300, 70000])]) == (1, 0)
-        magics = sorted(bytes(r[0][:4]) for r in s._conn.execute("SELECT data FROM summary_blocks"))
+        magics = sorted(data[:4] for data in _stored_blocks(s))
         assert magics[-1] == b"GFS2" and magics[0] == b"GFS1"  # the new block narrow, the old ones as they were
         fresh = [r for r in s.summaries(round=7) if r.prompt_id == "fresh"]
         assert fresh[0].lengths == [300, 70000]
@@ -805,8 +842,8 @@ def _as_version_3(c):
 def _as_version_2(s, c):
     """Turn the file of SqliteState `s` (open on connection `c`) back into schema version 2:
     summaries as rows (lists as JSON), no match sets."""
+    rows = s.summaries()  # (read by the current schema)
     _as_version_3(c)
-    rows = s.summaries()
     c.execute("""CREATE TABLE summaries (
         node_id TEXT NOT NULL, round INTEGER NOT NULL, prompt_id TEXT NOT NULL,
         policy_version INTEGER NOT NULL, n INTEGER NOT NULL, k INTEGER NOT NULL,
@@ -931,7 +968,7 @@ def test_sqlite_group_commit_shares_one_transaction_and_isolates_failures(tmp_pa
 
     def insert(conn, head, width, rows):
         statements.append(len(rows))
-        if any(isinstance(r[4], bytes) and b'"bad"' in r[4] for r in rows):
+        if "summary_blocks" in head and any(r[0] == "c" for r in rows):
             raise sqlite3.IntegrityError("this publish only")
         return real(conn, head, width, rows)
 
@@ -1006,7 +1043,7 @@ def test_sqlite_an_upload_for_a_damaged_block_stores_nothing(tmp_path):
     s = SqliteState(tmp_path / "g.db")
     try:
         s.put_summaries([summ("bad", 0, "p0")])
-        s._conn.execute("UPDATE summary_blocks SET data = x'00' WHERE node_id = 'bad'")  # damaged on disk
+        _damage_blocks(s, "bad")
         w = s.begin_bundle()
         w.write(b"bytes")
         w.prepare("a" * 64)
@@ -1027,7 +1064,7 @@ def test_sqlite_group_commit_writes_a_group_in_a_few_statements(tmp_path):
     s = SqliteState(tmp_path / "g.db")
     try:
         s.put_summaries([summ("bad", 0, "p0")])
-        s._conn.execute("UPDATE summary_blocks SET data = x'00' WHERE node_id = 'bad'")  # damaged on disk
+        _damage_blocks(s, "bad")
         s.put_summaries([summ("twice", 0, "p0")], node=node("twice", published=0))
         seen: list[str] = []
         s._conn.set_trace_callback(seen.append)
@@ -1092,8 +1129,9 @@ def test_sqlite_statements_come_in_a_few_shapes_whatever_the_group(tmp_path):
 def _blocks(s: SqliteState, node_id: str) -> list:
     from graft_fed.federation.summaryblock import SummaryBlock
 
-    return [SummaryBlock.from_bytes(d) for d, in s._conn.execute(
-        "SELECT data FROM summary_blocks WHERE node_id = ? ORDER BY round, seq", (node_id,))]
+    return [SummaryBlock.from_bytes(s._block_data(*r)) for r in s._conn.execute(
+        "SELECT node_id, round, data, file_offset, file_length, file_crc FROM summary_blocks WHERE node_id = ? "
+        "ORDER BY round, seq", (node_id,)).fetchall()]
 
 
 def test_sqlite_sigkill_between_the_group_insert_and_its_commit_loses_nothing_acknowledged(tmp_path):
@@ -1568,6 +1606,7 @@ def test_sqlite_bundle_reads_close_their_files(tmp_path):
     try:
         assert s.put_bundle("a" * 64, bytes(10_000))
         fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+        gc.collect()  # (earlier tests' objects, whose descriptors a collection would close below)
         before = fds()
         for _ in range(20):
             s.get_bundle("a" * 64)
@@ -1792,3 +1831,186 @@ def test_sqlite_a_wal_that_stopped_growing_is_checkpointed_once_and_starts_over(
     finally:
         s.close()
     assert not s.checkpointer.alive
+
+
+# ----- summary blocks as files (broker/blockfiles.py)
+def _block_rows(s) -> list[tuple]:
+    return s._conn.execute("SELECT node_id, round, seq, data, file_offset, file_length, file_crc FROM summary_blocks "
+                           "ORDER BY round, node_id, seq").fetchall()
+
+
+def test_sqlite_summary_blocks_are_appended_to_their_rounds_files(tmp_path):
+    """A publish's block is appended to its round's file in <db>-blocks/; its row holds where
+    (offset, length, CRC-32) and no bytes; the state reads the same before and after a
+    reopen."""
+    import zlib
+
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    try:
+        assert s.put_summaries([summ("a", 0, "p0"), summ("a", 0, "p1")]) == (2, 0)
+        assert s.put_summaries([summ("b", 0, "p0")]) == (1, 0)
+        assert s.put_summaries([summ("a", 1, "p0", k=3)]) == (1, 0)
+        rows = _block_rows(s)
+        assert sorted(os.listdir(tmp_path / "b.db-blocks")) == ["r0", "r1"]
+        r0 = (tmp_path / "b.db-blocks" / "r0").read_bytes()
+        assert [(r[0], r[1], r[4]) for r in rows] == [("a", 0, 0), ("b", 0, rows[0][5]), ("a", 1, 0)]
+        assert all(r[3] == b"" for r in rows) and len(r0) == rows[0][5] + rows[1][5]
+        for nid, rnd, _seq, _data, off, length, crc in rows:
+            data = (tmp_path / "b.db-blocks" / f"r{rnd}").read_bytes()[off:off + length]
+            assert zlib.crc32(data) == crc and SummaryBlock.from_bytes(data).node_id == nid
+        before = (s.summaries(), s.summary_heads())
+    finally:
+        s.close()
+    s = SqliteState(path)
+    try:
+        assert (s.summaries(), s.summary_heads()) == before
+        assert [r.k for r in s.summaries(round=1)] == [3]
+    finally:
+        s.close()
+
+
+def test_sqlite_bytes_no_row_names_are_cut_off_at_open(tmp_path):
+    """What a crash leaves between a group's append and its commit (bytes past the last block
+    a row names, the file of a round no row names) is gone after the next open, and what was
+    acknowledged reads as before; the next publish goes after the last named block."""
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    try:
+        s.put_summaries([summ("a", 0, "p0")])
+        size = os.path.getsize(tmp_path / "b.db-blocks" / "r0")
+        before = s.summaries()
+    finally:
+        s.close()
+    with open(tmp_path / "b.db-blocks" / "r0", "ab") as f:
+        f.write(b"half a block")
+    (tmp_path / "b.db-blocks" / "r5").write_bytes(b"a round whose commit never happened")
+    s = SqliteState(path)
+    try:
+        assert sorted(os.listdir(tmp_path / "b.db-blocks")) == ["r0"]
+        assert os.path.getsize(tmp_path / "b.db-blocks" / "r0") == size
+        assert s.summaries() == before
+        assert s.put_summaries([summ("b", 0, "p0")]) == (1, 0)
+        assert _block_rows(s)[1][4] == size and len(s.summaries(round=0)) == 2
+    finally:
+        s.close()
+
+
+def test_sqlite_a_damaged_or_short_block_file_fails_only_its_round(tmp_path, caplog):
+    """A block whose bytes no longer match its row's checksum, or that its file no longer
+    holds (a damaged volume, a backup of the database newer than its block files'), reads as
+    a damaged block (SummaryBlockError) for its round only; the open says which rounds."""
+    from graft_fed.federation.summaryblock import SummaryBlockError
+
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    try:
+        s.put_summaries([summ("a", 0, "p0")])
+        s.put_summaries([summ("a", 1, "p0")])
+        s.put_summaries([summ("a", 2, "p0")])
+        _damage_blocks(s, "a")  # every round's block changed...
+        with pytest.raises(SummaryBlockError, match=r"node 'a', round 0.*do not match the checksum"):
+            s.summaries(round=0)
+    finally:
+        s.close()
+    for rnd in (1, 2):  # ... rounds 1 and 2 restored from a good copy, then round 1 cut short, round 2 lost
+        data = bytearray((tmp_path / "b.db-blocks" / f"r{rnd}").read_bytes())
+        data[0] ^= 0xFF
+        (tmp_path / "b.db-blocks" / f"r{rnd}").write_bytes(bytes(data))
+    good = SqliteState(path)
+    try:
+        assert len(good.summaries(round=1)) == 1 and len(good.summaries(round=2)) == 1
+    finally:
+        good.close()
+    with open(tmp_path / "b.db-blocks" / "r1", "r+b") as f:
+        f.truncate(5)
+    os.unlink(tmp_path / "b.db-blocks" / "r2")
+    with caplog.at_level("ERROR", logger="graft_fed.broker"):
+        s = SqliteState(path)
+    try:
+        assert "2 round(s) (1, 2)" in caplog.text and "b.db-blocks" in caplog.text
+        with pytest.raises(SummaryBlockError, match=r"round 1: its file .* ends before"):
+            s.summary_heads(round=1)
+        with pytest.raises(SummaryBlockError, match=r"round 2: its file .* is missing"):
+            s.summaries(round=2)
+        assert s.put_summaries([summ("b", 3, "p0")]) == (1, 0) and len(s.summaries(round=3)) == 1
+    finally:
+        s.close()
+
+
+def test_sqlite_a_database_restored_without_its_block_files_stops_the_start(tmp_path):
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    s.put_summaries([summ("a", 0, "p0")])
+    s.close()
+    shutil.rmtree(tmp_path / "b.db-blocks")
+    with pytest.raises(DataError, match=r"names summary blocks of 1 round\(s\) stored as files in .*b\.db-blocks"):
+        SqliteState(path)
+    assert not (tmp_path / "b.db-blocks").exists()  # nothing created, nothing deleted
+    assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM summary_blocks").fetchone() == (1,)
+
+
+def test_sqlite_retention_deletes_the_block_files_of_the_rounds_it_drops(tmp_path):
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        for r in range(4):
+            s.put_round(RoundRow(round=r, state="matched", opened_at=0.0, matched_at=1.0))
+            s.put_summaries([summ("a", r, "p0")])
+        assert sorted(os.listdir(s.blocks.path)) == ["r0", "r1", "r2", "r3"]
+        s.prune(keep_rounds=2)
+        assert sorted(os.listdir(s.blocks.path)) == ["r2", "r3"]
+        assert [x.round for x in s.summaries()] == [2, 3]
+    finally:
+        s.close()
+
+
+def test_sqlite_a_full_disk_under_a_publish_stores_nothing_and_the_next_one_goes_on(tmp_path, monkeypatch):
+    """The block file's write fails (the disk is full): the publish is refused with
+    StorageFull and stores nothing (no row, nor the node's); the next publish after the disk
+    has room goes after what the failed write left, and is stored and reads back."""
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    try:
+        s.put_summaries([summ("a", 0, "p0")])
+        real = os.pwrite
+        calls = []
+
+        def full(fd, data, offset):
+            calls.append(offset)
+            real(fd, bytes(data)[:7], offset)  # part of it went to disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(os, "pwrite", full)
+        with pytest.raises(StorageFull, match="storage is full"):
+            s.put_summaries([summ("b", 0, "p0")], node=node("b", published=0))
+        monkeypatch.setattr(os, "pwrite", real)
+        assert calls and [r[0] for r in _block_rows(s)] == ["a"] and s.get_node("b") is None
+        assert s.put_summaries([summ("c", 0, "p0")]) == (1, 0)
+        assert [(x.node_id, x.prompt_id) for x in s.summaries()] == [("a", "p0"), ("c", "p0")]
+        (_, _, _, _, a_off, a_len, _), (_, _, _, _, c_off, c_len, _) = _block_rows(s)
+        assert (a_off, c_off) == (0, a_len + 7)  # after the 7 bytes no row names
+        end = c_off + c_len
+    finally:
+        s.close()
+    s = SqliteState(path)
+    try:
+        assert os.path.getsize(tmp_path / "b.db-blocks" / "r0") == end
+        assert [(x.node_id, x.prompt_id) for x in s.summaries()] == [("a", "p0"), ("c", "p0")]
+    finally:
+        s.close()
+
+
+def test_sqlite_one_write_across_more_rounds_than_files_kept_open(tmp_path):
+    """put_summaries of 20 rounds at once appends to 20 round files in one group (more than
+    the few the state keeps open: none is closed while the group still writes it), and the
+    next writes reopen the ones it closed after."""
+    from graft_fed.broker import blockfiles
+
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        rounds = range(2 * blockfiles._OPEN_FILES + 4)
+        assert s.put_summaries([summ("a", r, "p0") for r in rounds]) == (len(rounds), 0)
+        assert s.put_summaries([summ("b", r, "p0") for r in rounds]) == (len(rounds), 0)
+        assert len(os.listdir(s.blocks.path)) == len(rounds) and len(s.blocks._fds) <= blockfiles._OPEN_FILES
+        assert sorted((x.node_id, x.round) for x in s.summaries()) == sorted((n, r) for n in "ab" for r in rounds)
+    finally:
+        s.close()

@@ -148,11 +148,33 @@ def cap_pages(conn):
     return pages
 
 
+def fill_up(conn) -> None:
+    """Make a capped database (cap_pages) full to its last free page: filler rows until
+    SQLite refuses them."""
+    conn.execute("CREATE TABLE IF NOT EXISTS filler (x BLOB)")
+    size = 1 << 16
+    while size:
+        try:
+            conn.execute("INSERT INTO filler VALUES (zeroblob(?))", (size,))
+        except sqlite3.OperationalError as exc:
+            assert "full" in str(exc)
+            size //= 2
+
+
 def test_broker_full_disk_refuses_the_write_keeps_the_acknowledged_and_serves_reads(prompt_file, prompts, tmp_path):
     db = tmp_path / "broker.sqlite"
+    # 4 KiB pages (a file keeps the page size it has): a publish's row is a few bytes, its
+    # block's being in a file (broker/blockfiles.py), so in the 64 KiB pages of a new file the
+    # rows of thousands of rounds would fit in the pages the database has when it is capped
+    with sqlite3.connect(db) as c:
+        c.execute("PRAGMA page_size = 4096")
+        c.execute("CREATE TABLE t (x)")
+        c.execute("DROP TABLE t")
+    c.close()
     broker = start_broker(broker_config(prompt_file, db=str(db), max_publishes_per_s=0))
     a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
     try:
+        assert broker.state._conn.execute("PRAGMA page_size").fetchone() == (4096,)
         # a solves prompts 0-3 and fails 4-7, b the other way round: b is offered a's groups of 0-3
         assert a.publish(0, [summary(p, int(i < 4)) for i, p in enumerate(prompts[:8])]) == (8, 0)
         assert b.publish(0, [summary(p, int(i >= 4)) for i, p in enumerate(prompts[:8])]) == (8, 0)
@@ -161,6 +183,7 @@ def test_broker_full_disk_refuses_the_write_keeps_the_acknowledged_and_serves_re
         assert b.get_matches(0, 5.0).ready
         with broker.state._lock:
             cap_pages(broker.state._conn)
+            fill_up(broker.state._conn)
         # publish rounds until the database cannot grow
         acked, failed = {0: 8}, None
         for rnd in range(1, 2000):  # 64 KiB pages: the last ones may take many small publishes
