@@ -10,9 +10,9 @@ fdatasyncing it, then committing eight small rows, took 3.8 ms (1.9 ms of CPU) w
 left for the checkpoint (`bench/broker/results/block_files_micro.py.txt`).
 
 Durability, in this order, under the state's lock (one group commit at a time): the
-group's blocks are appended at the end of their rounds' files (a new file's directory entry
-fsynced when it is created), every file written is fdatasynced, then the rows naming them
-are inserted and the transaction commits (fsynced). A crash before the commit leaves bytes
+group's blocks are appended at the end of their rounds' files (the directory fsynced when a
+file is opened for appending, so that a new file's name is durable), every file written is
+fdatasynced, then the rows naming them are inserted and the transaction commits (fsynced). A crash before the commit leaves bytes
 no row names at the end of a file: harmless, and cut off at the next open (`sweep`, which
 also deletes the files of rounds no row names: a crash between retention's commit and its
 deletions). Nothing is ever written over: a region a committed row names never changes,
@@ -80,12 +80,12 @@ class BlockFiles:
         if got is not None:
             self._fds.move_to_end(round)
             return got
-        path = self.file(round)
-        created = not os.path.exists(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd = os.open(self.file(round), os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
-            if created:  # the new file's name must survive a crash as its bytes will
-                sync_dir(self.path)
+            # a new file's name must survive a crash as its bytes will: the directory is
+            # fsynced whenever a file is opened for appending (once per round, not per
+            # write), so that also a creation whose fsync failed is made durable by the next
+            sync_dir(self.path)
             entry = self._fds[round] = [fd, os.fstat(fd).st_size]
         except BaseException:
             os.close(fd)
