@@ -24,12 +24,13 @@ from graft_fed.broker.handlers import Federation
 from graft_fed.federation.codec import (OfferEncoder, manifest_from_pb, manifest_to_pb, match_result_to_wire,
                                         offers_wire, privacy_from_pb, report_entries_from_pb, summaries_from_columns,
                                         summaries_from_pb, summaries_in_bulk, upload_requests_wire)
-from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted
+from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted, Unavailable
 from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES,
                                          check_message, clip)
 from graft_fed.federation.status import INTERNAL_MESSAGE, to_status
 from graft_fed.federation.transport import TIMING_KEY
 from graft_fed.federation.signing import pem_to_der
+from graft_fed.federation.summaryblock import SummaryBlockError
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
@@ -171,6 +172,17 @@ def _mapped(stats: "RpcStats", name: str, context: grpc.ServicerContext, t0: flo
         return step()
     except FederationError as exc:
         code, message = to_status(exc)
+        stats.observe(name, code, time.perf_counter() - t0)
+        _abort(context, code, message)
+    except SummaryBlockError as exc:
+        # raised only for stored bytes (what the broker wrote no longer decodes, or a block
+        # file no longer holds what its row says): as for a damaged match set or bundle
+        # file, the operator reads what in the log, the caller is told the storage failed
+        # (UNAVAILABLE, retried), never a bare INTERNAL
+        log.error("%s: a stored summary block is damaged (a damaged volume, or a restored backup whose block files "
+                  "are older than its database?): %s", name, exc)
+        code, message = to_status(Unavailable("the broker's storage failed reading stored summaries: retry later "
+                                              "(details in the broker's log)"))
         stats.observe(name, code, time.perf_counter() - t0)
         _abort(context, code, message)
     except Exception:  # noqa: BLE001 - the last line of defence: never leak internals

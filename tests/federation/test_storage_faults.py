@@ -278,3 +278,30 @@ def test_trajectory_store_full_disk_is_a_clear_error_and_keeps_what_it_had(tmp_p
         steps = sorted({r.step for r in store.iter_records()})
         assert steps == list(range(failed_step))  # every earlier step whole, nothing of the failed one
         assert all(len(store.lookup([f"p{i}" for i in range(12)], step=s)) == 12 for s in steps)
+
+
+def test_a_damaged_stored_block_is_answered_unavailable_and_logged(prompt_file, prompts, tmp_path, caplog):
+    """A block file that no longer holds what its row says (one byte changed on disk): the
+    node whose stored block it is gets UNAVAILABLE ("the storage failed: retry later") when
+    its next publish of that round reads it, never a bare INTERNAL, and the log says which
+    block and why; another node's publish of the round is stored as usual."""
+    db = tmp_path / "broker.sqlite"
+    broker = start_broker(broker_config(prompt_file, db=str(db), max_publishes_per_s=0))
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    try:
+        assert a.publish(0, [summary(p, 1) for p in prompts[:4]]) == (4, 0)
+        with open(tmp_path / "broker.sqlite-blocks" / "r0", "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 0xFF]))
+        with caplog.at_level(logging.ERROR, logger="graft_fed"):
+            code, details = code_of(lambda: a.publish(0, [summary(p, 1) for p in prompts[4:8]]))
+        assert code == grpc.StatusCode.UNAVAILABLE and "storage failed" in details and "retry later" in details
+        assert "stored summary block is damaged" in caplog.text and "node 'a', round 0" in caplog.text
+        assert "do not match the checksum" in caplog.text
+        assert b.publish(0, [summary(p, 0) for p in prompts[:8]]) == (8, 0)
+        assert len(broker.state.summaries(node_id="b")) == 8
+    finally:
+        for c in (a, b):
+            c.close()
+        broker.stop()
