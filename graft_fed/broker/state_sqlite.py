@@ -317,10 +317,8 @@ class SqliteState(BrokerState):
         with self._tx() as conn:
             conn.execute("DELETE FROM bundle_parts WHERE parts NOT IN (SELECT parts FROM bundles)")
             held = dict(conn.execute("SELECT digest, size FROM bundles WHERE in_file = 1").fetchall())
-            if held and not os.path.isdir(where):
-                raise self._fail(self.path, f"names {len(held)} bundle(s) stored as files in {where!r}, which does "
-                                            "not exist. Restore that directory beside the database (docs/deploy.md, "
-                                            "State and backups), or create it empty to start without those bundles")
+            if held:
+                self._require_dir(where, f"{len(held)} bundle(s)", "create it empty to start without those bundles")
             self.files = BundleFiles(where)
             lost = self.files.sweep(held)
             if lost:
@@ -330,17 +328,24 @@ class SqliteState(BrokerState):
                             ", ".join(d[:16] for d in lost[:8]))
                 self._drop_bundles(conn, lost)
 
+    def _require_dir(self, where: str, named: str, otherwise: str) -> None:
+        """Rows name files in `where`: a directory missing there is an operator's mistake (a
+        volume not mounted, a database restored alone), not damage, so the start stops,
+        deleting nothing."""
+        if not os.path.isdir(where):
+            raise self._fail(self.path, f"names {named} stored as files in {where!r}, which does not exist. Restore "
+                                        "that directory beside the database (docs/deploy.md, State and backups), or "
+                                        + otherwise)
+
     def _open_blocks(self, where: str) -> None:
         """The summary blocks' directory (blockfiles.py), swept of what a crash left: files
         of rounds no row names, bytes past the last block rows name. As for bundles, a
         missing directory while rows name files in it stops the start."""
         ends = dict(self._read("SELECT round, MAX(file_offset + file_length) FROM summary_blocks "
                                "WHERE file_offset >= 0 GROUP BY round"))
-        if ends and not os.path.isdir(where):
-            raise self._fail(self.path, f"names summary blocks of {len(ends)} round(s) stored as files in {where!r}, "
-                                        "which does not exist. Restore that directory beside the database "
-                                        "(docs/deploy.md, State and backups), or move the database aside to start "
-                                        "with an empty state")
+        if ends:
+            self._require_dir(where, f"summary blocks of {len(ends)} round(s)",
+                              "move the database aside to start with an empty state")
         self.blocks = BlockFiles(where)
         short = self.blocks.sweep(ends)
         if short:
