@@ -63,7 +63,7 @@ def test_live_page_renders_a_running_three_node_sim(tiny_llama, tiny_gpt2, promp
         "broker": {"federation_id": "live-demo", "data": {"source": str(prompt_file)},
                    "verifier": {"name": "tests.plugins:odd_char_sum"}, "seed": 3, "n": 2, "prompts_per_round": 8,
                    "round_deadline_s": 60, "min_nodes": 3, "heartbeat_interval_s": 0.5, "offline_after_s": 20},
-        "base": {"run": {"steps": 14, "seed": 3, "checkpoint_every": 0, "eval_every": 2},
+        "base": {"run": {"steps": 120, "seed": 3, "checkpoint_every": 0, "eval_every": 2},
                  "data": {"source": str(prompt_file)}, "rollout": {"n": 2, "max_new_tokens": 6},
                  "verifier": {"name": "tests.plugins:odd_char_sum"},
                  "algorithm": {"prompts_per_step": 8, "num_minibatches": 2},
