@@ -4,21 +4,24 @@ its bytes are (offset, length, CRC-32) instead of the bytes.
 
 Why (issue 13): SQLite wrote every block twice, into the WAL at the commit and again into
 the database file at a checkpoint, page by page, and most of a 64 x 4,096 publish's write
-was that. A group commit of eight 480 KB blocks took 4.8 ms (2.6 ms of CPU) and each
-eighth round's checkpoint 32 ms more (12 ms of CPU); appending the same bytes to a file and
-fdatasyncing it, then committing eight small rows, took 3.8 ms (1.9 ms of CPU) with nothing
-left for the checkpoint (`bench/broker/results/block_files_micro.py.txt`).
+was that. A group commit of eight 480 KB blocks took 4.7 ms (2.8 ms of CPU), and a
+checkpoint every eighth group 32 ms more (14 ms of CPU); appending the same bytes to a file
+and fdatasyncing it, then committing eight small rows, took 3.7 ms (1.9 ms of CPU) with
+nothing left for the checkpoint (`bench/broker/results/block_files_micro.py.txt`,
+`block_files_micro.txt`).
 
 Durability, in this order, under the state's lock (one group commit at a time): the
 group's blocks are appended at the end of their rounds' files (the directory fsynced when a
 file is opened for appending, so that a new file's name is durable), every file written is
-fdatasynced, then the rows naming them are inserted and the transaction commits (fsynced). A crash before the commit leaves bytes
-no row names at the end of a file: harmless, and cut off at the next open (`sweep`, which
-also deletes the files of rounds no row names: a crash between retention's commit and its
-deletions). Nothing is ever written over: a region a committed row names never changes,
-so readers need no lock beyond the state's. A failed commit leaves its bytes in place (the
-next append goes after them; truncating could cut a commit SQLite reported failed but made
-durable), and the sweep cuts them off at the next open.
+fdatasynced, then the rows naming them are inserted and the transaction commits (fsynced).
+A crash before the commit leaves bytes no row names at the end of a file: harmless, and cut
+off at the next open (`sweep`, which also deletes the files of rounds no row names: a crash
+between retention's commit and its deletions). Nothing is ever written over: a region a
+committed row names never changes, so readers need no lock beyond the state's. A failed
+commit or write leaves its bytes in place and the next append goes after them (truncating
+could cut a commit SQLite reported failed but made durable): bytes no row names, which the
+sweep cuts off at the next open when they are a file's last, and which otherwise stay
+between two blocks until retention deletes the round's file.
 
 A read checks the region against its row: a file missing, shorter than the row says or
 whose bytes do not match the row's CRC-32 is a damaged block (`SummaryBlockError`, as a
