@@ -25,15 +25,26 @@ between two blocks until retention deletes the round's file.
 
 A read checks the region against its row: a file missing, shorter than the row says or
 whose bytes do not match the row's CRC-32 is a damaged block (`SummaryBlockError`, as a
-damaged blob in the database is), failing the reads and writes of that node's round only.
+damaged blob in the database is). The state fails the reads and writes of that node's round
+with it, and reads across nodes skip it with an error in the log (state_sqlite.py). After
+the open found a file missing or short, appends to it start where its rows end (a hole, not
+an overwrite of what they name).
+
+One broker per state: the directory is locked (an exclusive `flock` on its `.lock`, held
+until `close` and released by the kernel when the process dies). Two processes appending at
+their own idea of a file's end would write over each other's acknowledged blocks, and a
+second open's sweep would cut off what the first is about to commit; the second open stops
+with a DataError instead.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import re
+import stat
 import threading
 import zlib
 from collections import OrderedDict
@@ -45,8 +56,11 @@ from graft_fed.federation.summaryblock import SummaryBlockError
 
 log = logging.getLogger("graft_fed.broker")
 
-_NAME = re.compile(r"r(-?[0-9]{1,19})\Z")
-_OPEN_FILES = 8  # round files kept open for appending (the rounds being published)
+_NAME = re.compile(r"r(0|-?[1-9][0-9]{0,18})\Z")  # file_name's spelling only: r7, not r007
+#: round files kept open for appending: the rounds being published (asynchronous mode keeps
+#: up to max(16, 2 x staleness + 4) rounds open; a file reopened costs an open and a close)
+_OPEN_FILES = 64
+LOCK_NAME = ".lock"
 
 
 def file_name(round: int) -> str:
@@ -61,19 +75,35 @@ class BlockFiles:
     def __init__(self, path: str) -> None:
         self.path = path
         self._fds: OrderedDict[int, list[int]] = OrderedDict()  # round -> [fd, end] of files open for appending
+        self._floor: dict[int, int] = {}  # round -> where its rows end, for files the sweep found missing or short
+        self._unsynced: set[int] = set()  # rounds whose file was created and the directory not yet fsynced since
         self._mu = threading.Lock()
+        self._lock_fd: int | None = None
         try:
             if not os.path.isdir(path):
                 os.makedirs(path, mode=0o700, exist_ok=True)
-                sync_dir(os.path.dirname(os.path.abspath(path)))
+            sync_dir(os.path.dirname(os.path.abspath(path)))  # the directory's own name, durable
             probe = os.path.join(path, ".probe")
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
             os.close(fd)
             os.unlink(probe)
+            lock_fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
+                              0o600)
         except OSError as exc:
             raise DataError(f"broker block files {path!r}: cannot write there ({exc}); check that the directory "
                             "and its parent exist, belong to the broker's user and are writable (and that the disk "
                             "has space), or point the broker at another state file") from None
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(lock_fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DataError(f"broker block files {path!r}: another broker process has this state open (its "
+                                f"{LOCK_NAME} is locked). Run one broker per state file: stop the other one, or "
+                                "point this one at another state file") from None
+            raise DataError(f"broker block files {path!r}: cannot lock {LOCK_NAME} ({exc}); the directory must be "
+                            "on a filesystem with flock (a local disk, not every network share)") from None
+        self._lock_fd = lock_fd
 
     def file(self, round: int) -> str:
         return os.path.join(self.path, file_name(round))
@@ -83,13 +113,23 @@ class BlockFiles:
         if got is not None:
             self._fds.move_to_end(round)
             return got
-        fd = os.open(self.file(round), os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        if self._lock_fd is None:
+            raise OSError(errno.EBADF, "the block files are closed")
+        flags = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(self.file(round), flags | os.O_CREAT | os.O_EXCL, 0o600)
+            self._unsynced.add(round)
+        except FileExistsError:
+            fd = os.open(self.file(round), flags)
         try:
             # a new file's name must survive a crash as its bytes will: the directory is
-            # fsynced whenever a file is opened for appending (once per round, not per
-            # write), so that also a creation whose fsync failed is made durable by the next
-            sync_dir(self.path)
-            entry = self._fds[round] = [fd, os.fstat(fd).st_size]
+            # fsynced after a creation (and at every later open of that file until one such
+            # fsync succeeded)
+            if round in self._unsynced:
+                sync_dir(self.path)
+                self._unsynced.discard(round)
+            # past what rows name, also where the sweep found the file short (a hole there)
+            entry = self._fds[round] = [fd, max(os.fstat(fd).st_size, self._floor.get(round, 0))]
         except BaseException:
             os.close(fd)
             raise
@@ -141,7 +181,7 @@ class BlockFiles:
         """The bytes of a block stored at (offset, length) of the round's file; a
         SummaryBlockError naming `what` when they are missing or not what the row says."""
         try:
-            fd = os.open(self.file(round), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(self.file(round), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
             raise SummaryBlockError(f"{what}: its file {self.file(round)!r} is missing") from None
         except OSError as exc:
@@ -162,11 +202,22 @@ class BlockFiles:
 
     def remove_below(self, cutoff: int) -> None:
         """Delete the files of rounds before `cutoff` (after their rows were deleted); one
-        that cannot be deleted now is deleted at the next open."""
+        that cannot be deleted now is logged and deleted at the next open. Never raises: the
+        rows' deletion has committed."""
         with self._mu:
             for round in [r for r in self._fds if r < cutoff]:
-                os.close(self._fds.pop(round)[0])
-            for round in self._rounds_on_disk():
+                try:
+                    os.close(self._fds.pop(round)[0])
+                except OSError:
+                    pass
+            for round in [r for r in self._floor if r < cutoff]:
+                del self._floor[round]
+            try:
+                on_disk = self._rounds_on_disk()
+            except DataError as exc:
+                log.warning("%s; the files of rounds before %d are deleted at the next open", exc, cutoff)
+                return
+            for round in on_disk:
                 if round < cutoff:
                     self._unlink(round)
 
@@ -201,12 +252,19 @@ class BlockFiles:
             for round, end in sorted(ends.items()):
                 if round not in on_disk:
                     short[round] = end
+                    self._unsynced.add(round)  # its next file is a creation
                     continue
                 path = self.file(round)
                 try:
-                    size = os.path.getsize(path)
+                    st = os.lstat(path)
+                    if not stat.S_ISREG(st.st_mode):
+                        raise DataError(f"broker block files {self.path!r}: {file_name(round)} is not a regular "
+                                        "file (a directory, a link or a device is never written there); move it "
+                                        "aside and restore the round's file from a backup, or delete it to drop "
+                                        "that round's publishes")
+                    size = st.st_size
                     if size > end:
-                        fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+                        fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
                         try:
                             os.ftruncate(fd, end)
                             os.fsync(fd)
@@ -217,13 +275,16 @@ class BlockFiles:
                         short[round] = end - size
                 except OSError as exc:
                     raise DataError(f"broker block files {self.path!r}: cannot check {file_name(round)} ({exc}); "
-                                    "check that the directory belongs to the broker's user") from None
+                                    "check that the directory and its files belong to the broker's user") from None
+            self._floor = {round: ends[round] for round in short}
         if deleted or cut:
             log.info("broker block files %s: deleted %d file(s) of rounds no row names and cut the end off %d "
                      "(bytes of publishes a crash or a failed commit left unstored)", self.path, deleted, cut)
         return short
 
     def close(self) -> None:
+        """Close the files and release the directory's lock; an append after raises (the
+        storage's Unavailable)."""
         with self._mu:
             while self._fds:
                 _, (fd, _end) = self._fds.popitem()
@@ -231,6 +292,12 @@ class BlockFiles:
                     os.close(fd)
                 except OSError:
                     pass
+            if self._lock_fd is not None:
+                try:
+                    os.close(self._lock_fd)  # releases the flock
+                except OSError:
+                    pass
+                self._lock_fd = None
 
 
 def _pread_all(fd: int, offset: int, length: int) -> bytes:

@@ -47,7 +47,7 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -62,7 +62,7 @@ from graft_fed.broker.state_rows import (
     opt_int, opt_str, prune_cutoff, summary_key,
 )
 from graft_fed.errors import DataError
-from graft_fed.federation.summaryblock import SummaryBlock, facts_of, group_rows
+from graft_fed.federation.summaryblock import SummaryBlock, SummaryBlockError, facts_of, group_rows
 from graft_fed.federation.errors import NotFound, StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
@@ -292,6 +292,7 @@ class SqliteState(BrokerState):
         self._group_mu = threading.Lock()
         self._group_leader = False
         self.group_commits = 0  # transactions that committed a group (for benches and tests)
+        self._damage_logged: set[str] = set()  # damaged blocks reads across nodes skipped (logged once each)
         self.grouped_calls = 0
         self._conn = self._open(self.path)
         # bundles' bytes: a file each in <db>-bundles/ (bundles.in_file); digest -> uploads
@@ -341,13 +342,19 @@ class SqliteState(BrokerState):
         """The summary blocks' directory (blockfiles.py), swept of what a crash left: files
         of rounds no row names, bytes past the last block rows name. As for bundles, a
         missing directory while rows name files in it stops the start."""
-        ends = dict(self._read("SELECT round, MAX(file_offset + file_length) FROM summary_blocks "
-                               "WHERE file_offset >= 0 GROUP BY round"))
+        query = ("SELECT round, MAX(file_offset + file_length) FROM summary_blocks WHERE file_offset >= 0 "
+                 "GROUP BY round")
+        ends = dict(self._read(query))
         if ends:
             self._require_dir(where, f"summary blocks of {len(ends)} round(s)",
                               "move the database aside to start with an empty state")
-        self.blocks = BlockFiles(where)
-        short = self.blocks.sweep(ends)
+        self.blocks = BlockFiles(where)  # locked: one broker per state (blockfiles.py)
+        try:
+            # read again under the lock: another broker may have committed since
+            short = self.blocks.sweep(dict(self._read(query)))
+        except BaseException:
+            self.blocks.close()
+            raise
         if short:
             log.error("broker state %s: the block files of %d round(s) (%s) are missing or shorter than their rows "
                       "say (a damaged volume, or a backup of the database newer than that of %s): those "
@@ -831,14 +838,42 @@ class SqliteState(BrokerState):
                             ) -> tuple[list[tuple], dict[tuple[str, int], dict[str, str]]]:
         where, params = self._block_where(round, node_id, min_round)
         with self._lock:
-            blocks = [(nid, rnd, self._block_data(nid, rnd, *stored)) for nid, rnd, *stored in
-                      self._read(f"SELECT node_id, round, {_BLOCK_BYTES} FROM summary_blocks{where} "
-                                 "ORDER BY round, node_id, seq", params)]
+            blocks = []
+            for nid, rnd, *stored in self._read(f"SELECT node_id, round, {_BLOCK_BYTES} FROM summary_blocks{where} "
+                                                "ORDER BY round, node_id, seq", params):
+                try:
+                    blocks.append((nid, rnd, self._block_data(nid, rnd, *stored)))
+                except SummaryBlockError as exc:
+                    self._damaged(exc, node_id)
             digests: dict[tuple[str, int], dict[str, str]] = {}
             for nid, rnd, pid, d in self._read(f"SELECT node_id, round, prompt_id, digest FROM summary_digests{where}",
                                                params):
                 digests.setdefault((nid, rnd), {})[pid] = d
         return blocks, digests
+
+    def _damaged(self, exc: SummaryBlockError, node_id: str | None) -> None:
+        """A stored block that no longer reads: raised where the read is of one node (its own
+        round fails, as its writes do); skipped, with an error in the log (once per state and
+        block), where the read spans nodes, so that one damaged publish does not fail every
+        node's matching of its round (as if that node had not published it)."""
+        if node_id is not None:
+            raise exc
+        key = str(exc)
+        if key not in self._damage_logged:
+            self._damage_logged.add(key)
+            log.error("broker state %s: %s; reads across nodes skip it (as if it had not been published). Restore "
+                      "the blocks directory from a backup taken after the database's, or let retention drop the "
+                      "round", self.path, exc)
+
+    def _decoded(self, blocks: list[tuple], node_id: str | None, decode: Callable[[bytes], Any]
+                 ) -> Iterator[tuple[str, int, Any]]:
+        for nid, rnd, data in blocks:
+            try:
+                got = decode(data)
+            except SummaryBlockError as exc:
+                self._damaged(exc, node_id)
+                continue
+            yield nid, rnd, got
 
     def summaries(self, round: int | None = None, node_id: str | None = None,
                   prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryRow]:
@@ -848,8 +883,8 @@ class SqliteState(BrokerState):
             return []
         wanted_set = None if wanted is None else set(wanted)
         out: list[SummaryRow] = []
-        for nid, rnd, data in blocks:
-            out.extend(SummaryBlock.from_bytes(data).rows(digests.get((nid, rnd), {}), wanted_set))
+        for nid, rnd, block in self._decoded(blocks, node_id, SummaryBlock.from_bytes):
+            out.extend(block.rows(digests.get((nid, rnd), {}), wanted_set))
         out.sort(key=summary_key)
         return out
 
@@ -861,8 +896,7 @@ class SqliteState(BrokerState):
             return []
         wanted_set = None if wanted is None else set(wanted)
         out: list[SummaryHead] = []
-        for nid, rnd, data in blocks:
-            pids, n, k = SummaryBlock.heads_of(data)
+        for nid, rnd, (pids, n, k) in self._decoded(blocks, node_id, SummaryBlock.heads_of):
             dg = digests.get((nid, rnd), {})
             out.extend(SummaryHead(nid, rnd, pid, nn, kk, dg.get(pid, ""))
                        for pid, nn, kk in zip(pids, n.tolist(), k.tolist())

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from graft_fed.broker import bundlefiles
+from graft_fed.broker import blockfiles, bundlefiles
 from graft_fed.broker.bundlefiles import file_name
 from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
 from graft_fed.broker.matchset import MatchSet
@@ -1839,11 +1840,15 @@ def _block_rows(s) -> list[tuple]:
                            "ORDER BY round, node_id, seq").fetchall()
 
 
+def _round_files(path) -> list[str]:
+    """The round files of a blocks directory (not its .lock)."""
+    return sorted(n for n in os.listdir(path) if n != blockfiles.LOCK_NAME)
+
+
 def test_sqlite_summary_blocks_are_appended_to_their_rounds_files(tmp_path):
     """A publish's block is appended to its round's file in <db>-blocks/; its row holds where
     (offset, length, CRC-32) and no bytes; the state reads the same before and after a
     reopen."""
-    import zlib
 
     path = tmp_path / "b.db"
     s = SqliteState(path)
@@ -1852,7 +1857,7 @@ def test_sqlite_summary_blocks_are_appended_to_their_rounds_files(tmp_path):
         assert s.put_summaries([summ("b", 0, "p0")]) == (1, 0)
         assert s.put_summaries([summ("a", 1, "p0", k=3)]) == (1, 0)
         rows = _block_rows(s)
-        assert sorted(os.listdir(tmp_path / "b.db-blocks")) == ["r0", "r1"]
+        assert _round_files(tmp_path / "b.db-blocks") == ["r0", "r1"]
         r0 = (tmp_path / "b.db-blocks" / "r0").read_bytes()
         assert [(r[0], r[1], r[4]) for r in rows] == [("a", 0, 0), ("b", 0, rows[0][5]), ("a", 1, 0)]
         assert all(r[3] == b"" for r in rows) and len(r0) == rows[0][5] + rows[1][5]
@@ -1887,7 +1892,7 @@ def test_sqlite_bytes_no_row_names_are_cut_off_at_open(tmp_path):
     (tmp_path / "b.db-blocks" / "r5").write_bytes(b"a round whose commit never happened")
     s = SqliteState(path)
     try:
-        assert sorted(os.listdir(tmp_path / "b.db-blocks")) == ["r0"]
+        assert _round_files(tmp_path / "b.db-blocks") == ["r0"]
         assert os.path.getsize(tmp_path / "b.db-blocks" / "r0") == size
         assert s.summaries() == before
         assert s.put_summaries([summ("b", 0, "p0")]) == (1, 0)
@@ -1910,7 +1915,7 @@ def test_sqlite_a_damaged_or_short_block_file_fails_only_its_round(tmp_path, cap
         s.put_summaries([summ("a", 2, "p0")])
         _damage_blocks(s, "a")  # every round's block changed...
         with pytest.raises(SummaryBlockError, match=r"node 'a', round 0.*do not match the checksum"):
-            s.summaries(round=0)
+            s.summaries(round=0, node_id="a")
     finally:
         s.close()
     for rnd in (1, 2):  # ... rounds 1 and 2 restored from a good copy, then round 1 cut short, round 2 lost
@@ -1930,9 +1935,9 @@ def test_sqlite_a_damaged_or_short_block_file_fails_only_its_round(tmp_path, cap
     try:
         assert "2 round(s) (1, 2)" in caplog.text and "b.db-blocks" in caplog.text
         with pytest.raises(SummaryBlockError, match=r"round 1: its file .* ends before"):
-            s.summary_heads(round=1)
+            s.summary_heads(round=1, node_id="a")
         with pytest.raises(SummaryBlockError, match=r"round 2: its file .* is missing"):
-            s.summaries(round=2)
+            s.summaries(round=2, node_id="a")
         assert s.put_summaries([summ("b", 3, "p0")]) == (1, 0) and len(s.summaries(round=3)) == 1
     finally:
         s.close()
@@ -1956,12 +1961,147 @@ def test_sqlite_retention_deletes_the_block_files_of_the_rounds_it_drops(tmp_pat
         for r in range(4):
             s.put_round(RoundRow(round=r, state="matched", opened_at=0.0, matched_at=1.0))
             s.put_summaries([summ("a", r, "p0")])
-        assert sorted(os.listdir(s.blocks.path)) == ["r0", "r1", "r2", "r3"]
+        assert _round_files(s.blocks.path) == ["r0", "r1", "r2", "r3"]
         s.prune(keep_rounds=2)
-        assert sorted(os.listdir(s.blocks.path)) == ["r2", "r3"]
+        assert _round_files(s.blocks.path) == ["r2", "r3"]
         assert [x.round for x in s.summaries()] == [2, 3]
     finally:
         s.close()
+
+
+def test_sqlite_reads_across_nodes_skip_a_damaged_block_and_log_it_once(tmp_path, caplog):
+    """One damaged publish does not fail its round for everyone: a read of the round (every
+    node's: the round index's rebuild, matching) skips it with an error in the log, once;
+    the owner's own reads and writes of that round still fail with the damage."""
+    from graft_fed.federation.summaryblock import SummaryBlockError
+
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        s.put_summaries([summ("a", 0, "p0"), summ("a", 0, "p1")])
+        s.put_summaries([summ("b", 0, "p0")])
+        _damage_blocks(s, "a")
+        with caplog.at_level("ERROR", logger="graft_fed.broker"):
+            assert [(h.node_id, h.prompt_id) for h in s.summary_heads(round=0)] == [("b", "p0")]
+            assert [(x.node_id, x.prompt_id) for x in s.summaries(round=0)] == [("b", "p0")]
+            assert [(x.node_id, x.prompt_id) for x in s.summaries()] == [("b", "p0")]
+        damaged = [r for r in caplog.records if "reads across nodes skip it" in r.getMessage()]
+        assert len(damaged) == 1 and "node 'a', round 0" in damaged[0].getMessage()
+        with pytest.raises(SummaryBlockError, match="node 'a', round 0"):
+            s.summaries(node_id="a")
+        with pytest.raises(SummaryBlockError, match="node 'a', round 0"):
+            s.put_summaries([summ("a", 0, "p2")])
+    finally:
+        s.close()
+
+
+def test_sqlite_a_second_broker_on_the_same_state_is_refused(tmp_path):
+    """Two brokers on one state would append at their own ends of a round's file, over each
+    other's acknowledged blocks, and the second's sweep would cut what the first is about
+    to commit: the second open stops, naming the cause; after the first closes it opens."""
+    path = tmp_path / "b.db"
+    first = SqliteState(path)
+    try:
+        first.put_summaries([summ("a", 0, "p0")])
+        with pytest.raises(DataError, match=r"another broker process has this state open.*one broker per state"):
+            SqliteState(path)
+        assert first.put_summaries([summ("b", 0, "p0")]) == (1, 0)  # the first one is untouched
+        assert len(first.summaries(round=0)) == 2
+    finally:
+        first.close()
+    again = SqliteState(path)
+    try:
+        assert [x.node_id for x in again.summaries(round=0)] == ["a", "b"]
+    finally:
+        again.close()
+
+
+def test_sqlite_a_short_block_file_is_appended_past_its_rows_never_over_them(tmp_path):
+    """A round's file found short at open (a restored copy older than the database's): the
+    next block of that round goes where the rows end (a hole before it), so the region an
+    acknowledged row names is never written over; the damaged rows stay damaged, the new one
+    reads back, also after a reopen."""
+    from graft_fed.federation.summaryblock import SummaryBlockError
+
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    try:
+        s.put_summaries([summ("a", 0, "p0")])
+        s.put_summaries([summ("b", 0, "p0")])
+        (_, _, _, _, a_off, a_len, _), (_, _, _, _, b_off, b_len, _) = _block_rows(s)
+    finally:
+        s.close()
+    with open(tmp_path / "b.db-blocks" / "r0", "r+b") as f:
+        f.truncate(a_off + a_len)  # b's block lost
+    for _ in range(2):  # the second open finds the file short again (a hole is not b's bytes)
+        s = SqliteState(path)
+        try:
+            with pytest.raises(SummaryBlockError, match="node 'b', round 0"):
+                s.summaries(round=0, node_id="b")
+            if len(_block_rows(s)) == 2:
+                assert s.put_summaries([summ("c", 0, "p0")]) == (1, 0)
+            c_off = _block_rows(s)[2][4]
+            assert c_off == b_off + b_len  # after b's region, not over it
+            assert [x.node_id for x in s.summaries(round=0)] == ["a", "c"]
+        finally:
+            s.close()
+
+
+def test_sqlite_a_round_file_that_is_not_a_regular_file_stops_the_start(tmp_path):
+    """A link or a directory where a round's file should be: the open stops and says so, and
+    follows nothing (the link's target is not cut to the rows' end)."""
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    s.put_summaries([summ("a", 0, "p0")])
+    s.close()
+    r0 = tmp_path / "b.db-blocks" / "r0"
+    victim = tmp_path / "victim"
+    victim.write_bytes(r0.read_bytes() + b"x" * 1000)
+    size = victim.stat().st_size
+    r0.unlink()
+    r0.symlink_to(victim)
+    with pytest.raises(DataError, match=r"r0 is not a regular file"):
+        SqliteState(path)
+    assert victim.stat().st_size == size  # not cut to the rows' end
+    r0.unlink()
+    r0.mkdir()
+    with pytest.raises(DataError, match=r"r0 is not a regular file"):
+        SqliteState(path)
+
+
+def test_block_files_fsync_the_directory_after_a_creation_only(tmp_path, monkeypatch):
+    """A new round file's name is made durable (its directory fsynced) once; appends to a
+    file that exists, also after a reopen, fsync no directory; a creation whose directory
+    fsync failed is fsynced at the next append to it."""
+
+    synced = []
+    real = blockfiles.sync_dir
+    monkeypatch.setattr(blockfiles, "sync_dir", lambda p: (synced.append(p), real(p)))
+    files = blockfiles.BlockFiles(str(tmp_path / "blocks"))
+    try:
+        synced.clear()
+        for _ in range(3):
+            files.append([(r, b"x" * 10) for r in range(12)])
+        assert len(synced) == 12
+    finally:
+        files.close()
+    files = blockfiles.BlockFiles(str(tmp_path / "blocks"))
+    try:
+        synced.clear()
+        files.append([(r, b"y") for r in range(12)])
+        assert synced == []
+
+        def fails(p):
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(blockfiles, "sync_dir", fails)
+        with pytest.raises(Exception, match="storage failed"):
+            files.append([(20, b"z")])
+        monkeypatch.setattr(blockfiles, "sync_dir", lambda p: (synced.append(p), real(p)))
+        assert files.append([(20, b"z")]) == [(0, 1, zlib.crc32(b"z"))]
+        assert len(synced) == 1
+    finally:
+        files.close()
+    with pytest.raises(Exception, match="storage failed"):
+        files.append([(0, b"after close")])
 
 
 def test_sqlite_a_full_disk_under_a_publish_stores_nothing_and_the_next_one_goes_on(tmp_path, monkeypatch):
@@ -2003,14 +2143,13 @@ def test_sqlite_one_write_across_more_rounds_than_files_kept_open(tmp_path):
     """put_summaries of 20 rounds at once appends to 20 round files in one group (more than
     the few the state keeps open: none is closed while the group still writes it), and the
     next writes reopen the ones it closed after."""
-    from graft_fed.broker import blockfiles
 
     s = SqliteState(tmp_path / "b.db")
     try:
         rounds = range(2 * blockfiles._OPEN_FILES + 4)
         assert s.put_summaries([summ("a", r, "p0") for r in rounds]) == (len(rounds), 0)
         assert s.put_summaries([summ("b", r, "p0") for r in rounds]) == (len(rounds), 0)
-        assert len(os.listdir(s.blocks.path)) == len(rounds) and len(s.blocks._fds) <= blockfiles._OPEN_FILES
+        assert len(_round_files(s.blocks.path)) == len(rounds) and len(s.blocks._fds) <= blockfiles._OPEN_FILES
         assert sorted((x.node_id, x.round) for x in s.summaries()) == sorted((n, r) for n in "ab" for r in rounds)
     finally:
         s.close()
