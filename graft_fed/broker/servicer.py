@@ -250,7 +250,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             if request.HasField("columns"):
                 if request.summaries:
                     raise InvalidArgument("a publish carries summaries or columns, not both")
-                bulk = summaries_from_columns(request)
+                bulk = summaries_from_columns(request, raw.raw)
                 if not bulk.within_bounds():
                     raise InvalidArgument("columns.policy_versions: a value does not fit a signed 64-bit integer")
             else:

@@ -117,3 +117,71 @@ def test_publishes_of_the_same_prompts_share_one_checked_list(broker, prompts):
     code, details = _code(lambda: _publish(a, 1, columns=twice))  # refused again, from the memo
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "twice" in details
     assert len(broker.state.summaries()) == 6
+
+
+def _request_bytes(node, round, columns_payload: bytes, twice: bool = False) -> bytes:
+    """A PublishRequest on the wire with `columns_payload` as its columns field (6)."""
+    from graft_fed.federation.protowire import varint
+
+    head = pb.PublishRequest(node_id=node, round=round).SerializeToString()
+    field = b"\x32" + varint(len(columns_payload)) + columns_payload
+    return head + field + (field if twice else b"")
+
+
+def test_a_publishs_prompt_ids_are_recognised_on_the_wire_only_when_they_are_exactly_a_known_list(prompts):
+    """From its second sighting, a list of prompt ids is recognised in a publish's bytes (the
+    same interned object, without reading the ids one by one). Whatever is not exactly that
+    list, field for field, is read as protobuf reads it: fields in another order, one more
+    id after the other columns, the columns field twice (protobuf merges them), another list
+    with the same start."""
+    from graft_fed.federation import codec
+    from graft_fed.federation.codec import summaries_from_columns
+
+    groups = [summary(p, 1) for p in prompts[:5]]
+    cols = columns_to_pb(groups)
+    raw = pb.PublishRequest(node_id="a", round=7, columns=cols).SerializeToString()
+
+    def read(data: bytes):
+        return summaries_from_columns(pb.PublishRequest.FromString(data), data).block
+
+    calls = []
+    real = codec.intern_ids
+    codec.intern_ids = lambda ids: (calls.append(1), real(ids))[1]
+    try:
+        first, second = read(raw), read(raw)
+        assert calls == [1, 1]
+        third = read(raw)
+        assert calls == [1, 1] and third.prompt_ids is first.prompt_ids is second.prompt_ids  # recognised
+        expected = list(pb.PublishRequest.FromString(raw).columns.prompt_ids)
+        assert third.prompt_ids == expected and list(third.k) == [1] * 5
+
+        def outcome(data: bytes, wire: bool):
+            try:
+                got = summaries_from_columns(pb.PublishRequest.FromString(data), data if wire else None).block
+                return got.prompt_ids, got.k.tolist()
+            except Exception as exc:  # noqa: BLE001 - the same refusal both ways
+                return type(exc).__name__, str(exc)
+
+        def encoded(ids):
+            return b"".join(b"\x0a" + bytes([len(p)]) + p.encode() for p in ids)
+
+        payload = cols.SerializeToString()
+        ids_part = encoded(expected)
+        assert payload.startswith(ids_part)
+        rest = payload[len(ids_part):]
+        six = [summary(p, 1) for p in prompts[:6]]
+        rest6 = columns_to_pb(six).SerializeToString()[len(encoded([g.prompt_id for g in six])):]
+        cases = {
+            "ids after the other fields": rest + ids_part,
+            "a sixth id after the other fields": ids_part + rest6 + encoded([six[5].prompt_id]),
+            "another list, same start": encoded(expected[:-1] + ["zzz"]) + rest,
+            "the columns field twice": None,
+        }
+        for name, body in cases.items():
+            data = _request_bytes("a", 7, payload, twice=True) if body is None else _request_bytes("a", 7, body)
+            assert outcome(data, True) == outcome(data, False), name
+        assert len(outcome(_request_bytes("a", 7, cases["a sixth id after the other fields"]), True)[0]) == 6
+        calls.clear()
+        assert read(raw).prompt_ids is first.prompt_ids and calls == []  # still known
+    finally:
+        codec.intern_ids = real
