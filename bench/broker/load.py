@@ -91,8 +91,9 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
     acked: dict[int, tuple[int, int, float]] = {}
     ready_wait: list[float] = []
     certs = Path(ctx["certs"])
-    client = BrokerClient(ctx["address"], name, rpc_timeout_s=ctx["rpc_timeout_s"], tls_ca=str(certs / "ca.pem"),
-                          tls_cert=str(certs / f"{name}.pem"), tls_key=str(certs / f"{name}.key"))
+    tls = {} if ctx.get("plaintext") else {"tls_ca": str(certs / "ca.pem"), "tls_cert": str(certs / f"{name}.pem"),
+                                           "tls_key": str(certs / f"{name}.key")}
+    client = BrokerClient(ctx["address"], name, rpc_timeout_s=ctx["rpc_timeout_s"], **tls)
     heartbeat = client.stub.Heartbeat.with_call
     # per heartbeat: (sent, picked, entered, left, received), Unix seconds; the middle three are
     # the broker's (TIMING_KEY), nan when it sent none; a failed one: (sent, received, code)
@@ -439,7 +440,8 @@ def markdown(payload: dict) -> str:
              "restart at " + ", ".join(f"{t:.0f}" for t in a["restart_at"]) + f" s ({info['date']})", "",
              f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
              f"git {info['git']}. Command: `{payload['command']}`.", "",
-             f"- mutual TLS on 127.0.0.1, {a['procs']} node processes, broker defaults (sync, pairwise, SQLite "
+             f"- {'plaintext (no TLS: a diagnosis)' if a.get('plaintext') else 'mutual TLS'} on 127.0.0.1, "
+             f"{a['procs']} node processes, broker defaults (sync, pairwise, SQLite "
              "WAL + synchronous=FULL)",
              f"- load average (1 min) during the run: min {payload['load']['min']:.2f}, median "
              f"{payload['load']['median']:.2f}, max {payload['load']['max']:.2f}",
@@ -611,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="environment of the broker process only (e.g. MALLOC_ARENA_MAX=2)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", dest="broker_set",
                     help="broker settings over the bench's (a YAML value each), e.g. malloc_trim_s=0")
+    ap.add_argument("--plaintext", action="store_true",
+                    help="no TLS: the broker on loopback without certificates, the nodes on plaintext channels "
+                         "(a diagnosis of what mutual TLS costs; the targets are over mutual TLS)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (certs, db, broker.log)")
     ap.add_argument("--render", metavar="JSON",
                     help="run nothing: recompute the per-life summaries of a result file from its samples and "
@@ -643,6 +648,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"listen": f"127.0.0.1:{port}", "http": http, "db": str(db), "data": {"source": str(prompts_path)},
            "verifier": {"name": VERIFIER}, "seed": args.seed, "n": GROUP_N, "prompts_per_round": args.prompts,
            "tls_cert": str(c / "broker.pem"), "tls_key": str(c / "broker.key"), "client_ca": str(c / "ca.pem")}
+    if args.plaintext:  # a diagnosis: what TLS (OpenSSL, 256 connections) adds to the broker's memory and time
+        for key in ("tls_cert", "tls_key", "client_ca"):
+            del cfg[key]
     if args.nodes > 90:  # one waiting GetMatches per node must fit (docs/deploy.md, "What one broker holds")
         cfg["max_long_polls"] = args.nodes + 8
         cfg["max_workers"] = args.nodes + 64
@@ -686,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler = threading.Thread(target=sample, daemon=True)
         ctx = {"address": f"127.0.0.1:{port}", "certs": str(c), "prompt_ids": [p.id for p in prompts],
                "manifest": manifest, "rpc_timeout_s": args.rpc_timeout_s, "match_wait_s": args.match_wait_s,
-               "backoff_cap_s": args.backoff_cap_s, "seed": args.seed}
+               "backoff_cap_s": args.backoff_cap_s, "seed": args.seed, "plaintext": args.plaintext}
         mpctx = mp.get_context("spawn")
         queue, go, end = mpctx.Queue(), mpctx.Event(), mpctx.Value("d", 0.0)
         # the last `--probes` nodes each run alone in a process, as a real node does; the

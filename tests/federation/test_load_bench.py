@@ -3,6 +3,7 @@ summaries over mutual TLS for a few seconds, the broker SIGKILLed and restarted 
 SQLite file in the middle; nothing acknowledged lost or duplicated, results written."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,24 @@ def test_render_with_other_windows_and_back_and_bad_widths(tmp_path):
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "load.py"), "--render", str(src),
                                "--window-s", bad], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and "--window-s" in proc.stderr, (bad, proc.stderr[-500:])
+
+
+def test_load_bench_plaintext_runs_the_same_load_without_tls(tmp_path):
+    """`--plaintext` (a diagnosis of what mutual TLS costs): the broker gets no certificates,
+    the nodes plaintext channels, and the load and its checks are the same."""
+    args = ["--nodes", "3", "--prompts", "8", "--duration", "4", "--restart-at", "-1", "--procs", "1",
+            "--sample-s", "0.5", "--memory-s", "0", "--rpc-timeout-s", "5", "--match-wait-s", "1", "--backoff-cap-s", "0.5",
+            "--plaintext", "--keep", "--out-dir", str(tmp_path), "--name", "plain"]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "load.py"), *args],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "plain.json").read_text())
+    v = res["verify"]
+    assert v["acknowledged_summaries"] > 0 and v["lost"] == 0 and v["duplicate_keys"] == 0
+    assert "- plaintext (no TLS: a diagnosis) on 127.0.0.1" in (tmp_path / "plain.md").read_text()
+    work = Path(proc.stdout.split("work directory ", 1)[1].split()[0])
+    try:
+        broker_cfg = (work / "broker.yaml").read_text()
+        assert "tls_cert" not in broker_cfg and "client_ca" not in broker_cfg
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
