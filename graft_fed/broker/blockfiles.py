@@ -252,7 +252,6 @@ class BlockFiles:
             for round, end in sorted(ends.items()):
                 if round not in on_disk:
                     short[round] = end
-                    self._unsynced.add(round)  # its next file is a creation
                     continue
                 path = self.file(round)
                 try:

@@ -16,7 +16,7 @@ from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
 from graft_fed.federation.errors import InvalidArgument
 from graft_fed.federation.limits import INT64_MAX, MAX_REPEATED, MAX_STRING_LEN
-from graft_fed.federation.protowire import varint as _varint
+from graft_fed.federation.protowire import read_varint, varint as _varint
 from graft_fed.federation.summaryblock import SummaryBlock, facts_of, intern_ids
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import views_pb2
@@ -182,31 +182,18 @@ _wire_ids: list[tuple[bytes, list[str]]] = []  # (encoding, interned list), the 
 _wire_lock = threading.Lock()
 
 
-def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = raw[pos]  # IndexError past the end
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
-
-
 def _columns_span(raw: bytes) -> tuple[int, int] | None:
     """(start, end) of PublishRequest.columns's payload in `raw`, when the field occurs
     exactly once and the message's fields are well formed; else None."""
     pos, end, span = 0, len(raw), None
     try:
         while pos < end:
-            key, pos = _read_varint(raw, pos)
+            key, pos = read_varint(raw, pos)
             wire_type = key & 7
             if wire_type == 0:
-                _, pos = _read_varint(raw, pos)
+                _, pos = read_varint(raw, pos)
             elif wire_type == 2:
-                size, pos = _read_varint(raw, pos)
+                size, pos = read_varint(raw, pos)
                 if key >> 3 == _COLUMNS_FIELD:
                     if span is not None:
                         return None
@@ -223,12 +210,9 @@ def _columns_span(raw: bytes) -> tuple[int, int] | None:
     return span if pos == end and span is not None and span[1] <= end else None
 
 
-def _ids_on_wire(raw: bytes, count: int) -> list[str] | None:
-    """The interned list of prompt ids `raw`'s columns hold, when it is one of the last few
-    (see above); None otherwise."""
-    span = _columns_span(raw)
-    if span is None:
-        return None
+def _ids_on_wire(raw: bytes, span: tuple[int, int], count: int) -> list[str] | None:
+    """The interned list of prompt ids `raw`'s columns (at `span`) hold, when it is one of
+    the last few (see above); None otherwise."""
     start, end = span
     with _wire_lock:
         known = list(_wire_ids)
@@ -239,18 +223,17 @@ def _ids_on_wire(raw: bytes, count: int) -> list[str] | None:
     return None
 
 
-def _learn_ids(raw: bytes, pids: list[str]) -> None:
+def _learn_ids(raw: bytes, span: tuple[int, int], pids: list[str]) -> None:
     """Remember an interned list's encoding once a second publish brought it, when `raw`
-    encodes it as this module expects (first in the columns, in order)."""
+    encodes it as this module expects (first in the columns at `span`, in order)."""
     facts = facts_of(pids)
     if facts is None or "wire" in facts:
         return
     facts["seen"] = seen = facts.get("seen", 0) + 1
     if seen < 2:
         return
-    span = _columns_span(raw)
     wire = b"".join(_IDS_TAG + _varint(len(e)) + e for e in (p.encode() for p in pids))
-    facts["wire"] = ok = span is not None and raw[span[0]:span[0] + len(wire)] == wire
+    facts["wire"] = ok = raw[span[0]:span[0] + len(wire)] == wire
     if ok:
         with _wire_lock:
             _wire_ids[:] = [(w, i) for w, i in _wire_ids if i is not pids][-(_WIRE_KEEP - 1):] + [(wire, pids)]
@@ -269,11 +252,12 @@ def summaries_from_columns(request: pb.PublishRequest, raw: bytes | None = None)
     count = len(c.prompt_ids)
     if count > MAX_REPEATED:
         raise InvalidArgument(f"columns.prompt_ids has {count} entries; at most {MAX_REPEATED}")
-    pids = _ids_on_wire(raw, count) if raw is not None and count else None
+    span = _columns_span(raw) if raw is not None and count else None
+    pids = _ids_on_wire(raw, span, count) if span is not None else None
     if pids is None:
         pids = intern_ids(list(c.prompt_ids))
-        if raw is not None and count:
-            _learn_ids(raw, pids)
+        if span is not None:
+            _learn_ids(raw, span, pids)
     if _longest(pids) > MAX_STRING_LEN:
         longest = next(len(p) for p in pids if len(p) > MAX_STRING_LEN)
         raise InvalidArgument(f"columns.prompt_ids is {longest} characters long; at most {MAX_STRING_LEN}")

@@ -1,6 +1,7 @@
-"""Protobuf's wire format, the one piece graft-fed writes by hand: a varint. Used where
+"""Protobuf's wire format, the one piece graft-fed handles by hand: a varint. Written where
 messages are assembled from bytes rather than built as objects (federation/codec.py's cached
-answers, the front's chunks of a bundle file: broker/front.py)."""
+answers, the front's chunks of a bundle file: broker/front.py); read where a publish's prompt
+ids are recognised in its bytes (federation/codec.py)."""
 
 from __future__ import annotations
 
@@ -13,3 +14,18 @@ def varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+def read_varint(raw: bytes, pos: int) -> tuple[int, int]:
+    """(the varint at `pos`, the position after it); IndexError when `raw` ends inside it,
+    ValueError when it runs past 64 bits."""
+    value = shift = 0
+    while True:
+        b = raw[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")

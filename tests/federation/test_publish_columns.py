@@ -185,3 +185,15 @@ def test_a_publishs_prompt_ids_are_recognised_on_the_wire_only_when_they_are_exa
         assert read(raw).prompt_ids is first.prompt_ids and calls == []  # still known
     finally:
         codec.intern_ids = real
+
+
+def test_a_varint_reads_back_what_protowire_writes():
+    from graft_fed.federation.protowire import read_varint, varint
+
+    for value in (0, 1, 127, 128, 300, 2**32 - 1, 2**63 - 1, 2**64 - 1):
+        data = b"\x09" + varint(value) + b"\x07"
+        assert read_varint(data, 1) == (value, len(data) - 1)
+    with pytest.raises(IndexError):
+        read_varint(varint(300)[:-1], 0)  # cut inside
+    with pytest.raises(ValueError, match="too long"):
+        read_varint(b"\xff" * 11, 0)
