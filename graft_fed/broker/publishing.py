@@ -3,13 +3,15 @@ columns at once), stored durably, then made visible to matching through the roun
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import replace
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import numpy as np
 
 from graft_fed.broker.context import Context, Part
+from graft_fed.broker.publishqueue import PublishQueue
 from graft_fed.broker.ratelimit import PublishRateLimit
 from graft_fed.broker.state import RoundRow
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -18,6 +20,16 @@ from graft_fed.federation.messages import SummaryRow
 from graft_fed.federation.summaryblock import SummaryBlock, facts_of
 
 MAX_SUMMARIES_FACTOR = MAX_PER_ROUND_FACTOR  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
+
+
+@dataclass(frozen=True)
+class Publish:
+    """One node's checked publish of a round, as `Publishing.publish_many` stores it."""
+
+    node_id: str
+    session_id: str
+    round: int
+    block: SummaryBlock
 
 
 def _std_matches(k: int, n: int, claimed: float) -> bool:
@@ -29,10 +41,50 @@ def _std_matches(k: int, n: int, claimed: float) -> bool:
     return any(abs(claimed - c) <= 1e-6 * max(1.0, c) for c in candidates)
 
 
+@dataclass(frozen=True)
+class Queued:
+    """A publish as received, for the publish queue: `prepare()` (run in a work slot) decodes
+    and checks it and returns its block and `finish(stored)`, called once it is stored or
+    has failed (the servicer's replay ticket)."""
+
+    node_id: str
+    session_id: str
+    round: int
+    prepare: Callable[[], tuple[SummaryBlock, Callable[[bool], None]]]
+
+
 class Publishing(Part):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self._publish_rate = PublishRateLimit(ctx.cfg.max_publishes_per_s)
+        self.queue = PublishQueue(self.run_queued)
+
+    def submit(self, work: Queued) -> tuple[int, int]:
+        """A received publish through the publish queue (publishqueue.py): decoded, checked
+        and stored by its thread, with the others waiting; (accepted, duplicates)."""
+        return self.queue.submit(work.node_id, work)
+
+    def run_queued(self, works: Sequence[Queued]) -> list[tuple[int, int] | Exception]:
+        """The publish queue's batch: each publish prepared in a work slot, then all of them
+        stored in one commit (`publish_many`)."""
+        out: list[tuple[int, int] | Exception] = [InvalidArgument("not run")] * len(works)
+        ready: list[tuple[int, Publish, Callable[[bool], None]]] = []
+        for i, w in enumerate(works):
+            try:
+                with self.work:
+                    block, finish = w.prepare()
+            except Exception as exc:  # noqa: BLE001 - each publish its own outcome
+                out[i] = exc
+                continue
+            ready.append((i, Publish(w.node_id, w.session_id, w.round, block), finish))
+        try:
+            stored: list[tuple[int, int] | Exception] = self.publish_many([p for _, p, _ in ready])
+        except Exception as exc:  # noqa: BLE001 - their tickets end all the same
+            stored = [exc] * len(ready)
+        for (i, _, finish), res in zip(ready, stored):
+            finish(not isinstance(res, BaseException))
+            out[i] = res
+        return out
 
     def _validate_summary(self, s: SummaryRow) -> None:
         where = f"summary for prompt {s.prompt_id[:40]!r}"
@@ -71,10 +123,15 @@ class Publishing(Part):
 
     def publish(self, node_id: str, session_id: str, round: int, summaries: Sequence[SummaryRow]) -> tuple[int, int]:
         with self.work:
-            self._validate_rows(node_id, round, summaries)
-            block = SummaryBlock.from_rows(list(summaries)) if summaries else SummaryBlock.from_columns(
-                node_id, round, [], *([[]] * 9))
+            block = self.check_rows(node_id, round, summaries)
         return self._publish(node_id, session_id, round, block)
+
+    def check_rows(self, node_id: str, round: int, summaries: Sequence[SummaryRow]) -> SummaryBlock:
+        """`publish`'s checks on summaries as rows; the block they make. The caller holds a
+        work slot."""
+        self._validate_rows(node_id, round, summaries)
+        return SummaryBlock.from_rows(list(summaries)) if summaries else SummaryBlock.from_columns(
+            node_id, round, [], *([[]] * 9))
 
     def check_block(self, node_id: str, round: int, block: SummaryBlock) -> None:
         """`publish`'s checks on summaries as columns, on arrays; a block that fails one is
@@ -151,8 +208,70 @@ class Publishing(Part):
         return valid
 
     def _publish(self, node_id: str, session_id: str, round: int, summaries: SummaryBlock) -> tuple[int, int]:
+        out = self.publish_many([Publish(node_id, session_id, round, summaries)])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def publish_many(self, items: Sequence[Publish]) -> list[tuple[int, int] | Exception]:
+        """Checked publishes, each of another node, stored in one commit: for each, (accepted,
+        duplicates) or the error it failed with (one that fails does not stop the others)."""
+        if len({p.node_id for p in items}) != len(items):
+            raise ValueError("publish_many: at most one publish per node")  # the queue defers the second
+        out: list[tuple[int, int] | Exception | None] = [None] * len(items)
+        live = []
+        for i, p in enumerate(items):
+            try:
+                self._open(p.node_id, p.session_id, p.round)
+                live.append(i)
+            except Exception as exc:  # noqa: BLE001 - each publish its own outcome
+                out[i] = exc
+        # The write happens outside the broker's lock and outside a work slot (it waits for
+        # the disk, not for the interpreter), so that concurrent publishes share one commit
+        # (the state's group commit) and nobody else waits for them; one node's
+        # publishes are serialised (its node lock: its published count). Acknowledged, and
+        # visible to matching through the index, only once durable.
+        locks = {id(lock): lock for lock in (self.registry.node_lock(items[i].node_id) for i in live)}
+        with contextlib.ExitStack() as held:
+            for key in sorted(locks):  # one order for every holder of several
+                held.enter_context(locks[key])
+            rows = []
+            for i in live:
+                p = items[i]
+                try:
+                    node = self.registry.check(p.node_id, p.session_id)
+                except Exception as exc:  # noqa: BLE001
+                    out[i] = exc
+                    continue
+                rows.append((i, replace(node, round=max(node.round, p.round), last_seen=self.clock(), state="online")))
+            # the summaries and each node's count and round in one transaction
+            stored = self.state.put_summary_blocks([(items[i].block, row) for i, row in rows]) if rows else []
+            for (i, row), res in zip(rows, stored):
+                out[i] = res
+                if isinstance(res, BaseException):
+                    continue
+                p = items[i]
+                self.registry.remember(replace(row, published=row.published + res[0]))
+                self.index.add_columns(p.round, p.node_id, p.block.prompt_ids, p.block.k)
         with self.cond:
-            node = self.registry.touch(node_id, session_id)
+            for res in out:
+                if isinstance(res, tuple):
+                    self.counters["summaries"] += res[0]
+                    self.counters["duplicate_summaries"] += res[1]
+        # Wake the round's long-polls only when this publish may have completed it: a thousand
+        # waiters woken by each of a thousand publishes is a million wake-ups a round. A round
+        # closed by its deadline wakes its waiters by their own timeout; one closed by a node
+        # going offline or leaving, by wake_ready_rounds (housekeeping, every second).
+        if self.cfg.mode == "sync":
+            for round in sorted({items[i].round for i, res in enumerate(out) if isinstance(res, tuple)}):
+                if self.rounds.ready(round):
+                    self.wakeups.wake(("round", round))
+        return out  # type: ignore[return-value]
+
+    def _open(self, node_id: str, session_id: str, round: int) -> None:
+        """A publish's session checked and marked alive, its rate limited, its round opened."""
+        with self.cond:
+            self.registry.touch(node_id, session_id)
             self._rate_limit(node_id)
             rnd = self.rounds.get(round)
             if rnd is None:
@@ -163,28 +282,6 @@ class Publishing(Part):
                 # nothing of a round is stored before its row: its index starts empty (rather
                 # than read back, with the first group commit's blocks, by the first publish)
                 self.index.open(round)
-        # The write happens outside the broker's lock and outside a work slot (it waits for
-        # the disk, not for the interpreter), so that concurrent publishes share one commit
-        # (the state's group commit) and nobody else waits for them; one node's
-        # publishes are serialised (its published count). Acknowledged, and visible to
-        # matching through the index, only once durable.
-        with self.registry.node_lock(node_id):
-            node = self.registry.check(node_id, session_id)
-            row = replace(node, round=max(node.round, round), last_seen=self.clock(), state="online")
-            # the summaries and the node's count and round in one transaction
-            accepted, dups = self.state.put_summary_block(summaries, node=row)
-            self.registry.remember(replace(row, published=row.published + accepted))
-            self.index.add_columns(round, node_id, summaries.prompt_ids, summaries.k)
-        with self.cond:
-            self.counters["summaries"] += accepted
-            self.counters["duplicate_summaries"] += dups
-        # Wake the round's long-polls only when this publish may have completed it: a thousand
-        # waiters woken by each of a thousand publishes is a million wake-ups a round. A round
-        # closed by its deadline wakes its waiters by their own timeout; one closed by a node
-        # going offline or leaving, by wake_ready_rounds (housekeeping, every second).
-        if self.cfg.mode == "sync" and self.rounds.ready(round):
-            self.wakeups.wake(("round", round))
-        return accepted, dups
 
     def _rate_limit(self, node_id: str) -> None:
         self._publish_rate.check(node_id)

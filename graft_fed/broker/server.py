@@ -73,6 +73,11 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
                        ("disputed_rejections", "Rejections the broker re-verified as false and did not count."),
                        ("long_polls_refused", "GetMatches refused: too many already waiting (per node or in all).")]:
         metric(f"{key}_total", "counter", help_, [("", c.get(key, 0))])
+    queue = fed.publishing.queue
+    metric("publish_batches_total", "counter", "Batches the publish queue ran (each decoded, checked and stored "
+           "together: docs/architecture.md).", [("", queue.batches)])
+    metric("publish_batched_total", "counter", "Publishes the publish queue ran; over publish_batches_total, the "
+           "mean batch.", [("", queue.items)])
     stats = servicer.stats
     replay = fed.replay.counters
     metric("replay_refused_total", "counter", "State-changing requests refused by replay protection, by reason.",
@@ -328,6 +333,7 @@ class BrokerServer:
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
         self._stop_grpc(grace)
+        self.fed.stop()  # the publishes already queued are stored (the state is still open)
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()

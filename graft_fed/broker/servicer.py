@@ -21,6 +21,7 @@ import grpc
 
 from graft_fed.broker.front import FileStream
 from graft_fed.broker.handlers import Federation
+from graft_fed.broker.publishing import Queued
 from graft_fed.federation.codec import (OfferEncoder, manifest_from_pb, manifest_to_pb, match_result_to_wire,
                                         offers_wire, privacy_from_pb, report_entries_from_pb, summaries_from_columns,
                                         summaries_from_pb, summaries_in_bulk, upload_requests_wire)
@@ -30,7 +31,7 @@ from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE
 from graft_fed.federation.status import INTERNAL_MESSAGE, to_status
 from graft_fed.federation.transport import TIMING_KEY
 from graft_fed.federation.signing import pem_to_der
-from graft_fed.federation.summaryblock import SummaryBlockError
+from graft_fed.federation.summaryblock import SummaryBlock, SummaryBlockError
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import broker_pb2_grpc as pb_grpc
 
@@ -246,36 +247,41 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     @_rpc
     def PublishSummaries(self, raw: RawPublish, context: Any) -> pb.PublishResponse:
         request = raw.message
-        with self.fed.work:
-            if request.HasField("columns"):
-                if request.summaries:
-                    raise InvalidArgument("a publish carries summaries or columns, not both")
-                bulk = summaries_from_columns(request, raw.raw)
-                if not bulk.within_bounds():
-                    raise InvalidArgument("columns.policy_versions: a value does not fit a signed 64-bit integer")
-            else:
-                bulk = summaries_in_bulk(request, raw.raw)
-                if bulk is None or not bulk.within_bounds():
-                    check_message(request)  # the summaries one by one: raises what a bound says
-                    bulk = None
-                    rows = summaries_from_pb(request)
-            if bulk is not None:
-                if (bulk.rounds != request.round).any():
-                    raise InvalidArgument("every summary's round must equal the request's round")
-                # checked in the slot it was decoded in (the checks change nothing: a replay
-                # of an accepted publish passes them and is refused below as before)
-                self.fed.check_block(request.node_id, request.round, bulk.block)
-        if bulk is None:
+        # decoded, checked and stored by the publish queue's thread, this one asleep meanwhile
+        # (broker/publishqueue.py); the answer, or the error, is this publish's own
+        accepted, dups = self.fed.publish_queued(Queued(request.node_id, request.session_id, request.round,
+                                                        lambda: self._prepare_publish(raw)))
+        return pb.PublishResponse(accepted=accepted, duplicates=dups)
+
+    def _prepare_publish(self, raw: RawPublish) -> tuple[SummaryBlock, Callable[[bool], None]]:
+        """A publish's summaries as a checked block and its replay ticket's end (the queue's
+        thread runs this in a work slot)."""
+        request = raw.message
+        if request.HasField("columns"):
+            if request.summaries:
+                raise InvalidArgument("a publish carries summaries or columns, not both")
+            bulk = summaries_from_columns(request, raw.raw)
+            if not bulk.within_bounds():
+                raise InvalidArgument("columns.policy_versions: a value does not fit a signed 64-bit integer")
+        else:
+            bulk = summaries_in_bulk(request, raw.raw)
+            if bulk is None or not bulk.within_bounds():
+                check_message(request)  # the summaries one by one: raises what a bound says
+                bulk = None
+        if bulk is not None:
+            if (bulk.rounds != request.round).any():
+                raise InvalidArgument("every summary's round must equal the request's round")
+            block = bulk.block
+            # the checks change nothing: a replay of an accepted publish passes them and is
+            # refused below as before
+            self.fed.check_block(request.node_id, request.round, block)
+        else:
             for s in request.summaries:
                 if s.round != request.round:
                     raise InvalidArgument("every summary's round must equal the request's round")
-        with self.fed.replay.admit("PublishSummaries", request.node_id, *_tag(request)):
-            if bulk is not None:
-                accepted, dups = self.fed.publish_block(request.node_id, request.session_id, request.round,
-                                                        bulk.block, checked=True)
-            else:
-                accepted, dups = self.fed.publish(request.node_id, request.session_id, request.round, rows)
-        return pb.PublishResponse(accepted=accepted, duplicates=dups)
+            block = self.fed.check_rows(request.node_id, request.round, summaries_from_pb(request))
+        ticket = self.fed.replay.begin("PublishSummaries", request.node_id, *_tag(request))
+        return block, lambda stored: self.fed.replay.end(ticket, stored)
 
     @_rpc
     def GetMatches(self, request: pb.MatchRequest, context: Any) -> bytes:

@@ -146,7 +146,22 @@ class BrokerState(abc.ABC):
         """`put_summaries` for one publish as columns (graft_fed/federation/summaryblock.py):
         the same result and the same idempotence. This default turns the block into rows;
         SQLite stores it as one blob."""
+        if not isinstance(block, SummaryBlock):
+            raise TypeError(f"expected a SummaryBlock, got {type(block).__name__}")
         return self.put_summaries(block.rows(), node=node)
+
+    def put_summary_blocks(self, items: Sequence[tuple[SummaryBlock, NodeRow | None]]
+                           ) -> list[tuple[int, int] | Exception]:
+        """`put_summary_block` for several publishes at once, each of another node: for each,
+        (accepted, duplicates) or the exception it failed with; one that fails does not stop
+        the others. This default stores them one by one; SQLite stores them in one commit."""
+        out: list[tuple[int, int] | Exception] = []
+        for block, node in items:
+            try:
+                out.append(self.put_summary_block(block, node=node))
+            except Exception as exc:  # noqa: BLE001 - each publish its own outcome
+                out.append(exc)
+        return out
 
     @abc.abstractmethod
     def summaries(self, round: int | None = None, node_id: str | None = None,

@@ -495,20 +495,27 @@ class SqliteState(BrokerState):
 
     def _grouped(self, job: _Job) -> int:
         """Write the job in the next group commit and return how many summaries it stored,
-        once the group is durable. The first caller to find no commit under way leads: it
-        commits every job queued by then in one transaction, then hands the lead to the
-        first job queued during that commit (so a leader's latency is one commit, however
-        busy the broker)."""
+        once the group is durable."""
+        self._grouped_many([job])
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _grouped_many(self, jobs: list[_Job]) -> None:
+        """Write the jobs in the next group commit; once it is durable, each job holds its
+        result or error. The first caller to find no commit under way leads: it commits
+        every job queued by then in one transaction, then hands the lead to the first job
+        queued during that commit (so a leader's latency is one commit, however busy the
+        broker). The jobs are queued together, so one commit takes all of them: the one
+        that woke the caller's first job, or the caller's own when the lead came with it."""
         with self._group_mu:
-            self._group.append(job)
+            self._group.extend(jobs)
             lead = not self._group_leader
             self._group_leader = True
         if not lead:
-            job.done.wait()
-            if not job.lead:
-                if job.error is not None:
-                    raise job.error
-                return job.result
+            jobs[0].done.wait()
+            if not jobs[0].lead:
+                return
         with self._group_mu:
             batch, self._group = self._group, []
         try:
@@ -523,9 +530,6 @@ class SqliteState(BrokerState):
                     self._group_leader = False
             for j in batch:
                 j.done.set()
-        if job.error is not None:
-            raise job.error
-        return job.result
 
     def _commit_group(self, batch: list[_Job]) -> None:
         for j in batch:
@@ -815,12 +819,34 @@ class SqliteState(BrokerState):
         block = norm_block(block)
         return self._put_blocks([block], len(block), node)
 
-    def _put_blocks(self, blocks: list[SummaryBlock], total: int, node: NodeRow | None) -> tuple[int, int]:
+    def put_summary_blocks(self, items: Sequence[tuple[SummaryBlock, NodeRow | None]]
+                           ) -> list[tuple[int, int] | Exception]:
+        """The publishes in one group commit (one transaction, one fsync) with whatever else
+        is queued for it; each its own result or exception, as `_write_each` leaves them."""
+        out: list[tuple[int, int] | Exception] = []
+        jobs: list[tuple[int, int, _Job]] = []
+        for block, node in items:
+            try:
+                block = norm_block(block)
+                jobs.append((len(out), len(block), self._job([block], node)))
+                out.append((0, 0))
+            except Exception as exc:  # noqa: BLE001 - a malformed block fails alone
+                out.append(exc)
+        if jobs:
+            self._grouped_many([job for _, _, job in jobs])
+        for i, total, job in jobs:
+            out[i] = job.error if job.error is not None else (job.result, total - job.result)
+        return out
+
+    def _job(self, blocks: list[SummaryBlock], node: NodeRow | None) -> _Job:
         n = None if node is None else norm_node(node)
         # deduplicated and encoded here, by the publishing thread, rather than inside the
         # group commit's transaction, which every publish of the group waits for
         blocks = [self._first_of_each(b) for b in blocks]
-        accepted = self._grouped(_Job(blocks, [b.to_bytes() for b in blocks], n))
+        return _Job(blocks, [b.to_bytes() for b in blocks], n)
+
+    def _put_blocks(self, blocks: list[SummaryBlock], total: int, node: NodeRow | None) -> tuple[int, int]:
+        accepted = self._grouped(self._job(blocks, node))
         return accepted, total - accepted
 
     @staticmethod

@@ -276,10 +276,12 @@ def summaries_from_columns(request: pb.PublishRequest, raw: bytes | None = None)
     block = SummaryBlock(request.node_id, request.round, pids, versions.astype(np.int64),
                          np.frombuffer(c.n, dtype="<u4").astype(np.int64),
                          np.frombuffer(c.k, dtype="<u4").astype(np.int64),
-                         np.frombuffer(c.reward_means, dtype="<f8").astype(np.float64),
-                         np.frombuffer(c.reward_stds, dtype="<f8").astype(np.float64), per, per,
+                         # read-only views of the request's bytes where the wire's type is the
+                         # machine's (a copy each was ~0.1 ms a publish at 4,096 prompts)
+                         np.frombuffer(c.reward_means, dtype="<f8").astype(np.float64, copy=False),
+                         np.frombuffer(c.reward_stds, dtype="<f8").astype(np.float64, copy=False), per, per,
                          np.frombuffer(c.lengths, dtype="<u4").astype(np.int64),
-                         np.frombuffer(c.mean_logprobs, dtype="<f8").astype(np.float64))
+                         np.frombuffer(c.mean_logprobs, dtype="<f8").astype(np.float64, copy=False))
     return SummariesInBulk(block, np.full(count, request.round, dtype=np.uint64), versions)
 
 

@@ -445,6 +445,30 @@ def test_a_bad_row_writes_nothing_of_its_batch(state):
     assert [s.prompt_id for s in state.summaries()] == ["old"] and state.matches() == []
 
 
+def test_several_publishes_are_stored_at_once_each_with_its_own_outcome(state):
+    """put_summary_blocks: each publish its result (first write wins, the node credited in
+    the same write) or its error; one that fails does not stop the others; SQLite commits
+    them together."""
+    state.put_summaries([summ("b", 0, "p0")])
+    for name in "abc":
+        state.upsert_node(node(name, published=1))
+    items = [(SummaryBlock.from_rows([summ("a", 0, f"p{i}") for i in range(3)]), node("a", published=1, round=2)),
+             ("not a block", node("x")),
+             (SummaryBlock.from_rows([summ("b", 0, "p0"), summ("b", 0, "p1")]), node("b", published=1)),
+             (SummaryBlock.from_rows([summ("c", 0, "p0")]), None)]
+    commits = getattr(state, "group_commits", None)
+    out = state.put_summary_blocks(items)
+    assert out[0] == (3, 0) and out[2] == (1, 1) and out[3] == (1, 0)
+    assert isinstance(out[1], (TypeError, ValueError))
+    if commits is not None:
+        assert state.group_commits == commits + 1  # one transaction, one fsync, for the three
+    assert (state.get_node("a").published, state.get_node("a").round) == (4, 2)
+    assert state.get_node("b").published == 2 and state.get_node("c").published == 1
+    held = {(s.node_id, s.prompt_id) for s in state.summaries()}
+    assert held == {("a", "p0"), ("a", "p1"), ("a", "p2"), ("b", "p0"), ("b", "p1"), ("c", "p0")}
+    assert state.put_summary_blocks([]) == []
+
+
 def test_concurrent_publishers(state):
     errors = []
 

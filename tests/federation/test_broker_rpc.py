@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import threading
 import time
 import urllib.request
 
@@ -95,6 +96,63 @@ def test_publish_validates_is_idempotent_and_leaves_state_on_rejection(broker, p
     a.session = "stale"
     assert code_of(lambda: a.publish(0, [summary(prompts[3], 1)]))[0] == grpc.StatusCode.UNAUTHENTICATED
     a.close()
+
+
+def test_publishes_waiting_together_are_stored_in_one_batch_each_with_its_own_answer(broker, prompts):
+    """The publish queue (broker/publishqueue.py) over gRPC: publishes that arrive while its
+    thread is busy are decoded, checked and committed as one batch; a malformed one and one
+    with a stale session get their own errors; the others are stored and credited."""
+    names = [f"n{i}" for i in range(6)]
+    clients = {name: client(broker, prompts, name) for name in names}
+    queue = broker.fed.publishing.queue
+    slots = broker.cfg.work_slots
+    for _ in range(slots):  # the queue's thread will wait in the first publish's work slot
+        broker.fed.work.acquire()
+    answers: dict = {}
+
+    def publish(name: str, rows) -> None:
+        try:
+            answers[name] = clients[name].publish(0, rows)
+        except FederationError as exc:
+            answers[name] = exc
+
+    clients["n4"].session = "stale"
+    rows = {name: [summary(prompts[i], 1), summary(prompts[i + 1], 0)] for i, name in enumerate(names)}
+    rows["n3"] = [summary(prompts[3], 3)]  # k > n
+    threads = [threading.Thread(target=publish, args=(name, rows[name])) for name in names]
+    batches = queue.batches
+
+    def wait_for(what: str, done) -> None:
+        deadline = time.monotonic() + 20
+        while not done():
+            assert time.monotonic() < deadline, f"{what}: {answers}"
+            time.sleep(0.01)
+
+    try:
+        threads[0].start()  # taken by the queue's thread, which waits for a work slot
+        wait_for("the first publish was not taken", lambda: queue.items + len(queue._items) == 0 and queue._thread)
+        for t in threads[1:]:
+            t.start()
+        wait_for("the publishes did not queue", lambda: len(queue._items) == len(names) - 1)  # noqa: SLF001
+    finally:
+        for _ in range(slots):
+            broker.fed.work.release()
+    for t in threads:
+        t.join(20)
+    assert queue.batches == batches + 2  # the first alone, the five that waited together
+    assert "k=3" in str(answers["n3"]) and answers["n3"].status == "INVALID_ARGUMENT"
+    assert answers["n4"].status == "UNAUTHENTICATED"
+    for name in ("n0", "n1", "n2", "n5"):
+        assert answers[name] == (2, 0)
+        assert broker.state.get_node(name).published == 2
+    assert {s.node_id for s in broker.state.summaries()} == {"n0", "n1", "n2", "n5"}
+    if broker.http_port:
+        with urllib.request.urlopen(f"http://127.0.0.1:{broker.http_port}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert f"graft_fed_publish_batches_total {queue.batches}" in metrics
+        assert f"graft_fed_publish_batched_total {queue.items}" in metrics
+    for c in clients.values():
+        c.close()
 
 
 def test_matching_bundles_and_authorisation(broker, prompts):
