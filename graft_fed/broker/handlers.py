@@ -145,6 +145,10 @@ class Federation:
         """A publish's checks on its block (the caller holds a work slot: `work`)."""
         self.publishing.check_block(node_id, round, block)
 
+    def check_count(self, count: int) -> None:
+        """A publish's number of summaries against the per-round limit (ResourceExhausted)."""
+        self.publishing.check_count(count)
+
     def check_rows(self, node_id: str, round: int, summaries: Sequence[SummaryRow]) -> SummaryBlock:
         """A publish's checks on its summaries as rows, and their block (the caller holds a work slot)."""
         return self.publishing.check_rows(node_id, round, summaries)

@@ -4,6 +4,7 @@ columns at once), stored durably, then made visible to matching through the roun
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
@@ -18,6 +19,8 @@ from graft_fed.federation.errors import FailedPrecondition, InvalidArgument, Res
 from graft_fed.federation.limits import MAX_ID_LEN, MAX_PER_ROUND_FACTOR, MIN_MEAN_LOGPROB, clip
 from graft_fed.federation.messages import SummaryRow
 from graft_fed.federation.summaryblock import SummaryBlock, facts_of
+
+log = logging.getLogger("graft_fed.broker")
 
 MAX_SUMMARIES_FACTOR = MAX_PER_ROUND_FACTOR  # a round may carry up to 4x prompts_per_round summaries (DAPO refills)
 
@@ -66,25 +69,38 @@ class Publishing(Part):
 
     def run_queued(self, works: Sequence[Queued]) -> list[tuple[int, int] | Exception]:
         """The publish queue's batch: each publish prepared in a work slot, then all of them
-        stored in one commit (`publish_many`)."""
+        stored in one commit (`publish_many`). Every replay ticket taken is ended, with
+        whether its publish was stored, whatever happens."""
         out: list[tuple[int, int] | Exception] = [InvalidArgument("not run")] * len(works)
         ready: list[tuple[int, Publish, Callable[[bool], None]]] = []
-        for i, w in enumerate(works):
-            try:
-                with self.work:
-                    block, finish = w.prepare()
-            except Exception as exc:  # noqa: BLE001 - each publish its own outcome
-                out[i] = exc
-                continue
-            ready.append((i, Publish(w.node_id, w.session_id, w.round, block), finish))
+        complete = False
         try:
-            stored: list[tuple[int, int] | Exception] = self.publish_many([p for _, p, _ in ready])
-        except Exception as exc:  # noqa: BLE001 - their tickets end all the same
-            stored = [exc] * len(ready)
-        for (i, _, finish), res in zip(ready, stored):
-            finish(not isinstance(res, BaseException))
-            out[i] = res
+            for i, w in enumerate(works):
+                try:
+                    with self.work:
+                        block, finish = w.prepare()
+                except Exception as exc:  # noqa: BLE001 - each publish its own outcome
+                    out[i] = exc
+                    continue
+                ready.append((i, Publish(w.node_id, w.session_id, w.round, block), finish))
+            try:
+                stored: list[tuple[int, int] | Exception] = self.publish_many([p for _, p, _ in ready])
+            except Exception as exc:  # noqa: BLE001 - their tickets end all the same
+                stored = [exc] * len(ready)
+            for (i, _, _), res in zip(ready, stored):
+                out[i] = res
+            complete = True
+        finally:
+            for i, _, finish in ready:
+                finish(complete and not isinstance(out[i], BaseException))
         return out
+
+    def check_count(self, count: int) -> None:
+        """A publish's number of summaries against the per-round limit, before anything is
+        decoded (the servicer asks in the receiving thread)."""
+        limit = self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
+        if count > limit:
+            raise ResourceExhausted(f"{count} summaries in one publish; at most {limit} per round")
 
     def _validate_summary(self, s: SummaryRow) -> None:
         where = f"summary for prompt {s.prompt_id[:40]!r}"
@@ -152,9 +168,7 @@ class Publishing(Part):
         return self._publish(node_id, session_id, round, block)
 
     def _validate_rows(self, node_id: str, round: int, summaries: Sequence[SummaryRow]) -> None:
-        limit = self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
-        if len(summaries) > limit:
-            raise ResourceExhausted(f"{len(summaries)} summaries in one publish; at most {limit} per round")
+        self.check_count(len(summaries))
         seen = set()
         for s in summaries:
             if s.node_id != node_id or s.round != round:
@@ -251,8 +265,13 @@ class Publishing(Part):
                 if isinstance(res, BaseException):
                     continue
                 p = items[i]
-                self.registry.remember(replace(row, published=row.published + res[0]))
-                self.index.add_columns(p.round, p.node_id, p.block.prompt_ids, p.block.k)
+                try:
+                    self.registry.remember(replace(row, published=row.published + res[0]))
+                    self.index.add_columns(p.round, p.node_id, p.block.prompt_ids, p.block.k)
+                except Exception:  # noqa: BLE001 - durable: its answer stands, and the others'
+                    log.exception("a publish of node %s, round %d is stored, but the broker's memory of it was not "
+                                  "updated; the round's index is read again from the state", clip(p.node_id), p.round)
+                    self.index.forget(p.round)
         with self.cond:
             for res in out:
                 if isinstance(res, tuple):
@@ -264,8 +283,12 @@ class Publishing(Part):
         # going offline or leaving, by wake_ready_rounds (housekeeping, every second).
         if self.cfg.mode == "sync":
             for round in sorted({items[i].round for i, res in enumerate(out) if isinstance(res, tuple)}):
-                if self.rounds.ready(round):
-                    self.wakeups.wake(("round", round))
+                try:
+                    if self.rounds.ready(round):
+                        self.wakeups.wake(("round", round))
+                except Exception:  # noqa: BLE001 - the publishes are stored; housekeeping wakes the round
+                    log.exception("round %d: readiness after a publish could not be read; housekeeping retries it "
+                                  "within a second", round)
         return out  # type: ignore[return-value]
 
     def _open(self, node_id: str, session_id: str, round: int) -> None:

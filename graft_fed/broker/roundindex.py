@@ -210,6 +210,11 @@ class RoundIndex:
                 book = self.book(round)
         return book
 
+    def forget(self, round: int) -> None:
+        """Forget one round's book; the next read rebuilds it from the state."""
+        with self.lock:
+            self._books.pop(round, None)
+
     def clear(self) -> None:
         """Forget every book (after retention pruned the state); rebuilt on demand."""
         with self.lock:

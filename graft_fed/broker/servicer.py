@@ -26,8 +26,8 @@ from graft_fed.federation.codec import (OfferEncoder, manifest_from_pb, manifest
                                         offers_wire, privacy_from_pb, report_entries_from_pb, summaries_from_columns,
                                         summaries_from_pb, summaries_in_bulk, upload_requests_wire)
 from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted, Unavailable
-from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES,
-                                         check_message, clip)
+from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_PUBLISHES_PER_NODE,
+                                         MAX_REPEATED, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES, check_message, clip)
 from graft_fed.federation.status import INTERNAL_MESSAGE, to_status
 from graft_fed.federation.transport import TIMING_KEY
 from graft_fed.federation.signing import pem_to_der
@@ -215,6 +215,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self.max_bundle = fed.cfg.max_bundle_mib * 2**20
         self.uploads = InFlight(MAX_UPLOADS_PER_NODE, "uploads")
         self.fetches = InFlight(MAX_FETCHES_PER_NODE, "fetches")
+        self.publishes = InFlight(MAX_PUBLISHES_PER_NODE, "publishes")
 
     @_rpc
     def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinResponse:
@@ -247,10 +248,18 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     @_rpc
     def PublishSummaries(self, raw: RawPublish, context: Any) -> pb.PublishResponse:
         request = raw.message
-        # decoded, checked and stored by the publish queue's thread, this one asleep meanwhile
-        # (broker/publishqueue.py); the answer, or the error, is this publish's own
-        accepted, dups = self.fed.publish_queued(Queued(request.node_id, request.session_id, request.round,
-                                                        lambda: self._prepare_publish(raw)))
+        # Decoded, checked and stored by the publish queue's thread, this one asleep meanwhile
+        # (broker/publishqueue.py); the answer, or the error, is this publish's own. What is
+        # refused without decoding is refused here, before it waits: a publish without the
+        # node's live session, one with more summaries than a round allows, and a node's
+        # publish beyond its few in flight (each holds this thread while it waits).
+        self.fed.check_session(request.node_id, request.session_id)
+        count = len(request.columns.prompt_ids) if request.HasField("columns") else len(request.summaries)
+        if count <= MAX_REPEATED:  # beyond, the codec refuses it first, in check_message's words, decoding nothing
+            self.fed.check_count(count)
+        with self.publishes.hold(request.node_id):
+            accepted, dups = self.fed.publish_queued(Queued(request.node_id, request.session_id, request.round,
+                                                            lambda: self._prepare_publish(raw)))
         return pb.PublishResponse(accepted=accepted, duplicates=dups)
 
     def _prepare_publish(self, raw: RawPublish) -> tuple[SummaryBlock, Callable[[bool], None]]:

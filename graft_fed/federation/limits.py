@@ -35,6 +35,9 @@ MAX_ROUNDS_AHEAD = 1000
 MAX_LONG_POLLS_PER_NODE = 2
 #: uploads and fetches in flight per node (a graft-fed node runs one at a time)
 MAX_UPLOADS_PER_NODE = 2
+#: publishes waiting or being stored per node (a graft-fed node publishes one at a time; a
+#: retry may overlap the first); each holds a handler thread while the publish queue works
+MAX_PUBLISHES_PER_NODE = 2
 MAX_FETCHES_PER_NODE = 4
 #: every chunk of an upload but the last carries at least this many bytes
 MIN_CHUNK_BYTES = 16 * 1024

@@ -100,8 +100,10 @@ def test_publish_validates_is_idempotent_and_leaves_state_on_rejection(broker, p
 
 def test_publishes_waiting_together_are_stored_in_one_batch_each_with_its_own_answer(broker, prompts):
     """The publish queue (broker/publishqueue.py) over gRPC: publishes that arrive while its
-    thread is busy are decoded, checked and committed as one batch; a malformed one and one
-    with a stale session get their own errors; the others are stored and credited."""
+    thread is busy are decoded, checked and committed as one batch; a malformed one gets its
+    own error; the others are stored and credited. What needs no decoding is refused at once,
+    without waiting for the queue: a stale session, more summaries than a round allows, and a
+    node's third publish in flight."""
     names = [f"n{i}" for i in range(6)]
     clients = {name: client(broker, prompts, name) for name in names}
     queue = broker.fed.publishing.queue
@@ -110,16 +112,24 @@ def test_publishes_waiting_together_are_stored_in_one_batch_each_with_its_own_an
         broker.fed.work.acquire()
     answers: dict = {}
 
-    def publish(name: str, rows) -> None:
-        try:
-            answers[name] = clients[name].publish(0, rows)
-        except FederationError as exc:
-            answers[name] = exc
+    def raw(name: str, rows):
+        c = clients[name]
+        return pb.PublishRequest(node_id=name, session_id=c.session, round=0, summaries=rows, tag=new_tag())
 
-    clients["n4"].session = "stale"
+    def publish(name: str, rows, key: str | None = None) -> None:
+        try:
+            if key is None:
+                answers[name] = clients[name].publish(0, rows)
+            else:  # a second publish of the same node, beside its client's own
+                got = clients[name].stub.PublishSummaries(raw(name, rows), timeout=20)
+                answers[key] = (got.accepted, got.duplicates)
+        except (FederationError, grpc.RpcError) as exc:
+            answers[key or name] = exc
+
     rows = {name: [summary(prompts[i], 1), summary(prompts[i + 1], 0)] for i, name in enumerate(names)}
     rows["n3"] = [summary(prompts[3], 3)]  # k > n
-    threads = [threading.Thread(target=publish, args=(name, rows[name])) for name in names]
+    threads = [threading.Thread(target=publish, args=(name, rows[name])) for name in names if name != "n4"]
+    threads.append(threading.Thread(target=publish, args=("n1", [summary(prompts[7], 1)], "n1 again")))
     batches = queue.batches
 
     def wait_for(what: str, done) -> None:
@@ -133,17 +143,28 @@ def test_publishes_waiting_together_are_stored_in_one_batch_each_with_its_own_an
         wait_for("the first publish was not taken", lambda: queue.items + len(queue._items) == 0 and queue._thread)
         for t in threads[1:]:
             t.start()
-        wait_for("the publishes did not queue", lambda: len(queue._items) == len(names) - 1)  # noqa: SLF001
+        wait_for("the publishes did not queue", lambda: len(queue._items) == 5)  # noqa: SLF001
+        # refused at once while the queue is held
+        clients["n4"].session = "stale"
+        assert code_of(lambda: clients["n4"].publish(0, rows["n4"]))[0] == grpc.StatusCode.UNAUTHENTICATED
+        too_many = [summary(p, 1) for p in prompts[:8]] * 4 + [summary(prompts[0], 1)]  # 33 > 4 x 8
+        code, details = code_of(lambda: clients["n5"].stub.PublishSummaries(raw("n5", too_many), timeout=20))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "33 summaries in one publish; at most 32" in details
+        code, details = code_of(lambda: clients["n1"].stub.PublishSummaries(raw("n1", rows["n1"]), timeout=20))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "already has 2 publishes in flight" in details
+        assert len(queue._items) == 5 and not answers  # noqa: SLF001 - nothing else moved
     finally:
         for _ in range(slots):
             broker.fed.work.release()
     for t in threads:
         t.join(20)
-    assert queue.batches == batches + 2  # the first alone, the five that waited together
+    # the first alone; the four others that waited together; n1's second after its first
+    assert queue.batches == batches + 3
     assert "k=3" in str(answers["n3"]) and answers["n3"].status == "INVALID_ARGUMENT"
-    assert answers["n4"].status == "UNAUTHENTICATED"
     for name in ("n0", "n1", "n2", "n5"):
         assert answers[name] == (2, 0)
+    assert answers["n1 again"] == (1, 0) and broker.state.get_node("n1").published == 3
+    for name in ("n0", "n2", "n5"):
         assert broker.state.get_node(name).published == 2
     assert {s.node_id for s in broker.state.summaries()} == {"n0", "n1", "n2", "n5"}
     if broker.http_port:
@@ -153,6 +174,50 @@ def test_publishes_waiting_together_are_stored_in_one_batch_each_with_its_own_an
         assert f"graft_fed_publish_batched_total {queue.items}" in metrics
     for c in clients.values():
         c.close()
+
+
+def test_a_failure_after_the_commit_does_not_fail_the_batch_and_every_ticket_ends(broker, prompts, monkeypatch,
+                                                                                   caplog):
+    """`publish_many`: when the broker's memory of one stored publish cannot be updated, that
+    publish still answers as stored (it is durable), the others are untouched, and the
+    round's index is read again from the state. `run_queued`: whatever escapes (even a
+    BaseException), every replay ticket taken is ended, stored or not."""
+    from graft_fed.broker.publishing import Publish, Queued
+
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    pub = broker.fed.publishing
+    blocks = {n: broker.fed.check_rows(n, 0, summaries_of(n, prompts)) for n in "ab"}
+    real = broker.fed.index.add_columns
+
+    def add_columns(round, node_id, pids, ks):
+        if node_id == "a":
+            raise RuntimeError("index broken")
+        return real(round, node_id, pids, ks)
+
+    monkeypatch.setattr(broker.fed.index, "add_columns", add_columns)
+    out = pub.publish_many([Publish("a", a.session, 0, blocks["a"]), Publish("b", b.session, 0, blocks["b"])])
+    monkeypatch.undo()
+    assert out == [(2, 0), (2, 0)] and "is stored, but the broker's memory of it was not updated" in caplog.text
+    assert broker.fed.index.published(0) == {"a", "b"}  # read again from the state
+    assert broker.state.get_node("a").published == 2
+
+    ended = []
+    works = [Queued("a", a.session, 1, lambda: (broker.fed.check_rows("a", 1, summaries_of("a", prompts, 1)),
+                                                lambda stored: ended.append(("a", stored)))),
+             Queued("b", b.session, 1, lambda: (_ for _ in ()).throw(KeyboardInterrupt()))]
+    with pytest.raises(KeyboardInterrupt):
+        pub.run_queued(works)
+    assert ended == [("a", False)]
+    a.close()
+    b.close()
+
+
+def summaries_of(node, prompts, round=0):
+    from graft_fed.federation.codec import summaries_from_pb
+
+    req = pb.PublishRequest(node_id=node, round=round, summaries=[summary(prompts[0], 1, round),
+                                                                  summary(prompts[1], 0, round)])
+    return summaries_from_pb(req)
 
 
 def test_matching_bundles_and_authorisation(broker, prompts):
