@@ -142,6 +142,13 @@ class BrokerConfig:
     #: blocked. Python runs one thread at a time, so dozens of such calls at once only make
     #: every call, heartbeats included, wait its turn among them for the interpreter.
     work_slots: int = 2
+    #: Publishes decoded, checked and stored by one thread in batches (one commit each)
+    #: instead of by the thread that received each one. Ingest at 64 nodes x 4,096 prompts
+    #: a round: +31-34%; but that thread then holds the interpreter for whole batches, and
+    #: at 256 nodes x 256 prompts heartbeats waited 7-8x longer (p99 about 380 ms against
+    #: 51 ms). For a few nodes publishing thousands of prompts a round
+    #: (docs/performance.md, twenty-fifth pass).
+    publish_queue: bool = False
     #: Largest gRPC message accepted or sent, MiB (both directions, set explicitly).
     max_message_mib: int = 16
     #: Bundle chunk size, KiB.

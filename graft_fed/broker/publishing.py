@@ -63,9 +63,16 @@ class Publishing(Part):
         self.queue = PublishQueue(self.run_queued)
 
     def submit(self, work: Queued) -> tuple[int, int]:
-        """A received publish through the publish queue (publishqueue.py): decoded, checked
-        and stored by its thread, with the others waiting; (accepted, duplicates)."""
-        return self.queue.submit(work.node_id, work)
+        """A received publish, decoded, checked and stored; (accepted, duplicates). With
+        `publish_queue`, by the publish queue's thread (publishqueue.py) in a batch, the
+        caller asleep meanwhile; else here, by the caller's thread, in a work slot, its commit
+        shared with the publishes of the other threads committing at the time."""
+        if self.cfg.publish_queue:
+            return self.queue.submit(work.node_id, work)
+        out = self.run_queued([work])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
     def run_queued(self, works: Sequence[Queued]) -> list[tuple[int, int] | Exception]:
         """The publish queue's batch: each publish prepared in a work slot, then all of them

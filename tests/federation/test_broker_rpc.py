@@ -98,12 +98,27 @@ def test_publish_validates_is_idempotent_and_leaves_state_on_rejection(broker, p
     a.close()
 
 
-def test_publishes_waiting_together_are_stored_in_one_batch_each_with_its_own_answer(broker, prompts):
-    """The publish queue (broker/publishqueue.py) over gRPC: publishes that arrive while its
-    thread is busy are decoded, checked and committed as one batch; a malformed one gets its
-    own error; the others are stored and credited. What needs no decoding is refused at once,
-    without waiting for the queue: a stale session, more summaries than a round allows, and a
-    node's third publish in flight."""
+@pytest.fixture(params=[False, True], ids=["grpc-in-broker", "front-process"])
+def queued_broker(prompt_file, request):
+    server = start_broker(broker_config(prompt_file, front_process=request.param, publish_queue=True))
+    yield server
+    server.stop()
+
+
+def test_without_the_publish_queue_each_thread_publishes_its_own(broker, prompts):
+    a = client(broker, prompts, "a")
+    assert a.publish(0, [summary(prompts[0], 1)]) == (1, 0)
+    assert broker.fed.publishing.queue._thread is None  # noqa: SLF001 - publish_queue is off by default
+    a.close()
+
+
+def test_publishes_waiting_together_are_stored_in_one_batch_each_with_its_own_answer(queued_broker, prompts):
+    """The publish queue (broker/publishqueue.py, `publish_queue: true`) over gRPC: publishes
+    that arrive while its thread is busy are decoded, checked and committed as one batch; a
+    malformed one gets its own error; the others are stored and credited. What needs no
+    decoding is refused at once, without waiting for the queue: a stale session, more
+    summaries than a round allows, and a node's third publish in flight."""
+    broker = queued_broker
     names = [f"n{i}" for i in range(6)]
     clients = {name: client(broker, prompts, name) for name in names}
     queue = broker.fed.publishing.queue
