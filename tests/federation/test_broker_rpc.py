@@ -191,6 +191,49 @@ def test_publishes_waiting_together_are_stored_in_one_batch_each_with_its_own_an
         c.close()
 
 
+def test_stopping_the_broker_stores_the_publishes_it_queued(prompt_file, prompts, tmp_path):
+    """BrokerServer.stop: gRPC stops, then the publish queue stores what it holds (the state
+    is still open), then the state closes; a publish queued when the stop began is durable."""
+    from graft_fed.broker.state_sqlite import SqliteState
+
+    db = str(tmp_path / "b.db")
+    server = start_broker(broker_config(prompt_file, db=db, publish_queue=True))
+    a = client(server, prompts, "a")
+    for _ in range(server.cfg.work_slots):  # the queue's thread waits in the publish's work slot
+        server.fed.work.acquire()
+    answer: dict = {}
+
+    def publish() -> None:
+        try:
+            answer["a"] = a.publish(0, [summary(prompts[0], 1)])
+        except FederationError as exc:
+            answer["a"] = exc
+
+    t = threading.Thread(target=publish)
+    t.start()
+    queue = server.fed.publishing.queue
+    deadline = time.monotonic() + 20
+    while not (queue._thread and not queue._items):  # noqa: SLF001 - taken by the queue's thread
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    stopper = threading.Thread(target=server.stop, args=(0.2,))
+    stopper.start()
+    time.sleep(0.5)  # gRPC has stopped; the stop now waits for the queue
+    assert stopper.is_alive()
+    for _ in range(server.cfg.work_slots):
+        server.fed.work.release()
+    stopper.join(20)
+    t.join(20)
+    a.close()
+    assert not stopper.is_alive() and queue.items == 1
+    state = SqliteState(db)
+    try:
+        assert [(s.node_id, s.prompt_id) for s in state.summaries()] == [("a", prompts[0].id)]
+        assert state.get_node("a").published == 1
+    finally:
+        state.close()
+
+
 def test_a_failure_after_the_commit_does_not_fail_the_batch_and_every_ticket_ends(broker, prompts, monkeypatch,
                                                                                    caplog):
     """`publish_many`: when the broker's memory of one stored publish cannot be updated, that
