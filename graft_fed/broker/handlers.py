@@ -25,7 +25,7 @@ from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.context import Context
 from graft_fed.broker.grants import MAX_GRANTS, Grants
 from graft_fed.broker.matcher import Matcher
-from graft_fed.broker.publishing import Publishing, Queued
+from graft_fed.broker.publishing import Publishing, Received
 from graft_fed.broker.registry import Cadence, Registry
 from graft_fed.broker.replay import ReplayGuard
 from graft_fed.broker.reports import Reports
@@ -153,13 +153,9 @@ class Federation:
         """A publish's checks on its summaries as rows, and their block (the caller holds a work slot)."""
         return self.publishing.check_rows(node_id, round, summaries)
 
-    def publish_block(self, node_id: str, session_id: str, round: int, block: SummaryBlock,
-                      checked: bool = False) -> tuple[int, int]:
-        return self.publishing.publish_block(node_id, session_id, round, block, checked)
-
-    def publish_queued(self, work: Queued) -> tuple[int, int]:
-        """A received publish through the publish queue (one thread decodes, checks and
-        stores the waiting publishes in batches: publishqueue.py)."""
+    def publish_received(self, work: Received) -> tuple[int, int]:
+        """A received publish, decoded, checked and stored (by the publish queue's thread in a
+        batch with `publish_queue`, else by the caller's: Publishing.submit)."""
         return self.publishing.submit(work)
 
     def stop(self) -> None:

@@ -45,10 +45,10 @@ def _std_matches(k: int, n: int, claimed: float) -> bool:
 
 
 @dataclass(frozen=True)
-class Queued:
-    """A publish as received, for the publish queue: `prepare()` (run in a work slot) decodes
-    and checks it and returns its block and `finish(stored)`, called once it is stored or
-    has failed (the servicer's replay ticket)."""
+class Received:
+    """A publish as received: `prepare()` (run in a work slot, by the publish queue's thread
+    or the receiving one) decodes and checks it and returns its block and `finish(stored)`,
+    called once it is stored or has failed (the servicer's replay ticket)."""
 
     node_id: str
     session_id: str
@@ -60,23 +60,23 @@ class Publishing(Part):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self._publish_rate = PublishRateLimit(ctx.cfg.max_publishes_per_s)
-        self.queue = PublishQueue(self.run_queued)
+        self.queue = PublishQueue(self.run_batch)
 
-    def submit(self, work: Queued) -> tuple[int, int]:
+    def submit(self, work: Received) -> tuple[int, int]:
         """A received publish, decoded, checked and stored; (accepted, duplicates). With
         `publish_queue`, by the publish queue's thread (publishqueue.py) in a batch, the
         caller asleep meanwhile; else here, by the caller's thread, in a work slot, its commit
         shared with the publishes of the other threads committing at the time."""
         if self.cfg.publish_queue:
             return self.queue.submit(work.node_id, work)
-        out = self.run_queued([work])[0]
+        out = self.run_batch([work])[0]
         if isinstance(out, BaseException):
             raise out
         return out
 
-    def run_queued(self, works: Sequence[Queued]) -> list[tuple[int, int] | Exception]:
-        """The publish queue's batch: each publish prepared in a work slot, then all of them
-        stored in one commit (`publish_many`). Every replay ticket taken is ended, with
+    def run_batch(self, works: Sequence[Received]) -> list[tuple[int, int] | Exception]:
+        """A batch of received publishes (the publish queue's, or one alone): each prepared in
+        a work slot, then all of them stored in one commit (`publish_many`). Every replay ticket taken is ended, with
         whether its publish was stored, whatever happens."""
         out: list[tuple[int, int] | Exception] = [InvalidArgument("not run")] * len(works)
         ready: list[tuple[int, Publish, Callable[[bool], None]]] = []
@@ -163,16 +163,6 @@ class Publishing(Part):
         if not self._block_valid(node_id, round, block):
             self._validate_rows(node_id, round, block.rows())
             raise InvalidArgument("the summaries are malformed")  # not reached: the row checks raise
-
-    def publish_block(self, node_id: str, session_id: str, round: int, block: SummaryBlock,
-                      checked: bool = False) -> tuple[int, int]:
-        """`publish` for summaries as columns (the servicer reads a publish in bulk). With
-        `checked`, the caller ran `check_block` already, in the work slot it decoded the
-        publish in (one wait for a slot per publish instead of two)."""
-        if not checked:
-            with self.work:
-                self.check_block(node_id, round, block)
-        return self._publish(node_id, session_id, round, block)
 
     def _validate_rows(self, node_id: str, round: int, summaries: Sequence[SummaryRow]) -> None:
         self.check_count(len(summaries))

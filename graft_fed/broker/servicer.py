@@ -21,7 +21,7 @@ import grpc
 
 from graft_fed.broker.front import FileStream
 from graft_fed.broker.handlers import Federation
-from graft_fed.broker.publishing import Queued
+from graft_fed.broker.publishing import Received
 from graft_fed.federation.codec import (OfferEncoder, manifest_from_pb, manifest_to_pb, match_result_to_wire,
                                         offers_wire, privacy_from_pb, report_entries_from_pb, summaries_from_columns,
                                         summaries_from_pb, summaries_in_bulk, upload_requests_wire)
@@ -249,22 +249,22 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def PublishSummaries(self, raw: RawPublish, context: Any) -> pb.PublishResponse:
         request = raw.message
         # Decoded, checked and stored by the publish queue's thread, this one asleep meanwhile
-        # (broker/publishqueue.py); the answer, or the error, is this publish's own. What is
-        # refused without decoding is refused here, before it waits: a publish without the
-        # node's live session, one with more summaries than a round allows, and a node's
-        # publish beyond its few in flight (each holds this thread while it waits).
+        # (`publish_queue`: broker/publishqueue.py), else by this thread; the answer, or the
+        # error, is this publish's own. What is refused without decoding is refused here,
+        # first: a publish without the node's live session, one with more summaries than a
+        # round allows, and a node's publish beyond its few in flight (each holds a thread).
         self.fed.check_session(request.node_id, request.session_id)
         count = len(request.columns.prompt_ids) if request.HasField("columns") else len(request.summaries)
         if count <= MAX_REPEATED:  # beyond, the codec refuses it first, in check_message's words, decoding nothing
             self.fed.check_count(count)
         with self.publishes.hold(request.node_id):
-            accepted, dups = self.fed.publish_queued(Queued(request.node_id, request.session_id, request.round,
+            accepted, dups = self.fed.publish_received(Received(request.node_id, request.session_id, request.round,
                                                             lambda: self._prepare_publish(raw)))
         return pb.PublishResponse(accepted=accepted, duplicates=dups)
 
     def _prepare_publish(self, raw: RawPublish) -> tuple[SummaryBlock, Callable[[bool], None]]:
-        """A publish's summaries as a checked block and its replay ticket's end (the queue's
-        thread runs this in a work slot)."""
+        """A publish's summaries as a checked block and its replay ticket's end (run in a work
+        slot, by the publish queue's thread or this publish's own)."""
         request = raw.message
         if request.HasField("columns"):
             if request.summaries:

@@ -45,6 +45,15 @@ def submit_all(q: PublishQueue, items: list[tuple[str, object]]) -> tuple[dict, 
     return out, threads
 
 
+def held(key: str, work: int) -> tuple[Recorder, PublishQueue, dict, list[threading.Thread]]:
+    """A queue whose thread is held in its first batch, the one work submitted."""
+    run = Recorder()
+    q = PublishQueue(run)
+    first, threads = submit_all(q, [(key, work)])
+    assert run.first.wait(10)
+    return run, q, first, threads
+
+
 def wait_queued(q: PublishQueue, count: int) -> None:
     deadline = time.monotonic() + 10
     while len(q._items) < count:  # noqa: SLF001 - the test waits for its callers to queue
@@ -53,10 +62,7 @@ def wait_queued(q: PublishQueue, count: int) -> None:
 
 
 def test_waiting_works_run_as_one_batch_and_each_caller_gets_its_own_answer():
-    run = Recorder()
-    q = PublishQueue(run)
-    first, t0 = submit_all(q, [("a", 1)])
-    assert run.first.wait(10)  # the thread is busy with a's first publish: the rest queue
+    run, q, first, t0 = held("a", 1)  # the thread is busy with a's first publish: the rest queue
     bad = InvalidArgument("b's publish is malformed")
     rest, threads = submit_all(q, [("b", bad), ("c", 3), ("d", 4)])
     wait_queued(q, 3)
@@ -71,10 +77,7 @@ def test_waiting_works_run_as_one_batch_and_each_caller_gets_its_own_answer():
 
 
 def test_a_key_is_never_twice_in_a_batch_and_keeps_its_order():
-    run = Recorder()
-    q = PublishQueue(run)
-    first, t0 = submit_all(q, [("x", 0)])
-    assert run.first.wait(10)
+    run, q, first, t0 = held("x", 0)
     out, threads = [], []
     for work in (1, 2, 3):  # one at a time, so that their order in the queue is known
         got, ts = submit_all(q, [("a", work)])
@@ -113,10 +116,7 @@ def test_a_batch_that_fails_fails_its_callers_and_the_thread_goes_on():
 
 
 def test_stop_runs_what_is_queued_then_refuses():
-    run = Recorder()
-    q = PublishQueue(run)
-    first, t0 = submit_all(q, [("a", 1)])
-    assert run.first.wait(10)
+    run, q, first, t0 = held("a", 1)
     queued, threads = submit_all(q, [("b", 2)])
     wait_queued(q, 1)
     stopper = threading.Thread(target=q.stop)

@@ -238,9 +238,9 @@ def test_a_failure_after_the_commit_does_not_fail_the_batch_and_every_ticket_end
                                                                                    caplog):
     """`publish_many`: when the broker's memory of one stored publish cannot be updated, that
     publish still answers as stored (it is durable), the others are untouched, and the
-    round's index is read again from the state. `run_queued`: whatever escapes (even a
+    round's index is read again from the state. `run_batch`: whatever escapes (even a
     BaseException), every replay ticket taken is ended, stored or not."""
-    from graft_fed.broker.publishing import Publish, Queued
+    from graft_fed.broker.publishing import Publish, Received
 
     a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
     pub = broker.fed.publishing
@@ -260,11 +260,11 @@ def test_a_failure_after_the_commit_does_not_fail_the_batch_and_every_ticket_end
     assert broker.state.get_node("a").published == 2
 
     ended = []
-    works = [Queued("a", a.session, 1, lambda: (broker.fed.check_rows("a", 1, summaries_of("a", prompts, 1)),
+    works = [Received("a", a.session, 1, lambda: (broker.fed.check_rows("a", 1, summaries_of("a", prompts, 1)),
                                                 lambda stored: ended.append(("a", stored)))),
-             Queued("b", b.session, 1, lambda: (_ for _ in ()).throw(KeyboardInterrupt()))]
+             Received("b", b.session, 1, lambda: (_ for _ in ()).throw(KeyboardInterrupt()))]
     with pytest.raises(KeyboardInterrupt):
-        pub.run_queued(works)
+        pub.run_batch(works)
     assert ended == [("a", False)]
     a.close()
     b.close()
