@@ -17,7 +17,9 @@ What runs:
   A node is a real BrokerClient (its own TLS channel and certificate, its heartbeat thread)
   and no model: per round it publishes P summaries (random k in 0..8 of n = 8, random
   lengths and mean log-probs) and long-polls GetMatches until the round is matched, then
-  goes to the next round. Any failed call is retried after a jittered exponential backoff
+  goes to the next round: at once (the default: the broker never rests, as in a federation
+  that publishes as fast as it is served), or after `--train-s` seconds, as a node that
+  trains between rounds. Any failed call is retried after a jittered exponential backoff
   (0.2 s doubling to `--backoff-cap-s`, 5 s); a node that lost its session joins again; a publish is
   repeated until acknowledged (publishing is idempotent).
 - The last `--probes` nodes (default 1) each run alone in a process of their own, as a real
@@ -129,7 +131,7 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
 
     backoff = Backoff(0.2, ctx["backoff_cap_s"], rng)
     end = ctx["end"]
-    joined, rnd, published, t_ack = False, 0, False, 0.0
+    joined, rnd, published, t_ack, t_ready = False, 0, False, 0.0, 0.0
     summaries = make_summaries(rng, ctx["prompt_ids"], rnd, GROUP_N)
     joins = retries = 0
     try:
@@ -138,6 +140,12 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
                 if not joined or client.session_lost.is_set():
                     call("Join", lambda: client.join(f"model-{name}", "tok", ctx["manifest"], "share_all", rnd))
                     joined, joins = True, joins + 1
+                if not published and ctx["train_s"] > 0 and rnd > 0:
+                    # a node trains between a round's matches and its next publish
+                    time.sleep(min(max(0.0, t_ready + ctx["train_s"] - time.perf_counter()),
+                                   max(0.0, end - time.time())))
+                    if time.time() >= end:
+                        break
                 if not published:
                     accepted, dups = call("PublishSummaries", lambda: client.publish(rnd, summaries))
                     acked[rnd] = (accepted, dups, time.time())
@@ -145,7 +153,8 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
                 while time.time() < end:
                     res = call("GetMatches", lambda: client.get_matches(rnd, ctx["match_wait_s"]))
                     if res.ready:
-                        ready_wait.append(time.perf_counter() - t_ack)
+                        t_ready = time.perf_counter()
+                        ready_wait.append(t_ready - t_ack)
                         rnd, published = rnd + 1, False
                         summaries = make_summaries(rng, ctx["prompt_ids"], rnd, GROUP_N)
                         break
@@ -443,6 +452,9 @@ def markdown(payload: dict) -> str:
              f"- {'plaintext (no TLS: a diagnosis)' if a.get('plaintext') else 'mutual TLS'} on 127.0.0.1, "
              f"{a['procs']} node processes, broker defaults (sync, pairwise, SQLite "
              "WAL + synchronous=FULL)",
+             ("- each node publishes its next round at once after its matches (the broker never rests)"
+              if not a.get("train_s") else
+              f"- each node waits {a['train_s']:g} s (its training) between its matches and its next publish"),
              f"- load average (1 min) during the run: min {payload['load']['min']:.2f}, median "
              f"{payload['load']['median']:.2f}, max {payload['load']['max']:.2f}",
              f"- broker restart: SIGKILL at {payload['restart']['killed_at_s']:.1f} s, listening again after "
@@ -605,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="interval of reading the broker's memory by kind from its /metrics (0: never)")
     ap.add_argument("--rpc-timeout-s", type=float, default=30.0)
     ap.add_argument("--match-wait-s", type=float, default=10.0)
+    ap.add_argument("--train-s", type=float, default=0.0,
+                    help="seconds each node waits between a round's matches and its next publish, as a node "
+                         "training would (0: none, every node publishes again at once and the broker never rests)")
     ap.add_argument("--backoff-cap-s", type=float, default=5.0, help="longest wait between a node's retries")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="load", help="results file stem")
@@ -694,7 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         sampler = threading.Thread(target=sample, daemon=True)
         ctx = {"address": f"127.0.0.1:{port}", "certs": str(c), "prompt_ids": [p.id for p in prompts],
                "manifest": manifest, "rpc_timeout_s": args.rpc_timeout_s, "match_wait_s": args.match_wait_s,
-               "backoff_cap_s": args.backoff_cap_s, "seed": args.seed, "plaintext": args.plaintext}
+               "backoff_cap_s": args.backoff_cap_s, "seed": args.seed, "plaintext": args.plaintext,
+               "train_s": args.train_s}
         mpctx = mp.get_context("spawn")
         queue, go, end = mpctx.Queue(), mpctx.Event(), mpctx.Value("d", 0.0)
         # the last `--probes` nodes each run alone in a process, as a real node does; the

@@ -15,7 +15,7 @@ def test_load_bench_survives_a_broker_restart_with_nothing_lost(tmp_path):
     # 8.5 s after the restart: a restarted broker (a fresh Python process) can take seconds to
     # start on a loaded 2-core machine, and the nodes must see it come back
     args = ["--nodes", "4", "--prompts", "16", "--duration", "10", "--restart-at", "1.5", "--procs", "1",
-            "--sample-s", "0.5", "--memory-s", "1", "--rpc-timeout-s", "5", "--match-wait-s", "1", "--backoff-cap-s", "0.5",
+            "--train-s", "0.05", "--sample-s", "0.5", "--memory-s", "1", "--rpc-timeout-s", "5", "--match-wait-s", "1", "--backoff-cap-s", "0.5",
             "--out-dir", str(tmp_path), "--name", "tiny"]
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "load.py"), *args],
                           capture_output=True, text=True, timeout=240)
@@ -33,6 +33,7 @@ def test_load_bench_survives_a_broker_restart_with_nothing_lost(tmp_path):
     assert res["restart"]["publishes_acknowledged_after"] > 0
     assert res["latency"]["PublishSummaries"]["count"] > 0
     assert (tmp_path / "tiny.md").read_text().startswith("### Broker load: 4 nodes x 16 summaries")
+    assert "each node waits 0.05 s (its training) between its matches" in (tmp_path / "tiny.md").read_text()
     # the probe node ran alone in its process; its heartbeats carry the broker's timing
     assert res["probe_nodes"] == ["node03"]
     probe = res["heartbeats"]["probe"]
