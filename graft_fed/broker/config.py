@@ -142,13 +142,16 @@ class BrokerConfig:
     #: blocked. Python runs one thread at a time, so dozens of such calls at once only make
     #: every call, heartbeats included, wait its turn among them for the interpreter.
     work_slots: int = 2
-    #: Publishes decoded, checked and stored by one thread in batches (one commit each)
-    #: instead of by the thread that received each one. Ingest at 64 nodes x 4,096 prompts
-    #: a round: +31-34%; but that thread then holds the interpreter for whole batches, and
-    #: at 256 nodes x 256 prompts heartbeats waited 7-8x longer (p99 about 380 ms against
-    #: 51 ms). For a few nodes publishing thousands of prompts a round
-    #: (docs/performance.md, twenty-fifth pass).
-    publish_queue: bool = False
+    #: Publishes decoded, checked and stored by one thread in batches (one commit each,
+    #: broker/publishqueue.py) while the threads that received them wait. Faster ingest and
+    #: rounds at every size measured (64 x 256 to 64 x 4,096, 256 x 256, 1,000 x 128) and
+    #: faster heartbeats where nodes train between rounds. Its cost: under a load that never
+    #: lets the broker rest (every node publishing again the moment its matches are ready),
+    #: that thread holds the interpreter for whole batches and heartbeats wait longer (at
+    #: 256 x 256, p99 about 380 ms against 51 ms with it off). Off: each receiving thread
+    #: decodes, checks and stores its own publish (docs/performance.md, twenty-fifth and
+    #: twenty-sixth passes).
+    publish_queue: bool = True
     #: Largest gRPC message accepted or sent, MiB (both directions, set explicitly).
     max_message_mib: int = 16
     #: Bundle chunk size, KiB.

@@ -105,11 +105,25 @@ def queued_broker(prompt_file, request):
     server.stop()
 
 
-def test_without_the_publish_queue_each_thread_publishes_its_own(broker, prompts):
+def test_the_publish_queue_is_on_by_default(broker, prompts):
     a = client(broker, prompts, "a")
     assert a.publish(0, [summary(prompts[0], 1)]) == (1, 0)
-    assert broker.fed.publishing.queue._thread is None  # noqa: SLF001 - publish_queue is off by default
+    assert broker.fed.publishing.queue._thread is not None  # noqa: SLF001 - the queue's thread took it
+    assert broker.fed.publishing.queue.items == 1
     a.close()
+
+
+def test_without_the_publish_queue_each_thread_publishes_its_own(prompt_file, prompts):
+    server = start_broker(broker_config(prompt_file, publish_queue=False))
+    try:
+        a = client(server, prompts, "a")
+        assert a.publish(0, [summary(prompts[0], 1)]) == (1, 0)
+        assert a.publish(0, [summary(prompts[0], 1), summary(prompts[1], 0)]) == (1, 1)
+        assert server.fed.publishing.queue._thread is None  # noqa: SLF001 - no queue thread was started
+        assert server.fed.publishing.queue.items == 0
+        a.close()
+    finally:
+        server.stop()
 
 
 def test_publishes_waiting_together_are_stored_in_one_batch_each_with_its_own_answer(queued_broker, prompts):
