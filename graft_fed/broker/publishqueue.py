@@ -17,12 +17,26 @@ per publish); a node's second publish waits for the next batch, in order.
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 from typing import Any, Callable, Hashable, Sequence
 
 from graft_fed.federation.errors import Unavailable
 
 MAX_BATCH = 256
+
+
+def _own_copy(exc: BaseException) -> BaseException:
+    """A new exception of the same type and arguments, caused by `exc` (`exc` itself when
+    its type cannot be rebuilt from its arguments)."""
+    try:
+        dup = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception type that does not copy: share it
+        return exc
+    if dup is exc or type(dup) is not type(exc):
+        return exc
+    dup.__cause__, dup.__traceback__ = exc, None
+    return dup
 
 
 class _Pending:
@@ -109,9 +123,13 @@ class PublishQueue:
                 results = [exc] * len(batch)
             self.batches += 1
             self.items += len(batch)
+            given: set[int] = set()
             for item, res in zip(batch, results):
                 if isinstance(res, BaseException):
-                    item.error = res
+                    # one error for several callers (a failed run or commit): each raises its
+                    # own copy, so that their threads' tracebacks do not pile up on one object
+                    item.error = res if id(res) not in given else _own_copy(res)
+                    given.add(id(res))
                 else:
                     item.result = res
                 item.done.set()

@@ -115,6 +115,32 @@ def test_a_batch_that_fails_fails_its_callers_and_the_thread_goes_on():
     q.stop()
 
 
+def test_callers_failed_by_one_error_each_get_their_own_copy_of_it():
+    shared = InvalidArgument("the batch's commit failed")
+
+    def run(works: list) -> list:
+        if works == [0]:  # the first batch, held while the others queue
+            started.set()
+            assert release.wait(10)
+            return [0]
+        return [shared] * len(works)
+
+    started, release = threading.Event(), threading.Event()
+    q = PublishQueue(run)
+    first, t0 = submit_all(q, [("x", 0)])
+    assert started.wait(10)
+    out, threads = submit_all(q, [("a", 1), ("b", 2), ("c", 3)])
+    wait_queued(q, 3)
+    release.set()
+    for t in t0 + threads:
+        t.join(10)
+    errors = [out[i] for i in range(3)]
+    assert all(isinstance(e, InvalidArgument) and str(e) == "the batch's commit failed" for e in errors)
+    assert len({id(e) for e in errors}) == 3  # each caller raised its own object
+    assert sum(e is shared for e in errors) == 1 and all(e.__cause__ is shared for e in errors if e is not shared)
+    q.stop()
+
+
 def test_stop_runs_what_is_queued_then_refuses():
     run, q, first, t0 = held("a", 1)
     queued, threads = submit_all(q, [("b", 2)])
