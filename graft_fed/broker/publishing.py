@@ -76,8 +76,8 @@ class Publishing(Part):
 
     def run_batch(self, works: Sequence[Received]) -> list[tuple[int, int] | Exception]:
         """A batch of received publishes (the publish queue's, or one alone): each prepared in
-        a work slot, then all of them stored in one commit (`publish_many`). Every replay ticket taken is ended, with
-        whether its publish was stored, whatever happens."""
+        a work slot, then all of them stored in one commit (`publish_many`). Every replay
+        ticket taken is ended, with whether its publish was stored, whatever happens."""
         out: list[tuple[int, int] | Exception] = [InvalidArgument("not run")] * len(works)
         ready: list[tuple[int, Publish, Callable[[bool], None]]] = []
         complete = False
@@ -102,10 +102,15 @@ class Publishing(Part):
                 finish(complete and not isinstance(out[i], BaseException))
         return out
 
+    @property
+    def max_summaries(self) -> int:
+        """The most summaries one publish may carry."""
+        return self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
+
     def check_count(self, count: int) -> None:
         """A publish's number of summaries against the per-round limit, before anything is
         decoded (the servicer asks in the receiving thread)."""
-        limit = self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR
+        limit = self.max_summaries
         if count > limit:
             raise ResourceExhausted(f"{count} summaries in one publish; at most {limit} per round")
 
@@ -178,7 +183,7 @@ class Publishing(Part):
     def _block_valid(self, node_id: str, round: int, b: SummaryBlock) -> bool:
         """Every check of `_validate_rows` on the block's columns at once."""
         count = len(b)
-        if count > self.manifest.prompts_per_round * MAX_SUMMARIES_FACTOR:
+        if count > self.max_summaries:
             return False
         if b.node_id != node_id or b.round != round or b.digests is not None:
             return False
