@@ -30,7 +30,10 @@ What runs:
   those four segments.
 - Every `--sample-s` seconds the broker's VmRSS (/proc/PID/status) and the 1-minute load
   average are sampled. Per broker life: the RSS slope after the first minute, and after
-  `--warmup-s` (300 s: the replay guard's window) whether it is flat (rss_lives). Every
+  `--warmup-s` (300 s: the replay guard's window) whether it is flat (rss_lives), and
+  whether the run can tell: the slope's standard error allows for a heap that churns
+  (samples that follow each other), and a verdict whose interval of two standard errors
+  straddles the flat limit is reported as not shown, whichever side the slope is on. Every
   `--memory-s` seconds the broker's own /metrics says where its memory is
   (`graft_fed_broker_memory_bytes{kind}`: C heap in use and free, SQLite, resident anonymous
   and file pages; threads; Python's blocks; the replay guard's request ids), each kind's
@@ -350,6 +353,27 @@ def slope(pts: list[tuple[float, float]]) -> float:
     return 60 * sum((a - mx) * (b - my) for a, b in pts) / den if den else NAN
 
 
+def slope_se(pts: list[tuple[float, float]]) -> float:
+    """The standard error of `slope` (MiB per minute), allowing for samples that are not
+    independent: a heap that churns leaves residuals that follow each other, so their
+    lag-1 autocorrelation r (0 to 0.99) inflates the variance by (1 + r) / (1 - r), as an
+    AR(1) series' effective count is n (1 - r) / (1 + r)."""
+    n = len(pts)
+    if n < 4:
+        return NAN
+    mx, my = sum(a for a, _ in pts) / n, sum(b for _, b in pts) / n
+    sxx = sum((a - mx) ** 2 for a, _ in pts)
+    if not sxx:
+        return NAN
+    b = sum((a - mx) * (y - my) for a, y in pts) / sxx
+    res = [y - my - b * (a - mx) for a, y in pts]
+    ss = sum(e * e for e in res)
+    if not ss:
+        return 0.0
+    r = min(max(sum(res[i] * res[i - 1] for i in range(1, n)) / ss, 0.0), 0.99)
+    return 60 * math.sqrt(ss / (n - 2) / sxx * (1 + r) / (1 - r))
+
+
 def scrape_memory(http: str) -> dict[str, float] | None:
     """The broker's graft_fed_broker_memory_bytes{kind}, its threads, Python's blocks and the
     replay guard's request ids (the cache that fills for replay_window_s) from its /metrics."""
@@ -423,18 +447,32 @@ def rss_lives(samples: list[dict], n_lives: int, warmup_s: float, window_s: floa
         late = [p for p in pts if p[0] >= warmup_s]
         span = late[-1][0] - late[0][0] if late else 0.0
         mean = sum(b for _, b in late) / len(late) if late else NAN
-        k = slope(late)
+        k, se = slope(late), slope_se(late)
+        limit = FLAT_SLOPE * mean
         windows = [{"from_s": w["from_s"], "to_s": w["to_s"], "mean_mib": w["mean"], "slope_mib_per_min": w["slope_per_min"]}
                    for w in windows_of(late, warmup_s, window_s)]
         out.append({"samples": len(pts), "lasted_s": pts[-1][0], "first_mib": pts[0][1],
                     "max_mib": max(b for _, b in pts), "last_mib": pts[-1][1],
                     "slope_after_first_minute_mib_per_min": slope([p for p in pts if p[0] >= 60]),
-                    "after_warmup": {"span_s": span, "slope_mib_per_min": k, "mean_mib": mean,
+                    "after_warmup": {"span_s": span, "slope_mib_per_min": k, "slope_se_mib_per_min": se,
+                                     "flat_limit_mib_per_min": limit, "mean_mib": mean,
                                      "max_minus_min_mib": (max(b for _, b in late) - min(b for _, b in late))
                                      if late else NAN,
-                                     "flat": (span >= FLAT_MIN_SPAN_S and abs(k) <= FLAT_SLOPE * mean)
-                                     if span >= FLAT_MIN_SPAN_S else None, "windows": windows}})
+                                     "flat": (span >= FLAT_MIN_SPAN_S and abs(k) <= limit)
+                                     if span >= FLAT_MIN_SPAN_S else None,
+                                     "decided": decided(k, se, limit) if span >= FLAT_MIN_SPAN_S else None,
+                                     "windows": windows}})
     return out
+
+
+def decided(k: float, se: float, limit: float) -> bool:
+    """Whether the slope's interval of two standard errors either way lies wholly within
+    the flat limit (flat, shown) or wholly beyond it (growing or shrinking, shown); when
+    it straddles the limit the run cannot tell, whatever the slope's own value says."""
+    if not all(math.isfinite(x) for x in (k, se, limit)):
+        return False
+    lo, hi = k - 2 * se, k + 2 * se
+    return (-limit <= lo and hi <= limit) or lo > limit or hi < -limit
 
 
 FLAT_MIN_SPAN_S = 120.0
@@ -510,15 +548,19 @@ def markdown(payload: dict) -> str:
     flat = payload["rss_flat_after_warmup"]
     lines += ["", f"Broker RSS per life (warm-up: the first {a['warmup_s']:.0f} s of a life; flat: at least "
               f"{FLAT_MIN_SPAN_S:.0f} s after it, with a least-squares slope of at most {100 * FLAT_SLOPE:.2f}% of "
-              "the mean RSS per minute):", "",
+              "the mean RSS per minute; shown: the slope's interval of two standard errors either way, its samples' "
+              "autocorrelation allowed for, on one side of that limit):", "",
               "| life | lasted s | first MiB | max MiB | last MiB | slope after 1st minute MiB/min | after warm-up: "
-              "span s | slope MiB/min | max - min MiB | flat |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "span s | slope MiB/min (± 2 SE) | flat limit MiB/min | max - min MiB | flat |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for i, l in enumerate(payload["rss_per_life"]):
         w = l["after_warmup"]
+        se, limit = w.get("slope_se_mib_per_min", NAN), w.get("flat_limit_mib_per_min", NAN)
+        judged = (f"{w['slope_mib_per_min']:.2f} (± {2 * se:.2f}) | {limit:.2f} | {w['max_minus_min_mib']:.1f}"
+                  if w["flat"] is not None else "- | - | -")
         lines.append(f"| {i} | {l['lasted_s']:.0f} | {l['first_mib']:.1f} | {l['max_mib']:.1f} | {l['last_mib']:.1f} | "
-                     f"{l['slope_after_first_minute_mib_per_min']:.2f} | {w['span_s']:.0f} | "
-                     f"{w['slope_mib_per_min']:.2f} | {w['max_minus_min_mib']:.1f} | "
-                     f"{'-' if w['flat'] is None else 'yes' if w['flat'] else 'no'} |")
+                     f"{l['slope_after_first_minute_mib_per_min']:.2f} | {w['span_s']:.0f} | {judged} | "
+                     f"{verdict(w['flat'], w.get('decided'))} |")
     if payload.get("memory_per_life"):
         kinds = sorted({k for life in payload["memory_per_life"] for k in life})
         lines += ["", "Where the broker's memory is, per life (`graft_fed_broker_memory_bytes{kind}` and counts from "
@@ -555,9 +597,21 @@ def markdown(payload: dict) -> str:
                 ws = life[k]["windows"]
                 cells.append(f"{ws[j]['last']:.1f} ({ws[j]['slope_per_min']:+.2f})" if j < len(ws) else "-")
             lines.append(f"| {w['from_s']:.0f}-{w['to_s']:.0f} | " + " | ".join(cells) + " |")
+    shown = payload.get("rss_verdict_decided")
     lines += ["", "**RSS flat after warm-up: " + ("not shown (no life lasted long enough past its warm-up)"
-                                                  if flat is None else "yes" if flat else "no") + "**", ""]
+                                                  if flat is None else verdict(flat, shown)) + "**", ""]
     return "\n".join(lines)
+
+
+def verdict(flat: bool | None, shown: bool | None) -> str:
+    """A flat verdict in words: yes / no, and whether the slope's uncertainty lets the run
+    tell (`decided`)."""
+    if flat is None:
+        return "-"
+    if shown in (True, None):  # None: a result from before the uncertainty was reported
+        return "yes" if flat else "no"
+    return (f"not shown (the slope is {'within' if flat else 'beyond'} the limit, but its ± 2 SE interval "
+            "straddles it)")
 
 
 def per_life(payload: dict, n_lives: int, warmup_s: float, window_s: float) -> None:
@@ -568,6 +622,12 @@ def per_life(payload: dict, n_lives: int, warmup_s: float, window_s: float) -> N
     if window_s != WINDOW_S:
         payload["window_s"] = window_s
     payload["rss_per_life"] = rss_lives(payload["rss"], n_lives, warmup_s, window_s)
+    judged = [life["after_warmup"] for life in payload["rss_per_life"] if life["after_warmup"]["flat"] is not None]
+    payload["rss_flat_after_warmup"] = all(w["flat"] for w in judged) if judged else None
+    # shown when every judged life's interval is on one side of the limit, or (for "no") when
+    # one life shows growth
+    payload["rss_verdict_decided"] = (all(w["decided"] for w in judged) or any(
+        w["decided"] and not w["flat"] for w in judged)) if judged else None
     payload["memory_per_life"] = memory_lives(payload.get("memory", []), n_lives, warmup_s,
                                               window_s if window_s != WINDOW_S else 0.0)
 
@@ -766,9 +826,6 @@ def main(argv: list[str] | None = None) -> int:
                                                  if a[2] > r_["killed_at_unix"])
     summaries = {"rss": samples, "memory": memory}
     per_life(summaries, len(broker.lives), args.warmup_s, args.window_s or WINDOW_S)
-    lives = summaries["rss_per_life"]
-    judged = [life["after_warmup"]["flat"] for life in lives if life["after_warmup"]["flat"] is not None]
-    rss_flat = all(judged) if judged else None  # None: no life lasted long enough past its warm-up
     probe_names = {f"node{i:02d}" for i in range(args.nodes - min(args.probes, args.nodes), args.nodes)}
     heartbeats = {}
     for who, names in (("probe", probe_names), ("simulated", set(nodes) - probe_names)):
@@ -786,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": {"min": rounds[0], "median": rounds[len(rounds) // 2], "max": rounds[-1]},
         "retries": sum(r["retries"] for r in nodes.values()), "joins": sum(r["joins"] for r in nodes.values()),
         "load": {"min": loads[0], "median": loads[len(loads) // 2], "max": loads[-1]},
-        **summaries, "rss_flat_after_warmup": rss_flat, "nodes_reporting": len(nodes),
+        **summaries, "nodes_reporting": len(nodes),
         "heartbeats": heartbeats, "probe_nodes": sorted(probe_names),
         "probe_beats": {n: nodes[n]["beats"] for n in sorted(probe_names) if n in nodes},
         "wall_s": time.monotonic() - t_start,

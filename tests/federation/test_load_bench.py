@@ -77,6 +77,46 @@ def test_windows_report_each_kinds_slope_per_window_of_age():
     assert "windows" not in load.memory_lives(samples, 1, 300)[0]["malloc_in_use"]  # only when asked
 
 
+def test_the_rss_verdict_says_when_the_slope_is_too_uncertain_to_tell():
+    import random
+
+    load = _load_module()
+    rng = random.Random(7)
+
+    def churn(n: int, sigma: float, rho: float) -> list[float]:  # AR(1): each sample leans on the last
+        out, e = [], 0.0
+        for _ in range(n):
+            e = rho * e + rng.gauss(0, sigma)
+            out.append(e)
+        return out
+
+    line = [(2.0 * i, 200 + 0.5 * (2.0 * i) / 60) for i in range(90)]
+    assert abs(load.slope(line) - 0.5) < 1e-9 and load.slope_se(line) < 1e-6
+    assert load.decided(0.5, 0.0, 0.7) and load.decided(2.0, 0.1, 0.7) and not load.decided(0.5, 0.2, 0.7)
+    # the same noise, independent or following itself: the second says less about the trend
+    white = [(2.0 * i, 200 + e) for i, e in enumerate(churn(90, 5.0, 0.0))]
+    leaning = [(2.0 * i, 200 + e) for i, e in enumerate(churn(90, 5.0 * (1 - 0.8 ** 2) ** 0.5, 0.8))]
+    assert load.slope_se(leaning) > 1.4 * load.slope_se(white)  # r = 0.8: 3x in theory; r is estimated low from 90 samples
+
+    def life(seconds: float, sigma: float) -> dict:
+        ages = [2.0 * i for i in range(int(seconds / 2))]
+        samples = [{"life": 0, "age": a, "rss_kib": (250 + e) * 1024} for a, e in zip(ages, churn(len(ages), sigma, 0.9))]
+        return load.rss_lives(samples, 1, 300)[0]["after_warmup"]
+
+    # 180 s past the warm-up with a heap churning by ~10 MiB: a flat broker cannot be shown flat
+    short = life(480, 4.0)
+    assert short["span_s"] >= 170 and 2 * short["slope_se_mib_per_min"] > short["flat_limit_mib_per_min"]
+    assert short["decided"] is False
+    # the same broker for 40 minutes with the heap churning little: shown flat
+    long = life(2700, 0.5)
+    assert long["flat"] is True and long["decided"] is True
+    payload = {"rss": [{"life": 0, "age": 2.0 * i, "rss_kib": (250 + 0.01 * i) * 1024} for i in range(1350)]}
+    load.per_life(payload, 1, 300, load.WINDOW_S)
+    assert payload["rss_flat_after_warmup"] is True and payload["rss_verdict_decided"] is True
+    assert load.verdict(True, False).startswith("not shown (the slope is within the limit")
+    assert load.verdict(False, True) == "no" and load.verdict(True, None) == "yes"
+
+
 def test_render_with_other_windows_and_back_and_bad_widths(tmp_path):
     load = _load_module()
     ages = [10.0 * i for i in range(121)]
