@@ -113,6 +113,33 @@ def test_the_publish_queue_is_on_by_default(broker, prompts):
     a.close()
 
 
+def test_a_new_client_of_a_broker_started_where_none_answered_joins_at_once(prompt_file, prompts):
+    """A channel keeps its own connections (`grpc.use_local_subchannel_pool`): another
+    channel of the process to the same address, failing and backing off while nothing
+    listened there, must not hand its backoff and last error ("Connection refused") to a
+    client of the broker that then starts at that address (a restart; in the suite, a
+    port the kernel hands out again)."""
+    import socket
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    stale = BrokerClient(f"127.0.0.1:{port}", "stale", rpc_timeout_s=1)
+    for _ in range(5):  # refused each time: its connection backs off
+        with pytest.raises(grpc.RpcError):
+            stale.stub.Heartbeat(pb.HeartbeatRequest(node_id="stale"), timeout=1)
+        time.sleep(0.2)
+    server = start_broker(broker_config(prompt_file, listen=f"127.0.0.1:{port}"))
+    try:
+        a = client(server, prompts, "a")  # its first call: Join
+        assert a.publish(0, [summary(prompts[0], 1)]) == (1, 0)
+        a.close()
+    finally:
+        server.stop()
+        stale.close()
+
+
 def test_without_the_publish_queue_each_thread_publishes_its_own(prompt_file, prompts):
     server = start_broker(broker_config(prompt_file, publish_queue=False))
     try:
