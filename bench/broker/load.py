@@ -344,13 +344,20 @@ def heartbeat_split(beats: list[tuple[float, ...]], failed: list[tuple], restart
             "timed_by_broker": sum(1 for b in beats if b[2] == b[2])}
 
 
+def _fit(pts: list[tuple[float, float]]) -> tuple[float, float, float, float] | None:
+    """The least-squares line through (seconds, MiB) points: (mean x, mean y, the sum of
+    squared x deviations, the slope per second); None when x does not vary."""
+    mx, my = sum(a for a, _ in pts) / len(pts), sum(b for _, b in pts) / len(pts)
+    sxx = sum((a - mx) ** 2 for a, _ in pts)
+    return (mx, my, sxx, sum((a - mx) * (b - my) for a, b in pts) / sxx) if sxx else None
+
+
 def slope(pts: list[tuple[float, float]]) -> float:
     """Least-squares slope of (seconds, MiB) points, in MiB per minute."""
     if len(pts) < 3:
         return NAN
-    mx, my = sum(a for a, _ in pts) / len(pts), sum(b for _, b in pts) / len(pts)
-    den = sum((a - mx) ** 2 for a, _ in pts)
-    return 60 * sum((a - mx) * (b - my) for a, b in pts) / den if den else NAN
+    fit = _fit(pts)
+    return 60 * fit[3] if fit else NAN
 
 
 def slope_se(pts: list[tuple[float, float]]) -> float:
@@ -359,13 +366,10 @@ def slope_se(pts: list[tuple[float, float]]) -> float:
     lag-1 autocorrelation r (0 to 0.99) inflates the variance by (1 + r) / (1 - r), as an
     AR(1) series' effective count is n (1 - r) / (1 + r)."""
     n = len(pts)
-    if n < 4:
+    fit = _fit(pts) if n >= 4 else None
+    if fit is None:
         return NAN
-    mx, my = sum(a for a, _ in pts) / n, sum(b for _, b in pts) / n
-    sxx = sum((a - mx) ** 2 for a, _ in pts)
-    if not sxx:
-        return NAN
-    b = sum((a - mx) * (y - my) for a, y in pts) / sxx
+    mx, my, sxx, b = fit
     res = [y - my - b * (a - mx) for a, y in pts]
     ss = sum(e * e for e in res)
     if not ss:
@@ -449,6 +453,7 @@ def rss_lives(samples: list[dict], n_lives: int, warmup_s: float, window_s: floa
         mean = sum(b for _, b in late) / len(late) if late else NAN
         k, se = slope(late), slope_se(late)
         limit = FLAT_SLOPE * mean
+        judged = span >= FLAT_MIN_SPAN_S
         windows = [{"from_s": w["from_s"], "to_s": w["to_s"], "mean_mib": w["mean"], "slope_mib_per_min": w["slope_per_min"]}
                    for w in windows_of(late, warmup_s, window_s)]
         out.append({"samples": len(pts), "lasted_s": pts[-1][0], "first_mib": pts[0][1],
@@ -458,9 +463,8 @@ def rss_lives(samples: list[dict], n_lives: int, warmup_s: float, window_s: floa
                                      "flat_limit_mib_per_min": limit, "mean_mib": mean,
                                      "max_minus_min_mib": (max(b for _, b in late) - min(b for _, b in late))
                                      if late else NAN,
-                                     "flat": (span >= FLAT_MIN_SPAN_S and abs(k) <= limit)
-                                     if span >= FLAT_MIN_SPAN_S else None,
-                                     "decided": decided(k, se, limit) if span >= FLAT_MIN_SPAN_S else None,
+                                     "flat": abs(k) <= limit if judged else None,
+                                     "decided": decided(k, se, limit) if judged else None,
                                      "windows": windows}})
     return out
 
@@ -555,12 +559,12 @@ def markdown(payload: dict) -> str:
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for i, l in enumerate(payload["rss_per_life"]):
         w = l["after_warmup"]
-        se, limit = w.get("slope_se_mib_per_min", NAN), w.get("flat_limit_mib_per_min", NAN)
-        judged = (f"{w['slope_mib_per_min']:.2f} (± {2 * se:.2f}) | {limit:.2f} | {w['max_minus_min_mib']:.1f}"
+        judged = (f"{w['slope_mib_per_min']:.2f} (± {2 * w['slope_se_mib_per_min']:.2f}) | "
+                  f"{w['flat_limit_mib_per_min']:.2f} | {w['max_minus_min_mib']:.1f}"
                   if w["flat"] is not None else "- | - | -")
         lines.append(f"| {i} | {l['lasted_s']:.0f} | {l['first_mib']:.1f} | {l['max_mib']:.1f} | {l['last_mib']:.1f} | "
                      f"{l['slope_after_first_minute_mib_per_min']:.2f} | {w['span_s']:.0f} | {judged} | "
-                     f"{verdict(w['flat'], w.get('decided'))} |")
+                     f"{verdict(w['flat'], w['decided'])} |")
     if payload.get("memory_per_life"):
         kinds = sorted({k for life in payload["memory_per_life"] for k in life})
         lines += ["", "Where the broker's memory is, per life (`graft_fed_broker_memory_bytes{kind}` and counts from "
@@ -597,9 +601,9 @@ def markdown(payload: dict) -> str:
                 ws = life[k]["windows"]
                 cells.append(f"{ws[j]['last']:.1f} ({ws[j]['slope_per_min']:+.2f})" if j < len(ws) else "-")
             lines.append(f"| {w['from_s']:.0f}-{w['to_s']:.0f} | " + " | ".join(cells) + " |")
-    shown = payload.get("rss_verdict_decided")
     lines += ["", "**RSS flat after warm-up: " + ("not shown (no life lasted long enough past its warm-up)"
-                                                  if flat is None else verdict(flat, shown)) + "**", ""]
+                                                  if flat is None else verdict(flat, payload["rss_verdict_decided"]))
+              + "**", ""]
     return "\n".join(lines)
 
 
@@ -608,7 +612,7 @@ def verdict(flat: bool | None, shown: bool | None) -> str:
     tell (`decided`)."""
     if flat is None:
         return "-"
-    if shown in (True, None):  # None: a result from before the uncertainty was reported
+    if shown is not False:  # shown, or not judged for its uncertainty
         return "yes" if flat else "no"
     return (f"not shown (the slope is {'within' if flat else 'beyond'} the limit, but its ± 2 SE interval "
             "straddles it)")
