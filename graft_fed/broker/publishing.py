@@ -44,6 +44,15 @@ def _std_matches(k: int, n: int, claimed: float) -> bool:
     return any(abs(claimed - c) <= 1e-6 * max(1.0, c) for c in candidates)
 
 
+def _within(a: np.ndarray, lo: float, hi: float | None) -> bool:
+    """Every value of the column in [lo, hi] (no upper bound when hi is None); False when one
+    is NaN (the minimum and the maximum are NaN then)."""
+    if not a.size:
+        return True
+    with np.errstate(invalid="ignore"):
+        return bool((lo <= 0 and a.dtype.kind == "u" or lo <= a.min()) and (hi is None or a.max() <= hi))
+
+
 @dataclass(frozen=True)
 class Received:
     """A publish as received: `prepare()` (run in a work slot, by the publish queue's thread
@@ -192,16 +201,16 @@ class Publishing(Part):
         if not self._ids_valid(b.prompt_ids):
             return False
         n = self.manifest.n
-        if not ((b.n == n).all() and (b.k >= 0).all() and (b.k <= n).all() and (b.n_lengths == n).all()
-                and (b.n_logprobs == n).all() and (b.lengths >= 1).all()):
+        # bounds as one minimum and one maximum per column (no array of comparisons): NaN
+        # fails them, as it propagates through both, and so do infinities
+        if not (_within(b.n, n, n) and _within(b.k, 0, n) and _within(b.n_lengths, n, n)
+                and _within(b.n_logprobs, n, n) and _within(b.lengths, 1, None)
+                and _within(b.mean_logprobs, MIN_MEAN_LOGPROB, 1e-6)):
             return False
-        lp, mean, std = b.mean_logprobs, b.reward_mean, b.reward_std
+        mean, std = b.reward_mean, b.reward_std
         with np.errstate(invalid="ignore"):
-            if not (np.isfinite(mean).all() and np.isfinite(std).all() and np.isfinite(lp).all()
-                    and (lp <= 1e-6).all() and (lp >= MIN_MEAN_LOGPROB).all()):
-                return False
             p = b.k / n
-            if not (np.abs(mean - p) <= 1e-6).all():
+            if not (np.abs(mean - p) <= 1e-6).all():  # NaN and infinities fail it
                 return False
             var = p * (1 - p)  # reward_std: the population or the sample std of k ones and n - k zeros
             pop = np.sqrt(var)

@@ -107,6 +107,16 @@ def norm_summary(row: SummaryRow) -> SummaryRow:
                       bundle_digest=as_str(row.bundle_digest, f"{where} bundle_digest"))
 
 
+def _int_column(a: object) -> np.ndarray:
+    """An integer column as it is when int64 holds its type (a publish's unsigned 32-bit
+    columns are views of its request: widening them cost a copy each, and the encoding
+    narrows them again); else converted to int64 (TypeError where that would not be safe)."""
+    a = np.asarray(a)
+    if a.dtype.kind in "iu" and np.can_cast(a.dtype, np.int64, casting="safe"):
+        return a
+    return a.astype(np.int64, casting="safe")
+
+
 def norm_block(block: SummaryBlock) -> SummaryBlock:
     """The summary block with its types checked (what `norm_summary` is for rows): a new
     block, sharing the columns already of their type (to be encoded, not kept)."""
@@ -124,8 +134,8 @@ def norm_block(block: SummaryBlock) -> SummaryBlock:
     # no copy of a column already of its type: the SQLite state, the one caller, encodes
     # the block before it returns (a copy cost ~0.15 ms and an interpreter hand-off per
     # column and publish, issue 13)
-    ints = [np.asarray(a).astype(np.int64, casting="safe", copy=False)
-            for a in (block.policy_version, block.n, block.k, block.n_lengths, block.n_logprobs, block.lengths)]
+    ints = [_int_column(a) for a in (block.policy_version, block.n, block.k, block.n_lengths, block.n_logprobs,
+                                     block.lengths)]
     floats = [np.asarray(a).astype(np.float64, casting="safe", copy=False)
               for a in (block.reward_mean, block.reward_std, block.mean_logprobs)]
     facts = facts_of(block.prompt_ids)

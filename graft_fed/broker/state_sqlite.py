@@ -258,7 +258,7 @@ class _Job:
 
     __slots__ = ("blocks", "encoded", "node", "bundle", "attach", "done", "lead", "result", "attached", "error")
 
-    def __init__(self, blocks: list[SummaryBlock], encoded: list[bytes], node: NodeRow | None,
+    def __init__(self, blocks: list[SummaryBlock], encoded: list[list], node: NodeRow | None,
                  bundle: tuple[str, int, bytes, bytes] | None = None,
                  attach: tuple[str, int, str, str] | None = None) -> None:
         self.blocks, self.encoded, self.node = blocks, encoded, node
@@ -722,7 +722,7 @@ class SqliteState(BrokerState):
                     if not len(block):
                         continue
             mine[key] = (parts + (block.prompt_ids,), seq + 1)
-            rows.append((block.node_id, block.round, seq, len(block), block.to_bytes() if data is None else data))
+            rows.append((block.node_id, block.round, seq, len(block), block.to_parts() if data is None else data))
             if block.digests is not None:
                 digests.extend((block.node_id, block.round, pid, d) for pid, d in zip(block.prompt_ids, block.digests)
                                if d)
@@ -843,7 +843,7 @@ class SqliteState(BrokerState):
         # deduplicated and encoded here, by the publishing thread, rather than inside the
         # group commit's transaction, which every publish of the group waits for
         blocks = [self._first_of_each(b) for b in blocks]
-        return _Job(blocks, [b.to_bytes() for b in blocks], n)
+        return _Job(blocks, [b.to_parts() for b in blocks], n)  # written by pwritev, never joined
 
     def _put_blocks(self, blocks: list[SummaryBlock], total: int, node: NodeRow | None) -> tuple[int, int]:
         accepted = self._grouped(self._job(blocks, node))

@@ -55,7 +55,7 @@ def int_width(a: np.ndarray) -> int:
     """The narrowest signed width (bytes) that holds every value of an int64 column."""
     if not a.size:
         return 1
-    lo, hi = int(a.min()), int(a.max())
+    lo, hi = (0 if a.dtype.kind == "u" else int(a.min())), int(a.max())
     for w in (1, 2, 4):
         bound = 1 << (8 * w - 1)
         if -bound <= lo and hi < bound:
@@ -108,13 +108,14 @@ def facts_of(pids: Any) -> dict | None:
     return got.facts if got is not None and got.ids is pids else None
 
 
-def _ids_json(pids: list[str]) -> str:
+def _ids_json(pids: list[str]) -> bytes:
+    """The prompt ids as JSON (ASCII: json.dumps escapes the rest), memoised for an interned list."""
     facts = facts_of(pids)
     if facts is None:
-        return json.dumps(pids, separators=(",", ":"))
+        return json.dumps(pids, separators=(",", ":")).encode()
     got = facts.get("json")
     if got is None:
-        got = facts["json"] = json.dumps(pids, separators=(",", ":"))
+        got = facts["json"] = json.dumps(pids, separators=(",", ":")).encode()
     return got
 
 
@@ -176,8 +177,8 @@ class SummaryBlock:
         """SummaryRows (with their bundle digests from `digests`, prompt id -> digest; the
         block's own when None), only those whose prompt id is in `wanted` when given; in
         block order."""
-        ol = np.concatenate([[0], np.cumsum(self.n_lengths)]).tolist()
-        om = np.concatenate([[0], np.cumsum(self.n_logprobs)]).tolist()
+        ol = np.concatenate([[0], np.cumsum(self.n_lengths, dtype=np.int64)]).tolist()
+        om = np.concatenate([[0], np.cumsum(self.n_logprobs, dtype=np.int64)]).tolist()
         lengths, logprobs = self.lengths.tolist(), self.mean_logprobs.tolist()
         cols = zip(self.prompt_ids, self.policy_version.tolist(), self.n.tolist(), self.k.tolist(),
                    self.reward_mean.tolist(), self.reward_std.tolist())
@@ -193,23 +194,34 @@ class SummaryBlock:
         return out
 
     def to_bytes(self) -> bytes:
+        return b"".join(self.to_parts())
+
+    def to_parts(self) -> list:
+        """The encoding (`to_bytes`) as the buffers it joins, in order: the magic and header,
+        then the columns, each a view where the column is of its stored type already. A
+        writer that takes several buffers (`os.pwritev`) stores them without the join's
+        copy of the whole block (about 0.2 ms a publish at 4,096 prompts, issue 13)."""
         cols = []
         widths = []
         for name, integer in _COLUMNS:
             a = getattr(self, name)
             if integer:
-                a = np.asarray(a, dtype=np.int64)
-                w = int_width(a)
+                a = np.asarray(a)
+                if a.dtype.kind not in "iu" or not np.can_cast(a.dtype, _I8):
+                    a = np.asarray(a, dtype=np.int64)
+                w = int_width(a)  # on the column as it is (a publish's unsigned 32-bit views: no int64 copy)
                 widths.append(w)
-                cols.append(np.ascontiguousarray(a, dtype=INT_DTYPES[w]).data)
+                cols.append(np.ascontiguousarray(a, dtype=INT_DTYPES[w]).data.cast("B"))
             else:  # already of the stored type: in as it is (no copy; a view of the buffer)
-                cols.append(np.ascontiguousarray(a, dtype=_F8).data)
-        # what json.dumps({"node_id", "round", "prompt_ids", "nl", "nm", "w"}) writes, with
-        # the prompt ids' JSON memoised for an interned list
-        header = (f'{{"node_id":{json.dumps(self.node_id)},"round":{json.dumps(self.round)},"prompt_ids":'
-                  f'{_ids_json(self.prompt_ids)},"nl":{int(self.lengths.size)},"nm":{int(self.mean_logprobs.size)},'
-                  f'"w":[{",".join(map(str, widths))}]}}').encode("utf-8")
-        return b"".join([MAGIC, len(header).to_bytes(4, "little"), header, *cols])
+                cols.append(np.ascontiguousarray(a, dtype=_F8).data.cast("B"))
+        # what json.dumps({"node_id", "round", "prompt_ids", "nl", "nm", "w"}) writes, in
+        # three pieces: the prompt ids' JSON (memoised, encoded, for an interned list) between
+        head = f'{{"node_id":{json.dumps(self.node_id)},"round":{json.dumps(self.round)},"prompt_ids":'.encode()
+        ids = _ids_json(self.prompt_ids)
+        tail = (f',"nl":{int(self.lengths.size)},"nm":{int(self.mean_logprobs.size)},'
+                f'"w":[{",".join(map(str, widths))}]}}').encode()
+        size = len(head) + len(ids) + len(tail)
+        return [MAGIC + size.to_bytes(4, "little") + head, ids, tail, *cols]
 
     @staticmethod
     def header(data: bytes) -> tuple[dict, int]:

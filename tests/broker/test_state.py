@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from graft_fed.broker import blockfiles, bundlefiles
+from graft_fed.broker.blockfiles import BlockFiles
 from graft_fed.broker.bundlefiles import file_name
 from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
 from graft_fed.broker.matchset import MatchSet
@@ -2136,17 +2137,17 @@ def test_sqlite_a_full_disk_under_a_publish_stores_nothing_and_the_next_one_goes
     s = SqliteState(path)
     try:
         s.put_summaries([summ("a", 0, "p0")])
-        real = os.pwrite
+        real = os.pwritev
         calls = []
 
-        def full(fd, data, offset):
+        def full(fd, buffers, offset):
             calls.append(offset)
-            real(fd, bytes(data)[:7], offset)  # part of it went to disk
+            real(fd, [b"".join(map(bytes, buffers))[:7]], offset)  # part of it went to disk
             raise OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(os, "pwrite", full)
+        monkeypatch.setattr(os, "pwritev", full)
         with pytest.raises(StorageFull, match="storage is full"):
             s.put_summaries([summ("b", 0, "p0")], node=node("b", published=0))
-        monkeypatch.setattr(os, "pwrite", real)
+        monkeypatch.setattr(os, "pwritev", real)
         assert calls and [r[0] for r in _block_rows(s)] == ["a"] and s.get_node("b") is None
         assert s.put_summaries([summ("c", 0, "p0")]) == (1, 0)
         assert [(x.node_id, x.prompt_id) for x in s.summaries()] == [("a", "p0"), ("c", "p0")]
@@ -2161,6 +2162,38 @@ def test_sqlite_a_full_disk_under_a_publish_stores_nothing_and_the_next_one_goes
         assert [(x.node_id, x.prompt_id) for x in s.summaries()] == [("a", "p0"), ("c", "p0")]
     finally:
         s.close()
+
+
+def test_block_files_write_a_block_given_as_buffers_whole_through_short_writes(tmp_path, monkeypatch):
+    """A block handed over as the buffers of its encoding (SummaryBlock.to_parts) is stored
+    as their concatenation, with its CRC, also when the system writes a few bytes at a time
+    (a short write, which a full disk or a signal can cause): the rest follows from where
+    it stopped, across buffer boundaries; a write that makes no progress is an error."""
+    block = SummaryBlock.from_rows([summ("a", 3, f"p{i}") for i in range(5)])
+    parts = block.to_parts()
+    whole = block.to_bytes()
+    assert len(parts) > 3 and b"".join(map(bytes, parts)) == whole
+    real = os.pwritev
+    sizes = []
+
+    def short(fd, buffers, offset):
+        data = b"".join(map(bytes, buffers))[:5]
+        sizes.append(len(data))
+        return real(fd, [data], offset)
+    files = BlockFiles(str(tmp_path / "blocks"))
+    try:
+        assert files.append([(3, b"head")]) == [(0, 4, zlib.crc32(b"head"))]
+        monkeypatch.setattr(os, "pwritev", short)
+        assert files.append([(3, parts)]) == [(4, len(whole), zlib.crc32(whole))]
+        assert len(sizes) == -(-len(whole) // 5)
+        assert files.read(3, 4, len(whole), zlib.crc32(whole), "a block") == whole
+        assert SummaryBlock.from_bytes(files.read(3, 4, len(whole), zlib.crc32(whole), "a block")).rows() == block.rows()
+        monkeypatch.setattr(os, "pwritev", lambda fd, buffers, offset: 0)
+        with pytest.raises(Exception, match="storage failed during a write") as got:
+            files.append([(3, parts)])
+        assert "no progress" in str(got.value.__cause__)
+    finally:
+        files.close()
 
 
 def test_sqlite_one_write_across_more_rounds_than_files_kept_open(tmp_path):

@@ -187,6 +187,74 @@ def test_a_publishs_prompt_ids_are_recognised_on_the_wire_only_when_they_are_exa
         codec.intern_ids = real
 
 
+def test_a_publishs_arrays_are_views_of_its_bytes_only_when_each_is_one_plain_field(prompts):
+    """Once a publish's prompt ids are recognised on the wire, its arrays are read in place:
+    views of the request's bytes, not the copies protobuf hands out. Only when each array
+    field comes once, length-delimited, with nothing else among them; any other layout (a
+    field twice, where protobuf keeps the last; a field of another wire type; an unknown
+    field; a field left out) is read from the parsed message, and every case gives the same
+    block (or the same refusal) as reading the parsed message alone."""
+    from graft_fed.federation.codec import summaries_from_columns
+    from graft_fed.federation.protowire import varint
+
+    groups = [summary(p, k % 9) for k, p in enumerate(prompts[:5])]
+    for g, extra in zip(groups, range(5)):
+        g.lengths[:] = [100 + extra + i for i in range(len(g.lengths))]
+    cols = columns_to_pb(groups)
+    payload = cols.SerializeToString()
+    ids_part = b"".join(b"\x0a" + bytes([len(g.prompt_id)]) + g.prompt_id.encode() for g in groups)
+    assert payload.startswith(ids_part)
+
+    def field(number: int, data: bytes) -> bytes:
+        return varint(number << 3 | 2) + varint(len(data)) + data
+
+    arrays = [(f.number, getattr(cols, f.name)) for f in pb.SummaryColumns.DESCRIPTOR.fields if f.number != 1]
+    plain = b"".join(field(n, d) for n, d in arrays)
+    assert ids_part + plain == payload
+
+    def request(body: bytes) -> bytes:
+        head = pb.PublishRequest(node_id="a", round=7).SerializeToString()
+        return head + b"\x32" + varint(len(body)) + body
+
+    def outcome(data: bytes, wire: bool):
+        try:
+            block = summaries_from_columns(pb.PublishRequest.FromString(data), data if wire else None).block
+            return [(r.prompt_id, r.policy_version, r.n, r.k, r.reward_mean, r.reward_std, r.lengths, r.mean_logprobs)
+                    for r in block.rows()]
+        except Exception as exc:  # noqa: BLE001 - the same refusal both ways
+            return type(exc).__name__, str(exc)
+
+    data = request(payload)
+    for _ in range(2):  # the ids are recognised from their second sighting
+        summaries_from_columns(pb.PublishRequest.FromString(data), data)
+    block = summaries_from_columns(pb.PublishRequest.FromString(data), data).block
+    for column in (block.lengths, block.k, block.mean_logprobs, block.reward_std):
+        assert isinstance(column.base, memoryview) and column.base.obj is data  # read in place
+    assert outcome(data, True) == outcome(data, False) and outcome(data, True)[0][6] == [100 + i for i in range(len(groups[0].lengths))]
+
+    lengths = dict(arrays)[8]
+    other = bytes(reversed(lengths))
+    cases = {
+        "lengths twice (the last wins)": ids_part + plain + field(8, other),
+        "lengths twice, the second short": ids_part + plain + field(8, other[:-4]),
+        "an unknown field among them": ids_part + field(15, b"xyz") + plain,
+        "a varint where an array is": ids_part + b"\x40\x05" + plain,
+        "reward_stds left out": ids_part + b"".join(field(n, d) for n, d in arrays if n != 6),
+        "the arrays in another order": ids_part + b"".join(field(n, d) for n, d in reversed(arrays)),
+    }
+    for name, body in cases.items():
+        data = request(body)
+        try:
+            pb.PublishRequest.FromString(data)
+        except Exception:  # noqa: BLE001 - protobuf refuses it: the servicer answers it malformed first
+            continue
+        got = outcome(data, True)
+        assert got == outcome(data, False), name
+    assert outcome(request(cases["lengths twice (the last wins)"]), True)[0][6] == [
+        int.from_bytes(other[i:i + 4], "little") for i in range(0, 4 * len(groups[0].lengths), 4)]
+    assert outcome(request(cases["reward_stds left out"]), True)[0] == "InvalidArgument"
+
+
 def test_a_varint_reads_back_what_protowire_writes():
     from graft_fed.federation.protowire import read_varint, varint
 
