@@ -4,6 +4,7 @@ columns at once), stored durably, then made visible to matching through the roun
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -42,6 +43,18 @@ def _std_matches(k: int, n: int, claimed: float) -> bool:
     var = p * (1 - p)
     candidates = [math.sqrt(var), math.sqrt(var * n / (n - 1)) if n > 1 else 0.0]
     return any(abs(claimed - c) <= 1e-6 * max(1.0, c) for c in candidates)
+
+
+@functools.lru_cache(maxsize=8)
+def _reward_tables(n: int) -> tuple[np.ndarray, ...]:
+    """By k in 0..n: reward_mean k/n; the population std of k ones and n - k zeros and its
+    tolerance; the sample std and its tolerance (what `_std_matches` accepts), computed as
+    numpy computes them per summary, so that a publish's check gathers them by k."""
+    p = np.arange(n + 1) / n
+    var = p * (1 - p)
+    pop = np.sqrt(var)
+    sample = np.sqrt(var * n / (n - 1)) if n > 1 else np.zeros_like(var)
+    return p, pop, 1e-6 * np.maximum(1.0, pop), sample, 1e-6 * np.maximum(1.0, sample)
 
 
 def _within(a: np.ndarray, lo: float, hi: float | None) -> bool:
@@ -204,19 +217,16 @@ class Publishing(Part):
         # bounds as one minimum and one maximum per column (no array of comparisons): NaN
         # fails them, as it propagates through both, and so do infinities
         if not (_within(b.n, n, n) and _within(b.k, 0, n) and _within(b.n_lengths, n, n)
-                and _within(b.n_logprobs, n, n) and _within(b.lengths, 1, None)
+                and (b.n_logprobs is b.n_lengths or _within(b.n_logprobs, n, n)) and _within(b.lengths, 1, None)
                 and _within(b.mean_logprobs, MIN_MEAN_LOGPROB, 1e-6)):
             return False
-        mean, std = b.reward_mean, b.reward_std
+        mean_of, pop, pop_tol, sample, sample_tol = _reward_tables(n)
+        k = b.k
         with np.errstate(invalid="ignore"):
-            p = b.k / n
-            if not (np.abs(mean - p) <= 1e-6).all():  # NaN and infinities fail it
+            if not (np.abs(b.reward_mean - mean_of[k]) <= 1e-6).all():  # NaN and infinities fail it
                 return False
-            var = p * (1 - p)  # reward_std: the population or the sample std of k ones and n - k zeros
-            pop = np.sqrt(var)
-            sample = np.sqrt(var * n / (n - 1)) if n > 1 else np.zeros_like(var)
-            ok = ((np.abs(std - pop) <= 1e-6 * np.maximum(1.0, pop))
-                  | (np.abs(std - sample) <= 1e-6 * np.maximum(1.0, sample)))
+            std = b.reward_std  # the population or the sample std of k ones and n - k zeros
+            ok = (np.abs(std - pop[k]) <= pop_tol[k]) | (np.abs(std - sample[k]) <= sample_tol[k])
         return bool(ok.all())
 
     def _ids_valid(self, pids: list[str]) -> bool:

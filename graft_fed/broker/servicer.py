@@ -278,7 +278,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 check_message(request)  # the summaries one by one: raises what a bound says
                 bulk = None
         if bulk is not None:
-            if (bulk.rounds != request.round).any():
+            if not bulk.rounds_are(request.round):
                 raise InvalidArgument("every summary's round must equal the request's round")
             block = bulk.block
             # the checks change nothing: a replay of an accepted publish passes them and is

@@ -1,0 +1,83 @@
+"""A publish's checks on columns (`Publishing._block_valid`, the fast path every publish of
+SummaryColumns takes) accept exactly what the row checks (`_validate_rows`, whose error a
+refused publish gets) accept, at every edge of every bound: reward_mean and reward_std against
+k/n within their tolerances (population or sample std), NaN and infinities, lengths, mean
+log-probs and counts; and on a block as it comes off the wire, with unsigned 32-bit columns."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from graft_fed.broker.handlers import Federation
+from graft_fed.broker.state_memory import InMemoryState
+from graft_fed.data.config import DataConfig, load_prompts
+from graft_fed.federation.codec import columns_to_pb, summaries_from_columns
+from graft_fed.federation.limits import MIN_MEAN_LOGPROB
+from graft_fed.federation.messages import SummaryRow
+from graft_fed.federation.summaryblock import SummaryBlock
+from graft_fed.proto import broker_pb2 as pb
+from tests.federation.helpers import broker_config
+
+
+def _fed(tmp_path, n: int) -> tuple[Federation, list[str]]:
+    path = tmp_path / f"prompts{n}.jsonl"
+    path.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(4)))
+    ids = [p.id for p in load_prompts(DataConfig(source=str(path)))]
+    return Federation(broker_config(path, n=n), InMemoryState()), ids
+
+
+def _row(pid: str, n: int, k: int, over: dict | None = None) -> SummaryRow:
+    p = k / n
+    base = dict(node_id="a", round=3, prompt_id=pid, policy_version=1, n=n, k=k, reward_mean=p,
+                reward_std=math.sqrt(p * (1 - p)), lengths=[5] * n, mean_logprobs=[-0.5] * n)
+    base.update(over or {})
+    return SummaryRow(**base)
+
+
+def _edges(n: int, k: int) -> list[dict]:
+    """Values of one summary at and around each bound."""
+    p = k / n
+    pop = math.sqrt(p * (1 - p))
+    sample = math.sqrt(p * (1 - p) * n / (n - 1)) if n > 1 else 0.0
+    out: list[dict] = []
+    for d in (0.0, 0.5e-6, -0.5e-6, 1.5e-6, -1.5e-6):
+        out.append({"reward_mean": p + d})
+        for std in (pop, sample):
+            out.append({"reward_std": std + d * max(1.0, std)})
+    for bad in (math.nan, math.inf, -math.inf):
+        out += [{"reward_mean": bad}, {"reward_std": bad}, {"mean_logprobs": [-0.5] * (n - 1) + [bad]}]
+    out += [{"reward_std": -0.0}, {"reward_mean": -0.0},
+            {"lengths": [5] * (n - 1) + [0]}, {"lengths": [5] * (n - 1) + [1]},
+            {"mean_logprobs": [MIN_MEAN_LOGPROB] * n}, {"mean_logprobs": [MIN_MEAN_LOGPROB - 1e-9] * n},
+            {"mean_logprobs": [1e-6] * n}, {"mean_logprobs": [2e-6] * n}, {"mean_logprobs": [-0.0] * n},
+            {"lengths": [5] * (n + 1), "mean_logprobs": [-0.5] * (n + 1)}, {"n": n + 1}, {"k": n + 1}]
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_the_column_checks_accept_exactly_what_the_row_checks_accept(tmp_path, n):
+    fed, ids = _fed(tmp_path, n)
+    publishing = fed.publishing
+    seen = {True: 0, False: 0}
+    for k in range(n + 1):
+        for over in _edges(n, k):
+            rows = [_row(ids[0], n, k), _row(ids[1], n, k, over)]
+            try:
+                publishing._validate_rows("a", 3, rows)
+                by_rows = True
+            except Exception:  # noqa: BLE001 - InvalidArgument, with the row's words
+                by_rows = False
+            block = SummaryBlock.from_rows(rows)
+            assert publishing._block_valid("a", 3, block) is by_rows, (n, k, over)
+            seen[by_rows] += 1
+            if len(set(map(len, (rows[1].lengths, rows[1].mean_logprobs)))) == 1 and 0 <= rows[1].k < 2**32 \
+                    and rows[1].n < 2**32:
+                # the same summaries as a publish's columns, read as the broker reads them
+                raw = pb.PublishRequest(node_id="a", round=3, columns=columns_to_pb(rows)).SerializeToString()
+                wire = summaries_from_columns(pb.PublishRequest.FromString(raw), raw).block
+                assert wire.k.dtype == np.dtype("<u4") and wire.lengths.dtype == np.dtype("<u4")
+                assert publishing._block_valid("a", 3, wire) is by_rows, ("wire", n, k, over)
+    assert seen[True] and seen[False]  # both sides of the bounds were reached
