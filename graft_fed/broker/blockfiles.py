@@ -158,13 +158,11 @@ class BlockFiles:
                     fd, off = entry
                     parts = [memoryview(p).cast("B") for p in ((data,) if isinstance(data, (bytes, bytearray,
                                                                                           memoryview)) else data)]
-                    size = sum(map(len, parts))
-                    at = _pwrite_parts(fd, parts, off)
-                    entry[1] = at
+                    entry[1] = at = _pwrite_parts(fd, parts, off)
                     crc = 0
                     for p in parts:
                         crc = zlib.crc32(p, crc)
-                    out.append((off, size, crc))
+                    out.append((off, at - off, crc))
                 for fd, _ in written.values():
                     os.fdatasync(fd)
                 self._close_oldest()

@@ -36,20 +36,12 @@ class Publish:
     block: SummaryBlock
 
 
-def _std_matches(k: int, n: int, claimed: float) -> bool:
-    """reward_std agrees with k successes of n binary rewards (sample std, as
-    federation.messages.summarise computes it, or population std)."""
-    p = k / n
-    var = p * (1 - p)
-    candidates = [math.sqrt(var), math.sqrt(var * n / (n - 1)) if n > 1 else 0.0]
-    return any(abs(claimed - c) <= 1e-6 * max(1.0, c) for c in candidates)
-
-
 @functools.lru_cache(maxsize=8)
 def _reward_tables(n: int) -> tuple[np.ndarray, ...]:
     """By k in 0..n: reward_mean k/n; the population std of k ones and n - k zeros and its
-    tolerance; the sample std and its tolerance (what `_std_matches` accepts), computed as
-    numpy computes them per summary, so that a publish's check gathers them by k."""
+    tolerance; the sample std (as federation.messages.summarise computes it) and its
+    tolerance. A claimed reward_std is accepted within either tolerance of either std; both
+    the row and the column checks read these tables."""
     p = np.arange(n + 1) / n
     var = p * (1 - p)
     pop = np.sqrt(var)
@@ -162,7 +154,8 @@ class Publishing(Part):
                                   "produce")
         if abs(s.reward_mean - s.k / s.n) > 1e-6:
             raise InvalidArgument(f"{where}: reward_mean {s.reward_mean} contradicts k/n = {s.k}/{s.n}")
-        if not _std_matches(s.k, s.n, s.reward_std):
+        _, pop, pop_tol, sample, sample_tol = _reward_tables(s.n)
+        if not (abs(s.reward_std - pop[s.k]) <= pop_tol[s.k] or abs(s.reward_std - sample[s.k]) <= sample_tol[s.k]):
             raise InvalidArgument(f"{where}: reward_std {s.reward_std} contradicts k/n = {s.k}/{s.n} (binary "
                                   "rewards: the sample or population std of k ones and n - k zeros)")
         if s.bundle_digest:
@@ -217,7 +210,7 @@ class Publishing(Part):
         # bounds as one minimum and one maximum per column (no array of comparisons): NaN
         # fails them, as it propagates through both, and so do infinities
         if not (_within(b.n, n, n) and _within(b.k, 0, n) and _within(b.n_lengths, n, n)
-                and (b.n_logprobs is b.n_lengths or _within(b.n_logprobs, n, n)) and _within(b.lengths, 1, None)
+                and _within(b.n_logprobs, n, n) and _within(b.lengths, 1, None)
                 and _within(b.mean_logprobs, MIN_MEAN_LOGPROB, 1e-6)):
             return False
         mean_of, pop, pop_tol, sample, sample_tol = _reward_tables(n)

@@ -15,7 +15,7 @@ import numpy as np
 
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.core.exchange import CompatEstimate
-from graft_fed.federation.summaryblock import SummaryBlock, facts_of
+from graft_fed.federation.summaryblock import SummaryBlock, facts_of, holds_as_int64
 
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1  # what SQLite's INTEGER holds
 
@@ -108,13 +108,10 @@ def norm_summary(row: SummaryRow) -> SummaryRow:
 
 
 def _int_column(a: object) -> np.ndarray:
-    """An integer column as it is when int64 holds its type (a publish's unsigned 32-bit
-    columns are views of its request: widening them cost a copy each, and the encoding
-    narrows them again); else converted to int64 (TypeError where that would not be safe)."""
+    """An integer column as it is when int64 holds its type, else converted to int64
+    (TypeError where that would not be safe)."""
     a = np.asarray(a)
-    if a.dtype.kind in "iu" and np.can_cast(a.dtype, np.int64, casting="safe"):
-        return a
-    return a.astype(np.int64, casting="safe")
+    return a if holds_as_int64(a) else a.astype(np.int64, casting="safe")
 
 
 def norm_block(block: SummaryBlock) -> SummaryBlock:
@@ -127,9 +124,7 @@ def norm_block(block: SummaryBlock) -> SummaryBlock:
               block.n_logprobs)
     if any(not isinstance(a, np.ndarray) or a.shape != (count,) for a in arrays):
         raise ValueError("every column of a summary block holds one value per summary")
-    total = int(block.n_lengths.sum())
-    if total != block.lengths.size or (int(block.n_logprobs.sum()) if block.n_logprobs is not block.n_lengths
-                                       else total) != block.mean_logprobs.size:
+    if int(block.n_lengths.sum()) != block.lengths.size or int(block.n_logprobs.sum()) != block.mean_logprobs.size:
         raise ValueError("a summary block's per-summary counts disagree with its flat arrays")
     if block.digests is not None and len(block.digests) != count:
         raise ValueError("a summary block's digests hold one value per summary")

@@ -83,7 +83,7 @@ class SummariesInBulk:
         return bool((not len(b) or ((self.rounds is None or int(self.rounds.max()) <= INT64_MAX)
                                     and int(self.policy_versions.max()) <= INT64_MAX
                                     and int(b.n_lengths.max()) <= MAX_REPEATED
-                                    and (b.n_logprobs is b.n_lengths or int(b.n_logprobs.max()) <= MAX_REPEATED)
+                                    and int(b.n_logprobs.max()) <= MAX_REPEATED
                                     and _longest(b.prompt_ids) <= MAX_STRING_LEN))
                     and (b.digests is None or max(map(len, b.digests)) <= MAX_STRING_LEN))
 

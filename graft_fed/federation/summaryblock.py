@@ -51,8 +51,15 @@ _COLUMNS = (("policy_version", True), ("n", True), ("k", True), ("reward_mean", 
             ("n_lengths", True), ("n_logprobs", True), ("lengths", True), ("mean_logprobs", False))
 
 
+def holds_as_int64(a: np.ndarray) -> bool:
+    """Whether an array is of an integer type whose every value int64 holds (a publish's
+    unsigned 32-bit columns are kept as they came: widening them cost a copy each, and the
+    encoding narrows them again)."""
+    return a.dtype.kind in "iu" and np.can_cast(a.dtype, _I8, casting="safe")
+
+
 def int_width(a: np.ndarray) -> int:
-    """The narrowest signed width (bytes) that holds every value of an int64 column."""
+    """The narrowest signed width (bytes) that holds every value of an integer column."""
     if not a.size:
         return 1
     lo, hi = (0 if a.dtype.kind == "u" else int(a.min())), int(a.max())
@@ -207,9 +214,9 @@ class SummaryBlock:
             a = getattr(self, name)
             if integer:
                 a = np.asarray(a)
-                if a.dtype.kind not in "iu" or not np.can_cast(a.dtype, _I8):
+                if not holds_as_int64(a):
                     a = np.asarray(a, dtype=np.int64)
-                w = int_width(a)  # on the column as it is (a publish's unsigned 32-bit views: no int64 copy)
+                w = int_width(a)
                 widths.append(w)
                 cols.append(np.ascontiguousarray(a, dtype=INT_DTYPES[w]).data.cast("B"))
             else:  # already of the stored type: in as it is (no copy; a view of the buffer)

@@ -81,3 +81,13 @@ def test_the_column_checks_accept_exactly_what_the_row_checks_accept(tmp_path, n
                 assert wire.k.dtype == np.dtype("<u4") and wire.lengths.dtype == np.dtype("<u4")
                 assert publishing._block_valid("a", 3, wire) is by_rows, ("wire", n, k, over)
     assert seen[True] and seen[False]  # both sides of the bounds were reached
+    # the tolerances themselves (both checks read one rule): within 1e-6 accepted, beyond refused
+    k = n // 2
+    p = k / n
+    for std in (math.sqrt(p * (1 - p)), math.sqrt(p * (1 - p) * n / (n - 1))):
+        for d, ok in ((0.5e-6, True), (-0.5e-6, True), (1.5e-6, False), (-1.5e-6, False)):
+            row = _row(ids[1], n, k, {"reward_std": std + d * max(1.0, std)})
+            assert publishing._block_valid("a", 3, SummaryBlock.from_rows([row])) is ok, (n, k, std, d)
+    for d, ok in ((0.5e-6, True), (1.5e-6, False)):
+        row = _row(ids[1], n, k, {"reward_mean": p + d})
+        assert publishing._block_valid("a", 3, SummaryBlock.from_rows([row])) is ok, (n, k, d)
