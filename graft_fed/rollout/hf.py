@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 from typing import Any, Sequence
 
 import torch
 
 from graft_fed.modeling import eos_token_ids, position_ids_from_mask
 from graft_fed.rollout.base import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -79,7 +82,10 @@ class HFRollout:
         self.batch_size = batch_size
         self.add_special_tokens = add_special_tokens
         self.device = next(model.parameters()).device
-        self.generator = torch.Generator(device="cpu")
+        # The stream lives where the model does: sampling a (B, V) distribution on the CPU
+        # would copy it off the GPU and draw on one core at every token (0.4 s a token for
+        # 128 responses over a 152k vocabulary, measured; bench/gpu_check.py).
+        self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -92,6 +98,19 @@ class HFRollout:
         return self.generator.get_state()
 
     def set_rng_state(self, state: torch.Tensor) -> None:
+        """Resume the stream. A state saved by a generator of another device type (a run
+        checkpointed on a GPU resumed on a CPU, or the reverse) cannot continue that stream:
+        the engine then reseeds from the state's bytes, so the resumed run is still
+        reproducible, and says so."""
+        state = torch.as_tensor(state, dtype=torch.uint8).cpu()
+        if state.numel() != self.generator.get_state().numel():
+            seed = stream_seed(*state.tolist())
+            log.warning("the rollout RNG state was saved on another device type than %s (%d bytes, not %d): "
+                        "the sampling stream is reseeded from it (seed %d), so samples after this resume "
+                        "differ from the original run's", self.device.type, state.numel(),
+                        self.generator.get_state().numel(), seed)
+            self.generator.manual_seed(seed)
+            return
         self.generator.set_state(state)
 
     def encode(self, prompt: str) -> list[int]:
@@ -153,7 +172,7 @@ class HFRollout:
             scaled = filter_logits(scaled, sp.top_k, sp.top_p)
             logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
             if uniforms is None:
-                sampled = torch.multinomial(logp.exp().cpu(), 1, generator=self.generator).squeeze(-1)  # (B,)
+                sampled = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1).cpu()  # (B,)
             else:
                 sampled = inverse_cdf_sample(logp.exp(), uniforms[:, step]).cpu()  # (B,)
             sampled_dev = sampled.to(self.device)

@@ -55,3 +55,23 @@ def test_filter_logits_top_k_and_top_p():
     assert torch.isinf(filter_logits(logits, top_k=0, top_p=0.8)).tolist() == [[False, False, True, True]]
     assert torch.isinf(filter_logits(logits, top_k=0, top_p=0.81)).tolist() == [[False, False, False, True]]
     assert not torch.isinf(filter_logits(logits, top_k=0, top_p=0.1)[0, 0])
+
+
+def test_a_stream_state_from_another_device_type_reseeds_reproducibly_and_says_so(tiny_llama, caplog):
+    """A checkpoint's rollout RNG state saved on a GPU (CUDA's generator state is 16 bytes) and
+    resumed on a CPU (5,056) cannot continue that stream: each engine resumed from it samples
+    the same tokens, and the log says the stream was reseeded."""
+    model, tok = _load(tiny_llama)
+    sp = SamplingParams(n=4, max_new_tokens=8)
+    foreign = torch.arange(16, dtype=torch.uint8)
+    runs = []
+    for _ in range(2):
+        engine = HFRollout(model, tok, seed=11)
+        assert engine.generator.device == next(model.parameters()).device
+        with caplog.at_level("WARNING", logger="graft_fed.rollout.hf"):
+            engine.set_rng_state(foreign)
+        runs.append([c.token_ids for c in engine.generate(["Q: 7\nA: "], sp)[0]])
+    assert runs[0] == runs[1]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "graft_fed.rollout.hf"]
+    assert len(warnings) == 2 and "saved on another device type than cpu (16 bytes, not 5056)" in warnings[0]
+    assert engine.generator.get_state().numel() == 5056  # still this device's generator
