@@ -1,6 +1,6 @@
 """GPU check: one full GRAFT co-training step of two 1-2B models, with throughput and MFU.
 
-    bash bench/gpu_check.sh                 # one GPU, no internet, under 8 minutes on an H200
+    bash bench/gpu_check.sh                 # one GPU, no internet; 87 s on an H200 without vllm
     python bench/gpu_check.py --tiny        # the same logic on CPU with toy sizes (seconds)
 
 What it does, all offline:
@@ -517,7 +517,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 16; tiny 8)")
     ap.add_argument("--n", type=int, default=None, help="responses per prompt (default 8; tiny 4)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="response cap (default 256; tiny 8)")
-    ap.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward micro-batch")
+    # 16 ran out of the H200's 140 GiB (two fp32 models with AdamW in one process, no
+    # activation checkpointing); 4 peaked at 94.5 GiB (bench/results/gpu/, 2026-12-04).
+    ap.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward micro-batch")
     ap.add_argument("--matmul-size", type=int, default=None, help="default 8192; tiny 128")
     ap.add_argument("--matmul-seconds", type=float, default=None, help="default 5; tiny 0.05")
     ap.add_argument("--vllm", choices=("auto", "on", "off"), default="auto",
