@@ -410,7 +410,8 @@ class GRPOTrainer:
 
     def _forward(self, model: Any, batch: Any, with_entropy: bool = False):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return response_forward(model, batch, temperature=self.sampling.temperature, with_entropy=with_entropy)
+            return response_forward(model, batch, temperature=self.sampling.temperature, with_entropy=with_entropy,
+                                    entropy_grad=with_entropy and self.cfg.algorithm.entropy_coef > 0)
 
     @torch.no_grad()
     def score_responses(self, prompt_ids: Sequence[Sequence[int]],
