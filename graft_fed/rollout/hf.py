@@ -20,6 +20,9 @@ from graft_fed.rollout.base import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
 
+_CPU_STATE_BYTES = 5056  # torch.Generator('cpu').get_state(): the Mersenne Twister's state
+_CUDA_STATE_BYTES = 16  # a CUDA generator's: its Philox seed and offset
+
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask (to -inf) tokens outside the top-k / nucleus. logits: (B, V) float32."""
@@ -98,17 +101,22 @@ class HFRollout:
         return self.generator.get_state()
 
     def set_rng_state(self, state: torch.Tensor) -> None:
-        """Resume the stream. A state saved by a generator of another device type (a run
-        checkpointed on a GPU resumed on a CPU, or the reverse) cannot continue that stream:
-        the engine then reseeds from the state's bytes, so the resumed run is still
-        reproducible, and says so."""
+        """Resume the stream. A state of the other kind of generator (a CPU one's, which
+        every checkpoint before the sampler moved to the model's device holds, resumed on a
+        GPU; a CUDA one's resumed on a CPU) cannot continue that stream: the engine then
+        reseeds from the state's bytes, so the resumed run is still reproducible, and says so.
+        A state of any other size is not a generator's: ValueError (a checkpoint error)."""
         state = torch.as_tensor(state, dtype=torch.uint8).cpu()
-        if state.numel() != self.generator.get_state().numel():
+        own = self.generator.get_state().numel()
+        if state.numel() != own:
+            kind = {_CPU_STATE_BYTES: "CPU", _CUDA_STATE_BYTES: "CUDA"}.get(state.numel())
+            if kind is None:
+                raise ValueError(f"the rollout RNG state has {state.numel()} bytes, which is no generator's "
+                                 f"(a CPU one has {_CPU_STATE_BYTES}, a CUDA one {_CUDA_STATE_BYTES})")
             seed = stream_seed(*state.tolist())
-            log.warning("the rollout RNG state was saved on another device type than %s (%d bytes, not %d): "
-                        "the sampling stream is reseeded from it (seed %d), so samples after this resume "
-                        "differ from the original run's", self.device.type, state.numel(),
-                        self.generator.get_state().numel(), seed)
+            log.warning("the rollout RNG state is a %s generator's and this engine samples on %s: the sampling "
+                        "stream is reseeded from it (seed %d), so samples after this resume differ from those "
+                        "the original run would have drawn", kind, self.device, seed)
             self.generator.manual_seed(seed)
             return
         self.generator.set_state(state)

@@ -4,7 +4,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from graft_fed.modeling import pack, response_forward
 from graft_fed.rollout.base import SamplingParams
-from graft_fed.rollout.hf import HFRollout, filter_logits
+from graft_fed.rollout.hf import HFRollout, filter_logits, stream_seed
 
 
 def _load(path):
@@ -60,18 +60,22 @@ def test_filter_logits_top_k_and_top_p():
 def test_a_stream_state_from_another_device_type_reseeds_reproducibly_and_says_so(tiny_llama, caplog):
     """A checkpoint's rollout RNG state saved on a GPU (CUDA's generator state is 16 bytes) and
     resumed on a CPU (5,056) cannot continue that stream: each engine resumed from it samples
-    the same tokens, and the log says the stream was reseeded."""
+    what the stream seeded from those bytes samples, and the log says so. A state of no
+    generator's size is refused (the trainer's resume turns that into a checkpoint error)."""
     model, tok = _load(tiny_llama)
     sp = SamplingParams(n=4, max_new_tokens=8)
     foreign = torch.arange(16, dtype=torch.uint8)
     runs = []
     for _ in range(2):
         engine = HFRollout(model, tok, seed=11)
-        assert engine.generator.device == next(model.parameters()).device
         with caplog.at_level("WARNING", logger="graft_fed.rollout.hf"):
             engine.set_rng_state(foreign)
         runs.append([c.token_ids for c in engine.generate(["Q: 7\nA: "], sp)[0]])
-    assert runs[0] == runs[1]
+    reseeded = HFRollout(model, tok, seed=stream_seed(*range(16)))
+    assert runs[0] == runs[1] == [c.token_ids for c in reseeded.generate(["Q: 7\nA: "], sp)[0]]
+    assert runs[0] != [c.token_ids for c in HFRollout(model, tok, seed=11).generate(["Q: 7\nA: "], sp)[0]]
     warnings = [r.getMessage() for r in caplog.records if r.name == "graft_fed.rollout.hf"]
-    assert len(warnings) == 2 and "saved on another device type than cpu (16 bytes, not 5056)" in warnings[0]
+    assert len(warnings) == 2 and "is a CUDA generator's and this engine samples on cpu" in warnings[0]
     assert engine.generator.get_state().numel() == 5056  # still this device's generator
+    with pytest.raises(ValueError, match="has 100 bytes, which is no generator's"):
+        engine.set_rng_state(torch.zeros(100, dtype=torch.uint8))

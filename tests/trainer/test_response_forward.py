@@ -6,6 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from graft_fed.modeling import pack, response_forward
+from graft_fed.trainer.grpo import GRPOTrainer
+from tests.trainer.test_grpo import make_cfg
 
 
 def _saved_vocab_tensors(model, batch, **kw) -> tuple[set[int], object]:
@@ -43,3 +45,12 @@ def test_the_entropy_as_a_metric_adds_no_vocabulary_sized_tensor_to_the_graph_an
     assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
     with torch.no_grad():  # and without a graph at all, nothing is saved
         assert response_forward(model, batch, with_entropy=True, entropy_grad=True).entropy.requires_grad is False
+
+
+def test_the_trainer_keeps_the_entropys_graph_exactly_when_its_loss_has_an_entropy_bonus(tiny_llama, prompt_file,
+                                                                                       tmp_path):
+    batch = pack([[5, 6, 7]], [[8, 9, 10]], 0)
+    for coef in (0.0, 0.01):
+        cfg = make_cfg(tiny_llama, prompt_file, tmp_path / f"run{coef}", **{"algorithm.entropy_coef": coef})
+        with GRPOTrainer(cfg, quiet=True) as tr:
+            assert tr._forward(tr.model, batch, with_entropy=True).entropy.requires_grad is (coef > 0)  # noqa: SLF001
