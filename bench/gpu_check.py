@@ -237,7 +237,7 @@ def _count_training_tokens(trainer: Any, sink: dict[str, float]) -> None:
 
 
 def run_backend(backend: str, models: dict[str, Path], n_params: dict[str, int], rate: float,
-                args: argparse.Namespace, out: Path) -> dict[str, Any]:
+                args: argparse.Namespace, out: Path, log: Any = print) -> dict[str, Any]:
     from graft_fed.graft.cotrain import CoTrainer
 
     device = torch.device(args.device)
@@ -245,6 +245,7 @@ def run_backend(backend: str, models: dict[str, Path], n_params: dict[str, int],
     t0 = time.perf_counter()
     cot = CoTrainer(cfg, quiet=True)
     setup_s = time.perf_counter() - t0
+    log(f"{backend} backend: both members set up in {setup_s:.1f} s")
     sinks = {t.model_id: {} for t in cot.trainers}
     for t in cot.trainers:
         _count_training_tokens(t, sinks[t.model_id])
@@ -256,6 +257,7 @@ def run_backend(backend: str, models: dict[str, Path], n_params: dict[str, int],
         t0 = time.perf_counter()
         cot.train_step()
         warmup_s = time.perf_counter() - t0
+        log(f"{backend} backend: warm-up step ({min(16, args.max_new_tokens)} new tokens) {warmup_s:.1f} s")
         for t, sp in zip(cot.trainers, full):
             t.sampling = sp
         if device.type == "cuda":
@@ -577,7 +579,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    runs = [run_backend("hf", models, n_params, rate_info["tflops"], args, out)]
+    runs = [run_backend("hf", models, n_params, rate_info["tflops"], args, out, log)]
     log(f"transformers backend: co-training step {runs[0]['cotrain_step_s']:.1f} s")
     vllm_reason = None
     if args.vllm == "off":
@@ -597,7 +599,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
         runs.append({"backend": "vllm", "skipped": vllm_reason})
         log(f"vLLM backend skipped: {vllm_reason}")
     else:
-        runs.append(run_backend("vllm", models, n_params, rate_info["tflops"], args, out))
+        runs.append(run_backend("vllm", models, n_params, rate_info["tflops"], args, out, log))
         log(f"vLLM backend: co-training step {runs[1]['cotrain_step_s']:.1f} s")
 
     result = {

@@ -104,7 +104,8 @@ class HFRollout:
         """Resume the stream. A state of the other kind of generator (a CPU one's, which
         every checkpoint before the sampler moved to the model's device holds, resumed on a
         GPU; a CUDA one's resumed on a CPU) cannot continue that stream: the engine then
-        reseeds from the state's bytes, so the resumed run is still reproducible, and says so.
+        reseeds from the state's bytes, so the resumed run is still reproducible (on the same
+        kind of GPU: CUDA's draws depend on its launch grid), and says so.
         A state of any other size is not a generator's: ValueError (a checkpoint error)."""
         state = torch.as_tensor(state, dtype=torch.uint8).cpu()
         own = self.generator.get_state().numel()
