@@ -181,10 +181,10 @@ class HFRollout:
             scaled = filter_logits(scaled, sp.top_k, sp.top_p)
             logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
             if uniforms is None:
-                sampled = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1).cpu()  # (B,)
+                sampled_dev = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)  # (B,)
             else:
-                sampled = inverse_cdf_sample(logp.exp(), uniforms[:, step]).cpu()  # (B,)
-            sampled_dev = sampled.to(self.device)
+                sampled_dev = inverse_cdf_sample(logp.exp(), uniforms[:, step])  # (B,)
+            sampled = sampled_dev.cpu()
             tok_logp = logp.gather(-1, sampled_dev.unsqueeze(-1)).squeeze(-1).cpu()
             live = ~done.cpu()
             tokens[live, step] = sampled[live]
