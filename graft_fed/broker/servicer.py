@@ -22,9 +22,10 @@ import grpc
 from graft_fed.broker.front import FileStream
 from graft_fed.broker.handlers import Federation
 from graft_fed.broker.publishing import Received
-from graft_fed.federation.codec import (OfferEncoder, manifest_from_pb, manifest_to_pb, match_result_to_wire,
-                                        offers_wire, privacy_from_pb, report_entries_from_pb, summaries_from_columns,
-                                        summaries_from_pb, summaries_in_bulk, upload_requests_wire)
+from graft_fed.federation.codec import (ColumnsOnWire, OfferEncoder, manifest_from_pb, manifest_to_pb,
+                                        match_result_to_wire, offers_wire, parse_publish, privacy_from_pb,
+                                        report_entries_from_pb, summaries_from_columns, summaries_from_pb,
+                                        summaries_in_bulk, upload_requests_wire)
 from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted, Unavailable
 from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_PUBLISHES_PER_NODE,
                                          MAX_REPEATED, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES, check_message, clip)
@@ -62,21 +63,37 @@ def _parser(cls: Any) -> Callable[[bytes], Any]:
 
 class RawPublish:
     """A PublishRequest with the bytes it was parsed from: its summaries are read in bulk
-    from those bytes (federation/codec.py::summaries_in_bulk)."""
+    from those bytes (federation/codec.py::summaries_in_bulk), and its columns, when
+    `parse_publish` read them in place, are `on_wire` (the message then has none)."""
 
-    __slots__ = ("message", "raw")
+    __slots__ = ("message", "raw", "on_wire")
 
-    def __init__(self, message: pb.PublishRequest, raw: bytes) -> None:
-        self.message, self.raw = message, raw
+    def __init__(self, message: pb.PublishRequest, raw: bytes, on_wire: ColumnsOnWire | None = None) -> None:
+        self.message, self.raw, self.on_wire = message, raw, on_wire
 
     @property
     def node_id(self) -> str:  # what the identity interceptor reads
         return self.message.node_id
 
+    @property
+    def has_columns(self) -> bool:
+        return self.on_wire is not None or self.message.HasField("columns")
+
+    @property
+    def count(self) -> int:
+        """How many summaries the publish carries (counted, not decoded)."""
+        if self.on_wire is not None:
+            return len(self.on_wire.ids)
+        m = self.message
+        return len(m.columns.prompt_ids) if m.HasField("columns") else len(m.summaries)
+
 
 def _publish_parser(data: bytes) -> Any:
-    request = _parser(pb.PublishRequest)(data)
-    return request if isinstance(request, Malformed) else RawPublish(request, data)
+    try:
+        message, on_wire = parse_publish(data)
+    except Exception as exc:  # noqa: BLE001 - as _parser: the client's bytes
+        return Malformed(pb.PublishRequest.DESCRIPTOR.name, type(exc).__name__)
+    return RawPublish(message, data, on_wire)
 
 
 def parsed(request: Any) -> Any:
@@ -254,7 +271,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         # first: a publish without the node's live session, one with more summaries than a
         # round allows, and a node's publish beyond its few in flight (each holds a thread).
         self.fed.check_session(request.node_id, request.session_id)
-        count = len(request.columns.prompt_ids) if request.HasField("columns") else len(request.summaries)
+        count = raw.count
         if count <= MAX_REPEATED:  # beyond, the codec refuses it first, in check_message's words, decoding nothing
             self.fed.check_count(count)
         with self.publishes.hold(request.node_id):
@@ -266,10 +283,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         """A publish's summaries as a checked block and its replay ticket's end (run in a work
         slot, by the publish queue's thread or this publish's own)."""
         request = raw.message
-        if request.HasField("columns"):
+        if raw.has_columns:
             if request.summaries:
                 raise InvalidArgument("a publish carries summaries or columns, not both")
-            bulk = summaries_from_columns(request, raw.raw)
+            bulk = summaries_from_columns(request, raw.raw, raw.on_wire)
             if not bulk.within_bounds():
                 raise InvalidArgument("columns.policy_versions: a value does not fit a signed 64-bit integer")
         else:

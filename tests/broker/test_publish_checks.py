@@ -13,7 +13,7 @@ import pytest
 from graft_fed.broker.handlers import Federation
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.data.config import DataConfig, load_prompts
-from graft_fed.federation.codec import columns_to_pb, summaries_from_columns
+from graft_fed.federation.codec import columns_to_pb, parse_publish, summaries_from_columns
 from graft_fed.federation.limits import MIN_MEAN_LOGPROB
 from graft_fed.federation.messages import SummaryRow
 from graft_fed.federation.summaryblock import SummaryBlock
@@ -77,7 +77,8 @@ def test_the_column_checks_accept_exactly_what_the_row_checks_accept(tmp_path, n
                     and rows[1].n < 2**32:
                 # the same summaries as a publish's columns, read as the broker reads them
                 raw = pb.PublishRequest(node_id="a", round=3, columns=columns_to_pb(rows)).SerializeToString()
-                wire = summaries_from_columns(pb.PublishRequest.FromString(raw), raw).block
+                message, on_wire = parse_publish(raw)
+                wire = summaries_from_columns(message, raw, on_wire).block
                 assert wire.k.dtype == np.dtype("<u4") and wire.lengths.dtype == np.dtype("<u4")
                 assert publishing._block_valid("a", 3, wire) is by_rows, ("wire", n, k, over)
     assert seen[True] and seen[False]  # both sides of the bounds were reached

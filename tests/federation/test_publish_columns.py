@@ -119,48 +119,67 @@ def test_publishes_of_the_same_prompts_share_one_checked_list(broker, prompts):
     assert len(broker.state.summaries()) == 6
 
 
-def _request_bytes(node, round, columns_payload: bytes, twice: bool = False) -> bytes:
-    """A PublishRequest on the wire with `columns_payload` as its columns field (6)."""
+def _request_bytes(node, round, columns_payload: bytes, twice: bool = False, errors: str = "strict") -> bytes:
+    """A PublishRequest on the wire with `columns_payload` as its columns field (6) (the node
+    id encoded with `errors`: "surrogateescape" writes bytes that are not UTF-8)."""
     from graft_fed.federation.protowire import varint
 
-    head = pb.PublishRequest(node_id=node, round=round).SerializeToString()
+    node_id = node.encode("utf-8", errors)
+    head = b"\x0a" + varint(len(node_id)) + node_id + pb.PublishRequest(round=round).SerializeToString()
     field = b"\x32" + varint(len(columns_payload)) + columns_payload
     return head + field + (field if twice else b"")
 
 
-def test_a_publishs_prompt_ids_are_recognised_on_the_wire_only_when_they_are_exactly_a_known_list(prompts):
-    """From its second sighting, a list of prompt ids is recognised in a publish's bytes (the
-    same interned object, without reading the ids one by one). Whatever is not exactly that
-    list, field for field, is read as protobuf reads it: fields in another order, one more
-    id after the other columns, the columns field twice (protobuf merges them), another list
-    with the same start."""
+def _read(data: bytes, wire: bool = True):
+    """A publish's bytes read as the broker's servicer reads them (`wire`: parse_publish, its
+    columns in place when it can), or as protobuf alone reads them: (the message's fields
+    other than the columns, the block's rows) or the refusal (exception type and words)."""
+    from graft_fed.federation.codec import parse_publish, summaries_from_columns
+
+    try:
+        message, on_wire = parse_publish(data) if wire else (pb.PublishRequest.FromString(data), None)
+        block = summaries_from_columns(message, data if wire else None, on_wire).block
+    except Exception as exc:  # noqa: BLE001 - the same refusal both ways
+        return type(exc).__name__, str(exc)
+    message.ClearField("columns")
+    rows = [(r.prompt_id, r.policy_version, r.n, r.k, r.reward_mean, r.reward_std, r.lengths, r.mean_logprobs)
+            for r in block.rows()]
+    return message.SerializeToString(deterministic=True), rows
+
+
+def test_a_publishs_columns_are_read_in_place_only_when_they_are_exactly_a_known_list(prompts):
+    """From its second sighting, a list of prompt ids is recognised in a publish's bytes, and
+    the publish's columns are not parsed at all (the same interned list, without reading the
+    ids one by one; the other fields parsed from the bytes around the columns). Whatever is
+    not exactly that list, field for field, is parsed whole as protobuf parses it: fields in
+    another order, one more id after the other columns, the columns field twice (protobuf
+    merges them), another list with the same start; and every case reads as protobuf alone
+    reads it."""
     from graft_fed.federation import codec
-    from graft_fed.federation.codec import summaries_from_columns
+    from graft_fed.federation.codec import parse_publish, summaries_from_columns
 
     groups = [summary(p, 1) for p in prompts[:5]]
     cols = columns_to_pb(groups)
-    raw = pb.PublishRequest(node_id="a", round=7, columns=cols).SerializeToString()
+    tag = pb.RequestTag(request_id="r-1", sent_at_ms=5)
+    raw = pb.PublishRequest(node_id="a", session_id="s", round=7, tag=tag, columns=cols).SerializeToString()
 
     def read(data: bytes):
-        return summaries_from_columns(pb.PublishRequest.FromString(data), data).block
+        message, on_wire = parse_publish(data)
+        return message, on_wire, summaries_from_columns(message, data, on_wire).block
 
     calls = []
     real = codec.intern_ids
     codec.intern_ids = lambda ids: (calls.append(1), real(ids))[1]
     try:
-        first, second = read(raw), read(raw)
-        assert calls == [1, 1]
-        third = read(raw)
-        assert calls == [1, 1] and third.prompt_ids is first.prompt_ids is second.prompt_ids  # recognised
+        (_, w1, first), (_, w2, second) = read(raw), read(raw)
+        assert calls == [1, 1] and w1 is None and w2 is None
+        message, on_wire, third = read(raw)
+        assert on_wire is not None and not message.HasField("columns")  # recognised: the columns not parsed
+        assert calls == [1, 1] and third.prompt_ids is first.prompt_ids is second.prompt_ids
+        assert (message.node_id, message.session_id, message.round, message.tag) == ("a", "s", 7, tag)
         expected = list(pb.PublishRequest.FromString(raw).columns.prompt_ids)
         assert third.prompt_ids == expected and list(third.k) == [1] * 5
-
-        def outcome(data: bytes, wire: bool):
-            try:
-                got = summaries_from_columns(pb.PublishRequest.FromString(data), data if wire else None).block
-                return got.prompt_ids, got.k.tolist()
-            except Exception as exc:  # noqa: BLE001 - the same refusal both ways
-                return type(exc).__name__, str(exc)
+        assert _read(raw) == _read(raw, wire=False)
 
         def encoded(ids):
             return b"".join(b"\x0a" + bytes([len(p)]) + p.encode() for p in ids)
@@ -172,17 +191,32 @@ def test_a_publishs_prompt_ids_are_recognised_on_the_wire_only_when_they_are_exa
         six = [summary(p, 1) for p in prompts[:6]]
         rest6 = columns_to_pb(six).SerializeToString()[len(encoded([g.prompt_id for g in six])):]
         cases = {
-            "ids after the other fields": rest + ids_part,
-            "a sixth id after the other fields": ids_part + rest6 + encoded([six[5].prompt_id]),
-            "another list, same start": encoded(expected[:-1] + ["zzz"]) + rest,
-            "the columns field twice": None,
+            "ids after the other fields": _request_bytes("a", 7, rest + ids_part),
+            "a sixth id after the other fields": _request_bytes("a", 7, ids_part + rest6 + encoded([six[5].prompt_id])),
+            "another list, same start": _request_bytes("a", 7, encoded(expected[:-1] + ["zzz"]) + rest),
+            "the columns field twice": _request_bytes("a", 7, payload, twice=True),
+            "a round after the columns": _request_bytes("a", 7, payload) + b"\x18\x09",
+            "the node id twice, around the columns": _request_bytes("a", 7, payload) + b"\x0a\x01b",
+            "the columns cut short": _request_bytes("a", 7, payload)[:-3],
+            "a field of wire type 7 after the columns": _request_bytes("a", 7, payload) + b"\x3f",
+            "field number 0 after the columns": _request_bytes("a", 7, payload) + b"\x00\x01",
+            "invalid UTF-8 in the node id": _request_bytes("\udcff", 7, payload, errors="surrogateescape"),
         }
-        for name, body in cases.items():
-            data = _request_bytes("a", 7, payload, twice=True) if body is None else _request_bytes("a", 7, body)
-            assert outcome(data, True) == outcome(data, False), name
-        assert len(outcome(_request_bytes("a", 7, cases["a sixth id after the other fields"]), True)[0]) == 6
+        in_place = {"a round after the columns", "the node id twice, around the columns"}
+        for name, data in cases.items():
+            try:
+                message, on_wire = parse_publish(data)
+            except Exception:  # noqa: BLE001 - refused: protobuf's own error, below
+                on_wire = None
+            assert (on_wire is not None) == (name in in_place), name
+            assert _read(data) == _read(data, wire=False), name
+        assert len(_read(cases["a sixth id after the other fields"])[1]) == 6
+        assert _read(cases["the node id twice, around the columns"])[0] == pb.PublishRequest(
+            node_id="b", round=7).SerializeToString()
+        assert _read(cases["a round after the columns"])[0] == pb.PublishRequest(node_id="a", round=9).SerializeToString()
+        assert _read(cases["the columns cut short"])[0] == "DecodeError"
         calls.clear()
-        assert read(raw).prompt_ids is first.prompt_ids and calls == []  # still known
+        assert read(raw)[2].prompt_ids is first.prompt_ids and calls == []  # still known
     finally:
         codec.intern_ids = real
 
@@ -192,9 +226,9 @@ def test_a_publishs_arrays_are_views_of_its_bytes_only_when_each_is_one_plain_fi
     views of the request's bytes, not the copies protobuf hands out. Only when each array
     field comes once, length-delimited, with nothing else among them; any other layout (a
     field twice, where protobuf keeps the last; a field of another wire type; an unknown
-    field; a field left out) is read from the parsed message, and every case gives the same
-    block (or the same refusal) as reading the parsed message alone."""
-    from graft_fed.federation.codec import summaries_from_columns
+    field; a field left out) is parsed whole, and every case gives the same block (or the
+    same refusal) as reading the parsed message alone."""
+    from graft_fed.federation.codec import parse_publish, summaries_from_columns
     from graft_fed.federation.protowire import varint
 
     groups = [summary(p, k % 9) for k, p in enumerate(prompts[:5])]
@@ -213,24 +247,16 @@ def test_a_publishs_arrays_are_views_of_its_bytes_only_when_each_is_one_plain_fi
     assert ids_part + plain == payload
 
     def request(body: bytes) -> bytes:
-        head = pb.PublishRequest(node_id="a", round=7).SerializeToString()
-        return head + b"\x32" + varint(len(body)) + body
-
-    def outcome(data: bytes, wire: bool):
-        try:
-            block = summaries_from_columns(pb.PublishRequest.FromString(data), data if wire else None).block
-            return [(r.prompt_id, r.policy_version, r.n, r.k, r.reward_mean, r.reward_std, r.lengths, r.mean_logprobs)
-                    for r in block.rows()]
-        except Exception as exc:  # noqa: BLE001 - the same refusal both ways
-            return type(exc).__name__, str(exc)
+        return _request_bytes("a", 7, body)
 
     data = request(payload)
-    for _ in range(2):  # the ids are recognised from their second sighting
-        summaries_from_columns(pb.PublishRequest.FromString(data), data)
-    block = summaries_from_columns(pb.PublishRequest.FromString(data), data).block
+    for _ in range(2):  # the ids are recognised from their second sighting (or known from another test)
+        _read(data)
+    message, on_wire = parse_publish(data)
+    block = summaries_from_columns(message, data, on_wire).block
     for column in (block.lengths, block.k, block.mean_logprobs, block.reward_std):
         assert isinstance(column.base, memoryview) and column.base.obj is data  # read in place
-    assert outcome(data, True) == outcome(data, False) and outcome(data, True)[0][6] == [100 + i for i in range(len(groups[0].lengths))]
+    assert _read(data) == _read(data, wire=False) and _read(data)[1][0][6] == [100 + i for i in range(len(groups[0].lengths))]
 
     lengths = dict(arrays)[8]
     other = bytes(reversed(lengths))
@@ -242,17 +268,57 @@ def test_a_publishs_arrays_are_views_of_its_bytes_only_when_each_is_one_plain_fi
         "reward_stds left out": ids_part + b"".join(field(n, d) for n, d in arrays if n != 6),
         "the arrays in another order": ids_part + b"".join(field(n, d) for n, d in reversed(arrays)),
     }
+    read_in_place = {"reward_stds left out", "the arrays in another order"}
     for name, body in cases.items():
         data = request(body)
-        try:
-            pb.PublishRequest.FromString(data)
-        except Exception:  # noqa: BLE001 - protobuf refuses it: the servicer answers it malformed first
-            continue
-        got = outcome(data, True)
-        assert got == outcome(data, False), name
-    assert outcome(request(cases["lengths twice (the last wins)"]), True)[0][6] == [
+        assert (parse_publish(data)[1] is not None) == (name in read_in_place), name
+        assert _read(data) == _read(data, wire=False), name
+    assert _read(request(cases["lengths twice (the last wins)"]))[1][0][6] == [
         int.from_bytes(other[i:i + 4], "little") for i in range(0, 4 * len(groups[0].lengths), 4)]
-    assert outcome(request(cases["reward_stds left out"]), True)[0] == "InvalidArgument"
+    assert _read(request(cases["reward_stds left out"]))[0] == "InvalidArgument"
+
+
+def test_a_publish_mutated_anywhere_reads_as_protobuf_alone_reads_it(prompts):
+    """Random damage to a publish whose prompt ids are known (bytes changed, cut out,
+    repeated, inserted; fields appended): read as the broker reads it, each gives exactly
+    what protobuf alone gives (the same fields and rows, or the same refusal), whether its
+    columns were read in place or parsed."""
+    import random
+
+    from graft_fed.federation.codec import parse_publish
+    from graft_fed.federation.protowire import varint
+
+    groups = [summary(p, k % 9) for k, p in enumerate(prompts[:6])]
+    tag = pb.RequestTag(request_id="r-9", sent_at_ms=3)
+    raw = pb.PublishRequest(node_id="a", session_id="s", round=4, tag=tag,
+                            columns=columns_to_pb(groups)).SerializeToString()
+    for _ in range(2):
+        _read(raw)
+    assert parse_publish(raw)[1] is not None
+    rng = random.Random(13)
+    in_place = 0
+    for i in range(1500):
+        data = bytearray(raw)
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            at = rng.randrange(len(data))
+            op = rng.randrange(5)
+            if op == 0:
+                data[at] = rng.randrange(256)
+            elif op == 1:
+                del data[at:at + rng.randrange(1, 9)]
+            elif op == 2:
+                data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 6)))
+            elif op == 3:
+                data[at:at] = data[at:at + rng.randrange(1, 40)]
+            else:
+                data += varint(rng.randrange(1, 20) << 3 | rng.choice((0, 2))) + bytes([rng.randrange(4)]) + b"xyz"[:rng.randrange(4)]
+        data = bytes(data)
+        try:
+            in_place += parse_publish(data)[1] is not None
+        except Exception:  # noqa: BLE001 - refused, as below
+            pass
+        assert _read(data) == _read(data, wire=False), (i, data.hex())
+    assert in_place > 100  # damage in the arrays' bytes, or fields appended, still read in place
 
 
 def test_a_varint_reads_back_what_protowire_writes():
