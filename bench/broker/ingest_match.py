@@ -15,7 +15,9 @@ the round is ready.
   objects per offer (64 threads share this process's interpreter, a real node does not).
 - baseline, same run, same cell: a no-op unary gRPC server (generic handler, bytes in, a
   2-byte ack out, same thread pool and channel options) in a child process receiving the
-  same serialized PublishRequest bytes from the same N threads at the same barrier.
+  same serialized PublishRequest bytes from the same N threads at the same barrier, run
+  before the broker and again after it (the cell's raw figure pools both: this machine's
+  speed drifts within a minute, and a raw run of 64 x 4,096 lasts half a second).
   ratio = broker ingest / raw gRPC throughput.
 
     .venv/bin/python bench/broker/ingest_match.py            # full grid, ~5 min budget
@@ -409,6 +411,15 @@ def run_raw_cell(n_nodes: int, rounds: int, payloads: list[list[bytes]], timeout
             "bytes_per_round": sum(len(payloads[i][0]) for i in range(n_nodes))}
 
 
+def pooled_raw(*runs: dict) -> dict:
+    """Raw gRPC runs of one cell as one: their messages over their windows' total time, and
+    each run's own rate (`runs_msgs_per_s`, in order)."""
+    windows = [w for r in runs for w in r["windows_s"]]
+    msgs = sum(r["messages"] for r in runs)
+    return {"messages": msgs, "windows_s": windows, "msgs_per_s": msgs / sum(windows),
+            "runs_msgs_per_s": [r["msgs_per_s"] for r in runs], "bytes_per_round": runs[0]["bytes_per_round"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny grid: N in {2, 4} x P in {32, 128}, 2 rounds")
@@ -476,7 +487,7 @@ def main() -> int:
             payloads = [[req.SerializeToString() for req in per] for per in requests]
             cell: dict = {"nodes": n_nodes, "prompts": n_prompts, "rounds": rounds, "k_mix": args.k_mix, "wire": args.wire,
                           "publish_bytes": len(payloads[0][0])}
-            cell["raw"] = run_raw_cell(n_nodes, rounds, payloads, args.cell_timeout_s)
+            raw_before = run_raw_cell(n_nodes, rounds, payloads, args.cell_timeout_s)
             for b in backends:
                 db = ":memory:" if b == "memory" else str(tmp / f"broker-{n_nodes}-{n_prompts}.sqlite")
                 t0 = time.monotonic()
@@ -485,10 +496,11 @@ def main() -> int:
                                       client_procs=args.client_procs, timing=args.timing)
                 res["cell_s"] = time.monotonic() - t0
                 coef[b] = max(coef.get(b, 0.0), max(res["round_s"]) / (n_nodes ** 1.5 * n_prompts))
-                raw_summaries_per_s = cell["raw"]["msgs_per_s"] * n_prompts
-                res["ratio_vs_raw"] = res["ingest_per_s"] / raw_summaries_per_s
                 cell[b] = res
+            cell["raw"] = pooled_raw(raw_before, run_raw_cell(n_nodes, rounds, payloads, args.cell_timeout_s))
             cell["raw"]["summaries_per_s"] = cell["raw"]["msgs_per_s"] * n_prompts
+            for b in backends:
+                cell[b]["ratio_vs_raw"] = cell[b]["ingest_per_s"] / cell["raw"]["summaries_per_s"]
             cells.append(cell)
             line = f"N={n_nodes:>3} P={n_prompts:>5} raw {cell['raw']['summaries_per_s']:>11,.0f} summ/s"
             for b in backends:
@@ -520,7 +532,8 @@ def main() -> int:
         md += ["", "Skipped (time budget " + f"{args.budget_s:.0f} s): " + "; ".join(
             f"N={s['nodes']} P={s['prompts']} ({s['why']})" for s in skipped) + "."]
     md += ["", "raw gRPC: the same serialized PublishRequest bytes to a no-op generic unary handler (same thread "
-           "pool and options), same threads, same barrier; its messages/s times P. Match latency: last publish "
+           "pool and options), same threads, same barrier, before and after the broker (pooled); its messages/s "
+           "times P. Match latency: last publish "
            "acknowledged .. each node's GetMatches returning ready.", ""]
     write_results(name, payload, "\n".join(md))
     return 0

@@ -39,3 +39,15 @@ def test_segments_and_times_after_the_last_ack():
     table = "\n".join(bench.timing_table([cell], ["sqlite"]))
     assert "| 2 | 8 | sqlite | GetMatches (ready) | 600.0 / 600.0 |" in table
     assert "| 200 / 200 | 400 / 400 | 500 / 500 |" in table
+
+
+def test_the_raw_baseline_pools_its_runs_before_and_after_the_broker():
+    """The raw gRPC rate of a cell is its two runs' messages over their total time (not the
+    mean of their rates), with each run's own rate kept."""
+    bench = _module()
+    before = {"messages": 4, "windows_s": [0.5, 0.5], "msgs_per_s": 4.0, "bytes_per_round": 10}
+    after = {"messages": 4, "windows_s": [1.5, 1.5], "msgs_per_s": 4 / 3, "bytes_per_round": 10}
+    raw = bench.pooled_raw(before, after)
+    assert raw["messages"] == 8 and raw["windows_s"] == [0.5, 0.5, 1.5, 1.5]
+    assert math.isclose(raw["msgs_per_s"], 2.0)  # 8 messages in 4 s; the mean of the rates would say 2.67
+    assert raw["runs_msgs_per_s"] == [4.0, 4 / 3] and raw["bytes_per_round"] == 10
