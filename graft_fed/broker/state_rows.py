@@ -124,7 +124,9 @@ def norm_block(block: SummaryBlock) -> SummaryBlock:
               block.n_logprobs)
     if any(not isinstance(a, np.ndarray) or a.shape != (count,) for a in arrays):
         raise ValueError("every column of a summary block holds one value per summary")
-    if int(block.n_lengths.sum()) != block.lengths.size or int(block.n_logprobs.sum()) != block.mean_logprobs.size:
+    total_lengths = int(block.n_lengths.sum())
+    total_logprobs = total_lengths if block.n_logprobs is block.n_lengths else int(block.n_logprobs.sum())
+    if total_lengths != block.lengths.size or total_logprobs != block.mean_logprobs.size:
         raise ValueError("a summary block's per-summary counts disagree with its flat arrays")
     if block.digests is not None and len(block.digests) != count:
         raise ValueError("a summary block's digests hold one value per summary")

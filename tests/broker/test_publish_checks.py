@@ -53,7 +53,8 @@ def _edges(n: int, k: int) -> list[dict]:
             {"lengths": [5] * (n - 1) + [0]}, {"lengths": [5] * (n - 1) + [1]},
             {"mean_logprobs": [MIN_MEAN_LOGPROB] * n}, {"mean_logprobs": [MIN_MEAN_LOGPROB - 1e-9] * n},
             {"mean_logprobs": [1e-6] * n}, {"mean_logprobs": [2e-6] * n}, {"mean_logprobs": [-0.0] * n},
-            {"lengths": [5] * (n + 1), "mean_logprobs": [-0.5] * (n + 1)}, {"n": n + 1}, {"k": n + 1}]
+            {"lengths": [5] * (n + 1), "mean_logprobs": [-0.5] * (n + 1)}, {"n": n + 1}, {"k": n + 1},
+            {"mean_logprobs": [-0.5] * (n + 1)}, {"mean_logprobs": [-0.5] * (n - 1)}, {"lengths": [5] * (n - 1)}]
     return out
 
 

@@ -288,7 +288,9 @@ def test_a_publish_mutated_anywhere_reads_as_protobuf_alone_reads_it(prompts):
     from graft_fed.federation.codec import parse_publish
     from graft_fed.federation.protowire import varint
 
-    groups = [summary(p, k % 9) for k, p in enumerate(prompts[:6])]
+    # a list no other test reads (one whose first two sightings had another layout is never
+    # learnt: summaries_from_columns memoises that its encoding did not match)
+    groups = [summary(p, k % 9) for k, p in enumerate(prompts[1:8])]
     tag = pb.RequestTag(request_id="r-9", sent_at_ms=3)
     raw = pb.PublishRequest(node_id="a", session_id="s", round=4, tag=tag,
                             columns=columns_to_pb(groups)).SerializeToString()
