@@ -16,7 +16,7 @@ from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
 from graft_fed.federation.errors import InvalidArgument
 from graft_fed.federation.limits import INT64_MAX, MAX_REPEATED, MAX_STRING_LEN
-from graft_fed.federation.protowire import read_varint, varint as _varint
+from graft_fed.federation.protowire import read_shortest_varint, read_varint, varint as _varint
 from graft_fed.federation.summaryblock import SummaryBlock, facts_of, intern_ids
 from graft_fed.proto import broker_pb2 as pb
 from graft_fed.proto import views_pb2
@@ -210,8 +210,8 @@ class ColumnsOnWire:
 
 def _columns_field(raw: bytes) -> tuple[int, int, int] | None:
     """(where PublishRequest.columns's tag starts, where its payload starts, where it ends)
-    in `raw`, when the field occurs exactly once and the message's fields are well formed;
-    else None."""
+    in `raw`, when the field occurs exactly once, its tag and length in their shortest
+    encoding, and the message's fields are well formed; else None."""
     pos, end, found = 0, len(raw), None
     try:
         while pos < end:
@@ -221,11 +221,13 @@ def _columns_field(raw: bytes) -> tuple[int, int, int] | None:
             if wire_type == 0:
                 _, pos = read_varint(raw, pos)
             elif wire_type == 2:
-                size, pos = read_varint(raw, pos)
                 if key >> 3 == _COLUMNS_FIELD:
-                    if found is not None:
+                    if found is not None or pos - start != 1:  # twice, or its tag in more than a byte
                         return None
+                    size, pos = read_shortest_varint(raw, pos)
                     found = (start, pos, pos + size)
+                else:
+                    size, pos = read_varint(raw, pos)  # (the bytes around the columns: protobuf parses them)
                 pos += size
             elif wire_type == 1:
                 pos += 8
@@ -279,17 +281,19 @@ def _array_spans(raw: bytes, start: int, end: int) -> dict[str, memoryview] | No
     ids) as views of `raw`, read without copying them (protobuf hands out a new copy of a
     bytes field at each access: 0.6 MB a publish at 4,096 prompts, issue 13). Only for the
     plain case: every field at most once, each length-delimited, no prompt id or other field
-    among them; None for anything else, which the parsed message then answers."""
+    among them, each tag one byte and each length in its shortest encoding; None for anything
+    else, which the parsed message then answers."""
     view = memoryview(raw)
     out: dict[str, memoryview] = {}
     pos = start
     try:
         while pos < end:
-            key, pos = read_varint(raw, pos)
+            key = raw[pos]  # fields 2-9, length-delimited: one byte (a longer tag's first byte names no field here)
+            pos += 1
             name = _ARRAY_FIELDS.get(key >> 3)
             if name is None or key & 7 != 2 or name in out:
                 return None
-            size, pos = read_varint(raw, pos)
+            size, pos = read_shortest_varint(raw, pos)
             if pos + size > end:
                 return None
             out[name] = view[pos:pos + size]

@@ -29,3 +29,13 @@ def read_varint(raw: bytes, pos: int) -> tuple[int, int]:
         shift += 7
         if shift > 63:
             raise ValueError("varint too long")
+
+
+def read_shortest_varint(raw: bytes, pos: int) -> tuple[int, int]:
+    """`read_varint`, for a varint in its shortest encoding (what every serializer writes);
+    ValueError for any longer one (protobuf's parsers differ on those: upb refuses a tag or
+    length over 5 bytes, the pure-Python parser reads an over-long tag as another field)."""
+    value, end = read_varint(raw, pos)
+    if end - pos > 1 and raw[end - 1] == 0:
+        raise ValueError("varint not in its shortest encoding")
+    return value, end

@@ -157,6 +157,7 @@ def test_a_publishs_columns_are_read_in_place_only_when_they_are_exactly_a_known
     reads it."""
     from graft_fed.federation import codec
     from graft_fed.federation.codec import parse_publish, summaries_from_columns
+    from graft_fed.federation.protowire import varint
 
     groups = [summary(p, 1) for p in prompts[:5]]
     cols = columns_to_pb(groups)
@@ -202,6 +203,23 @@ def test_a_publishs_columns_are_read_in_place_only_when_they_are_exactly_a_known
             "field number 0 after the columns": _request_bytes("a", 7, payload) + b"\x00\x01",
             "invalid UTF-8 in the node id": _request_bytes("\udcff", 7, payload, errors="surrogateescape"),
         }
+        # varints longer than their shortest encoding where the columns are cut out (protobuf's
+        # parsers differ on them: upb refuses a tag or length over 5 bytes, the pure-Python
+        # parser reads an over-long tag as another field): parsed whole, never in place
+        head = pb.PublishRequest(node_id="a", round=7).SerializeToString()
+        size = varint(len(payload))
+        at = len(ids_part)
+        assert payload[at:at + 2] == b"\x12\x28"  # policy_versions: 5 x 8 bytes
+        long_array_tag = payload[:at] + b"\x92\x00" + payload[at + 1:]
+        long_array_size = payload[:at + 1] + b"\xa8\x00" + payload[at + 2:]
+        cases.update({
+            "the columns' tag in 6 bytes": head + b"\xb2\x80\x80\x80\x80\x00" + size + payload,
+            "the columns' tag in 2 bytes": head + b"\xb2\x00" + size + payload,
+            "the columns' length in 6 bytes": head + b"\x32" + bytes(b | 0x80 for b in size) + b"\x80" * (5 - len(size)) + b"\x00" + payload,
+            "the columns' length in one byte more": head + b"\x32" + bytes(b | 0x80 for b in size) + b"\x00" + payload,
+            "an array's tag in 2 bytes": head + b"\x32" + varint(len(long_array_tag)) + long_array_tag,
+            "an array's length in 2 bytes": head + b"\x32" + varint(len(long_array_size)) + long_array_size,
+        })
         in_place = {"a round after the columns", "the node id twice, around the columns"}
         for name, data in cases.items():
             try:
@@ -333,3 +351,11 @@ def test_a_varint_reads_back_what_protowire_writes():
         read_varint(varint(300)[:-1], 0)  # cut inside
     with pytest.raises(ValueError, match="too long"):
         read_varint(b"\xff" * 11, 0)
+    from graft_fed.federation.protowire import read_shortest_varint
+
+    for value in (0, 1, 127, 128, 300, 2**35, 2**64 - 1):
+        assert read_shortest_varint(b"\x09" + varint(value), 1) == (value, 1 + len(varint(value)))
+    for longer in (b"\x80\x00", b"\x85\x00", b"\xac\x82\x00", b"\x80" * 9 + b"\x00"):
+        assert read_varint(longer, 0)[1] == len(longer)  # a varint all the same
+        with pytest.raises(ValueError, match="shortest"):
+            read_shortest_varint(longer, 0)
