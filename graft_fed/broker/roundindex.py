@@ -34,6 +34,7 @@ class RoundBook:
         self._rows: dict[str, np.ndarray] = {}
         self.version = 0
         self._counts: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._compl: tuple[int, dict[str, tuple[int, int]]] | None = None
         # bundle digests attached to the round's summaries: node -> prompt id -> digest
         self.digests: dict[str, dict[str, str]] = {}
         self.digest_version = 0  # bumped by every attached digest (answers cached on it)
@@ -114,6 +115,23 @@ class RoundBook:
             m = self.matrix(sorted(self._rows))
             self._counts = (self.version, ((m > 0) & (m < n)).sum(axis=0), (m >= 1).sum(axis=0))
         return self._counts[1], self._counts[2]
+
+    def complementarity_all(self, n: int) -> dict[str, tuple[int, int]]:
+        """Every node's complementarity within this round: (how many of its all-fail columns
+        another node holds an informative group for, how many another node solved at least
+        once), all nodes at once on the k matrix. Cached until the next publish. A node's own
+        group at its all-fail column has k = 0 and counts in neither, so the round's counts
+        are the other nodes'."""
+        if self._compl is None or self._compl[0] != self.version:
+            nodes = sorted(self._rows)
+            m = self.matrix(nodes)
+            informative, solved = self.counts(n)
+            fails = m == 0
+            cands = (fails & (informative > 0)).sum(axis=1)
+            by_peers = (fails & (solved > 0)).sum(axis=1)
+            self._compl = (self.version, {node: (int(c), int(s)) for node, c, s in
+                                          zip(nodes, cands.tolist(), by_peers.tolist())})
+        return self._compl[1]
 
 
 class RoundIndex:
@@ -243,6 +261,8 @@ class RoundIndex:
         informative peer group, how many some peer solved at least once)."""
         with self.lock:
             home = self.book(round)
+            if min_round == round:  # the receiver's round alone (synchronous mode): every receiver at once
+                return home.complementarity_all(self.n).get(receiver, (0, 0))
             row = home.row(receiver)
             own_cols = np.flatnonzero(row == 0) if row is not None else np.zeros(0, dtype=np.int64)
             if not own_cols.size:

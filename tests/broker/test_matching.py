@@ -128,6 +128,34 @@ def test_an_opened_round_starts_empty_and_keeps_a_book_it_has() -> None:
     assert index.published(5) == {"a"} and loads == [6, 5]
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_a_rounds_complementarity_for_every_receiver_at_once_is_core_exchanges(seed: int) -> None:
+    """RoundIndex.complementarity within one round (synchronous mode) counts every receiver
+    at once on the round's k matrix, cached until the next publish; after each publish of a
+    round built node by node, each receiver's counts are core.exchange.complementarity's
+    over the other nodes' groups (nodes that left some prompts out, k of every class, and a
+    receiver that has not published: (0, 0))."""
+    import numpy as np
+
+    from graft_fed.broker.roundindex import RoundIndex
+    from graft_fed.core.exchange import complementarity
+
+    rng = random.Random(seed)
+    n = rng.choice([2, 4, 8])
+    kn = _round(rng, rng.randint(2, 6), rng.randint(1, 30), n, partial=True)
+    index = RoundIndex(n, lambda r: [], keep=4)
+    index.open(3)
+    names = [f"node{i}" for i in range(len(kn))]
+    for i, per in enumerate(kn):
+        pids = list(per)
+        rng.shuffle(pids)
+        index.add_columns(3, names[i], pids, np.array([per[p][0] for p in pids]))
+        for r, receiver in enumerate(names):
+            peers = [(p, k, kn_n) for j in range(i + 1) if j != r for p, (k, kn_n) in kn[j].items()]
+            expected = complementarity(kn[r], peers) if r <= i else (0, 0)
+            assert index.complementarity(receiver, 3, 3) == expected, (i, receiver)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_match_set_rows_are_in_receiver_then_prompt_id_order(seed: int) -> None:
     """MatchSet.from_choice lays out any choice (columns in any order, receivers with none)
