@@ -151,6 +151,28 @@ def test_the_per_round_caches_keep_a_window_of_rounds_however_many_are_matched(t
     assert len(fed.answers._answers) <= 4 * 64  # (round, receiver) entries: bounded by count
 
 
+def test_the_call_that_matches_a_round_encodes_every_receivers_answer_and_each_is_what_it_would_encode(three):
+    """The GetMatches that matches a round encodes every receiver's offers into the answer
+    cache in one go (the answers then only read them); each cached answer is the same bytes
+    as the receiver's offers encoded afresh, and what each receiver is answered."""
+    fed, _, prompts, sessions = three
+    encode = (OfferEncoder, upload_requests_wire, offers_wire)
+    n = len(prompts)
+    for name, ks in (("a", [i % 2 for i in range(n)]), ("b", [(i + 1) % 2 for i in range(n)]),
+                     ("c", [i // 2 % 2 for i in range(n)])):
+        _publish(fed, sessions, prompts, name, ks)
+    assert fed.get_matches("c", sessions["c"], 0, 0.0, encode=encode).ready  # matches the round
+    ms = fed.matcher.match_set(0)
+    assert {key for key in fed.answers._answers if key[0] == 0} == {(0, name) for name in ms.nodes}
+    warm = {name: fed.answers._answers[(0, name)] for name in ms.nodes}
+    assert all(warm[name][2] for name in "abc")  # each failed prompts another solved: offered some
+    fed.answers._answers.clear()
+    for name in ms.nodes:
+        fresh = fed.answers._set_answer(ms, name, OfferEncoder)
+        assert fresh == warm[name], name
+        assert fed.get_matches(name, sessions[name], 0, 0.0, encode=encode).offers_wire == fresh[2], name
+
+
 def test_a_match_set_stored_before_the_rounds_row_wins_and_the_round_reads_as_matched(three):
     """A broker that crashed after storing a round's match set and before its round row (as
     brokers before 7e98030 could, writing them in two transactions) left a set behind; the next
