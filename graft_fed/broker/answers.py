@@ -248,11 +248,10 @@ class Answers(Part):
 
     def _set_answer(self, ms: MatchSet, receiver: str, make_encoder: Callable) -> tuple:
         """(key, granted digests, encoded offers) of a receiver in a round's match set, cached
-        until a digest of the round arrives or a source's model changes. Each receiver's
-        answer is encoded by its own call, from pieces encoded once per round (the round's
-        encoder), so that the first answers leave while later ones are still being written
-        (encoding all of a round's answers before sending any held every node back by the
-        whole round's encoding, issue 13)."""
+        until a digest of the round arrives or a source's model changes, encoded from pieces
+        encoded once per round (the round's encoder). The call that matches a round fills
+        the cache for every receiver (`_encode_answers`); an answer encodes its own when its
+        entry is missing or stale."""
         key = self._answer_key(ms)[2]
         with self._answers_lock:
             entry = self._answers.get((ms.round, receiver))
