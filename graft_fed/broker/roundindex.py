@@ -108,11 +108,13 @@ class RoundBook:
                 out[i, :w] = r[:w]
         return out
 
-    def counts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def counts(self, n: int, m: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Per column: how many nodes hold an informative group, and how many solved the
-        prompt at least once (k >= 1). Cached until the next publish."""
+        prompt at least once (k >= 1). Cached until the next publish. `m`: the caller's
+        `matrix(sorted(nodes))` of this version, when it has built it already."""
         if self._counts is None or self._counts[0] != self.version:
-            m = self.matrix(sorted(self._rows))
+            if m is None:
+                m = self.matrix(sorted(self._rows))
             self._counts = (self.version, ((m > 0) & (m < n)).sum(axis=0), (m >= 1).sum(axis=0))
         return self._counts[1], self._counts[2]
 
@@ -125,7 +127,7 @@ class RoundBook:
         if self._compl is None or self._compl[0] != self.version:
             nodes = sorted(self._rows)
             m = self.matrix(nodes)
-            informative, solved = self.counts(n)
+            informative, solved = self.counts(n, m)
             fails = m == 0
             cands = (fails & (informative > 0)).sum(axis=1)
             by_peers = (fails & (solved > 0)).sum(axis=1)
