@@ -28,8 +28,9 @@ What runs:
   took it, handler entered, handler returned: the `graft-timing` trailing metadata), and
   the probes' and the simulated nodes' heartbeats are reported apart, each split into
   those four segments.
-- Every `--sample-s` seconds the broker's VmRSS (/proc/PID/status) and the 1-minute load
-  average are sampled. Per broker life: the RSS slope after the first minute, and after
+- Every `--sample-s` seconds the broker's VmRSS (/proc/PID/status), its child processes'
+  (the front with `--set front_process=true`) and the 1-minute load average are sampled;
+  with children, the flat verdict is on the broker and its children together. Per broker life: the RSS slope after the first minute, and after
   `--warmup-s` (300 s: the replay guard's window) whether it is flat (rss_lives), and
   whether the run can tell: the slope's standard error allows for a heap that churns
   (samples that follow each other), and a verdict whose interval of two standard errors
@@ -250,6 +251,19 @@ def rss_kib(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def children_rss_kib(pid: int) -> int | None:
+    """VmRSS of `pid`'s child processes together (the front with `front_process: true`, which
+    holds gRPC core and its memory), None when it has none."""
+    kids: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            kids += [int(c) for c in (task / "children").read_text().split()]
+    except (OSError, ValueError):
+        return None
+    sizes = [k for k in (rss_kib(c) for c in kids) if k is not None]
+    return sum(sizes) if sizes else None
 
 
 def free_port() -> int:
@@ -554,17 +568,11 @@ def markdown(payload: dict) -> str:
               f"{FLAT_MIN_SPAN_S:.0f} s after it, with a least-squares slope of at most {100 * FLAT_SLOPE:.2f}% of "
               "the mean RSS per minute; shown: the slope's interval of two standard errors either way, its samples' "
               "autocorrelation allowed for, on one side of that limit):", "",
-              "| life | lasted s | first MiB | max MiB | last MiB | slope after 1st minute MiB/min | after warm-up: "
-              "span s | slope MiB/min (± 2 SE) | flat limit MiB/min | max - min MiB | flat |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for i, l in enumerate(payload["rss_per_life"]):
-        w = l["after_warmup"]
-        judged = (f"{w['slope_mib_per_min']:.2f} (± {2 * w['slope_se_mib_per_min']:.2f}) | "
-                  f"{w['flat_limit_mib_per_min']:.2f} | {w['max_minus_min_mib']:.1f}"
-                  if w["flat"] is not None else "- | - | -")
-        lines.append(f"| {i} | {l['lasted_s']:.0f} | {l['first_mib']:.1f} | {l['max_mib']:.1f} | {l['last_mib']:.1f} | "
-                     f"{l['slope_after_first_minute_mib_per_min']:.2f} | {w['span_s']:.0f} | {judged} | "
-                     f"{verdict(w['flat'], w['decided'])} |")
+              *rss_table(payload["rss_per_life"])]
+    if payload.get("service_rss_per_life"):
+        lines += ["", "The broker and its child processes together (the front, `front_process: true`, which holds "
+                  "gRPC core's memory; the broker's figures above leave it out), judged the same way; the verdict "
+                  "below is on these:", "", *rss_table(payload["service_rss_per_life"])]
     if payload.get("memory_per_life"):
         kinds = sorted({k for life in payload["memory_per_life"] for k in life})
         lines += ["", "Where the broker's memory is, per life (`graft_fed_broker_memory_bytes{kind}` and counts from "
@@ -607,6 +615,22 @@ def markdown(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def rss_table(lives: list[dict]) -> list[str]:
+    """rss_lives' summaries as a markdown table, a row per life."""
+    lines = ["| life | lasted s | first MiB | max MiB | last MiB | slope after 1st minute MiB/min | after warm-up: "
+             "span s | slope MiB/min (± 2 SE) | flat limit MiB/min | max - min MiB | flat |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for i, l in enumerate(lives):
+        w = l["after_warmup"]
+        judged = (f"{w['slope_mib_per_min']:.2f} (± {2 * w['slope_se_mib_per_min']:.2f}) | "
+                  f"{w['flat_limit_mib_per_min']:.2f} | {w['max_minus_min_mib']:.1f}"
+                  if w["flat"] is not None else "- | - | -")
+        lines.append(f"| {i} | {l['lasted_s']:.0f} | {l['first_mib']:.1f} | {l['max_mib']:.1f} | {l['last_mib']:.1f} | "
+                     f"{l['slope_after_first_minute_mib_per_min']:.2f} | {w['span_s']:.0f} | {judged} | "
+                     f"{verdict(w['flat'], w['decided'])} |")
+    return lines
+
+
 def verdict(flat: bool | None, shown: bool | None) -> str:
     """A flat verdict in words: yes / no, and whether the slope's uncertainty lets the run
     tell (`decided`)."""
@@ -626,7 +650,15 @@ def per_life(payload: dict, n_lives: int, warmup_s: float, window_s: float) -> N
     if window_s != WINDOW_S:
         payload["window_s"] = window_s
     payload["rss_per_life"] = rss_lives(payload["rss"], n_lives, warmup_s, window_s)
-    judged = [life["after_warmup"] for life in payload["rss_per_life"] if life["after_warmup"]["flat"] is not None]
+    judged_lives = payload["rss_per_life"]
+    payload.pop("service_rss_per_life", None)
+    if any("children_rss_kib" in s for s in payload["rss"]):
+        # a broker with child processes (the front) is judged on all of them: gRPC core's
+        # memory lives in the front there, out of the broker process's own RSS
+        together = [{**s, "rss_kib": s["rss_kib"] + s.get("children_rss_kib", 0)} for s in payload["rss"]
+                    if "children_rss_kib" in s]
+        judged_lives = payload["service_rss_per_life"] = rss_lives(together, n_lives, warmup_s, window_s)
+    judged = [life["after_warmup"] for life in judged_lives if life["after_warmup"]["flat"] is not None]
     payload["rss_flat_after_warmup"] = all(w["flat"] for w in judged) if judged else None
     # shown when every judged life's interval is on one side of the limit, or (for "no") when
     # one life shows growth
@@ -763,6 +795,9 @@ def main(argv: list[str] | None = None) -> int:
                         samples.append({"t": now - t_start, "life": len(broker.lives) - 1,
                                         "age": now - broker.lives[-1]["t0"], "rss_kib": kib,
                                         "load1": os.getloadavg()[0]})
+                        kids = children_rss_kib(proc.pid)
+                        if kids is not None:
+                            samples[-1]["children_rss_kib"] = kids
                     if http and (not memory or now - t_start - memory[-1]["t"] >= args.memory_s):
                         got = scrape_memory(http)
                         if got is not None and proc is broker.proc:

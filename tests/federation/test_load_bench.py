@@ -3,9 +3,11 @@ summaries over mutual TLS for a few seconds, the broker SIGKILLed and restarted 
 SQLite file in the middle; nothing acknowledged lost or duplicated, results written."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -167,3 +169,41 @@ def test_load_bench_plaintext_runs_the_same_load_without_tls(tmp_path):
         assert "tls_cert" not in broker_cfg and "client_ca" not in broker_cfg
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_broker_with_a_front_is_judged_with_it():
+    """With `front_process: true` gRPC core's memory lives in the front, a child of the
+    broker: a broker flat on its own but whose front grows is not flat; the report shows
+    both, and without children it stays as it was."""
+    load = _load_module()
+    samples = [{"t": 2.0 * i, "life": 0, "age": 2.0 * i, "rss_kib": 250 * 1024, "load1": 1.0,
+                "children_rss_kib": int((100 + 0.1 * i) * 1024)} for i in range(1350)]  # front: +3 MiB/min
+    payload = {"rss": samples}
+    load.per_life(payload, 1, 300, load.WINDOW_S)
+    assert payload["rss_per_life"][0]["after_warmup"]["flat"] is True        # the broker alone
+    service = payload["service_rss_per_life"][0]["after_warmup"]
+    assert service["flat"] is False and abs(service["slope_mib_per_min"] - 3.0) < 0.01
+    assert payload["rss_flat_after_warmup"] is False and payload["rss_verdict_decided"] is True
+    table = load.rss_table(payload["service_rss_per_life"])
+    assert len(table) == 3 and table[2].startswith("| 0 | 2698 | 350.0 |") and table[2].endswith("| no |")
+    for s in samples:
+        del s["children_rss_kib"]
+    load.per_life(payload, 1, 300, load.WINDOW_S)
+    assert "service_rss_per_life" not in payload and payload["rss_flat_after_warmup"] is True
+
+
+def test_children_rss_is_read_from_proc():
+    load = _load_module()
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(32 << 20); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            kib = load.children_rss_kib(os.getpid())
+            if kib is not None and kib >= 32 * 1024:
+                break
+            time.sleep(0.1)
+        assert kib is not None and kib >= 32 * 1024, kib
+    finally:
+        child.kill()
+        child.wait()
+    assert load.children_rss_kib(2**22 + 12345) is None  # no such process
