@@ -128,8 +128,8 @@ class BrokerConfig:
     #: inside the C heap back to the kernel (0: never). Freed memory otherwise stays in the
     #: process, counted in its RSS, until a later allocation reuses it: set it (e.g. 60) where
     #: a burst (a large bundle, a big round) leaves a high-water mark to give back. Off by
-    #: default: under a steady 256 x 256 load it did not change RSS (docs/performance.md,
-    #: issue 13, "eleventh pass").
+    #: default: under a steady 256 x 256 load, trimming every 60 s or every 10 s did not change RSS
+    #: (docs/performance.md, issue 13, "eleventh pass" and "thirty-first pass").
     malloc_trim_s: float = 0.0
     #: GetMatches long-polls allowed to wait at once, all nodes together (RESOURCE_EXHAUSTED
     #: beyond; each node may have at most 2 waiting). Keep it below max_workers so that
