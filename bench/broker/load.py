@@ -30,8 +30,9 @@ What runs:
   those four segments.
 - Every `--sample-s` seconds the broker's VmRSS (/proc/PID/status), its child processes'
   (the front with `--set front_process=true`) and the 1-minute load average are sampled;
-  with children, the flat verdict is on the broker and its children together. Per broker life: the RSS slope after the first minute, and after
-  `--warmup-s` (300 s: the replay guard's window) whether it is flat (rss_lives), and
+  with children, the flat verdict is on the broker and its children together. Per broker
+  life: the RSS slope after the first minute, and after `--warmup-s` (300 s: the replay
+  guard's window) whether it is flat (rss_lives), and
   whether the run can tell: the slope's standard error allows for a heap that churns
   (samples that follow each other), and a verdict whose interval of two standard errors
   straddles the flat limit is reported as not shown, whichever side the slope is on. Every
@@ -470,7 +471,7 @@ def rss_lives(samples: list[dict], n_lives: int, warmup_s: float, window_s: floa
         judged = span >= FLAT_MIN_SPAN_S
         windows = [{"from_s": w["from_s"], "to_s": w["to_s"], "mean_mib": w["mean"], "slope_mib_per_min": w["slope_per_min"]}
                    for w in windows_of(late, warmup_s, window_s)]
-        out.append({"samples": len(pts), "lasted_s": pts[-1][0], "first_mib": pts[0][1],
+        out.append({"life": life, "samples": len(pts), "lasted_s": pts[-1][0], "first_mib": pts[0][1],
                     "max_mib": max(b for _, b in pts), "last_mib": pts[-1][1],
                     "slope_after_first_minute_mib_per_min": slope([p for p in pts if p[0] >= 60]),
                     "after_warmup": {"span_s": span, "slope_mib_per_min": k, "slope_se_mib_per_min": se,
@@ -587,7 +588,7 @@ def markdown(payload: dict) -> str:
                 cells.append("-" if m is None else f"{m['first']:.1f} -> {m['last']:.1f} "
                              f"({m['slope_per_min_after_warmup']:+.2f}/min)")
             lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-    windowed = [(i, l["after_warmup"].get("windows")) for i, l in enumerate(payload["rss_per_life"])]
+    windowed = [(l["life"], l["after_warmup"].get("windows")) for l in payload["rss_per_life"]]
     window_s = payload.get("window_s", WINDOW_S)
     if any(w for _, w in windowed):
         lines += ["", f"RSS after the warm-up in windows of {window_s:.0f} s of a life's age (does the slope settle?):",
@@ -620,12 +621,12 @@ def rss_table(lives: list[dict]) -> list[str]:
     lines = ["| life | lasted s | first MiB | max MiB | last MiB | slope after 1st minute MiB/min | after warm-up: "
              "span s | slope MiB/min (± 2 SE) | flat limit MiB/min | max - min MiB | flat |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for i, l in enumerate(lives):
+    for l in lives:
         w = l["after_warmup"]
         judged = (f"{w['slope_mib_per_min']:.2f} (± {2 * w['slope_se_mib_per_min']:.2f}) | "
                   f"{w['flat_limit_mib_per_min']:.2f} | {w['max_minus_min_mib']:.1f}"
                   if w["flat"] is not None else "- | - | -")
-        lines.append(f"| {i} | {l['lasted_s']:.0f} | {l['first_mib']:.1f} | {l['max_mib']:.1f} | {l['last_mib']:.1f} | "
+        lines.append(f"| {l['life']} | {l['lasted_s']:.0f} | {l['first_mib']:.1f} | {l['max_mib']:.1f} | {l['last_mib']:.1f} | "
                      f"{l['slope_after_first_minute_mib_per_min']:.2f} | {w['span_s']:.0f} | {judged} | "
                      f"{verdict(w['flat'], w['decided'])} |")
     return lines
@@ -655,7 +656,7 @@ def per_life(payload: dict, n_lives: int, warmup_s: float, window_s: float) -> N
     if any("children_rss_kib" in s for s in payload["rss"]):
         # a broker with child processes (the front) is judged on all of them: gRPC core's
         # memory lives in the front there, out of the broker process's own RSS
-        together = [{**s, "rss_kib": s["rss_kib"] + s.get("children_rss_kib", 0)} for s in payload["rss"]
+        together = [{**s, "rss_kib": s["rss_kib"] + s["children_rss_kib"]} for s in payload["rss"]
                     if "children_rss_kib" in s]
         judged_lives = payload["service_rss_per_life"] = rss_lives(together, n_lives, warmup_s, window_s)
     judged = [life["after_warmup"] for life in judged_lives if life["after_warmup"]["flat"] is not None]

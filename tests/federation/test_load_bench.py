@@ -207,3 +207,18 @@ def test_children_rss_is_read_from_proc():
         child.kill()
         child.wait()
     assert load.children_rss_kib(2**22 + 12345) is None  # no such process
+
+
+def test_rss_tables_name_each_life_by_its_number():
+    """A life with no sample of its own (here: no child process sampled in life 0, which
+    ended before its front started) is left out of a table, and the rows after it keep their
+    lives' numbers rather than their positions."""
+    load = _load_module()
+    early = [{"t": 2.0 * i, "life": 0, "age": 2.0 * i, "rss_kib": 80 * 1024, "load1": 1.0} for i in range(3)]
+    later = [{"t": 10.0 + 2.0 * i, "life": 1, "age": 2.0 * i, "rss_kib": 250 * 1024, "load1": 1.0,
+              "children_rss_kib": 100 * 1024} for i in range(300)]
+    payload = {"rss": early + later}
+    load.per_life(payload, 2, 300, load.WINDOW_S)
+    assert [l["life"] for l in payload["rss_per_life"]] == [0, 1]
+    assert [l["life"] for l in payload["service_rss_per_life"]] == [1]
+    assert load.rss_table(payload["service_rss_per_life"])[2].startswith("| 1 | 598 | 350.0 |")
