@@ -11,6 +11,11 @@ this directory is on the broker's PYTHONPATH (nothing happens without the variab
 - MEMPROBE_TRACE=T1,T2,T3: tracemalloc from T1, snapshots at T2 and T3, and what grew
   between them by traceback and by line, with the gc-tracked objects by type, to
   `<MEMPROBE_OUT>.<pid>.trace.txt`. Tracing slows the broker: a diagnosis, not a benchmark.
+- MEMPROBE_PYMALLOC=T1,T2,...: at each age, Python's object allocator's own account
+  (`sys._debugmallocstats`: arenas mapped, their bytes, the bytes in used blocks and the
+  free and fragmented rest) to `<MEMPROBE_OUT>.<pid>.pymalloc.txt`. It writes to the C
+  stderr, so that is pointed at the file for the call: broker log lines written in that
+  instant land there too.
 
 Issue 13, docs/performance.md "thirteenth pass".
 """
@@ -79,6 +84,28 @@ def _trace_probe(t0: float, ages: list[float], out: str) -> None:
             f.write(f"{name} {n:+d} ({tb[name]})\n")
 
 
+def _pymalloc_probe(t0: float, ages: list[float], out: str) -> None:
+    import sys
+    import tempfile
+
+    for age in _at(t0, ages):
+        with tempfile.TemporaryFile("w+") as tmp:
+            sys.stderr.flush()
+            saved = os.dup(2)
+            try:
+                os.dup2(tmp.fileno(), 2)
+                sys._debugmallocstats()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            tmp.seek(0)
+            keep = [line for line in tmp.read().splitlines()
+                    if line.startswith(("#", "Total ")) or
+                    " bytes in " in line or "arena map counts" in line]
+        with open(f"{out}.{os.getpid()}.pymalloc.txt", "a") as f:
+            f.write(f"=== age {age:.0f} s\n" + "\n".join(keep) + "\n")
+
+
 def _ages(name: str) -> list[float]:
     return [float(x) for x in os.environ.get(name, "").split(",") if x.strip()]
 
@@ -89,3 +116,5 @@ if _ages("MEMPROBE_SMAPS"):
     threading.Thread(target=_smaps_probe, args=(_t0, _ages("MEMPROBE_SMAPS"), _out), daemon=True).start()
 if len(_ages("MEMPROBE_TRACE")) == 3:
     threading.Thread(target=_trace_probe, args=(_t0, _ages("MEMPROBE_TRACE"), _out), daemon=True).start()
+if _ages("MEMPROBE_PYMALLOC"):
+    threading.Thread(target=_pymalloc_probe, args=(_t0, _ages("MEMPROBE_PYMALLOC"), _out), daemon=True).start()
