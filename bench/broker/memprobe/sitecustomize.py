@@ -99,9 +99,7 @@ def _pymalloc_probe(t0: float, ages: list[float], out: str) -> None:
                 os.dup2(saved, 2)
                 os.close(saved)
             tmp.seek(0)
-            keep = [line for line in tmp.read().splitlines()
-                    if line.startswith(("#", "Total ")) or
-                    " bytes in " in line or "arena map counts" in line]
+            keep = [line for line in tmp.read().splitlines() if line.startswith(("#", "Total ", "arena map counts"))]
         with open(f"{out}.{os.getpid()}.pymalloc.txt", "a") as f:
             f.write(f"=== age {age:.0f} s\n" + "\n".join(keep) + "\n")
 
