@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     from graft_fed.broker.config import BrokerConfig
     from graft_fed.broker.handlers import Federation
-    from graft_fed.broker.servicer import BrokerServicer, _publish_parser
+    from graft_fed.broker.servicer import BrokerServicer, _chunk_parser, _publish_parser
     from graft_fed.broker.state_sqlite import SqliteState
     from graft_fed.configbase import from_mapping
     from graft_fed.data.config import DataConfig, load_prompts
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 chunk = pb.BundleChunk(digest=digest_of(data), total_size=len(data), offset=0, data=data,
                                        node_id=name, session_id=sessions[name], prompt_id=s.prompt_id, round=rnd,
                                        tag=tag())
-                servicer.UploadBundle(iter([chunk]), ctx)
+                servicer.UploadBundle(iter([_chunk_parser(chunk.SerializeToString())]), ctx)
 
         def matches(i: int) -> None:
             name = names[i]

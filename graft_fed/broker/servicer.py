@@ -22,10 +22,10 @@ import grpc
 from graft_fed.broker.front import FileStream
 from graft_fed.broker.handlers import Federation
 from graft_fed.broker.publishing import Received
-from graft_fed.federation.codec import (ColumnsOnWire, OfferEncoder, manifest_from_pb, manifest_to_pb,
-                                        match_result_to_wire, offers_wire, parse_publish, privacy_from_pb,
+from graft_fed.federation.codec import (ColumnsOnWire, OfferEncoder, chunk_bytes, manifest_from_pb, manifest_to_pb,
+                                        match_result_to_wire, offers_wire, parse_chunk, parse_publish, privacy_from_pb,
                                         report_entries_from_pb, summaries_from_columns, summaries_from_pb,
-                                        summaries_in_bulk, upload_requests_wire)
+                                        summaries_in_bulk, upload_requests_wire, wire_bytes)
 from graft_fed.federation.errors import FederationError, InvalidArgument, ResourceExhausted, Unavailable
 from graft_fed.federation.limits import (MAX_ERROR_MESSAGE, MAX_FETCHES_PER_NODE, MAX_PUBLISHES_PER_NODE,
                                          MAX_REPEATED, MAX_UPLOADS_PER_NODE, MIN_CHUNK_BYTES, check_message, clip)
@@ -96,6 +96,27 @@ def _publish_parser(data: bytes) -> Any:
     return RawPublish(message, data, on_wire)
 
 
+class RawChunk:
+    """An upload's BundleChunk with its data apart (`codec.parse_chunk`): `message` has no
+    data, `data` is the chunk's bytes, read from the request once."""
+
+    __slots__ = ("message", "data")
+
+    def __init__(self, message: pb.BundleChunk, data: bytes) -> None:
+        self.message, self.data = message, data
+
+    @property
+    def node_id(self) -> str:  # what the identity interceptor reads
+        return self.message.node_id
+
+
+def _chunk_parser(data: bytes) -> Any:
+    try:
+        return RawChunk(*parse_chunk(data))
+    except Exception as exc:  # noqa: BLE001 - as _parser: the client's bytes
+        return Malformed(pb.BundleChunk.DESCRIPTOR.name, type(exc).__name__)
+
+
 def parsed(request: Any) -> Any:
     """The request, checked against the uniform bounds; InvalidArgument when it is malformed.
     A publish's summaries and columns are only counted here: PublishSummaries checks them in
@@ -104,6 +125,9 @@ def parsed(request: Any) -> Any:
         raise InvalidArgument(f"the request does not parse as a {request.message} ({request.error})")
     if isinstance(request, RawPublish):
         check_message(request.message, shallow=("summaries", "columns"))
+        return request
+    if isinstance(request, RawChunk):
+        check_message(request.message)  # (its data is bounded by the upload: UploadBundle)
         return request
     check_message(request)
     return request
@@ -318,11 +342,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         return match_result_to_wire(res)
 
     @_rpc
-    def UploadBundle(self, request_iterator: Iterator[pb.BundleChunk], context: Any) -> pb.UploadResponse:
+    def UploadBundle(self, request_iterator: Iterator[RawChunk], context: Any) -> pb.UploadResponse:
         with contextlib.ExitStack() as stack:
             return self._upload(request_iterator, context, stack)
 
-    def _upload(self, request_iterator: Iterator[pb.BundleChunk], context: Any,
+    def _upload(self, request_iterator: Iterator[RawChunk], context: Any,
                 stack: contextlib.ExitStack) -> pb.UploadResponse:
         first: pb.BundleChunk | None = None
         upload = None  # the chunks go into it as they arrive: the servicer holds one at a time
@@ -330,8 +354,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         ticket, applied = None, False
         min_chunk = min(MIN_CHUNK_BYTES, self.chunk)
         try:
-            for chunk in request_iterator:
-                chunk = parsed(chunk)
+            for request in request_iterator:
+                raw = parsed(request)
+                chunk, data = raw.message, raw.data
                 if first is None:
                     first = chunk
                     if chunk.total_size > self.max_bundle:
@@ -353,15 +378,15 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                     if last < min_chunk:  # a trickle of tiny chunks would hold a thread for hours
                         raise InvalidArgument(f"a chunk of {last} bytes that is not the last; every chunk but the "
                                               f"last carries at least {min_chunk} bytes")
-                if len(chunk.data) > self.chunk:
-                    raise InvalidArgument(f"chunk of {len(chunk.data)} bytes exceeds the chunk size {self.chunk}")
+                if len(data) > self.chunk:
+                    raise InvalidArgument(f"chunk of {len(data)} bytes exceeds the chunk size {self.chunk}")
                 if chunk.offset != received:
                     raise InvalidArgument(f"chunk offset {chunk.offset} but {received} bytes received so far")
-                received += len(chunk.data)
-                last = len(chunk.data)
+                received += len(data)
+                last = len(data)
                 if received > first.total_size:
                     raise InvalidArgument("chunks exceed the declared total_size")
-                upload.write(chunk.data)
+                upload.write(data)
             if first is None:
                 raise InvalidArgument("empty upload: send at least one chunk")
             if received != first.total_size:
@@ -377,7 +402,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         return pb.HasBundlesResponse(present=self.fed.has_bundles(request.node_id, request.session_id,
                                                                   list(request.digests)))
 
-    def FetchBundle(self, request: pb.FetchBundleRequest, context: Any) -> Iterator[pb.BundleChunk]:
+    def FetchBundle(self, request: pb.FetchBundleRequest, context: Any) -> Iterator[bytes]:
         return self._fetch(request, context, from_file=False)
 
     def fetch_through_front(self, request: pb.FetchBundleRequest, context: Any) -> Iterator[Any]:
@@ -425,9 +450,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                     _abort(context, code, message)
                 if data is None:
                     break
-                yield pb.BundleChunk(digest=request.digest, total_size=size, offset=off,
-                                     data=data, signature=signature if off == 0 else b"",
-                                     signer_cert=cert if off == 0 else b"")
+                yield chunk_bytes(pb.BundleChunk(digest=request.digest, total_size=size, offset=off,
+                                                 signature=signature if off == 0 else b"",
+                                                 signer_cert=cert if off == 0 else b""), data)
                 off += len(data)
         finally:
             hold.__exit__(None, None, None)
@@ -477,12 +502,8 @@ METHODS: dict[str, tuple[str, Any, Any]] = {
 }
 
 
-def _serializer(resp: Any) -> Callable[[Any], bytes]:
-    """The response serializer: a message is serialised, bytes (an answer the servicer
-    encoded itself, GetMatches) pass as they are."""
-    def serialize(message: Any) -> bytes:
-        return message if isinstance(message, bytes) else message.SerializeToString()
-    return serialize
+#: methods whose requests are read by a parser of their own (the rest: `_parser`)
+_parsers = {"PublishSummaries": _publish_parser, "UploadBundle": _chunk_parser}
 
 
 def add_to_server(servicer: BrokerServicer, server: grpc.Server) -> None:
@@ -500,7 +521,7 @@ def method_handlers(servicer: BrokerServicer, front: bool = False) -> dict[str, 
                  "unary_stream": grpc.unary_stream_rpc_method_handler}
     own = {"FetchBundle": servicer.fetch_through_front} if front else {}
     handlers = {name: factories[kind](own.get(name) or getattr(servicer, name),
-                                      request_deserializer=_publish_parser if name == "PublishSummaries" else _parser(req),
-                                      response_serializer=_serializer(resp))
-                for name, (kind, req, resp) in METHODS.items()}
+                                      request_deserializer=_parsers.get(name) or _parser(req),
+                                      response_serializer=wire_bytes)
+                for name, (kind, req, _) in METHODS.items()}
     return handlers

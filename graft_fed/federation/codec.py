@@ -6,7 +6,7 @@ Only this module, the broker's servicer and the node's client touch graft_fed.pr
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 if TYPE_CHECKING:
     import numpy as np
@@ -208,26 +208,28 @@ class ColumnsOnWire:
         self.ids, self.arrays = ids, arrays
 
 
-def _columns_field(raw: bytes) -> tuple[int, int, int] | None:
-    """(where PublishRequest.columns's tag starts, where its payload starts, where it ends)
-    in `raw`, when the field occurs exactly once, its tag and length in their shortest
-    encoding, and the message's fields are well formed; else None."""
+def _one_field(raw: bytes, number: int) -> tuple[int, int, int] | None:
+    """(where field `number`'s tag starts, where its payload starts, where it ends) in
+    `raw`, when the message's fields are well formed and the field occurs exactly once,
+    length-delimited, its tag and length in their shortest encoding; else None (it is
+    absent, repeated, of another wire type, or written otherwise: the caller then lets
+    protobuf parse the whole message)."""
     pos, end, found = 0, len(raw), None
     try:
         while pos < end:
             start = pos
             key, pos = read_varint(raw, pos)
             wire_type = key & 7
+            if key >> 3 == number and (wire_type != 2 or found is not None or pos - start != 1):
+                return None  # twice, of another wire type, or its tag in more than a byte
             if wire_type == 0:
                 _, pos = read_varint(raw, pos)
             elif wire_type == 2:
-                if key >> 3 == _COLUMNS_FIELD:
-                    if found is not None or pos - start != 1:  # twice, or its tag in more than a byte
-                        return None
+                if key >> 3 == number:
                     size, pos = read_shortest_varint(raw, pos)
                     found = (start, pos, pos + size)
                 else:
-                    size, pos = read_varint(raw, pos)  # (the bytes around the columns: protobuf parses them)
+                    size, pos = read_varint(raw, pos)  # (the bytes around the field: protobuf parses them)
                 pos += size
             elif wire_type == 1:
                 pos += 8
@@ -261,7 +263,7 @@ def parse_publish(data: bytes) -> tuple[pb.PublishRequest, ColumnsOnWire | None]
     message then has no `columns` (the other fields are parsed from the bytes around them,
     and are what the whole message holds: the columns field occurs once, so nothing merges
     with it). Raises what FromString raises for bytes that do not parse."""
-    found = _columns_field(data)
+    found = _one_field(data, _COLUMNS_FIELD)
     if found is not None:
         on_wire = _columns_on_wire(data, found[1], found[2])
         if on_wire is not None:
@@ -270,6 +272,45 @@ def parse_publish(data: bytes) -> tuple[pb.PublishRequest, ColumnsOnWire | None]
             except Exception:  # noqa: BLE001 - the whole message, parsed below, raises protobuf's own error
                 pass
     return pb.PublishRequest.FromString(data), None
+
+
+_DATA_FIELD = pb.BundleChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def parse_chunk(raw: bytes) -> tuple[pb.BundleChunk, bytes]:
+    """A BundleChunk from its bytes, as `BundleChunk.FromString` reads it, with its `data`
+    apart: (the message without data, data). protobuf copies a bytes field into the message
+    when it parses it and again at each access (a mebibyte a chunk, several times over in a
+    handler); here, when the data field occurs once in its shortest encoding, only the bytes
+    around it are parsed and the data is one slice of `raw` (issue 13). Anything else is
+    parsed whole and the data taken out once. Raises what FromString raises for bytes that
+    do not parse."""
+    found = _one_field(raw, _DATA_FIELD)
+    if found is not None:
+        try:
+            return pb.BundleChunk.FromString(raw[:found[0]] + raw[found[2]:]), raw[found[1]:found[2]]
+        except Exception:  # noqa: BLE001 - the whole message, parsed below, raises protobuf's own error
+            pass
+    message = pb.BundleChunk.FromString(raw)
+    data = message.data
+    message.ClearField("data")
+    return message, data
+
+
+def chunk_bytes(header: pb.BundleChunk, data: bytes | memoryview) -> bytes:
+    """A BundleChunk's wire bytes: `header` (a chunk without data) with `data` as its data
+    field, in one copy of the data (building the message and serialising it copies it
+    twice). protobuf reads fields in any order, so the data follows the header's fields."""
+    return b"".join((header.SerializeToString(), _DATA_TAG, _varint(len(data)), data))
+
+
+_DATA_TAG = _varint(_DATA_FIELD << 3 | 2)
+
+
+def wire_bytes(message: Any) -> bytes:
+    """A message's wire bytes; bytes (a message encoded already) pass as they are. The
+    serializer where a call takes either (an upload's chunks, a GetMatches answer)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 # SummaryColumns' fields after its prompt ids, all `bytes`: field number -> name
@@ -342,7 +383,7 @@ def summaries_from_columns(request: pb.PublishRequest, raw: bytes | None = None,
         if count > MAX_REPEATED:
             raise InvalidArgument(f"columns.prompt_ids has {count} entries; at most {MAX_REPEATED}")
         pids = intern_ids(list(c.prompt_ids))
-        found = _columns_field(raw) if raw is not None and count else None
+        found = _one_field(raw, _COLUMNS_FIELD) if raw is not None and count else None
         if found is not None:
             _learn_ids(raw, found[1:], pids)
         arrays = {name: getattr(c, name) for name in _ARRAY_FIELDS.values()}  # each read once: each access copies

@@ -19,8 +19,8 @@ from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
 from graft_fed.federation.errors import FederationError
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
-from graft_fed.federation.codec import (PRIVACY_CODES, columns_to_pb, manifest_from_pb, manifest_to_pb,
-                                        match_result_from_pb, report_entries_to_pb, summary_to_pb)
+from graft_fed.federation.codec import (PRIVACY_CODES, chunk_bytes, columns_to_pb, manifest_from_pb, manifest_to_pb,
+                                        match_result_from_pb, report_entries_to_pb, summary_to_pb, wire_bytes)
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, ReportEntry, SummaryRow
 from graft_fed.federation.signing import BundleSigner, ProvenanceVerifier, common_name, load_certificate_der
@@ -83,6 +83,15 @@ def _interval_s(ms: int) -> float:
     """A heartbeat interval the broker sent, in seconds (at least 50 ms)."""
     return max(0.05, ms / 1000.0)
 
+def broker_stub(channel: grpc.Channel) -> pb_grpc.BrokerStub:
+    """The generated stub, except that UploadBundle takes each chunk as a message or as its
+    wire bytes (`codec.chunk_bytes`: the data copied once rather than twice)."""
+    stub = pb_grpc.BrokerStub(channel)
+    stub.UploadBundle = channel.stream_unary("/graft_fed.v1.Broker/UploadBundle", request_serializer=wire_bytes,
+                                             response_deserializer=pb.UploadResponse.FromString)
+    return stub
+
+
 class BrokerClient:
     def __init__(self, address: str, node_id: str, max_message_mib: int = 16, rpc_timeout_s: float = 10.0,
                  chunk_kib: int = 1024, tls_ca: str | None = None, tls_cert: str | None = None,
@@ -124,7 +133,7 @@ class BrokerClient:
         else:
             check_plaintext(address, insecure, f"node {node_id}")
             self.channel = grpc.insecure_channel(address, options=options)
-        self.stub = pb_grpc.BrokerStub(self.channel)
+        self.stub = broker_stub(self.channel)
         # Provenance: sign what this node produces with its mTLS key; check what it receives
         # against the federation CA (graft_fed/federation/signing.py).
         self.signer = BundleSigner(tls_cert, tls_key) if tls_cert and tls_key else None
@@ -316,12 +325,14 @@ class BrokerClient:
         signature = self.signer.sign(self.node_id, digest) if self.signer is not None else b""
         tag = new_tag()
 
-        def chunks() -> Iterator[pb.BundleChunk]:
+        def chunks() -> Iterator[bytes]:  # each chunk's wire bytes: its data copied once (chunk_bytes)
+            view = memoryview(data)
             for off in range(0, max(1, len(data)), self.chunk):
                 first = off == 0
-                yield pb.BundleChunk(digest=digest, total_size=len(data), offset=off, data=data[off:off + self.chunk],
-                                     node_id=self.node_id, session_id=self.session, prompt_id=prompt_id,
-                                     round=round, signature=signature if first else b"", tag=tag if first else None)
+                header = pb.BundleChunk(digest=digest, total_size=len(data), offset=off, node_id=self.node_id,
+                                        session_id=self.session, prompt_id=prompt_id, round=round,
+                                        signature=signature if first else b"", tag=tag if first else None)
+                yield chunk_bytes(header, view[off:off + self.chunk])
 
         resp = self._call("UploadBundle", chunks, self.timeout * 3)
         return digest, resp is not None and resp.stored
@@ -365,12 +376,13 @@ class BrokerClient:
                         call.cancel()
                         raise RecordError(f"bundle {digest[:12]} announced as {size} bytes, more than this node "
                                           f"accepts ({self.max_bundle})")
-                if chunk.total_size != size or chunk.offset != received or received + len(chunk.data) > size:
+                piece = chunk.data  # read once: protobuf copies a bytes field at each access
+                if chunk.total_size != size or chunk.offset != received or received + len(piece) > size:
                     call.cancel()
                     raise RecordError(f"bundle {digest[:12]} arrived with inconsistent chunks (offset "
                                       f"{chunk.offset}, {received} bytes so far, total {size})")
-                received += len(chunk.data)
-                parts.append(chunk.data)
+                received += len(piece)
+                parts.append(piece)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, "FetchBundle") from None
         data = b"".join(parts)

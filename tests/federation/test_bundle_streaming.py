@@ -16,7 +16,7 @@ import grpc
 
 from graft_fed.broker.bundlefiles import PartFile
 from graft_fed.broker.handlers import Federation
-from graft_fed.broker.servicer import BrokerServicer
+from graft_fed.broker.servicer import BrokerServicer, _chunk_parser
 from graft_fed.broker.state_sqlite import SqliteState
 from graft_fed.federation.bundles import digest_of, encode_bundle
 from graft_fed.federation.codec import summaries_from_pb
@@ -48,6 +48,12 @@ def _chunks(data: bytes, chunk: int, **fields):
         yield pb.BundleChunk(offset=off, data=data[off:off + chunk], tag=new_tag() if off == 0 else None, **fields)
 
 
+def _received(chunks):
+    """Chunks as the servicer gets them from gRPC: each one's bytes, parsed as its method does."""
+    for c in chunks:
+        yield _chunk_parser(c.SerializeToString())
+
+
 def summary_row(p):
     """The row a publish of test_broker_rpc's `summary(p, 1)` stores."""
     return summaries_from_pb(pb.PublishRequest(node_id="a", round=0, summaries=[summary(p, 1)]))[0]
@@ -70,7 +76,7 @@ def test_upload_holds_a_few_chunks_not_the_bundle(prompt_file, prompts, tmp_path
     try:
         base, _ = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
-        resp = servicer.UploadBundle(_chunks(data, 256 * 1024, **fields), _Context())
+        resp = servicer.UploadBundle(_received(_chunks(data, 256 * 1024, **fields)), _Context())
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -151,8 +157,10 @@ def test_fetch_holds_one_chunk_not_the_bundle(prompt_file, tmp_path):
     tracemalloc.start()
     try:
         received, peak_chunk = 0, 0
-        for chunk in servicer.FetchBundle(pb.FetchBundleRequest(node_id="r", session_id=session, digest=digest),
-                                          _Context()):
+        for wire in servicer.FetchBundle(pb.FetchBundleRequest(node_id="r", session_id=session, digest=digest),
+                                         _Context()):
+            chunk = pb.BundleChunk.FromString(wire)  # what the client reads (the servicer answers wire bytes)
+            del wire
             assert chunk.offset == received and chunk.total_size == 16 * 2**20
             received += len(chunk.data)
             peak_chunk = max(peak_chunk, len(chunk.data))
@@ -189,9 +197,9 @@ def test_an_uploads_file_is_synced_outside_the_brokers_lock(prompt_file, prompts
         return real_seal(*args)
     monkeypatch.setattr(PartFile, "seal", seal)
     try:
-        resp = servicer.UploadBundle(_chunks(data, 256 * 1024, digest=digest_of(data), total_size=len(data),
-                                             node_id="a", session_id=session, prompt_id=prompts[0].id, round=0),
-                                     _Context())
+        resp = servicer.UploadBundle(_received(_chunks(data, 256 * 1024, digest=digest_of(data), total_size=len(data),
+                                                       node_id="a", session_id=session, prompt_id=prompts[0].id,
+                                                       round=0)), _Context())
         assert resp.stored and free == [True] and state.get_bundle(digest_of(data)) == data
     finally:
         state.close()

@@ -14,9 +14,8 @@ from graft_fed.broker.replay import ReplayGuard
 from graft_fed.federation.codec import manifest_to_pb
 from graft_fed.federation.bundles import digest_of, encode_bundle
 from graft_fed.federation.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument
-from graft_fed.node.client import BrokerClient, new_tag
+from graft_fed.node.client import BrokerClient, broker_stub, new_tag
 from graft_fed.proto import broker_pb2 as pb
-from graft_fed.proto import broker_pb2_grpc as pb_grpc
 from tests.federation.helpers import broker_config, start_broker
 from tests.federation.test_broker_rpc import client, code_of, manifest, record, summary
 
@@ -213,7 +212,7 @@ def test_a_retry_after_a_lost_reply_succeeds_and_is_applied_once(broker, prompts
     b.publish(0, [summary(p0, 1)])
     lossy = LoseFirstReply({"PublishSummaries", "UploadBundle", "ReportCompatibility", "Leave"})
     for c in (a, b):
-        c.stub = pb_grpc.BrokerStub(grpc.intercept_channel(c.channel, lossy))
+        c.stub = broker_stub(grpc.intercept_channel(c.channel, lossy))
     assert a.publish(0, [summary(p0, 0), summary(p1, 1)]) == (0, 2)  # applied by the attempt whose reply was lost
     assert len(broker.state.summaries(node_id="a")) == 2
     assert b.upload(record(p0, 1, model="b"), 0)[1] is False  # stored by the first attempt
@@ -244,7 +243,7 @@ class Count(grpc.UnaryUnaryClientInterceptor):
 def test_a_broker_that_is_down_is_retried_twice_with_the_same_tag_then_reported(prompts):
     c = BrokerClient("127.0.0.1:1", "a", rpc_timeout_s=2, retries=2)  # nothing listens there
     count = Count()
-    c.stub = pb_grpc.BrokerStub(grpc.intercept_channel(c.channel, count))
+    c.stub = broker_stub(grpc.intercept_channel(c.channel, count))
     c.session = "s"
     code, _ = code_of(lambda: c.publish(0, [summary(prompts[0], 1)]))
     assert code == grpc.StatusCode.UNAVAILABLE
