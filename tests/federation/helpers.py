@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 from pathlib import Path
 from typing import Any
@@ -77,3 +78,26 @@ def tls_client(pki: Path, address: str, cert_name: str | None, node_id: str | No
     return BrokerClient(address, node_id or cert_name or "anonymous", tls_ca=str(pki / "ca.pem"),
                         tls_cert=str(pki / f"{cert_name}.pem") if cert_name else None,
                         tls_key=str(pki / f"{cert_name}.key") if cert_name else None, rpc_timeout_s=5)
+
+
+def damaged(raw: bytes, rng: random.Random) -> bytes:
+    """`raw` with one to three random changes: a byte changed, bytes cut out, repeated or
+    inserted, or a field appended (what a fuzzing peer sends; the wire-reading tests check
+    that the broker reads it as protobuf alone does)."""
+    from graft_fed.federation.protowire import varint
+
+    data = bytearray(raw)
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        at = rng.randrange(len(data))
+        op = rng.randrange(5)
+        if op == 0:
+            data[at] = rng.randrange(256)
+        elif op == 1:
+            del data[at:at + rng.randrange(1, 9)]
+        elif op == 2:
+            data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 6)))
+        elif op == 3:
+            data[at:at] = data[at:at + rng.randrange(1, 40)]
+        else:
+            data += varint(rng.randrange(1, 20) << 3 | rng.choice((0, 2))) + bytes([rng.randrange(4)]) + b"xyz"[:rng.randrange(4)]
+    return bytes(data)

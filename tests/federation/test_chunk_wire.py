@@ -9,6 +9,7 @@ import pytest
 from graft_fed.federation.codec import chunk_bytes, parse_chunk, wire_bytes
 from graft_fed.federation.protowire import varint
 from graft_fed.proto import broker_pb2 as pb
+from tests.federation.helpers import damaged
 
 DATA = 4  # BundleChunk.data
 
@@ -96,21 +97,7 @@ def test_a_chunk_mutated_anywhere_reads_as_protobuf_alone_reads_it(seed):
     rng = random.Random(seed)
     apart = 0
     for i in range(1500):
-        data = bytearray(raw)
-        for _ in range(rng.choice((1, 1, 2, 3))):
-            at = rng.randrange(len(data))
-            op = rng.randrange(5)
-            if op == 0:
-                data[at] = rng.randrange(256)
-            elif op == 1:
-                del data[at:at + rng.randrange(1, 9)]
-            elif op == 2:
-                data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 6)))
-            elif op == 3:
-                data[at:at] = data[at:at + rng.randrange(1, 40)]
-            else:
-                data += varint(rng.randrange(1, 20) << 3 | rng.choice((0, 2))) + bytes([rng.randrange(4)]) + b"xyz"[:rng.randrange(4)]
-        data = bytes(data)
+        data = damaged(raw, rng)
         apart += _one(data)
         assert _same(data), (i, data.hex())
     assert apart > 100  # damage inside the data, or fields appended, still read apart

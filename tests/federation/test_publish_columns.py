@@ -7,6 +7,7 @@ import pytest
 from graft_fed.federation.codec import columns_to_pb
 from graft_fed.node.client import new_tag
 from graft_fed.proto import broker_pb2 as pb
+from tests.federation.helpers import damaged
 from tests.federation.test_broker_rpc import client, summary
 
 
@@ -304,7 +305,6 @@ def test_a_publish_mutated_anywhere_reads_as_protobuf_alone_reads_it(prompts):
     import random
 
     from graft_fed.federation.codec import parse_publish
-    from graft_fed.federation.protowire import varint
 
     # a list no other test reads (one whose first two sightings had another layout is never
     # learnt: summaries_from_columns memoises that its encoding did not match)
@@ -318,21 +318,7 @@ def test_a_publish_mutated_anywhere_reads_as_protobuf_alone_reads_it(prompts):
     rng = random.Random(13)
     in_place = 0
     for i in range(1500):
-        data = bytearray(raw)
-        for _ in range(rng.choice((1, 1, 2, 3))):
-            at = rng.randrange(len(data))
-            op = rng.randrange(5)
-            if op == 0:
-                data[at] = rng.randrange(256)
-            elif op == 1:
-                del data[at:at + rng.randrange(1, 9)]
-            elif op == 2:
-                data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 6)))
-            elif op == 3:
-                data[at:at] = data[at:at + rng.randrange(1, 40)]
-            else:
-                data += varint(rng.randrange(1, 20) << 3 | rng.choice((0, 2))) + bytes([rng.randrange(4)]) + b"xyz"[:rng.randrange(4)]
-        data = bytes(data)
+        data = damaged(raw, rng)
         try:
             in_place += parse_publish(data)[1] is not None
         except Exception:  # noqa: BLE001 - refused, as below
