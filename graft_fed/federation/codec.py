@@ -208,15 +208,24 @@ class ColumnsOnWire:
         self.ids, self.arrays = ids, arrays
 
 
+#: fields `_one_field` scans at most before it leaves a message to protobuf whole: a chunk or
+#: a publish with columns has a dozen; a peer padding one with tiny unknown fields would
+#: otherwise cost a Python loop per field (0.14 s per MiB, against 1.5 ms for protobuf)
+MAX_SCANNED_FIELDS = 64
+
+
 def _one_field(raw: bytes, number: int) -> tuple[int, int, int] | None:
     """(where field `number`'s tag starts, where its payload starts, where it ends) in
     `raw`, when the message's fields are well formed and the field occurs exactly once,
     length-delimited, its tag and length in their shortest encoding; else None (it is
     absent, repeated, of another wire type, or written otherwise: the caller then lets
     protobuf parse the whole message)."""
-    pos, end, found = 0, len(raw), None
+    pos, end, found, fields = 0, len(raw), None, 0
     try:
         while pos < end:
+            fields += 1
+            if fields > MAX_SCANNED_FIELDS:
+                return None
             start = pos
             key, pos = read_varint(raw, pos)
             wire_type = key & 7

@@ -101,3 +101,15 @@ def test_a_chunk_mutated_anywhere_reads_as_protobuf_alone_reads_it(seed):
         apart += _one(data)
         assert _same(data), (i, data.hex())
     assert apart > 100  # damage inside the data, or fields appended, still read apart
+
+
+def test_a_chunk_padded_with_fields_is_parsed_whole_not_scanned():
+    """A peer padding a chunk with thousands of tiny unknown fields: the broker's scan gives
+    up after MAX_SCANNED_FIELDS and protobuf reads it, with the same meaning."""
+    from graft_fed.federation.codec import MAX_SCANNED_FIELDS
+
+    pad = (varint(30 << 3) + b"\x01") * 5000
+    raw = _header(data=b"payload").SerializeToString() + pad
+    assert not _one(raw) and _same(raw)
+    few = _header(data=b"payload").SerializeToString() + (varint(30 << 3) + b"\x01") * (MAX_SCANNED_FIELDS - 20)
+    assert _one(few) and _same(few)
