@@ -66,6 +66,7 @@ from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import grpc
 
+from graft_fed.broker.workers import Workers
 from graft_fed.errors import GraftFedError
 from graft_fed.federation.protowire import varint
 from graft_fed.federation.status import INTERNAL_MESSAGE
@@ -250,19 +251,6 @@ class FrontLink:
         self.service, self.methods, self.handlers = service, list(methods), handlers
         self.interceptors = list(interceptors)
         self.on_lost = on_lost
-        # grpcio's own server takes calls one at a time, which paces how many handlers run at
-        # once; the front hands a round's thousand publishes over at once, and a thousand
-        # threads contending for the interpreter made a round take seconds more (issue 13,
-        # nineteenth pass). So the broker runs them on bounded pools, one per lane of calls
-        # that must not take each other's threads (server.py says which).
-        self.pool = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="broker")
-        self._pools = [self.pool]
-        lane_of: dict[str, futures.ThreadPoolExecutor] = {}
-        for i, (names, size) in enumerate(lanes):
-            lane = futures.ThreadPoolExecutor(max_workers=size, thread_name_prefix=f"broker-lane{i}")
-            self._pools.append(lane)
-            lane_of.update({name: lane for name in names})
-        self._pool_of = [lane_of.get(name, self.pool) for name, _ in methods]
         self._dir = _socket_dir()
         self.path = os.path.join(self._dir, "broker.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -275,6 +263,20 @@ class FrontLink:
         self._reader: threading.Thread | None = None
         self.proc: subprocess.Popen | None = None
         self.port = 0
+        # grpcio's own server takes calls one at a time, which paces how many handlers run at
+        # once; the front hands a round's thousand publishes over at once, and a thousand
+        # threads contending for the interpreter made a round take seconds more (issue 13,
+        # nineteenth pass). So the broker runs them on bounded pools, one per lane of calls
+        # that must not take each other's threads (server.py says which).
+        # (each started whole, the thread that went idle last serving next: broker/workers.py)
+        self.pool = Workers(threads, "broker")
+        self._pools = [self.pool]
+        lane_of: dict[str, Workers] = {}
+        for i, (names, size) in enumerate(lanes):
+            lane = Workers(size, f"broker-lane{i}")
+            self._pools.append(lane)
+            lane_of.update({name: lane for name in names})
+        self._pool_of = [lane_of.get(name, self.pool) for name, _ in methods]
 
     def start(self, listen: str, options: list, tls: tuple[str, str, str | None] | None,
               max_concurrent_rpcs: int, budget_bytes: int, timeout_s: float = 120.0) -> int:

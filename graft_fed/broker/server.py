@@ -9,7 +9,6 @@ import logging
 import math
 import threading
 import time
-from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from graft_fed.broker.live import RefusalLog, ScalarLog, node_metrics, status_vi
 from graft_fed.broker.servicer import (METHODS, SERVICE, BrokerServicer, TimingInterceptor, add_to_server,
                                        method_handlers)
 from graft_fed.broker.state import BrokerState
+from graft_fed.broker.workers import Workers
 from graft_fed.federation.transport import check_plaintext, grpc_options, server_credentials
 
 log = logging.getLogger("graft_fed.broker")
@@ -187,6 +187,7 @@ class BrokerServer:
         self.failed = threading.Event()
         self.failure = ""
         self.grpc: grpc.Server | None = None
+        self.pool: Workers | None = None
         self.front: FrontLink | None = None
         if cfg.front_process:
             # gRPC served by a process of its own, which hands every call over (broker/front.py)
@@ -211,15 +212,20 @@ class BrokerServer:
                 self.state.close()
                 raise
         else:
-            self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="broker"),
-                                    options=options, interceptors=interceptors)
-            add_to_server(self.servicer, self.grpc)
-            if tls:
-                self.port = self.grpc.add_secure_port(cfg.listen, server_credentials(*tls))
-            else:
-                self.port = self.grpc.add_insecure_port(cfg.listen)
-            if self.port == 0:
-                raise OSError(f"cannot listen on {cfg.listen}")
+            self.pool = Workers(cfg.max_workers, "broker")  # all started now, the last idle serving (workers.py)
+            try:
+                self.grpc = grpc.server(self.pool, options=options, interceptors=interceptors)
+                add_to_server(self.servicer, self.grpc)
+                if tls:
+                    self.port = self.grpc.add_secure_port(cfg.listen, server_credentials(*tls))
+                else:
+                    self.port = self.grpc.add_insecure_port(cfg.listen)
+                if self.port == 0:
+                    raise OSError(f"cannot listen on {cfg.listen}")
+            except BaseException:
+                self.pool.shutdown(wait=False)
+                self.state.close()
+                raise
         self.http: ThreadingHTTPServer | None = None
         self.http_port: int | None = None
         self._stop = threading.Event()
@@ -327,6 +333,8 @@ class BrokerServer:
     def _stop_grpc(self, grace: float) -> None:
         if self.grpc is not None:
             self.grpc.stop(grace).wait()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)  # its threads end as they finish their calls
         if self.front is not None:
             self.front.stop(grace)
 
