@@ -111,9 +111,9 @@ class BrokerConfig:
     #: Refuse state-changing requests that carry no request id (INVALID_ARGUMENT). graft-fed
     #: nodes always send one; false admits hand-written or older clients, unprotected.
     require_request_ids: bool = True
-    #: Worker threads serving RPCs, all started with the broker (each costs little until it
-    #: serves: the thread that went idle last takes the next call, so a steady load keeps
-    #: the few it needs warm and the others parked; broker/workers.py).
+    #: Worker threads serving RPCs, all started with the broker (about 128 KiB each while
+    #: parked); the thread that went idle last takes the next call, so a steady load keeps
+    #: the ones it needs warm and the others parked (broker/workers.py).
     max_workers: int = 128
     #: Serve gRPC from a second process (the front, broker/front.py): it takes every call
     #: (TLS included) and hands it to the broker over a private Unix socket, so the broker's
