@@ -15,8 +15,9 @@ sent it. The broker
   (ALREADY_EXISTS; the first application stands and nothing is applied again), and one
   that is still being processed (ABORTED: retry shortly);
 - forgets a request id once its send time is more than `window_s` old (a replay of it is
-  then refused by its timestamp), and keeps at most `max_per_node` ids per node, dropping
-  the oldest first, so its memory is bounded however long the broker runs.
+  then refused by its timestamp), and keeps at most `max_per_node` ids per node (beyond it
+  the node's oldest eighth is forgotten at once), so its memory is bounded however long the
+  broker runs.
 
 The memory of request ids lives in the broker's process and does not survive a restart,
 by design: every state change those RPCs make is idempotent in the durable state, so a
@@ -30,18 +31,31 @@ node would re-join at its next call; no data changes.
 
 A request id is remembered only once its request has been applied: a request that was
 refused (any error) can be retried with the same id.
+
+Memory: a busy federation applies hundreds of requests per second, and each id is kept for
+the whole window (at 256 nodes x 256 prompts about 95,000 of them). Kept as Python strings
+in per-node dicts, that was about 250 bytes and four interpreter objects per id, filled over
+the first `window_s` of every broker life and churned for good after (docs/performance.md,
+issue 13, "thirty-fifth pass"). `RequestIds` keeps each one as a 128-bit keyed fingerprint,
+its expiry and its node in sorted numpy columns (28 bytes), with only the last few seconds'
+ids in a dict.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
+import os
 import re
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
+
+import numpy as np
 
 from graft_fed.federation.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument
 
@@ -49,13 +63,147 @@ log = logging.getLogger("graft_fed.broker")
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{16,64}$")
 MAX_IDS_PER_NODE = 16384
+_LOW64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class Ticket:
     node_id: str
     request_id: str
+    fingerprint: int
     expires: float
+
+
+class RequestIds:
+    """The (node, request id) pairs applied within the window, compactly.
+
+    Each pair is a 128-bit fingerprint (BLAKE2b keyed with a secret drawn at start, so no
+    sender can aim at another's ids; two distinct pairs share one with odds of about 2^-128
+    per pair). Ids added in the last `merge_s` seconds sit in a dict; `merge` folds them
+    into three columns sorted by the fingerprint's high half (uint64 high, uint64 low,
+    uint32 expiry in whole seconds from `epoch`, rounded up) plus the node as an index into
+    a list of names, dropping what expired. Lookups are a dict probe and a binary search.
+
+    An id is remembered at least until its expiry and at most `merge_s` seconds longer
+    (harmless: a request sent that long ago is refused by its timestamp first). Not
+    thread-safe: ReplayGuard calls it under its lock.
+    """
+
+    def __init__(self, max_per_node: int, epoch: float, merge_s: float = 10.0, merge_at: int = 8192) -> None:
+        self.max_per_node = max_per_node
+        self.epoch = math.floor(epoch)
+        self.merge_s = merge_s
+        self.merge_at = merge_at
+        self._key = os.urandom(32)
+        self._recent: dict[int, tuple[float, str]] = {}  # fingerprint -> (expires, node)
+        self._hi = np.empty(0, np.uint64)
+        self._lo = np.empty(0, np.uint64)
+        self._exp = np.empty(0, np.uint32)
+        self._node = np.empty(0, np.int32)
+        self._names: list[str] = []
+        self._count: dict[str, int] = {}  # ids held per node, expired ones not yet dropped included
+        self._next_expiry = math.inf  # the earliest expiry held (recent or columns)
+        self._merged_at = -math.inf
+        self.evicted = 0
+
+    def fingerprint(self, node_id: str, request_id: str) -> int:
+        h = hashlib.blake2b(node_id.encode("utf-8", "surrogatepass"), digest_size=16, key=self._key)
+        h.update(b"\0" + request_id.encode("ascii"))
+        return int.from_bytes(h.digest(), "little")
+
+    def __len__(self) -> int:
+        return len(self._recent) + len(self._hi)
+
+    def __contains__(self, fp: int) -> bool:
+        if fp in self._recent:
+            return True
+        hi, lo = np.uint64(fp >> 64), np.uint64(fp & _LOW64)
+        i = int(self._hi.searchsorted(hi))
+        while i < len(self._hi) and self._hi[i] == hi:
+            if self._lo[i] == lo:
+                return True
+            i += 1
+        return False
+
+    def add(self, fp: int, node_id: str, expires: float, now: float) -> int:
+        """Remember one id; returns how many ids of its node were forgotten early to keep it
+        within `max_per_node`."""
+        self._recent[fp] = (expires, node_id)
+        self._next_expiry = min(self._next_expiry, expires)
+        held = self._count[node_id] = self._count.get(node_id, 0) + 1
+        if len(self._recent) >= max(self.merge_at, len(self._hi) // 4):
+            self.merge(now)
+        if held > self.max_per_node:
+            return self._evict_oldest(node_id, now)
+        return 0
+
+    def due(self, now: float) -> bool:
+        """Whether `merge` has something to drop and its interval has passed."""
+        return now > self._next_expiry and now - self._merged_at >= self.merge_s
+
+    def merge(self, now: float) -> int:
+        """Fold the recent ids into the columns and drop the expired ones; returns how many
+        were dropped."""
+        keep_until = math.ceil(now - self.epoch)  # an expiry in whole seconds >= this is kept
+        n_recent = len(self._recent)
+        hi = np.empty(n_recent, np.uint64)
+        lo = np.empty(n_recent, np.uint64)
+        exp = np.empty(n_recent, np.uint32)
+        node = np.empty(n_recent, np.int32)
+        index = {name: i for i, name in enumerate(self._names)}
+        names = self._names
+        for k, (fp, (expires, node_id)) in enumerate(self._recent.items()):
+            hi[k], lo[k] = fp >> 64, fp & _LOW64
+            exp[k] = max(0, math.ceil(expires - self.epoch))
+            i = index.get(node_id)
+            if i is None:
+                i = index[node_id] = len(names)
+                names.append(node_id)
+            node[k] = i
+        hi = np.concatenate([self._hi, hi])
+        lo = np.concatenate([self._lo, lo])
+        exp = np.concatenate([self._exp, exp])
+        node = np.concatenate([self._node, node])
+        live = exp >= keep_until
+        dropped = int(len(live) - np.count_nonzero(live))
+        if dropped:
+            for i, c in enumerate(np.bincount(node[~live], minlength=len(names)).tolist()):
+                if c:
+                    self._uncount(names[i], c)
+            hi, lo, exp, node = hi[live], lo[live], exp[live], node[live]
+        used, node = np.unique(node, return_inverse=True)  # names of nodes that still hold ids only
+        order = np.argsort(hi, kind="stable")
+        self._hi, self._lo, self._exp = hi[order], lo[order], exp[order]
+        self._node = node.astype(np.int32, copy=False)[order]
+        self._names = [names[i] for i in used.tolist()]
+        self._recent = {}
+        self._next_expiry = self.epoch + float(self._exp.min()) if len(self._exp) else math.inf
+        self._merged_at = now
+        return dropped
+
+    def _uncount(self, node_id: str, c: int) -> None:
+        left = self._count[node_id] - c
+        if left > 0:
+            self._count[node_id] = left
+        else:
+            del self._count[node_id]
+
+    def _evict_oldest(self, node_id: str, now: float) -> int:
+        """Forget the node's oldest ids down to 7/8 of `max_per_node` (an eighth at a time,
+        so that a node sending beyond it costs one pass over the columns per eighth)."""
+        self.merge(now)
+        mine = np.flatnonzero(self._node == self._names.index(node_id))
+        excess = len(mine) - (self.max_per_node - max(1, self.max_per_node // 8))
+        if excess <= 0:
+            return 0
+        oldest = mine[np.argsort(self._exp[mine], kind="stable")[:excess]]
+        keep = np.ones(len(self._hi), bool)
+        keep[oldest] = False
+        self._hi, self._lo, self._exp, self._node = (self._hi[keep], self._lo[keep], self._exp[keep],
+                                                     self._node[keep])
+        self._uncount(node_id, excess)
+        self.evicted += excess
+        return excess
 
 
 class ReplayGuard:
@@ -66,8 +214,8 @@ class ReplayGuard:
         self.max_per_node = max_per_node
         self.clock = clock
         self._lock = threading.Lock()
-        self._seen: dict[str, OrderedDict[str, float]] = {}  # node -> request id -> forget after (unix s)
-        self._inflight: set[tuple[str, str]] = set()
+        self._seen = RequestIds(max_per_node, epoch=clock(), merge_s=min(10.0, max(1.0, window_s / 30)))
+        self._inflight: set[int] = set()
         self.counters: Counter[str] = Counter()
         self._warned_eviction = False
 
@@ -93,22 +241,19 @@ class ReplayGuard:
             raise FailedPrecondition(f"{method}: the request says it was sent {when} by the broker's clock; the "
                                      f"broker accepts requests sent within {self.window:.0f} s. A replayed request, "
                                      "or the node's clock is off: synchronise it (NTP)")
-        key = (node_id, request_id)
+        fp = self._seen.fingerprint(node_id, request_id)
         with self._lock:
-            seen = self._seen.get(node_id)
-            if seen is not None:
-                self._expire_node(node_id, seen, now)
-                if request_id in seen:
-                    self.counters["refused_duplicate"] += 1
-                    raise AlreadyExists(f"{method}: request {request_id} of node {node_id!r} was already applied; "
-                                        "a repeated request is not applied again (a retry after a lost reply can "
-                                        "take this as success)")
-            if key in self._inflight:
+            if fp in self._seen:
+                self.counters["refused_duplicate"] += 1
+                raise AlreadyExists(f"{method}: request {request_id} of node {node_id!r} was already applied; "
+                                    "a repeated request is not applied again (a retry after a lost reply can "
+                                    "take this as success)")
+            if fp in self._inflight:
                 self.counters["refused_inflight"] += 1
                 raise Aborted(f"{method}: request {request_id} of node {node_id!r} is still being processed; retry "
                               "shortly with the same request id")
-            self._inflight.add(key)
-        return Ticket(node_id, request_id, sent_at_ms / 1000.0 + self.window)
+            self._inflight.add(fp)
+        return Ticket(node_id, request_id, fp, sent_at_ms / 1000.0 + self.window)
 
     def end(self, ticket: Ticket | None, applied: bool) -> None:
         """Close a request admitted by `begin`: remember its id if it was applied, else let
@@ -116,20 +261,18 @@ class ReplayGuard:
         if ticket is None:
             return
         with self._lock:
-            self._inflight.discard((ticket.node_id, ticket.request_id))
+            self._inflight.discard(ticket.fingerprint)
             if not applied:
                 return
-            seen = self._seen.setdefault(ticket.node_id, OrderedDict())
-            seen[ticket.request_id] = ticket.expires
-            while len(seen) > self.max_per_node:
-                seen.popitem(last=False)
-                self.counters["evicted"] += 1
+            evicted = self._seen.add(ticket.fingerprint, ticket.node_id, ticket.expires, self.clock())
+            self.counters["admitted"] += 1
+            if evicted:
+                self.counters["evicted"] += evicted
                 if not self._warned_eviction:
-                    log.warning("node %s sent more than %d state-changing requests within %.0f s; the oldest request "
+                    log.warning("node %s sent more than %d state-changing requests within %.0f s; its oldest request "
                                 "ids are forgotten early (their replay is harmless: the operations are idempotent)",
                                 ticket.node_id, self.max_per_node, self.window)
                     self._warned_eviction = True
-            self.counters["admitted"] += 1
 
     @contextmanager
     def admit(self, method: str, node_id: str, request_id: str, sent_at_ms: int) -> Iterator[None]:
@@ -141,24 +284,13 @@ class ReplayGuard:
         finally:
             self.end(ticket, applied)
 
-    def _expire_node(self, node_id: str, seen: OrderedDict[str, float], now: float) -> int:
-        dropped = 0
-        while seen:
-            request_id, expires = next(iter(seen.items()))
-            if expires >= now:
-                break
-            del seen[request_id]
-            dropped += 1
-        if not seen:
-            del self._seen[node_id]
-        return dropped
-
     def expire(self) -> int:
-        """Forget ids whose send time left the window (a replay is refused by its timestamp)."""
+        """Forget ids whose send time left the window (a replay is refused by its timestamp),
+        at most every few seconds (the housekeeping calls it every second); returns how many."""
         now = self.clock()
         with self._lock:
-            return sum(self._expire_node(n, seen, now) for n, seen in list(self._seen.items()))
+            return self._seen.merge(now) if self._seen.due(now) else 0
 
     def remembered(self) -> int:
         with self._lock:
-            return sum(len(seen) for seen in self._seen.values())
+            return len(self._seen)

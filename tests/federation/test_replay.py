@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from graft_fed.broker.state import MatchRow
-from graft_fed.broker.replay import ReplayGuard
+from graft_fed.broker.replay import ReplayGuard, RequestIds
 from graft_fed.federation.codec import manifest_to_pb
 from graft_fed.federation.bundles import digest_of, encode_bundle
 from graft_fed.federation.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument
@@ -78,12 +78,78 @@ def test_guard_refuses_duplicates_stale_and_untagged_requests():
     small = ReplayGuard(window_s=300, max_per_node=3, clock=clock)
     now = int(clock.t * 1000)
     for i in range(5):
-        with small.admit("Heartbeat", "a", f"{i:032d}", now):
+        with small.admit("Heartbeat", "a", f"{i:032d}", now + 1000 * i):
             pass
     assert small.remembered() == 3 and small.counters["evicted"] == 2
     with pytest.raises(AlreadyExists):
-        small.begin("Heartbeat", "a", f"{4:032d}", now)
+        small.begin("Heartbeat", "a", f"{4:032d}", now + 4000)
     small.end(small.begin("Heartbeat", "a", f"{0:032d}", now), applied=False)  # forgotten early: admitted
+    small.end(small.begin("Heartbeat", "a", f"{1:032d}", now + 1000), applied=False)
+    for i in (2, 3):
+        with pytest.raises(AlreadyExists):
+            small.begin("Heartbeat", "a", f"{i:032d}", now + 1000 * i)
+
+
+def test_request_ids_across_merges_expiry_and_eviction():
+    ids = RequestIds(max_per_node=1000, epoch=0.0, merge_s=5.0, merge_at=64)
+    fps = {}
+    for i in range(600):  # three nodes, expiries 100..699 s: merged every 64 ids on the way
+        node = "abc"[i % 3]
+        fps[(node, i)] = fp = ids.fingerprint(node, f"req-{i:016d}")
+        assert ids.add(fp, node, expires=100.0 + i, now=0.0) == 0
+    assert len(ids) == 600 and len(ids._hi) >= 400  # most of them merged into the columns
+    assert all(fp in ids for fp in fps.values())
+    assert ids.fingerprint("a", "req-0000000000000000") != ids.fingerprint("b", "req-0000000000000000")
+    assert RequestIds(10, 0.0).fingerprint("a", "r" * 16) != ids.fingerprint("a", "r" * 16)  # keyed per guard
+    assert ids.fingerprint("d", "req-0000000000000000") not in ids
+    assert not ids.due(99.0) and ids.due(101.0)  # nothing expired yet; then the first id
+    assert ids.merge(now=400.0) == 300  # expiries 100..399 dropped, 400.. kept
+    assert len(ids) == 300 and ids._recent == {}
+    assert [fp in ids for (_, i), fp in fps.items() if i in (299, 300, 599)] == [False, True, True]
+    assert ids._count == {"a": 100, "b": 100, "c": 100}
+    assert not ids.due(402.0)  # within merge_s of the last merge
+    assert ids.merge(now=10_000.0) == 300 and len(ids) == 0 and ids._count == {} and ids._names == []
+
+    # a node beyond max_per_node loses its oldest eighth at once; the others keep theirs
+    small = RequestIds(max_per_node=16, epoch=0.0, merge_at=4)
+    other = small.fingerprint("quiet", "q" * 16)
+    small.add(other, "quiet", expires=50.0, now=0.0)
+    mine = [small.fingerprint("loud", f"{i:016d}") for i in range(17)]
+    evicted = [small.add(fp, "loud", expires=100.0 + i, now=0.0) for i, fp in enumerate(mine)]
+    assert evicted == [0] * 16 + [3]  # 17 held -> 14 (16 - 16 // 8)
+    assert [fp in small for fp in mine] == [False] * 3 + [True] * 14 and other in small
+    assert small._count == {"quiet": 1, "loud": 14} and small.evicted == 3
+
+
+def test_request_ids_share_a_high_half():
+    ids = RequestIds(max_per_node=10, epoch=0.0)
+    hi = 0xDEADBEEF << 64
+    for lo in (7, 3, 5):
+        ids.add(hi | lo, "a", expires=10.0, now=0.0)
+    ids.add((hi + (1 << 64)) | 3, "a", expires=10.0, now=0.0)
+    ids.merge(now=0.0)
+    assert [hi | lo in ids for lo in (3, 4, 5, 7, 8)] == [True, False, True, True, False]
+    assert (hi + (1 << 64)) | 3 in ids and (hi - (1 << 64)) | 3 not in ids
+
+
+def test_request_ids_cost_tens_of_bytes_each():
+    """What 20,000 remembered ids hold, traced: the compact columns, not one set of Python
+    objects per id (per-node dicts of strings held about 250 bytes each)."""
+    import tracemalloc
+    ids = RequestIds(max_per_node=100_000, epoch=0.0)
+    names = [f"node{i:03d}" for i in range(200)]
+    fps = [(ids.fingerprint(names[i % 200], f"{i:032x}"), names[i % 200]) for i in range(20_000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i, (fp, node) in enumerate(fps):
+            ids.add(fp, node, expires=1000.0 + i / 100, now=0.0)
+        ids.merge(now=0.0)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(ids) == 20_000
+    assert held / 20_000 < 40, f"{held / 20_000:.0f} bytes per remembered id"
 
 
 @pytest.fixture()
