@@ -192,6 +192,8 @@ class RequestIds:
         """Forget the node's oldest ids down to 7/8 of `max_per_node` (an eighth at a time,
         so that a node sending beyond it costs one pass over the columns per eighth)."""
         self.merge(now)
+        if node_id not in self._count:  # all of its ids had expired (a request applied after its window)
+            return 0
         mine = np.flatnonzero(self._node == self._names.index(node_id))
         excess = len(mine) - (self.max_per_node - max(1, self.max_per_node // 8))
         if excess <= 0:

@@ -119,6 +119,10 @@ def test_request_ids_across_merges_expiry_and_eviction():
     assert evicted == [0] * 16 + [3]  # 17 held -> 14 (16 - 16 // 8)
     assert [fp in small for fp in mine] == [False] * 3 + [True] * 14 and other in small
     assert small._count == {"quiet": 1, "loud": 14} and small.evicted == 3
+    # a node at the cap whose ids have all expired by the time its last one is applied
+    late = RequestIds(max_per_node=1, epoch=0.0)
+    late.add(1, "slow", expires=10.0, now=0.0)
+    assert late.add(2, "slow", expires=5.0, now=20.0) == 0 and len(late) == 0 and late._count == {}
 
 
 def test_request_ids_share_a_high_half():
