@@ -34,11 +34,11 @@ refused (any error) can be retried with the same id.
 
 Memory: a busy federation applies hundreds of requests per second, and each id is kept for
 the whole window (at 256 nodes x 256 prompts about 95,000 of them). Kept as Python strings
-in per-node dicts, that was about 250 bytes and four interpreter objects per id, filled over
-the first `window_s` of every broker life and churned for good after (docs/performance.md,
-issue 13, "thirty-fifth pass"). `RequestIds` keeps each one as a 128-bit keyed fingerprint,
-its expiry and its node in sorted numpy columns (28 bytes), with only the last few seconds'
-ids in a dict.
+in per-node dicts, that was about 165 bytes (traced) and three to four interpreter objects
+per id, filled over the first `window_s` of every broker life and churned for good after
+(docs/performance.md, issue 13, "thirty-fifth pass"). `RequestIds` keeps each one as a
+128-bit keyed fingerprint, its expiry and its node in sorted numpy columns (24 bytes; 27
+traced with the rest), with only the last few seconds' ids in a dict.
 """
 
 from __future__ import annotations
