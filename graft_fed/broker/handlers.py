@@ -23,6 +23,7 @@ from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.bundles import Bundles
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.context import Context
+from graft_fed.broker.exchange import ExchangeView
 from graft_fed.broker.grants import MAX_GRANTS, Grants
 from graft_fed.broker.matcher import Matcher
 from graft_fed.broker.publishing import Publishing, Received
@@ -216,29 +217,38 @@ class Federation:
 
     # ----- status and retention -------------------------------------------------------------------
 
-    def status(self) -> dict:
+    def status(self, pairs: bool = True) -> dict:
+        """Nodes, rounds, bundles and (with `pairs`) every (source, receiver) pair that exchanged
+        a group or reported on one. Without `pairs` the status costs O(nodes): /metrics
+        reads the pairs from `exchange()` instead (N^2 of them at most)."""
         nodes = self.registry.all()
         with self.cond:
             now = self.clock()
-            exchange = self.matcher.exchange_counts()
-            compat = {(c.source, c.receiver): c for c in self.state.compat()}
             n_bundles, n_bytes = self.state.bundle_stats()
             bad = self.ctx.quarantined()
-        pairs = []
-        for key in sorted(set(exchange) | set(compat)):
-            c = compat.get(key)
-            pairs.append({"source": key[0], "receiver": key[1], "groups": exchange.get(key, 0),
-                          "mean_s": c.mean_s if c else math.nan,
-                          "admitted_fraction": c.admitted_fraction if c else math.nan,
-                          "rejected": c.rejected if c else 0})
+            if pairs:
+                exchange = self.matcher.exchange().as_dict()
+                compat = {(c.source, c.receiver): c for c in self.state.compat()}
+        rows = []
+        if pairs:
+            for key in sorted(set(exchange) | set(compat)):
+                c = compat.get(key)
+                rows.append({"source": key[0], "receiver": key[1], "groups": exchange.get(key, 0),
+                             "mean_s": c.mean_s if c else math.nan,
+                             "admitted_fraction": c.admitted_fraction if c else math.nan,
+                             "rejected": c.rejected if c else 0})
         return {
             "manifest": self.manifest, "current_round": self.current_round(),
             "nodes": [{"node_id": n.node_id, "model_id": n.model_id,
                        "state": ("revoked" if self.allowlist is not None and self.allowlist.is_revoked(n.node_id)
                                  else "quarantined" if n.node_id in bad else self.node_state(n)), "round": n.round,
                        "published": n.published, "last_seen_s": now - n.last_seen} for n in nodes],
-            "pairs": pairs, "bundles": n_bundles, "bundle_bytes": n_bytes,
+            "pairs": rows, "bundles": n_bundles, "bundle_bytes": n_bytes,
         }
+
+    def exchange(self) -> ExchangeView:
+        """Groups matched per (source, receiver) over every stored round (broker/exchange.py)."""
+        return self.matcher.exchange()
 
     def prune(self) -> int:
         """Retention. `keep_rounds` counts back from the highest round at least two nodes have

@@ -146,9 +146,15 @@ def _esc(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
 
 
-def node_metrics(fed: Any, scalars: ScalarLog | None, refusals: RefusalLog | None) -> list[str]:
-    """Prometheus lines: per-node series and refusals (appended to the broker's /metrics)."""
-    st = fed.status()
+def node_metrics(fed: Any, scalars: ScalarLog | None, refusals: RefusalLog | None,
+                 st: dict | None = None) -> list[str]:
+    """Prometheus lines: per-node series and refusals (appended to the broker's /metrics).
+    `st`: the broker's status without pairs, when the caller has it already. The
+    source -> receiver series are there while at most `metrics_max_pairs` pairs exchanged
+    (N^2 series in all: a thousand nodes would make a million); beyond, `pair_series_omitted`
+    says so and the pairs are on the live page and the Status RPC."""
+    st = fed.status(pairs=False) if st is None else st
+    exchange = fed.exchange()
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -166,18 +172,19 @@ def node_metrics(fed: Any, scalars: ScalarLog | None, refusals: RefusalLog | Non
            [(f'{{node="{_esc(n["node_id"])}"}}', n["published"]) for n in nodes])
     metric("node_last_seen_seconds", "gauge", "Seconds since the node's last call.",
            [(f'{{node="{_esc(n["node_id"])}"}}', round(n["last_seen_s"], 3)) for n in nodes])
-    received: Counter[str] = Counter()
-    given: Counter[str] = Counter()
-    for p in st["pairs"]:
-        received[p["receiver"]] += p["groups"]
-        given[p["source"]] += p["groups"]
+    received, given = exchange.received(), exchange.given()
     metric("node_groups_received_total", "counter", "Groups matched to the node from peers.",
            [(f'{{node="{_esc(n["node_id"])}"}}', received.get(n["node_id"], 0)) for n in nodes])
     metric("node_groups_given_total", "counter", "The node's groups matched to peers.",
            [(f'{{node="{_esc(n["node_id"])}"}}', given.get(n["node_id"], 0)) for n in nodes])
-    metric("pair_groups_total", "counter", "Groups matched source -> receiver.",
-           [(f'{{source="{_esc(p["source"])}",receiver="{_esc(p["receiver"])}"}}', p["groups"])
-            for p in st["pairs"]])
+    metric("pairs", "gauge", "(source, receiver) pairs that exchanged at least one group.", [("", len(exchange))])
+    omitted = len(exchange) > fed.cfg.metrics_max_pairs
+    metric("pair_series_omitted", "gauge", "1 when the pairs outnumber broker.metrics_max_pairs and "
+           "pair_groups_total is left out (the live page and the Status RPC have them).", [("", int(omitted))])
+    if not omitted:
+        metric("pair_groups_total", "counter", "Groups matched source -> receiver.",
+               [(f'{{source="{_esc(src)}",receiver="{_esc(dst)}"}}', groups)
+                for (src, dst), groups in exchange.items()])
     if scalars is not None:
         samples = []
         for node, vals in sorted(scalars.latest().items()):

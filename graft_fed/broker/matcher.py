@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Sequence
 
 from graft_fed.broker.context import Context, Part
+from graft_fed.broker.exchange import Exchange, ExchangeView
 from graft_fed.broker.matching import select_sources_arrays
 from graft_fed.broker.matchset import MatchSet, MatchSetError, pid_order
 from graft_fed.broker.state import MatchRow
@@ -28,7 +29,7 @@ class Matcher(Part):
         # synchronous rounds' matchings (one blob each in the state), the recent ones decoded
         self._sets: OrderedDict[int, MatchSet] = OrderedDict()
         self._sets_lock = threading.Lock()
-        self._exchange: Counter[tuple[str, str]] | None = None  # matches per (source, receiver)
+        self._exchange: Exchange | None = None  # matches per (source, receiver)
         self._exchange_lock = threading.Lock()
         # per recent round: whether it may have matches stored as rows (match_one writes them:
         # a late joiner, asynchronous mode). A synchronous round has none, and every answer
@@ -90,7 +91,7 @@ class Matcher(Part):
             self.rounds.put(replace(matched, participants=ms.nodes))
         with self._exchange_lock:
             if self._exchange is not None:
-                self._exchange.update(ms.pairs())
+                self._exchange.add_positions(ms.nodes, ms.source, ms.receiver)
         self.counters["rounds_matched"] += 1
         self.counters["matches"] += len(ms)
         log.info("round %d matched: %d nodes, %d transfers", round, len(ms.nodes), len(ms))
@@ -151,18 +152,19 @@ class Matcher(Part):
         rows = ms.rows(receiver=receiver) if ms is not None else []
         return rows + (self.state.matches(round=round, receiver=receiver) if self.may_have_rows(round) else [])
 
-    def exchange_counts(self) -> Counter[tuple[str, str]]:
-        """Matches per (source, receiver) over every stored round (built once from the state,
-        then kept up to date by matching)."""
+    def exchange(self) -> ExchangeView:
+        """Matches per (source, receiver) over every stored round (counted once from the
+        state, then kept up to date by matching; broker/exchange.py)."""
         with self._exchange_lock:
             if self._exchange is None:
-                counts: Counter[tuple[str, str]] = Counter((m.source, m.receiver) for m in self.state.matches())
+                counts = Exchange()
+                counts.add_pairs((m.source, m.receiver) for m in self.state.matches())
                 for r in self.state.match_set_rounds():
                     ms = self.match_set(r)
                     if ms is not None:
-                        counts.update(ms.pairs())
+                        counts.add_positions(ms.nodes, ms.source, ms.receiver)
                 self._exchange = counts
-            return Counter(self._exchange)
+            return self._exchange.view()
 
     def match_one(self, receiver: str, round: int, min_round: int, max_round: int) -> None:
         """Match one receiver on its own against every other node's groups in [min_round,

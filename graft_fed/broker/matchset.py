@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -158,12 +158,6 @@ class MatchSet:
         nodes, pids, r = self.nodes, self.pids, self.round
         return [MatchRow(round=r, receiver=nodes[a], prompt_id=pids[c], source=nodes[s], source_round=r)
                 for a, c, s in zip(self.receiver[sel].tolist(), self.col[sel].tolist(), self.source[sel].tolist())]
-
-    def pairs(self) -> Counter[tuple[str, str]]:
-        """Matches per (source, receiver)."""
-        n = max(1, len(self.nodes))
-        counts = np.bincount(self.source.astype(np.int64) * n + self.receiver, minlength=n * n)
-        return Counter({(self.nodes[i // n], self.nodes[i % n]): int(counts[i]) for i in np.flatnonzero(counts)})
 
     def to_bytes(self) -> bytes:
         arrays = (self.receiver, self.col, self.source, self.k)

@@ -51,7 +51,7 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
         for labels, value in samples:
             lines.append(f"graft_fed_{name}{labels} {value}")
 
-    st = fed.status()
+    st = fed.status(pairs=False)
     states: dict[str, int] = {"online": 0, "offline": 0, "left": 0, "registered": 0, "quarantined": 0, "revoked": 0}
     for n in st["nodes"]:
         states[n["state"]] = states.get(n["state"], 0) + 1
@@ -121,7 +121,7 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
                [("", checkpointer.failures)])
         metric("state_checkpointer_up", "gauge", "1 while the state's checkpointer thread runs.",
                [("", int(checkpointer.alive))])
-    lines += node_metrics(fed, servicer.scalars, refusals)
+    lines += node_metrics(fed, servicer.scalars, refusals, st)
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,104 @@
+"""Groups matched per (source, receiver) (broker/exchange.py): the dense matrix counts what a
+Counter of every match would, across match sets that each list their own nodes in their own
+order, as nodes join past the matrix's capacity; and /metrics reads it, leaving the N^2
+pair series out past `metrics_max_pairs` and saying so."""
+
+from __future__ import annotations
+
+import random
+import urllib.request
+from collections import Counter
+
+import numpy as np
+
+from graft_fed.broker.exchange import Exchange
+from graft_fed.data.config import DataConfig, load_prompts
+from graft_fed.node.client import BrokerClient
+from tests.federation.helpers import broker_config, start_broker
+from tests.federation.test_broker_rpc import manifest, summary
+
+
+def test_the_matrix_counts_what_a_counter_of_every_match_counts():
+    rng = random.Random(7)
+    everyone = [f"node-{i:03d}" for i in range(70)]  # past the first capacities (16, 32, 64)
+    ex, want = Exchange(), Counter()
+    for round_ in range(40):
+        nodes = rng.sample(everyone[: 10 + round_ * 2], k=min(len(everyone), 6 + round_))
+        m = rng.randrange(0, 200)
+        src = np.array([rng.randrange(len(nodes)) for _ in range(m)], dtype=np.int32)
+        dst = np.array([rng.randrange(len(nodes)) for _ in range(m)], dtype=np.int32)
+        ex.add_positions(nodes, src, dst)
+        want.update((nodes[s], nodes[d]) for s, d in zip(src.tolist(), dst.tolist()))
+        if round_ % 5 == 0:
+            pairs = [(rng.choice(everyone), rng.choice(everyone)) for _ in range(rng.randrange(5))]
+            ex.add_pairs(pairs)
+            want.update(pairs)
+    view = ex.view()
+    assert view.as_dict() == dict(want)
+    assert [key for key, _ in view.items()] == sorted(want)  # by source, then receiver
+    assert len(view) == len(want)
+    given, received = Counter(), Counter()
+    for (s, d), g in want.items():
+        given[s] += g
+        received[d] += g
+    assert view.given() == dict(given) and view.received() == dict(received)
+
+
+def test_an_empty_exchange_and_a_set_without_matches():
+    ex = Exchange()
+    ex.add_positions(["a", "b"], np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32))
+    ex.add_pairs([])
+    view = ex.view()
+    assert len(view) == 0 and view.as_dict() == {} and view.given() == {} and view.received() == {}
+    ex.add_pairs([("b", "a")])
+    view = ex.view()
+    assert view.as_dict() == {("b", "a"): 1} and view.names == ["a", "b"]
+
+
+def _metrics(server) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def _matched_round(prompt_file, **over):
+    """a and b complement each other on round 0: one group moves each way."""
+    server = start_broker(broker_config(prompt_file, **over))
+    prompts = load_prompts(DataConfig(source=str(prompt_file)))
+    a, b = BrokerClient(server.address, "a"), BrokerClient(server.address, "b")
+    for name, c in (("a", a), ("b", b)):
+        c.join(name, "tok", manifest(prompts), "share_all", 0)
+    p0, p1 = prompts[0], prompts[1]
+    a.publish(0, [summary(p0, 0), summary(p1, 1)])
+    b.publish(0, [summary(p0, 1), summary(p1, 0)])
+    assert a.get_matches(0, 5.0).ready
+    return server, (a, b)
+
+
+def test_metrics_carry_the_pairs_and_the_totals(prompt_file):
+    server, clients = _matched_round(prompt_file)
+    try:
+        text = _metrics(server)
+        assert 'graft_fed_pair_groups_total{source="b",receiver="a"} 1' in text
+        assert 'graft_fed_pair_groups_total{source="a",receiver="b"} 1' in text
+        assert 'graft_fed_node_groups_received_total{node="a"} 1' in text
+        assert 'graft_fed_node_groups_given_total{node="b"} 1' in text
+        assert "graft_fed_pairs 2" in text and "graft_fed_pair_series_omitted 0" in text
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+
+
+def test_metrics_leave_the_pair_series_out_past_the_limit_and_say_so(prompt_file):
+    server, clients = _matched_round(prompt_file, metrics_max_pairs=1)
+    try:
+        text = _metrics(server)
+        assert "graft_fed_pair_groups_total" not in text
+        assert "graft_fed_pairs 2" in text and "graft_fed_pair_series_omitted 1" in text
+        assert 'graft_fed_node_groups_received_total{node="b"} 1' in text  # the totals stay
+        st = clients[0].status()  # the pairs stay on the Status RPC
+        assert {(p.source, p.receiver): p.groups for p in st.pairs} == {("a", "b"): 1, ("b", "a"): 1}
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
