@@ -79,12 +79,15 @@ class Checkpointer:
         self.last: tuple[int, int] = (0, 0)
         self.failures = 0
         self._stop = threading.Event()
+        # where the WAL stood when this checkpointer was made, read here rather than in the
+        # thread: a thread scheduled late would take frames committed meanwhile as copied
+        self._start_mark = self.wal_bytes()
         self._thread = threading.Thread(target=self._loop, name="sqlite-checkpoint", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         conn = None
-        mark = self.wal_bytes()  # where in the file the last checkpoint's copied frames end
+        mark = self._start_mark  # where in the file the last checkpoint's copied frames end
         frame = 0  # bytes per WAL frame: a page and its 24-byte header
         pause = self.poll_s
         try:
