@@ -241,7 +241,8 @@ def _status_dict(st) -> dict:
             "pairs": [{"source": p.source, "receiver": p.receiver, "groups": p.groups,
                        "mean_s": p.mean_s if p.mean_s == p.mean_s else None,
                        "admitted_fraction": p.admitted_fraction if p.admitted_fraction == p.admitted_fraction else None,
-                       "rejected": p.rejected} for p in st.pairs]}
+                       "rejected": p.rejected} for p in st.pairs],
+            "pairs_total": max(st.pairs_total, len(st.pairs))}  # 0 from a broker older than the field
 
 
 def _status_table(d: dict) -> str:
@@ -252,7 +253,11 @@ def _status_table(d: dict) -> str:
         lines.append(f"{n['node_id']:<20} {n['model_id']:<20} {n['state']:<11} {n['round']:>6} {n['published']:>9} "
                      f"{n['last_seen_s']:>8.1f}s")
     if d["pairs"]:
-        lines.append(f"\n{'source -> receiver':<36} {'groups':>7} {'mean s':>7} {'admitted':>9} {'rejected':>9}")
+        lines.append("")
+        if d["pairs_total"] > len(d["pairs"]):
+            lines.append(f"{len(d['pairs'])} of {d['pairs_total']} pairs: those with the most groups (the broker's "
+                         "max_pairs_shown)")
+        lines.append(f"{'source -> receiver':<36} {'groups':>7} {'mean s':>7} {'admitted':>9} {'rejected':>9}")
         nan = float("nan")
         for p in d["pairs"]:
             ms = p["mean_s"] if p["mean_s"] is not None else nan

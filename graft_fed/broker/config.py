@@ -160,12 +160,14 @@ class BrokerConfig:
     chunk_kib: int = 1024
     #: Largest bundle accepted, MiB.
     max_bundle_mib: int = 64
-    #: /metrics carries one pair_groups_total series per (source, receiver) pair that exchanged
-    #: a group while there are at most this many pairs; beyond, it leaves them out and says so
-    #: (pair_series_omitted 1): N nodes make up to N x (N - 1) series, a million at a thousand
-    #: nodes, too many for one scrape and for Prometheus. The pairs stay on the live page and
-    #: the Status RPC.
-    metrics_max_pairs: int = 10000
+    #: Of the (source, receiver) pairs that exchanged groups (N nodes make up to N x (N - 1),
+    #: a million at a thousand nodes), the most any one view shows: the Status RPC (and
+    #: `graft-fed status`) lists the pairs with the most groups and says how many there are;
+    #: /metrics has one pair_groups_total series per pair while there are at most this many
+    #: and leaves them all out beyond (pair_series_omitted 1: counters that come and go
+    #: would mislead; per-node totals stay); the live page's matrices show the 64 nodes that
+    #: exchanged most.
+    max_pairs_shown: int = 10000
     #: Retention: keep this many most recent rounds of summaries and matches (null = all).
     keep_rounds: int | None = None
     #: Retention: total bundle bytes kept, GiB; the oldest go first (null = unbounded).
@@ -210,7 +212,7 @@ class BrokerConfig:
         require(16 <= self.chunk_kib <= 1024 * self.max_message_mib // 2,
                 "broker.chunk_kib must be >= 16 and at most half of max_message_mib")
         require(self.max_bundle_mib >= 1, "broker.max_bundle_mib must be >= 1")
-        require(self.metrics_max_pairs >= 0, "broker.metrics_max_pairs must be >= 0")
+        require(self.max_pairs_shown >= 0, "broker.max_pairs_shown must be >= 0")
         require(self.keep_rounds is None or self.keep_rounds >= 1, "broker.keep_rounds must be >= 1 or null")
 
 

@@ -12,6 +12,7 @@ validates its whole input first, so a rejected request leaves the state as it wa
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 import time
@@ -33,7 +34,7 @@ from graft_fed.broker.reports import Reports
 from graft_fed.broker.roundindex import RoundIndex
 from graft_fed.broker.rounds import Rounds
 from graft_fed.broker.sessions import Sessions
-from graft_fed.broker.state import BrokerState, NodeRow
+from graft_fed.broker.state import BrokerState, CompatRow, NodeRow
 from graft_fed.broker.uploads import BundleUpload
 from graft_fed.broker.wakeups import Wakeups
 from graft_fed.data.config import load_prompts
@@ -217,11 +218,14 @@ class Federation:
 
     # ----- status and retention -------------------------------------------------------------------
 
-    def status(self, pairs: bool = True) -> dict:
-        """Nodes, rounds, bundles and (with `pairs`) every (source, receiver) pair that exchanged
-        a group or reported on one. Without `pairs` the status costs O(nodes): /metrics
-        reads the pairs from `exchange()` instead (N^2 of them at most)."""
+    def status(self, pairs: bool = True, max_pairs: int | None = None) -> dict:
+        """Nodes, rounds, bundles and (with `pairs`) the (source, receiver) pairs that exchanged
+        a group or reported on one, by name: all of them, or the `max_pairs` with the most
+        groups; `pairs_total` says how many there are. Without `pairs` the status costs
+        O(nodes): /metrics reads the pairs from `exchange()` instead."""
         nodes = self.registry.all()
+        exchange: dict[tuple[str, str], int] = {}
+        compat: dict[tuple[str, str], CompatRow] = {}
         with self.cond:
             now = self.clock()
             n_bundles, n_bytes = self.state.bundle_stats()
@@ -229,21 +233,24 @@ class Federation:
             if pairs:
                 exchange = self.matcher.exchange().as_dict()
                 compat = {(c.source, c.receiver): c for c in self.state.compat()}
+        keys = set(exchange) | set(compat)
+        total = len(keys)
+        if max_pairs is not None and total > max_pairs:
+            keys = set(heapq.nlargest(max_pairs, sorted(keys), key=lambda k: exchange.get(k, 0)))
         rows = []
-        if pairs:
-            for key in sorted(set(exchange) | set(compat)):
-                c = compat.get(key)
-                rows.append({"source": key[0], "receiver": key[1], "groups": exchange.get(key, 0),
-                             "mean_s": c.mean_s if c else math.nan,
-                             "admitted_fraction": c.admitted_fraction if c else math.nan,
-                             "rejected": c.rejected if c else 0})
+        for key in sorted(keys):
+            c = compat.get(key)
+            rows.append({"source": key[0], "receiver": key[1], "groups": exchange.get(key, 0),
+                         "mean_s": c.mean_s if c else math.nan,
+                         "admitted_fraction": c.admitted_fraction if c else math.nan,
+                         "rejected": c.rejected if c else 0})
         return {
             "manifest": self.manifest, "current_round": self.current_round(),
             "nodes": [{"node_id": n.node_id, "model_id": n.model_id,
                        "state": ("revoked" if self.allowlist is not None and self.allowlist.is_revoked(n.node_id)
                                  else "quarantined" if n.node_id in bad else self.node_state(n)), "round": n.round,
                        "published": n.published, "last_seen_s": now - n.last_seen} for n in nodes],
-            "pairs": rows, "bundles": n_bundles, "bundle_bytes": n_bytes,
+            "pairs": rows, "pairs_total": total, "bundles": n_bundles, "bundle_bytes": n_bytes,
         }
 
     def exchange(self) -> ExchangeView:

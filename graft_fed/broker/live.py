@@ -9,6 +9,7 @@ no trajectories, no addresses of nodes.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import re
@@ -101,6 +102,10 @@ class RefusalLog:
                             self.by_identity.get(key, 0))
 
 
+#: nodes the live page's matrices show at most: those that gave and received the most groups
+MATRIX_NODES = 64
+
+
 def _matrix(names: list[str], cells: Mapping[tuple[str, str], float]) -> list[list[float | None]]:
     return [[cells.get((src, dst)) for dst in names] for src in names]
 
@@ -109,9 +114,13 @@ def status_view(fed: Any, scalars: ScalarLog | None = None, refusals: RefusalLog
                 rounds: int = 50) -> dict[str, Any]:
     """The live page's data: nodes, the round timeline (the last `rounds`), the exchange and
     compatibility matrices (rows: source, columns: receiver), learning curves, refusals."""
-    st = fed.status()
+    st = fed.status(max_pairs=fed.cfg.max_pairs_shown)
     m = st["manifest"]
     names = [n["node_id"] for n in st["nodes"]]
+    if len(names) > MATRIX_NODES:  # a thousand nodes would make matrices of a million cells
+        view = fed.exchange()
+        moved = Counter(view.given()) + Counter(view.received())
+        names = sorted(heapq.nlargest(MATRIX_NODES, sorted(names), key=lambda n: moved.get(n, 0)))
     exchange = {(p["source"], p["receiver"]): float(p["groups"]) for p in st["pairs"]}
     compat = {(p["source"], p["receiver"]): p["mean_s"] for p in st["pairs"] if not math.isnan(p["mean_s"])}
     admitted = {(p["source"], p["receiver"]): p["admitted_fraction"] for p in st["pairs"]
@@ -134,7 +143,7 @@ def status_view(fed: Any, scalars: ScalarLog | None = None, refusals: RefusalLog
                        "protocol_version": m.protocol_version},
         "current_round": current, "bundles": st["bundles"], "bundle_bytes": st["bundle_bytes"],
         "nodes": nodes, "rounds": timeline,
-        "matrix": {"names": names, "exchange": _matrix(names, exchange), "compat": _matrix(names, compat),
+        "matrix": {"names": names, "nodes_total": len(st["nodes"]), "exchange": _matrix(names, exchange), "compat": _matrix(names, compat),
                    "admitted": _matrix(names, admitted)},
         "curves": scalars.series() if scalars is not None else {},
         "refused": dict(refusals.by_reason) if refusals is not None else {},
@@ -150,7 +159,7 @@ def node_metrics(fed: Any, scalars: ScalarLog | None, refusals: RefusalLog | Non
                  st: dict | None = None) -> list[str]:
     """Prometheus lines: per-node series and refusals (appended to the broker's /metrics).
     `st`: the broker's status without pairs, when the caller has it already. The
-    source -> receiver series are there while at most `metrics_max_pairs` pairs exchanged
+    source -> receiver series are there while at most `max_pairs_shown` pairs exchanged
     (N^2 series in all: a thousand nodes would make a million); beyond, `pair_series_omitted`
     says so and the pairs are on the live page and the Status RPC."""
     st = fed.status(pairs=False) if st is None else st
@@ -178,8 +187,8 @@ def node_metrics(fed: Any, scalars: ScalarLog | None, refusals: RefusalLog | Non
     metric("node_groups_given_total", "counter", "The node's groups matched to peers.",
            [(f'{{node="{_esc(n["node_id"])}"}}', given.get(n["node_id"], 0)) for n in nodes])
     metric("pairs", "gauge", "(source, receiver) pairs that exchanged at least one group.", [("", len(exchange))])
-    omitted = len(exchange) > fed.cfg.metrics_max_pairs
-    metric("pair_series_omitted", "gauge", "1 when the pairs outnumber broker.metrics_max_pairs and "
+    omitted = len(exchange) > fed.cfg.max_pairs_shown
+    metric("pair_series_omitted", "gauge", "1 when the pairs outnumber broker.max_pairs_shown and "
            "pair_groups_total is left out (the live page and the Status RPC have them).", [("", int(omitted))])
     if not omitted:
         metric("pair_groups_total", "counter", "Groups matched source -> receiver.",

@@ -466,11 +466,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_rpc
     def GetStatus(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
-        st = self.fed.status()
+        st = self.fed.status(max_pairs=self.fed.cfg.max_pairs_shown)
         return pb.StatusResponse(
             manifest=manifest_to_pb(st["manifest"]), current_round=st["current_round"],
             nodes=[pb.StatusResponse.Node(**n) for n in st["nodes"]],
-            pairs=[pb.StatusResponse.Pair(**p) for p in st["pairs"]],
+            pairs=[pb.StatusResponse.Pair(**p) for p in st["pairs"]], pairs_total=st["pairs_total"],
             bundles=st["bundles"], bundle_bytes=st["bundle_bytes"])
 
     #: the live page's scalar store (graft_fed/broker/live.py), set by the BrokerServer

@@ -353,7 +353,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("manifest", "current_round", "nodes", "pairs", "bundles", "bundle_bytes")
+    __slots__ = ("manifest", "current_round", "nodes", "pairs", "bundles", "bundle_bytes", "pairs_total")
     class Node(_message.Message):
         __slots__ = ("node_id", "model_id", "state", "round", "published", "last_seen_s")
         NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -390,13 +390,15 @@ class StatusResponse(_message.Message):
     PAIRS_FIELD_NUMBER: _ClassVar[int]
     BUNDLES_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     current_round: int
     nodes: _containers.RepeatedCompositeFieldContainer[StatusResponse.Node]
     pairs: _containers.RepeatedCompositeFieldContainer[StatusResponse.Pair]
     bundles: int
     bundle_bytes: int
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., current_round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[StatusResponse.Node, _Mapping]]] = ..., pairs: _Optional[_Iterable[_Union[StatusResponse.Pair, _Mapping]]] = ..., bundles: _Optional[int] = ..., bundle_bytes: _Optional[int] = ...) -> None: ...
+    pairs_total: int
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., current_round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[StatusResponse.Node, _Mapping]]] = ..., pairs: _Optional[_Iterable[_Union[StatusResponse.Pair, _Mapping]]] = ..., bundles: _Optional[int] = ..., bundle_bytes: _Optional[int] = ..., pairs_total: _Optional[int] = ...) -> None: ...
 
 class Scalar(_message.Message):
     __slots__ = ("name", "value")

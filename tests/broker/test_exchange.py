@@ -1,17 +1,21 @@
 """Groups matched per (source, receiver) (broker/exchange.py): the dense matrix counts what a
 Counter of every match would, across match sets that each list their own nodes in their own
-order, as nodes join past the matrix's capacity; and /metrics reads it, leaving the N^2
-pair series out past `metrics_max_pairs` and saying so."""
+order, as nodes join past the matrix's capacity; /metrics reads it, leaving the N^2 pair
+series out past `max_pairs_shown` and saying so; the Status RPC and the live page show the
+pairs and nodes that exchanged most, and how many there are."""
 
 from __future__ import annotations
 
+import json
 import random
 import urllib.request
 from collections import Counter
 
 import numpy as np
 
+from graft_fed.broker import live
 from graft_fed.broker.exchange import Exchange
+from graft_fed.cli import main
 from graft_fed.data.config import DataConfig, load_prompts
 from graft_fed.node.client import BrokerClient
 from tests.federation.helpers import broker_config, start_broker
@@ -89,16 +93,25 @@ def test_metrics_carry_the_pairs_and_the_totals(prompt_file):
         server.stop()
 
 
-def test_metrics_leave_the_pair_series_out_past_the_limit_and_say_so(prompt_file):
-    server, clients = _matched_round(prompt_file, metrics_max_pairs=1)
+def test_past_max_pairs_shown_metrics_omit_the_pairs_and_status_and_the_page_show_the_most(
+        prompt_file, monkeypatch, capsys):
+    monkeypatch.setattr(live, "MATRIX_NODES", 1)
+    server, (a, b) = _matched_round(prompt_file, max_pairs_shown=1)
     try:
         text = _metrics(server)
         assert "graft_fed_pair_groups_total" not in text
         assert "graft_fed_pairs 2" in text and "graft_fed_pair_series_omitted 1" in text
         assert 'graft_fed_node_groups_received_total{node="b"} 1' in text  # the totals stay
-        st = clients[0].status()  # the pairs stay on the Status RPC
-        assert {(p.source, p.receiver): p.groups for p in st.pairs} == {("a", "b"): 1, ("b", "a"): 1}
+        st = a.status()  # the Status RPC lists the pair with the most groups and says how many there are
+        assert [(p.source, p.receiver, p.groups) for p in st.pairs] == [("a", "b", 1)] and st.pairs_total == 2
+        assert main(["status", "--broker", server.address]) == 0
+        assert "1 of 2 pairs" in capsys.readouterr().out
+        assert main(["status", "--broker", server.address, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["pairs_total"] == 2
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/api/status", timeout=10) as r:
+            matrix = json.loads(r.read())["matrix"]
+        assert matrix["names"] == ["a"] and matrix["nodes_total"] == 2 and matrix["exchange"] == [[None]]
     finally:
-        for c in clients:
-            c.close()
+        a.close()
+        b.close()
         server.stop()
