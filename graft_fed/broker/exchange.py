@@ -40,6 +40,15 @@ class ExchangeView:
     def as_dict(self) -> dict[tuple[str, str], int]:
         return dict(self.items())
 
+    def among(self, names: Iterable[str]) -> dict[tuple[str, str], int]:
+        """The pairs whose source and receiver are both in `names`."""
+        wanted = set(names)
+        inside = np.array([n in wanted for n in self.names], dtype=bool)
+        keep = inside[self.source] & inside[self.receiver] if len(self.names) else np.zeros(0, dtype=bool)
+        names_ = self.names
+        return {(names_[s], names_[r]): g for s, r, g in
+                zip(self.source[keep].tolist(), self.receiver[keep].tolist(), self.groups[keep].tolist())}
+
     def given(self) -> dict[str, int]:
         """Groups each node gave to peers (nodes that gave none are left out)."""
         return self._sum(self.source)

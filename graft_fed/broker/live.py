@@ -114,17 +114,18 @@ def status_view(fed: Any, scalars: ScalarLog | None = None, refusals: RefusalLog
                 rounds: int = 50) -> dict[str, Any]:
     """The live page's data: nodes, the round timeline (the last `rounds`), the exchange and
     compatibility matrices (rows: source, columns: receiver), learning curves, refusals."""
-    st = fed.status(max_pairs=fed.cfg.max_pairs_shown)
+    st = fed.status(pairs=False)
     m = st["manifest"]
     names = [n["node_id"] for n in st["nodes"]]
+    view = fed.exchange()
     if len(names) > MATRIX_NODES:  # a thousand nodes would make matrices of a million cells
-        view = fed.exchange()
         moved = Counter(view.given()) + Counter(view.received())
         names = sorted(heapq.nlargest(MATRIX_NODES, sorted(names), key=lambda n: moved.get(n, 0)))
-    exchange = {(p["source"], p["receiver"]): float(p["groups"]) for p in st["pairs"]}
-    compat = {(p["source"], p["receiver"]): p["mean_s"] for p in st["pairs"] if not math.isnan(p["mean_s"])}
-    admitted = {(p["source"], p["receiver"]): p["admitted_fraction"] for p in st["pairs"]
-                if not math.isnan(p["admitted_fraction"])}
+    shown = set(names)
+    exchange = {key: float(g) for key, g in view.among(shown).items()}
+    rows = [c for c in fed.state.compat() if c.source in shown and c.receiver in shown]
+    compat = {(c.source, c.receiver): c.mean_s for c in rows if not math.isnan(c.mean_s)}
+    admitted = {(c.source, c.receiver): c.admitted_fraction for c in rows if not math.isnan(c.admitted_fraction)}
     timeline = []
     now = fed.clock()
     current = st["current_round"]

@@ -46,6 +46,8 @@ def test_the_matrix_counts_what_a_counter_of_every_match_counts():
         given[s] += g
         received[d] += g
     assert view.given() == dict(given) and view.received() == dict(received)
+    some = set(rng.sample(everyone, 25))
+    assert view.among(some) == {k: g for k, g in want.items() if k[0] in some and k[1] in some}
 
 
 def test_an_empty_exchange_and_a_set_without_matches():
@@ -111,6 +113,10 @@ def test_past_max_pairs_shown_metrics_omit_the_pairs_and_status_and_the_page_sho
         with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/api/status", timeout=10) as r:
             matrix = json.loads(r.read())["matrix"]
         assert matrix["names"] == ["a"] and matrix["nodes_total"] == 2 and matrix["exchange"] == [[None]]
+        monkeypatch.setattr(live, "MATRIX_NODES", 2)  # the matrices count from the exchange, not the listed pairs
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/api/status", timeout=10) as r:
+            matrix = json.loads(r.read())["matrix"]
+        assert matrix["names"] == ["a", "b"] and matrix["exchange"] == [[None, 1.0], [1.0, None]]
     finally:
         a.close()
         b.close()
