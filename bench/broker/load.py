@@ -394,8 +394,9 @@ def slope_se(pts: list[tuple[float, float]]) -> float:
 
 
 def scrape_memory(http: str) -> dict[str, float] | None:
-    """The broker's graft_fed_broker_memory_bytes{kind}, its threads, Python's blocks and the
-    replay guard's request ids (the cache that fills for replay_window_s) from its /metrics."""
+    """The broker's graft_fed_broker_memory_bytes{kind}, its threads, Python's blocks, the
+    replay guard's request ids (the cache that fills for replay_window_s) and the (source,
+    receiver) pairs that exchanged groups (they keep arriving for minutes) from its /metrics."""
     import urllib.request
 
     try:
@@ -407,12 +408,12 @@ def scrape_memory(http: str) -> dict[str, float] | None:
         if line.startswith("graft_fed_broker_memory_bytes{"):
             out[line.split('"')[1]] = float(line.split()[-1])
         elif line.startswith(("graft_fed_process_threads ", "graft_fed_python_allocated_blocks ",
-                              "graft_fed_replay_request_ids ")):
+                              "graft_fed_replay_request_ids ", "graft_fed_pairs ")):
             out[line.split()[0].removeprefix("graft_fed_")] = float(line.split()[-1])
     return out
 
 
-COUNTS = ("process_threads", "python_allocated_blocks", "replay_request_ids")  # counts, not bytes
+COUNTS = ("process_threads", "python_allocated_blocks", "replay_request_ids", "pairs")  # counts, not bytes
 
 
 def windows_of(late: list[tuple[float, float]], warmup_s: float, window_s: float) -> list[dict]:
