@@ -77,8 +77,9 @@ def _timed(method, request, timeout_s: float, timing: bool) -> tuple:
 
 
 def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds: int, barrier, timeout_s: float,
-             out: dict, timing: bool = False) -> None:
-    """One simulated node's rounds: publish at the barrier, then long-poll until matched."""
+             out: dict, timing: bool = False, reports: bool = False) -> None:
+    """One simulated node's rounds: publish at the barrier, then long-poll until matched; with
+    `reports`, then report on every group offered (what a node does once it has scored them)."""
     for r in range(rounds):
         req = requests[r]
         req.session_id = c.session
@@ -106,6 +107,21 @@ def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds:
                 break
         out["t_ready"][r][i] = time.perf_counter()
         out["offers"][r][i] = len(m.offers)
+        if reports and m.offers:
+            out["report_s"][r][i] = _traced(f"{c.node_id} round {r} ReportCompatibility", out["t_send"][r][i],
+                                            lambda: _report(c, r, m.offers, timeout_s))
+
+
+def _report(c: BrokerClient, r: int, offers, timeout_s: float) -> float:
+    """Report on every offered group (a made-up score, none rejected); the call's seconds."""
+    rng = random.Random(f"{c.node_id}/{r}")
+    req = pb.CompatibilityReport(node_id=c.node_id, session_id=c.session, round=r, tag=new_tag(), entries=[
+        pb.CompatibilityReport.Entry(source_node_id=o.source_node_id, prompt_id=o.prompt_id,
+                                     mean_s=rng.uniform(0.2, 2.0), admitted_fraction=rng.random())
+        for o in offers])
+    t0 = time.perf_counter()
+    c.stub.ReportCompatibility(req, timeout=timeout_s)
+    return time.perf_counter() - t0
 
 
 def _traced(what: str, t_round: float, call):
@@ -140,13 +156,14 @@ class _ProcessBarrier:
 
 
 def _client_proc(conn, address: str, ids: list[int], payloads: list[list[bytes]], rounds: int, manifest: Manifest,
-                 timeout_s: float, timing: bool = False) -> None:
+                 timeout_s: float, timing: bool = False, reports: bool = False) -> None:
     """Child process: the nodes `ids`, each a thread with its own channel and heartbeat
     thread. Reports the sessions after joining, waits for "go", reports the timings
     (time.perf_counter is CLOCK_MONOTONIC on Linux: one clock for every process)."""
     clients = {i: BrokerClient(address, f"node{i:02d}", rpc_timeout_s=timeout_s) for i in ids}
     out = {key: [dict() for _ in range(rounds)] for key in ("t_send", "t_ack", "t_ready", "accepted", "polls",
-                                                             "offers", "publish_times", "match_times")}
+                                                             "offers", "publish_times", "match_times",
+                                                             "report_s")}
     for key in ("accepted", "polls", "offers"):
         for per in out[key]:
             per.update({i: 0 for i in ids})
@@ -172,7 +189,7 @@ def _client_proc(conn, address: str, ids: list[int], payloads: list[list[bytes]]
                         os.environ.pop("GRAFT_BENCH_STACKS_AT_S")
             threading.Thread(target=progress, daemon=True).start()
         run_threads(lambda k: run_node(clients[order[k]], order[k], requests[order[k]], rounds, shared, timeout_s, out,
-                                       timing), len(order), timeout_s * rounds, shared)
+                                       timing, reports), len(order), timeout_s * rounds, shared)
         conn.send(out)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent (as text: gRPC errors do not pickle)
         conn.send(RuntimeError(f"client process of nodes {ids[0]}.. failed: {exc!r}"[:2000]))
@@ -183,7 +200,7 @@ def _client_proc(conn, address: str, ids: list[int], payloads: list[list[bytes]]
 
 def run_client_procs(address: str, n_nodes: int, procs: int, requests: list[list[pb.PublishRequest]], rounds: int,
                      manifest: Manifest, timeout_s: float, prober_client: BrokerClient, probe, hb_stop,
-                     timing: bool = False) -> list[dict]:
+                     timing: bool = False, reports: bool = False) -> list[dict]:
     """The nodes spread over `procs` spawned processes (node i in process i % procs)."""
     import multiprocessing as mp
 
@@ -193,7 +210,8 @@ def run_client_procs(address: str, n_nodes: int, procs: int, requests: list[list
         ids = list(range(p, n_nodes, procs))
         mine, theirs = ctx.Pipe()
         payloads = [[req.SerializeToString() for req in requests[i]] for i in ids]
-        proc = ctx.Process(target=_client_proc, args=(theirs, address, ids, payloads, rounds, manifest, timeout_s, timing),
+        proc = ctx.Process(target=_client_proc, args=(theirs, address, ids, payloads, rounds, manifest, timeout_s, timing,
+                                                         reports),
                            daemon=True)
         proc.start()
         children.append((proc, mine))
@@ -235,7 +253,7 @@ def run_client_procs(address: str, n_nodes: int, procs: int, requests: list[list
 def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Path, seed: int,
                     requests: list[list[pb.PublishRequest]], prompts_path: Path, cell_timeout_s: float,
                     liveness: bool = False, overrides: dict | None = None, client_procs: int = 1,
-                    timing: bool = False) -> dict:
+                    timing: bool = False, reports: bool = False) -> dict:
     cfg = {"listen": "127.0.0.1:0", "http": "", "db": db, "data": {"source": str(prompts_path)},
            "verifier": {"name": VERIFIER}, "seed": seed, "n": GROUP_N, "prompts_per_round": n_prompts,
            "mode": "sync", "round_deadline_s": 3600.0, "heartbeat_interval_s": 2.0, "offline_after_s": 3600.0}
@@ -259,7 +277,8 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
     offers = [[0] * n_nodes for _ in range(rounds)]
     out = {"t_send": t_send, "t_ack": t_ack, "t_ready": t_ready, "accepted": accepted, "polls": polls,
            "offers": offers, "publish_times": [[None] * n_nodes for _ in range(rounds)],
-           "match_times": [[None] * n_nodes for _ in range(rounds)]}
+           "match_times": [[None] * n_nodes for _ in range(rounds)],
+           "report_s": [[None] * n_nodes for _ in range(rounds)]}
     hb_lat: list[float] = []
     hb_online: list[int] = []
     hb_stop = threading.Event()
@@ -292,7 +311,7 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
                 prober.start()
                 try:
                     run_threads(lambda i: run_node(clients[i], i, requests[i], rounds, barrier, cell_timeout_s, out,
-                                                   timing), n_nodes, cell_timeout_s * rounds, barrier)
+                                                   timing, reports), n_nodes, cell_timeout_s * rounds, barrier)
                 finally:
                     hb_stop.set()
                     prober.join(timeout=cell_timeout_s)
@@ -303,7 +322,7 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
             prober_client = BrokerClient(server.address, "node00", rpc_timeout_s=cell_timeout_s)
             try:
                 results = run_client_procs(server.address, n_nodes, client_procs, requests, rounds, manifest,
-                                           cell_timeout_s, prober_client, probe, hb_stop, timing)
+                                           cell_timeout_s, prober_client, probe, hb_stop, timing, reports)
             finally:
                 prober_client.close()
             for res in results:
@@ -318,6 +337,11 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
     total = sum(sum(a) for a in accepted)
     lat = [t_ready[r][i] - max(t_ack[r]) for r in range(rounds) for i in range(n_nodes)]
     publish_lat = [t_ack[r][i] - t_send[r][i] for r in range(rounds) for i in range(n_nodes)]
+    report_lat = [x for per in out["report_s"] for x in per if x is not None]
+    reported = {"reports": len(report_lat), "report_p50_s": percentile(report_lat, 50),
+                "report_p99_s": percentile(report_lat, 99), "report_max_s": max(report_lat),
+                "match_p99_s_per_round": [percentile(lat[r * n_nodes:(r + 1) * n_nodes], 99) for r in range(rounds)]
+                } if report_lat else {}
     return {"summaries": total, "ingest_per_s": total / sum(windows), "windows_s": windows,
             "match_p50_s": percentile(lat, 50), "match_p99_s": percentile(lat, 99), "match_max_s": max(lat),
             "publish_p50_s": percentile(publish_lat, 50), "publish_p99_s": percentile(publish_lat, 99),
@@ -326,7 +350,7 @@ def run_broker_cell(n_nodes: int, n_prompts: int, rounds: int, db: str, tmp: Pat
             "heartbeats": len(hb_lat), "heartbeat_p50_s": percentile(hb_lat, 50),
             "heartbeat_p99_s": percentile(hb_lat, 99), "heartbeat_max_s": max(hb_lat, default=float("nan")),
             "online_min": min(hb_online, default=-1), "offline_after_s": cfg["offline_after_s"],
-            "servicer": stats, **({"timing": call_segments(out["publish_times"], out["match_times"])} if timing else {})}
+            "servicer": stats, **reported, **({"timing": call_segments(out["publish_times"], out["match_times"])} if timing else {})}
 
 
 SEGMENTS = (("queued", 0, 1), ("to a worker", 1, 2), ("handler", 2, 3), ("back", 3, 4))
@@ -444,6 +468,10 @@ def main() -> int:
                          "channel and heartbeat thread), so that 1,000 clients do not starve in one interpreter")
     ap.add_argument("--wire", choices=["columns", "messages"], default="columns",
                     help="publish as SummaryColumns (what nodes send) or as one GroupSummary message per group")
+    ap.add_argument("--reports", action="store_true",
+                    help="after each round is matched, every node reports on the groups it was offered "
+                         "(ReportCompatibility, as nodes do): the broker's compatibility counts then grow with "
+                         "the pairs that exchanged, and the next rounds' matching reads them")
     ap.add_argument("--name", default=None, help="results file stem (default ingest_match[_quick])")
     args = ap.parse_args()
     if args.quick:
@@ -493,7 +521,7 @@ def main() -> int:
                 t0 = time.monotonic()
                 res = run_broker_cell(n_nodes, n_prompts, rounds, db, tmp, args.seed, requests, prompts_path,
                                       args.cell_timeout_s, liveness=args.liveness, overrides=overrides,
-                                      client_procs=args.client_procs, timing=args.timing)
+                                      client_procs=args.client_procs, timing=args.timing, reports=args.reports)
                 res["cell_s"] = time.monotonic() - t0
                 coef[b] = max(coef.get(b, 0.0), max(res["round_s"]) / (n_nodes ** 1.5 * n_prompts))
                 cell[b] = res
@@ -508,9 +536,13 @@ def main() -> int:
                 line += (f" | {b}: ingest {r['ingest_per_s']:>9,.0f}/s ({r['ratio_vs_raw']:.3f}x raw) match p50 "
                          f"{1e3 * r['match_p50_s']:.1f} ms p99 {1e3 * r['match_p99_s']:.1f} ms hb p99 "
                          f"{1e3 * r['heartbeat_p99_s']:.1f} ms online min {r['online_min']}/{n_nodes}")
+                if "reports" in r:
+                    line += (f" reports {r['reports']} p50 {1e3 * r['report_p50_s']:.1f} ms p99 "
+                             f"{1e3 * r['report_p99_s']:.1f} ms; match p99 per round "
+                             f"{[round(1e3 * x) for x in r['match_p99_s_per_round']]} ms")
             print(line, flush=True)
     payload = {"machine": info, "command": " ".join(["bench/broker/ingest_match.py", *sys.argv[1:]]),
-               "client_procs": args.client_procs,
+               "client_procs": args.client_procs, "reports": args.reports,
                "n": GROUP_N, "backends": backends, "overrides": overrides, "cells": cells, "skipped": skipped,
                "total_s": time.monotonic() - t_start}
     md = [f"### Broker ingest and match latency ({info['date']})", "",
@@ -526,6 +558,13 @@ def main() -> int:
                       f"{c['raw']['summaries_per_s']:,.0f} | {r['ratio_vs_raw']:.3f} | {1e3 * r['match_p50_s']:.1f} | "
                       f"{1e3 * r['match_p99_s']:.1f} | {1e3 * r['publish_p99_s']:.1f} | "
                       f"{1e3 * r['heartbeat_p99_s']:.1f} | {r['online_min']}/{c['nodes']} |")
+    if args.reports:
+        md += ["", "Every node reported on the groups it was offered once its round was matched (`--reports`):", ""]
+        md += [f"- {c['nodes']} x {c['prompts']} ({b}): {c[b]['reports']} reports, p50 "
+               f"{1e3 * c[b]['report_p50_s']:.1f} ms, p99 {1e3 * c[b]['report_p99_s']:.1f} ms, max "
+               f"{1e3 * c[b]['report_max_s']:.1f} ms; match p99 by round "
+               f"{', '.join(f'{1e3 * x:.0f}' for x in c[b]['match_p99_s_per_round'])} ms"
+               for c in cells for b in backends if "reports" in c[b]]
     if args.timing:
         md += timing_table(cells, backends)
     if skipped:
