@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from graft_fed.broker.auth import Allowlist
+from graft_fed.broker.compat import CompatTable
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.grants import Grants
-from graft_fed.broker.quarantine import quarantined_sources
 from graft_fed.broker.registry import Registry
 from graft_fed.broker.roundindex import RoundIndex
 from graft_fed.broker.rounds import Rounds
@@ -41,6 +41,7 @@ class Context:
     registry: Registry  # node rows in memory (sessions, liveness), written through
     work: threading.BoundedSemaphore  # the slots heavy calls take
     rounds: Rounds  # round rows and readiness
+    compat: CompatTable  # the compatibility counts per (source, receiver), as the state holds them
 
     def quarantined(self) -> set[str]:
         """Sources whose groups receivers rejected too often (re-verification disagreed with
@@ -53,9 +54,10 @@ class Context:
         source's groups it was given, cannot quarantine it alone. Derived from the durable
         compatibility counts, so it survives a restart; the operator's `trusted` list
         exempts a node."""
-        return quarantined_sources(self.state.compat(), self.cfg.quarantine_rejection_rate,
-                                   self.cfg.quarantine_min_reports, self.cfg.quarantine_min_receivers,
-                                   trusted=self.allowlist.is_trusted if self.allowlist is not None else lambda _: False)
+        return self.compat.quarantined(self.cfg.quarantine_rejection_rate, self.cfg.quarantine_min_reports,
+                                       self.cfg.quarantine_min_receivers,
+                                       trusted=self.allowlist.is_trusted if self.allowlist is not None
+                                       else lambda _: False)
 
     def summary(self, node: str, round: int, prompt_id: str) -> SummaryRow | None:
         rows = self.state.summaries(round=round, node_id=node, prompt_ids=[prompt_id])

@@ -6,9 +6,9 @@ update it with a Counter built per matched round. At 256 nodes the distinct pair
 arriving through a whole 30-minute run (15,700 after 13 s, 29,000 after 300 s, 33,500 after
 30 minutes, of 65,280), each about 128 bytes of Python objects, and every /metrics scrape
 copied the Counter and built a dict per pair, twice (issue 13). Here a node is a row and a
-column of an int64 matrix over the nodes seen (the capacity doubles as nodes join; numpy's
-zeroed pages cost nothing until written): 8 bytes a pair whether it exchanged or not, 0.5
-MiB at 256 nodes, 8 MiB at 1,000, and a matched round adds its matches with one np.unique.
+column of an int64 matrix over the nodes seen (broker/grid.py): 8 bytes a pair whether it
+exchanged or not, 0.5 MiB at 256 nodes, 8 MiB at 1,000, and a matched round adds its
+matches with one np.unique.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
+
+from graft_fed.broker.grid import PairGrid
 
 
 @dataclass(frozen=True)
@@ -71,36 +73,19 @@ class Exchange:
     """The matrix; not thread-safe (the matcher holds its lock around every call)."""
 
     def __init__(self) -> None:
-        self._pos: dict[str, int] = {}
-        self._names: list[str] = []
-        self._m = np.zeros((0, 0), dtype=np.int64)
-
-    def _index(self, names: Sequence[str]) -> np.ndarray:
-        for name in names:
-            if name not in self._pos:
-                self._pos[name] = len(self._names)
-                self._names.append(name)
-        n = len(self._names)
-        if n > self._m.shape[0]:
-            cap = max(16, self._m.shape[0])
-            while cap < n:
-                cap *= 2
-            grown = np.zeros((cap, cap), dtype=np.int64)
-            old = self._m.shape[0]
-            grown[:old, :old] = self._m
-            self._m = grown
-        return np.fromiter((self._pos[x] for x in names), dtype=np.int64, count=len(names))
+        self._grid = PairGrid({"groups": np.int64})
 
     def add_positions(self, nodes: Sequence[str], source: np.ndarray, receiver: np.ndarray) -> None:
         """Count one match per i, from nodes[source[i]] to nodes[receiver[i]] (a match set's
         columns: positions into its own list of nodes)."""
         if len(source) == 0:
             return
-        at = self._index(nodes)
-        cap = self._m.shape[0]
+        at = self._grid.positions(nodes)
+        m = self._grid.m["groups"]
+        cap = m.shape[0]
         flat = at[np.asarray(source, dtype=np.int64)] * cap + at[np.asarray(receiver, dtype=np.int64)]
         cells, counts = np.unique(flat, return_counts=True)
-        self._m.reshape(-1)[cells] += counts
+        m.reshape(-1)[cells] += counts
 
     def add_pairs(self, pairs: Iterable[tuple[str, str]]) -> None:
         """Count one match per (source, receiver) given (matches stored as rows)."""
@@ -113,7 +98,6 @@ class Exchange:
                            np.array([pos[r] for _, r in pairs], dtype=np.int64))
 
     def view(self) -> ExchangeView:
-        n = len(self._names)
-        m = self._m[:n, :n]
+        m = self._grid.used("groups")
         src, dst = np.nonzero(m)
-        return ExchangeView(names=list(self._names), source=src, receiver=dst, groups=m[src, dst].copy())
+        return ExchangeView(names=list(self._grid.names), source=src, receiver=dst, groups=m[src, dst].copy())

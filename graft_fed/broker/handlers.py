@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 from graft_fed.broker.answers import Answers, Encoders
 from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.bundles import Bundles
+from graft_fed.broker.compat import CompatTable
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.context import Context
 from graft_fed.broker.exchange import ExchangeView
@@ -85,7 +86,8 @@ class Federation:
         ctx = Context(cfg=cfg, state=state, clock=clock, allowlist=allowlist, manifest=self.manifest,
                       known_prompts=self.known_prompts, prompts_by_id=self.prompts_by_id, cond=self.cond,
                       wakeups=self.wakeups, counters=self.counters, grants=self.grants, index=self.index,
-                      registry=self.registry, work=self.work, rounds=self.rounds)
+                      registry=self.registry, work=self.work, rounds=self.rounds,
+                      compat=CompatTable(state.compat))
         self.ctx = ctx
         self.sessions = Sessions(ctx)
         self.publishing = Publishing(ctx)
@@ -232,7 +234,7 @@ class Federation:
             bad = self.ctx.quarantined()
             if pairs:
                 exchange = self.matcher.exchange().as_dict()
-                compat = {(c.source, c.receiver): c for c in self.state.compat()}
+                compat = {(c.source, c.receiver): c for c in self.ctx.compat.rows()}
         keys = set(exchange) | set(compat)
         total = len(keys)
         if max_pairs is not None and total > max_pairs:
@@ -256,6 +258,11 @@ class Federation:
     def exchange(self) -> ExchangeView:
         """Groups matched per (source, receiver) over every stored round (broker/exchange.py)."""
         return self.matcher.exchange()
+
+    def compat(self, among: Iterable[str] | None = None) -> list[CompatRow]:
+        """The compatibility counts per (source, receiver), by (source, receiver); with `among`,
+        of the pairs between those nodes only (broker/compat.py)."""
+        return self.ctx.compat.rows(among)
 
     def prune(self) -> int:
         """Retention. `keep_rounds` counts back from the highest round at least two nodes have

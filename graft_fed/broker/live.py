@@ -123,7 +123,7 @@ def status_view(fed: Any, scalars: ScalarLog | None = None, refusals: RefusalLog
         names = sorted(heapq.nlargest(MATRIX_NODES, sorted(names), key=lambda n: moved.get(n, 0)))
     shown = set(names)
     exchange = {key: float(g) for key, g in view.among(shown).items()}
-    rows = [c for c in fed.state.compat() if c.source in shown and c.receiver in shown]
+    rows = fed.compat(among=shown)
     compat = {(c.source, c.receiver): c.mean_s for c in rows if not math.isnan(c.mean_s)}
     admitted = {(c.source, c.receiver): c.admitted_fraction for c in rows if not math.isnan(c.admitted_fraction)}
     timeline = []

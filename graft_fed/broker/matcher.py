@@ -46,11 +46,6 @@ class Matcher(Part):
         with self._exchange_lock:
             self._exchange = None
 
-    def _compat_index(self, nodes: Sequence[str]) -> dict[tuple[int, int], float]:
-        pos = {n: i for i, n in enumerate(nodes)}
-        return {(pos[c.source], pos[c.receiver]): c.mean_s for c in self.state.compat()
-                if c.source in pos and c.receiver in pos and c.groups > 0}
-
     def can_source(self, node_ids: Sequence[str]) -> list[bool]:
         bad = self.ctx.quarantined()
         out = []
@@ -70,7 +65,7 @@ class Matcher(Part):
         by_id = pid_order(pids)
         pids, k = [pids[i] for i in by_id.tolist()], k[:, by_id]
         chosen = select_sources_arrays(k, self.cfg.n, self.cfg.balance == "pairwise",
-                                       self._compat_index(participants), self.can_source(participants),
+                                       self.ctx.compat.estimates(participants), self.can_source(participants),
                                        cap=self.cfg.per_receiver_cap if self.cfg.balance == "per_receiver_cap"
                                        else None) if pids else []
         ms = MatchSet.from_choice(round, participants, pids, k, chosen)
@@ -175,7 +170,7 @@ class Matcher(Part):
         if not fails:
             return
         mine = {pid: (0, self.cfg.n) for pid in fails}
-        compat = {c.source: c.mean_s for c in self.state.compat() if c.receiver == receiver and c.groups > 0}
+        compat = self.ctx.compat.of_receiver(receiver)
         # the other nodes' informative groups for these prompts, from the round index, in the
         # order the state lists them (round, node): the candidates' order, source_rank's last key
         offers: dict[str, list[tuple[SourceGroup, int]]] = {}

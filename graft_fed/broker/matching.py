@@ -66,12 +66,14 @@ def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndar
 
 
 def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
-                          compat: Mapping[tuple[int, int], float],
+                          compat: Mapping[tuple[int, int], float] | np.ndarray,
                           can_source: Sequence[bool] | None = None,
                           cap: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """For every receiver r, (prompt columns, source indices) of its chosen groups, in
     column order: core.exchange.select_sources' choice (see the module docstring) for the
-    (N, P) arrays k and n (k MISSING where a node has no group)."""
+    (N, P) arrays k and n (k MISSING where a node has no group). `compat`: the estimate per
+    (source index, receiver index) of the pairs that have one (NaN: known, never wins), or
+    the (N, N) matrix of them with +inf where a pair has none and -inf for NaN."""
     n_nodes = k.shape[0]
     n = np.broadcast_to(np.asarray(n), k.shape)
     published = k != MISSING
@@ -83,13 +85,19 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     order = np.arange(n_nodes)
     # est[s, r]: source_rank's first key (an unexplored pair counts as +inf; NaN never wins a
     # comparison in max(), so it ranks below everything)
-    est_all = np.full((n_nodes, n_nodes), math.inf)
-    if compat:
-        pairs = np.array(list(compat), dtype=np.int64).reshape(-1, 2)
-        vals = np.fromiter(compat.values(), dtype=np.float64, count=len(compat))
-        inside = ((pairs >= 0) & (pairs < n_nodes)).all(axis=1)
-        est_all[pairs[inside, 0], pairs[inside, 1]] = np.where(np.isnan(vals[inside]), -math.inf, vals[inside])
-    uniform = not compat
+    if isinstance(compat, np.ndarray):  # already est_all (broker/compat.py's estimates)
+        if compat.shape != (n_nodes, n_nodes):
+            raise ValueError(f"compatibility estimates of shape {compat.shape} for {n_nodes} nodes")
+        est_all = compat
+        uniform = bool((compat == math.inf).all())
+    else:
+        est_all = np.full((n_nodes, n_nodes), math.inf)
+        if compat:
+            pairs = np.array(list(compat), dtype=np.int64).reshape(-1, 2)
+            vals = np.fromiter(compat.values(), dtype=np.float64, count=len(compat))
+            inside = ((pairs >= 0) & (pairs < n_nodes)).all(axis=1)
+            est_all[pairs[inside, 0], pairs[inside, 1]] = np.where(np.isnan(vals[inside]), -math.inf, vals[inside])
+        uniform = not compat
     # Prompt-major (P, N): per (prompt, source), k_S where the source offers an informative
     # group, else -1. A receiver's failed prompts are then whole rows (a gather of rows is a
     # copy of contiguous memory; one of columns was most of the time at 64 x 4,096).

@@ -27,6 +27,7 @@ class Reports(Part):
         self._verifier = None
         self._verifier_failed = False
         self._verifier_lock = threading.Lock()
+        self._fold = threading.Lock()  # one report's fold and read-back at a time
 
     def report(self, node_id: str, session_id: str, round: int, entries: Iterable[ReportEntry]) -> tuple[int, int]:
         """Fold a receiver's verdicts into the compatibility matrix; returns (accepted,
@@ -55,7 +56,7 @@ class Reports(Part):
                 raise FailedPrecondition(f"report for round {round}, implausibly far ahead of the federation "
                                          f"(current {self.rounds.current()})")
             for source in {e.source for e in entries}:
-                if source == node_id or self.state.get_node(source) is None:
+                if source == node_id or self.registry.get(source) is None:
                     raise InvalidArgument(f"unknown source node {clip(source)}")
             # a receiver reports only on groups it was matched to: otherwise one node could
             # invent rejections of an honest source's groups and push it into quarantine
@@ -75,12 +76,17 @@ class Reports(Part):
         rows = [ReportRow(round=round, receiver=node_id, source=e.source, prompt_id=e.prompt_id,
                           mean_s=e.mean_s if not e.rejected else 0.0, admitted_fraction=e.admitted_fraction,
                           rejected=e.rejected) for e in entries if (e.source, e.prompt_id) not in disputed]
-        with self.cond:
+        # Not under the broker's lock (publishes, matching and answers never wait behind a
+        # report's commit), but one report at a time: the pairs read back are then exactly
+        # what this report's fold left, and the copy in memory takes them in that order.
+        with self._fold:
             accepted, dups = self.state.put_reports(rows)
+            if accepted:
+                self.ctx.compat.update(self.state.compat(pairs={(r.source, r.receiver) for r in rows}))
             self.counters["reports"] += accepted
             self.counters["duplicate_reports"] += dups
             # counted once per group, like the matrix (a repeated rejection is a duplicate)
-            self.counters["rejected_groups"] = sum(c.rejected for c in self.state.compat())
+            self.counters["rejected_groups"] = self.ctx.compat.rejected_total()
         return accepted, dups
 
     def _rejection_disputed(self, match: MatchRow) -> bool:

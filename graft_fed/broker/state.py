@@ -314,7 +314,9 @@ class BrokerState(abc.ABC):
         reports) and rejection count. A rejected report counts only towards `rejected`."""
 
     @abc.abstractmethod
-    def compat(self) -> list[CompatRow]: ...
+    def compat(self, pairs: Iterable[tuple[str, str]] | None = None) -> list[CompatRow]:
+        """Every pair's row, by (source, receiver); with `pairs`, the rows of those
+        (source, receiver) pairs that have one (what a report's fold changed)."""
 
     @abc.abstractmethod
     def put_reports(self, rows: Sequence[ReportRow]) -> tuple[int, int]:

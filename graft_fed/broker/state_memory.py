@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_rows import (
     as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, match_key, norm_blob, norm_bytes,
-    norm_compat_args, norm_digests, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary,
+    norm_compat_args, norm_digests, norm_pairs, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary,
     opt_int, opt_str, prune_cutoff, report_key, summary_key,
 )
 
@@ -207,9 +207,10 @@ class InMemoryState(BrokerState):
             key = (args[0], args[1])
             self._compat[key] = fold_compat(self._compat.get(key), *args)
 
-    def compat(self) -> list[CompatRow]:
+    def compat(self, pairs: Iterable[tuple[str, str]] | None = None) -> list[CompatRow]:
         with self._lock:
-            return [dataclasses.replace(self._compat[k]) for k in sorted(self._compat)]
+            keys = sorted(self._compat) if pairs is None else sorted(set(norm_pairs(pairs)) & self._compat.keys())
+            return [dataclasses.replace(self._compat[k]) for k in keys]
 
     def put_reports(self, rows: Sequence[ReportRow]) -> tuple[int, int]:
         batch = [norm_report(r) for r in rows]

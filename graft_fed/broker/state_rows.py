@@ -247,6 +247,16 @@ def norm_compat_args(source, receiver, mean_s, admitted_fraction, rejected) -> t
             as_float(admitted_fraction, "admitted_fraction"), rejected)
 
 
+def norm_pairs(pairs) -> list[tuple[str, str]]:
+    """(source, receiver) pairs of node ids, checked."""
+    out = []
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise TypeError(f"a pair must be a (source, receiver) tuple, got {pair!r}")
+        out.append((as_str(pair[0], "source"), as_str(pair[1], "receiver")))
+    return out
+
+
 def summary_key(row: SummaryRow) -> tuple[int, str, str]:
     """Result order of `summaries()`: round, node, prompt."""
     return (row.round, row.node_id, row.prompt_id)

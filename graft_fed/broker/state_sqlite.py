@@ -58,7 +58,7 @@ from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchR
                                     SummaryHead, SummaryRow)
 from graft_fed.broker.state_rows import (
     as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_blob, norm_block, norm_bytes,
-    norm_compat_args, norm_digests, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary,
+    norm_compat_args, norm_digests, norm_pairs, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary,
     opt_int, opt_str, prune_cutoff, summary_key,
 )
 from graft_fed.errors import DataError
@@ -1222,8 +1222,22 @@ class SqliteState(BrokerState):
                          (new.source, new.receiver, new.groups, _f2db(new.mean_s), _f2db(new.admitted_fraction),
                           new.rejected))
 
-    def compat(self) -> list[CompatRow]:
-        return [self._compat(r) for r in self._read(f"SELECT {_COMPAT_COLS} FROM compat ORDER BY source, receiver")]
+    def compat(self, pairs: Iterable[tuple[str, str]] | None = None) -> list[CompatRow]:
+        if pairs is None:
+            return [self._compat(r) for r in self._read(f"SELECT {_COMPAT_COLS} FROM compat ORDER BY source, receiver")]
+        out = []
+        with self._lock:  # one point read per pair on the primary key (a report names at most a round's prompts)
+            try:
+                for pair in sorted(set(norm_pairs(pairs))):
+                    r = self._conn.execute(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?",
+                                           pair).fetchone()
+                    if r is not None:
+                        out.append(self._compat(r))
+            except sqlite3.Error as exc:
+                if not _is_storage_failure(exc):
+                    raise
+                raise self._storage_error(exc, "read") from exc
+        return out
 
     def put_reports(self, rows: Sequence[ReportRow]) -> tuple[int, int]:
         batch = [norm_report(r) for r in rows]

@@ -328,6 +328,20 @@ def test_compat_running_means_and_rejections(state):
     assert state.compat()[1].mean_s == 0.3 and state.compat()[1].admitted_fraction == 0.75
 
 
+def test_compat_of_given_pairs(state):
+    state.put_reports([rep(source="s", receiver="r"), rep(source="t", receiver="r", rejected=True),
+                       rep(source="r", receiver="s", mean_s=0.25)])
+    everything = state.compat()
+    assert state.compat(pairs=[("t", "r"), ("s", "r")]) == [everything[1], everything[2]]  # by (source, receiver)
+    assert state.compat(pairs={("r", "s"), ("x", "r"), ("s", "t")}) == [everything[0]]  # pairs with no row: none
+    assert state.compat(pairs=[("r", "s"), ("r", "s")]) == [everything[0]]  # a pair named twice: once
+    assert state.compat(pairs=[]) == []
+    with pytest.raises(TypeError, match="source"):
+        state.compat(pairs=[(1, "r")])
+    with pytest.raises(TypeError, match="pair"):
+        state.compat(pairs=["sr"])
+
+
 def rep(round=0, receiver="r", source="s", prompt_id="p0", mean_s=0.5, admitted_fraction=1.0, rejected=False):
     return ReportRow(round=round, receiver=receiver, source=source, prompt_id=prompt_id, mean_s=mean_s,
                      admitted_fraction=admitted_fraction, rejected=rejected)

@@ -1,0 +1,145 @@
+"""The compatibility counts per (source, receiver) in memory: what matching, quarantine,
+status and the live page read, kept equal to the state's `compat` table.
+
+Receivers report on the groups they were given (broker/reports.py), and the state folds
+each report into its pair's row (state_rows.fold_compat). Every matched round (twice: the
+estimates and quarantine), every report (the rejected total), every status and /metrics
+scrape used to read the whole table from the state: N^2 rows at N nodes once they have
+exchanged, read and turned into Python objects under the broker's lock. At 256 nodes that
+made a report wait seconds (issue 13). Here the table is read from the state once, on first
+use, and each report's pairs are read back after the state has folded it: the state stays
+the one definition of the fold, and this copy holds exactly its numbers, as matrices over
+the nodes seen (broker/grid.py: 33 bytes a written pair).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from graft_fed.broker.grid import PairGrid
+from graft_fed.broker.quarantine import quarantined_sources
+from graft_fed.broker.state import CompatRow
+
+_DTYPES = {"present": np.bool_, "groups": np.int64, "rejected": np.int64, "mean_s": np.float64,
+           "admitted": np.float64}
+
+
+class CompatTable:
+    """Thread-safe; loads the state's rows on first use (`read_all`)."""
+
+    def __init__(self, read_all: Callable[[], list[CompatRow]]) -> None:
+        self._read_all = read_all
+        self._lock = threading.Lock()
+        self._grid: PairGrid | None = None
+        self._version = 0
+        self._rejected = 0
+        self._quarantine: tuple[tuple, set[str]] | None = None
+
+    def _loaded(self) -> PairGrid:
+        if self._grid is None:
+            grid = PairGrid(_DTYPES)
+            self._grid = grid
+            self._set(self._read_all())
+        return self._grid
+
+    def _set(self, rows: Iterable[CompatRow]) -> None:
+        grid = self._grid
+        assert grid is not None
+        rows = list(rows)
+        if not rows:
+            return
+        at = grid.positions([x for c in rows for x in (c.source, c.receiver)]).reshape(-1, 2)
+        s, r = at[:, 0], at[:, 1]
+        m = grid.m
+        self._rejected -= int(m["rejected"][s, r][m["present"][s, r]].sum())
+        m["present"][s, r] = True
+        m["groups"][s, r] = [c.groups for c in rows]
+        m["rejected"][s, r] = [c.rejected for c in rows]
+        m["mean_s"][s, r] = [c.mean_s for c in rows]
+        m["admitted"][s, r] = [c.admitted_fraction for c in rows]
+        self._rejected += sum(c.rejected for c in rows)
+        self._version += 1
+
+    def update(self, rows: Iterable[CompatRow]) -> None:
+        """Take these rows as the state now holds them (a report's pairs, read back after
+        the state folded it). Nothing to do before the first load, which reads them all."""
+        with self._lock:
+            if self._grid is not None:
+                self._set(rows)
+
+    def rejected_total(self) -> int:
+        """Groups rejected over every pair (each report counted once, as in the state)."""
+        with self._lock:
+            self._loaded()
+            return self._rejected
+
+    def estimates(self, nodes: Sequence[str]) -> np.ndarray:
+        """(len(nodes), len(nodes)) float64: est[i, j], what matching ranks nodes[i] by as a
+        source for nodes[j] (core.exchange.source_rank's first key): the pair's mean s where
+        it has reports of groups it did not reject, +inf where it has none (unexplored),
+        -inf for a NaN mean (it never wins)."""
+        with self._lock:
+            grid = self._loaded()
+            at = grid.known(nodes)
+            est = np.full((len(nodes), len(nodes)), math.inf)
+            inside = np.flatnonzero(at >= 0)
+            if inside.size:
+                ix = np.ix_(at[inside], at[inside])
+                known = grid.m["present"][ix] & (grid.m["groups"][ix] > 0)
+                mean = grid.m["mean_s"][ix]
+                est[np.ix_(inside, inside)] = np.where(known, np.where(np.isnan(mean), -math.inf, mean), math.inf)
+            return est
+
+    def of_receiver(self, receiver: str) -> dict[str, float]:
+        """Source -> the pair's mean s, for the sources `receiver` reported groups of that it
+        did not reject (what a single receiver's matching ranks by)."""
+        with self._lock:
+            grid = self._loaded()
+            at = grid.known([receiver])[0]
+            if at < 0:
+                return {}
+            n = len(grid)
+            known = grid.m["present"][:n, at] & (grid.m["groups"][:n, at] > 0)
+            names = grid.names
+            return {names[i]: float(grid.m["mean_s"][i, at]) for i in np.flatnonzero(known)}
+
+    def rows(self, among: Iterable[str] | None = None) -> list[CompatRow]:
+        """The pairs' rows by (source, receiver), as `BrokerState.compat()` lists them; with
+        `among`, only the pairs whose source and receiver are both in it."""
+        with self._lock:
+            grid = self._loaded()
+            names = grid.names
+            present = grid.used("present")
+            if among is not None:
+                wanted = set(among)
+                inside = np.array([x in wanted for x in names], dtype=bool)
+                present = present & inside[:, None] & inside[None, :]
+            s, r = np.nonzero(present)
+            m = grid.m
+            out = [CompatRow(source=names[i], receiver=names[j], groups=g, mean_s=ms, admitted_fraction=af,
+                             rejected=rj)
+                   for i, j, g, ms, af, rj in zip(s.tolist(), r.tolist(), m["groups"][s, r].tolist(),
+                                                  m["mean_s"][s, r].tolist(), m["admitted"][s, r].tolist(),
+                                                  m["rejected"][s, r].tolist())]
+        out.sort(key=lambda c: (c.source, c.receiver))
+        return out
+
+    def quarantined(self, rate: float, min_reports: int, min_receivers: int,
+                    trusted: Callable[[str], bool] = lambda _: False) -> set[str]:
+        """broker/quarantine.py's rule on the counts; computed once per change of them (and
+        of the rule's settings), `trusted` applied on every call (the allowlist may change)."""
+        key = (rate, min_reports, min_receivers)
+        with self._lock:
+            grid = self._loaded()
+            cached = self._quarantine
+            if cached is None or cached[0] != (self._version, *key):
+                present = grid.used("present")
+                rejected = np.where(present, grid.used("rejected"), 0)
+                reported = np.where(present, grid.used("groups"), 0) + rejected
+                cached = ((self._version, *key), quarantined_sources(grid.names, reported, rejected, *key))
+                self._quarantine = cached
+        return {s for s in cached[1] if not trusted(s)}
