@@ -79,7 +79,8 @@ def _timed(method, request, timeout_s: float, timing: bool) -> tuple:
 def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds: int, barrier, timeout_s: float,
              out: dict, timing: bool = False, reports: bool = False) -> None:
     """One simulated node's rounds: publish at the barrier, then long-poll until matched; with
-    `reports`, then report on every group offered (what a node does once it has scored them)."""
+    `reports`, then, once every node has its answer, report on every group offered (what a
+    node does once it has scored them)."""
     for r in range(rounds):
         req = requests[r]
         req.session_id = c.session
@@ -107,6 +108,10 @@ def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds:
                 break
         out["t_ready"][r][i] = time.perf_counter()
         out["offers"][r][i] = len(m.offers)
+        if reports:
+            # a node reports once it has fetched and scored the groups, after its training
+            # step: seconds to minutes after the answer, so after every node has its answer
+            barrier.wait()
         if reports and m.offers:
             out["report_s"][r][i] = _traced(f"{c.node_id} round {r} ReportCompatibility", out["t_send"][r][i],
                                             lambda: _report(c, r, m.offers, timeout_s))
@@ -226,7 +231,7 @@ def run_client_procs(address: str, n_nodes: int, procs: int, requests: list[list
         prober = threading.Thread(target=probe, args=(prober_client,), daemon=True)
         prober.start()
         try:
-            for _ in range(rounds):  # every process's nodes at their barrier, then all released
+            for _ in range(rounds * (2 if reports else 1)):  # every process's nodes at their barrier, then all go
                 for proc, conn in children:
                     got = conn.recv() if conn.poll(timeout_s) else RuntimeError("a client process timed out")
                     if isinstance(got, Exception):
@@ -469,9 +474,9 @@ def main() -> int:
     ap.add_argument("--wire", choices=["columns", "messages"], default="columns",
                     help="publish as SummaryColumns (what nodes send) or as one GroupSummary message per group")
     ap.add_argument("--reports", action="store_true",
-                    help="after each round is matched, every node reports on the groups it was offered "
-                         "(ReportCompatibility, as nodes do): the broker's compatibility counts then grow with "
-                         "the pairs that exchanged, and the next rounds' matching reads them")
+                    help="once every node has its round's answer, every node reports on the groups it was offered "
+                         "(ReportCompatibility, as nodes do after their training step): the broker's compatibility "
+                         "counts then grow with the pairs that exchanged, and the next rounds' matching reads them")
     ap.add_argument("--name", default=None, help="results file stem (default ingest_match[_quick])")
     args = ap.parse_args()
     if args.quick:
@@ -559,7 +564,8 @@ def main() -> int:
                       f"{1e3 * r['match_p99_s']:.1f} | {1e3 * r['publish_p99_s']:.1f} | "
                       f"{1e3 * r['heartbeat_p99_s']:.1f} | {r['online_min']}/{c['nodes']} |")
     if args.reports:
-        md += ["", "Every node reported on the groups it was offered once its round was matched (`--reports`):", ""]
+        md += ["", "Every node reported on the groups it was offered once every node had the round's answer "
+               "(`--reports`; report: the call's latency):", ""]
         md += [f"- {c['nodes']} x {c['prompts']} ({b}): {c[b]['reports']} reports, p50 "
                f"{1e3 * c[b]['report_p50_s']:.1f} ms, p99 {1e3 * c[b]['report_p99_s']:.1f} ms, max "
                f"{1e3 * c[b]['report_max_s']:.1f} ms; match p99 by round "
