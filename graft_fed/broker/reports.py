@@ -12,12 +12,25 @@ from typing import Iterable
 from graft_fed.broker.context import Context, Part
 from graft_fed.broker.matcher import Matcher
 from graft_fed.broker.state import MatchRow, ReportRow
+from graft_fed.broker.state_rows import norm_report
 from graft_fed.federation.bundles import decode_bundle
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument
 from graft_fed.federation.limits import MAX_PER_ROUND_FACTOR, MAX_ROUNDS_AHEAD, clip
 from graft_fed.federation.messages import ReportEntry
 
 log = logging.getLogger("graft_fed.broker")
+
+
+class _Queued:
+    """A report waiting for its commit, and what the commit made of it."""
+
+    __slots__ = ("rows", "done", "result", "error")
+
+    def __init__(self, rows: list[ReportRow]) -> None:
+        self.rows = rows
+        self.done = False
+        self.result = (0, 0)
+        self.error: BaseException | None = None
 
 
 class Reports(Part):
@@ -27,7 +40,9 @@ class Reports(Part):
         self._verifier = None
         self._verifier_failed = False
         self._verifier_lock = threading.Lock()
-        self._fold = threading.Lock()  # one report's fold and read-back at a time
+        self._fold = threading.Lock()  # one commit of reports (and its read-back) at a time
+        self._queue: list[_Queued] = []  # reports waiting for the next commit
+        self._queue_lock = threading.Lock()
 
     def report(self, node_id: str, session_id: str, round: int, entries: Iterable[ReportEntry]) -> tuple[int, int]:
         """Fold a receiver's verdicts into the compatibility matrix; returns (accepted,
@@ -76,18 +91,43 @@ class Reports(Part):
         rows = [ReportRow(round=round, receiver=node_id, source=e.source, prompt_id=e.prompt_id,
                           mean_s=e.mean_s if not e.rejected else 0.0, admitted_fraction=e.admitted_fraction,
                           rejected=e.rejected) for e in entries if (e.source, e.prompt_id) not in disputed]
-        # Not under the broker's lock (publishes, matching and answers never wait behind a
-        # report's commit), but one report at a time: the pairs read back are then exactly
-        # what this report's fold left, and the copy in memory takes them in that order.
+        return self._commit(rows)
+
+    def _commit(self, rows: list[ReportRow]) -> tuple[int, int]:
+        """Store a report and fold it, as one of the reports that arrived together: group
+        commit. Not under the broker's lock (publishes, matching and answers never wait
+        behind a report's commit). Whoever takes `_fold` first stores every report queued by
+        then in one transaction (one fsync where a thousand nodes report at once), reads
+        their pairs back and hands the copy in memory what the state now holds; the others
+        find theirs done. One commit at a time, so the copy takes the pairs in the order the
+        state folded them."""
+        mine = _Queued([norm_report(r) for r in rows])  # a malformed row fails its own report, not the batch
+        with self._queue_lock:
+            self._queue.append(mine)
         with self._fold:
-            accepted, dups = self.state.put_reports(rows)
-            if accepted:
-                self.ctx.compat.update(self.state.compat(pairs={(r.source, r.receiver) for r in rows}))
-            self.counters["reports"] += accepted
-            self.counters["duplicate_reports"] += dups
-            # counted once per group, like the matrix (a repeated rejection is a duplicate)
-            self.counters["rejected_groups"] = self.ctx.compat.rejected_total()
-        return accepted, dups
+            if not mine.done:
+                with self._queue_lock:
+                    batch, self._queue = self._queue, []
+                try:
+                    results = self.state.put_report_batches([q.rows for q in batch])
+                    if any(accepted for accepted, _ in results):
+                        self.ctx.compat.update(self.state.compat(
+                            pairs={(r.source, r.receiver) for q in batch for r in q.rows}))
+                except BaseException as exc:  # every report of the batch gets the storage's error
+                    for q in batch:
+                        q.error, q.done = exc, True
+                else:
+                    for q, result in zip(batch, results):
+                        q.result, q.done = result, True
+                    self.counters["reports"] += sum(a for a, _ in results)
+                    self.counters["duplicate_reports"] += sum(d for _, d in results)
+                    # counted once per group, like the matrix (a repeated rejection is a duplicate)
+                    self.counters["rejected_groups"] = self.ctx.compat.rejected_total()
+                    self.counters["report_commits"] += 1
+                    self.counters["report_calls"] += len(batch)
+        if mine.error is not None:
+            raise mine.error
+        return mine.result
 
     def _rejection_disputed(self, match: MatchRow) -> bool:
         """True when the broker holds the matched group's bundle and its own re-verification

@@ -69,6 +69,9 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
                        ("reports", "Compatibility reports (one per group)."),
                        ("duplicate_reports", "Repeated reports ignored (a group counts once)."),
                        ("rejected_groups", "Groups rejected by receivers."),
+                       ("report_calls", "ReportCompatibility calls stored (each a receiver's report of a round)."),
+                       ("report_commits", "Transactions that stored them: reports that arrive together share one "
+                        "(over report_calls_total, the mean batch)."),
                        ("joins", "Joins."), ("rejected_join", "Joins refused for a manifest mismatch."),
                        ("disputed_rejections", "Rejections the broker re-verified as false and did not count."),
                        ("long_polls_refused", "GetMatches refused: too many already waiting (per node or in all).")]:

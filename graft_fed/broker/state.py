@@ -318,11 +318,17 @@ class BrokerState(abc.ABC):
         """Every pair's row, by (source, receiver); with `pairs`, the rows of those
         (source, receiver) pairs that have one (what a report's fold changed)."""
 
-    @abc.abstractmethod
     def put_reports(self, rows: Sequence[ReportRow]) -> tuple[int, int]:
         """Store receiver reports and fold each new one into its pair's compatibility
         (exactly as `update_compat`), atomically; returns (accepted, duplicates). Idempotent
         on (round, receiver, source, prompt_id): the first report wins."""
+        return self.put_report_batches([rows])[0]
+
+    @abc.abstractmethod
+    def put_report_batches(self, batches: Sequence[Sequence[ReportRow]]) -> list[tuple[int, int]]:
+        """`put_reports` of each batch in turn, all in one transaction (one commit for the
+        reports that arrived together); (accepted, duplicates) per batch. Nothing is stored
+        when any batch is malformed."""
 
     @abc.abstractmethod
     def reports(self, round: int | None = None, receiver: str | None = None,

@@ -212,19 +212,22 @@ class InMemoryState(BrokerState):
             keys = sorted(self._compat) if pairs is None else sorted(set(norm_pairs(pairs)) & self._compat.keys())
             return [dataclasses.replace(self._compat[k]) for k in keys]
 
-    def put_reports(self, rows: Sequence[ReportRow]) -> tuple[int, int]:
-        batch = [norm_report(r) for r in rows]
-        accepted = 0
+    def put_report_batches(self, batches: Sequence[Sequence[ReportRow]]) -> list[tuple[int, int]]:
+        normed = [[norm_report(r) for r in rows] for rows in batches]
         with self._lock:
-            for row in batch:
-                key = report_key(row)
-                if key in self._reports:
-                    continue
-                self._reports[key] = row
-                pair = (row.source, row.receiver)
-                self._compat[pair] = fold_compat(self._compat.get(pair), row.source, row.receiver, row.mean_s,
-                                                 row.admitted_fraction, row.rejected)
-                accepted += 1
+            return [self._put_reports(batch) for batch in normed]
+
+    def _put_reports(self, batch: list[ReportRow]) -> tuple[int, int]:
+        accepted = 0
+        for row in batch:
+            key = report_key(row)
+            if key in self._reports:
+                continue
+            self._reports[key] = row
+            pair = (row.source, row.receiver)
+            self._compat[pair] = fold_compat(self._compat.get(pair), row.source, row.receiver, row.mean_s,
+                                             row.admitted_fraction, row.rejected)
+            accepted += 1
         return accepted, len(batch) - accepted
 
     def reports(self, round: int | None = None, receiver: str | None = None,

@@ -1239,25 +1239,31 @@ class SqliteState(BrokerState):
                 raise self._storage_error(exc, "read") from exc
         return out
 
-    def put_reports(self, rows: Sequence[ReportRow]) -> tuple[int, int]:
-        batch = [norm_report(r) for r in rows]
-        accepted = 0
+    def put_report_batches(self, batches: Sequence[Sequence[ReportRow]]) -> list[tuple[int, int]]:
+        normed = [[norm_report(r) for r in rows] for rows in batches]
+        out = []
         with self._tx() as conn:
-            for r in batch:
-                cur = conn.execute(f"INSERT INTO reports ({_REPORT_COLS}) VALUES (?,?,?,?,?,?,?) "
-                                   "ON CONFLICT (round, receiver, source, prompt_id) DO NOTHING",
-                                   (r.round, r.receiver, r.source, r.prompt_id, _f2db(r.mean_s),
-                                    _f2db(r.admitted_fraction), int(r.rejected)))
-                if cur.rowcount != 1:
-                    continue
-                accepted += 1
-                old = conn.execute(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?",
-                                   (r.source, r.receiver)).fetchone()
-                new = fold_compat(None if old is None else self._compat(old), r.source, r.receiver, r.mean_s,
-                                  r.admitted_fraction, r.rejected)
-                conn.execute(f"INSERT OR REPLACE INTO compat ({_COMPAT_COLS}) VALUES (?,?,?,?,?,?)",
-                             (new.source, new.receiver, new.groups, _f2db(new.mean_s), _f2db(new.admitted_fraction),
-                              new.rejected))
+            for batch in normed:
+                out.append(self._put_reports(conn, batch))
+        return out
+
+    def _put_reports(self, conn: sqlite3.Connection, batch: list[ReportRow]) -> tuple[int, int]:
+        accepted = 0
+        for r in batch:
+            cur = conn.execute(f"INSERT INTO reports ({_REPORT_COLS}) VALUES (?,?,?,?,?,?,?) "
+                               "ON CONFLICT (round, receiver, source, prompt_id) DO NOTHING",
+                               (r.round, r.receiver, r.source, r.prompt_id, _f2db(r.mean_s),
+                                _f2db(r.admitted_fraction), int(r.rejected)))
+            if cur.rowcount != 1:
+                continue
+            accepted += 1
+            old = conn.execute(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?",
+                               (r.source, r.receiver)).fetchone()
+            new = fold_compat(None if old is None else self._compat(old), r.source, r.receiver, r.mean_s,
+                              r.admitted_fraction, r.rejected)
+            conn.execute(f"INSERT OR REPLACE INTO compat ({_COMPAT_COLS}) VALUES (?,?,?,?,?,?)",
+                         (new.source, new.receiver, new.groups, _f2db(new.mean_s), _f2db(new.admitted_fraction),
+                          new.rejected))
         return accepted, len(batch) - accepted
 
     def reports(self, round: int | None = None, receiver: str | None = None,
