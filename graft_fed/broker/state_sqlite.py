@@ -1248,23 +1248,37 @@ class SqliteState(BrokerState):
         return out
 
     def _put_reports(self, conn: sqlite3.Connection, batch: list[ReportRow]) -> tuple[int, int]:
-        accepted = 0
+        """One batch inside the caller's transaction. Which reports are new is read once per
+        (round, receiver) rather than found out by one INSERT each; the new ones are inserted
+        together, and each pair's row is read and written once, folded over its new reports
+        in the batch's order (the same numbers as folding one report at a time). A report of
+        4,096 groups used to cost three statements a group (issue 13)."""
+        stored: set[tuple[int, str, str, str]] = set()
+        for rnd, receiver in {(r.round, r.receiver) for r in batch}:
+            stored.update((rnd, receiver, src, pid) for src, pid in conn.execute(
+                "SELECT source, prompt_id FROM reports WHERE round = ? AND receiver = ?", (rnd, receiver)))
+        fresh: list[ReportRow] = []
         for r in batch:
-            cur = conn.execute(f"INSERT INTO reports ({_REPORT_COLS}) VALUES (?,?,?,?,?,?,?) "
-                               "ON CONFLICT (round, receiver, source, prompt_id) DO NOTHING",
-                               (r.round, r.receiver, r.source, r.prompt_id, _f2db(r.mean_s),
-                                _f2db(r.admitted_fraction), int(r.rejected)))
-            if cur.rowcount != 1:
-                continue
-            accepted += 1
-            old = conn.execute(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?",
-                               (r.source, r.receiver)).fetchone()
-            new = fold_compat(None if old is None else self._compat(old), r.source, r.receiver, r.mean_s,
-                              r.admitted_fraction, r.rejected)
+            key = (r.round, r.receiver, r.source, r.prompt_id)
+            if key not in stored:  # the first of the batch wins too
+                stored.add(key)
+                fresh.append(r)
+        conn.executemany(f"INSERT INTO reports ({_REPORT_COLS}) VALUES (?,?,?,?,?,?,?)",
+                         [(r.round, r.receiver, r.source, r.prompt_id, _f2db(r.mean_s), _f2db(r.admitted_fraction),
+                           int(r.rejected)) for r in fresh])
+        per_pair: dict[tuple[str, str], list[ReportRow]] = {}
+        for r in fresh:
+            per_pair.setdefault((r.source, r.receiver), []).append(r)
+        for pair, rows in per_pair.items():
+            old = conn.execute(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?", pair).fetchone()
+            new = None if old is None else self._compat(old)
+            for r in rows:
+                new = fold_compat(new, r.source, r.receiver, r.mean_s, r.admitted_fraction, r.rejected)
+            assert new is not None
             conn.execute(f"INSERT OR REPLACE INTO compat ({_COMPAT_COLS}) VALUES (?,?,?,?,?,?)",
                          (new.source, new.receiver, new.groups, _f2db(new.mean_s), _f2db(new.admitted_fraction),
                           new.rejected))
-        return accepted, len(batch) - accepted
+        return len(fresh), len(batch) - len(fresh)
 
     def reports(self, round: int | None = None, receiver: str | None = None,
                 source: str | None = None) -> list[ReportRow]:

@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import json
 import os
+import random
 import shutil
 import sqlite3
 import subprocess
@@ -340,6 +341,25 @@ def test_compat_of_given_pairs(state):
         state.compat(pairs=[(1, "r")])
     with pytest.raises(TypeError, match="pair"):
         state.compat(pairs=["sr"])
+
+
+def test_report_batches_fold_as_one_report_at_a_time(state):
+    rng = random.Random(11)
+    batches = [[rep(round=rng.randrange(3), receiver=rng.choice("qr"), source=rng.choice("stu"),
+                    prompt_id=f"p{rng.randrange(5)}", mean_s=rng.random(), admitted_fraction=rng.random(),
+                    rejected=rng.random() < 0.2) for _ in range(rng.randrange(8))] for _ in range(40)]
+    got = []
+    for i in range(0, len(batches), 4):  # duplicates within a batch, across batches of a commit, across commits
+        got += state.put_report_batches(batches[i:i + 4])
+    one_at_a_time = InMemoryState()
+    want = [tuple(sum(x) for x in zip((0, 0), *[one_at_a_time.put_reports([r]) for r in batch])) for batch in batches]
+    assert got == want and sum(a for a, _ in got) > 20 and sum(d for _, d in got) > 20
+    assert state.compat() == one_at_a_time.compat()  # the same floats, not approximately
+    assert state.reports() == one_at_a_time.reports()
+    assert state.put_report_batches([]) == []
+    with pytest.raises(TypeError):  # a malformed batch: nothing of the commit is stored
+        state.put_report_batches([[rep(round=9)], [rep(round=9, prompt_id="x", rejected=1)]])
+    assert state.reports(round=9) == []
 
 
 def rep(round=0, receiver="r", source="s", prompt_id="p0", mean_s=0.5, admitted_fraction=1.0, rejected=False):
