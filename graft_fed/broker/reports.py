@@ -12,7 +12,6 @@ from typing import Iterable
 from graft_fed.broker.context import Context, Part
 from graft_fed.broker.matcher import Matcher
 from graft_fed.broker.state import MatchRow, ReportRow
-from graft_fed.broker.state_rows import norm_report
 from graft_fed.federation.bundles import decode_bundle
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument
 from graft_fed.federation.limits import MAX_PER_ROUND_FACTOR, MAX_ROUNDS_AHEAD, clip
@@ -101,15 +100,26 @@ class Reports(Part):
         their pairs back and hands the copy in memory what the state now holds; the others
         find theirs done. One commit at a time, so the copy takes the pairs in the order the
         state folded them."""
-        mine = _Queued([norm_report(r) for r in rows])  # a malformed row fails its own report, not the batch
+        mine = _Queued(rows)
         with self._queue_lock:
             self._queue.append(mine)
         with self._fold:
             if not mine.done:
                 with self._queue_lock:
                     batch, self._queue = self._queue, []
+                commits = 1
                 try:
-                    results = self.state.put_report_batches([q.rows for q in batch])
+                    try:
+                        results = self.state.put_report_batches([q.rows for q in batch])
+                    except (TypeError, ValueError):
+                        if len(batch) == 1:
+                            raise
+                        # a malformed report (the state stored nothing): each alone, so that
+                        # only that one fails
+                        commits = len(batch)
+                        results = [self._alone(q) for q in batch]
+                        batch = [q for q in batch if not q.done]
+                        results = [x for x in results if x is not None]
                     if any(accepted for accepted, _ in results):
                         self.ctx.compat.update(self.state.compat(
                             pairs={(r.source, r.receiver) for q in batch for r in q.rows}))
@@ -123,11 +133,19 @@ class Reports(Part):
                     self.counters["duplicate_reports"] += sum(d for _, d in results)
                     # counted once per group, like the matrix (a repeated rejection is a duplicate)
                     self.counters["rejected_groups"] = self.ctx.compat.rejected_total()
-                    self.counters["report_commits"] += 1
+                    self.counters["report_commits"] += commits
                     self.counters["report_calls"] += len(batch)
         if mine.error is not None:
             raise mine.error
         return mine.result
+
+    def _alone(self, q: _Queued) -> tuple[int, int] | None:
+        """q's report in a commit of its own: its result, or None with q failed (done)."""
+        try:
+            return self.state.put_reports(q.rows)
+        except (TypeError, ValueError) as exc:
+            q.error, q.done = exc, True
+            return None
 
     def _rejection_disputed(self, match: MatchRow) -> bool:
         """True when the broker holds the matched group's bundle and its own re-verification

@@ -132,3 +132,42 @@ def test_a_malformed_report_is_refused_alone(prompt_file, prompts, bad):
             x.close()
     finally:
         broker.stop()
+
+
+def test_a_malformed_row_in_a_shared_commit_fails_only_its_report(prompt_file, prompts):
+    from graft_fed.broker.handlers import Federation
+    from graft_fed.broker.state import ReportRow
+    from graft_fed.broker.state_memory import InMemoryState
+
+    fed = Federation(broker_config(prompt_file), InMemoryState())
+    assert fed.compat() == []  # loaded: the commits below update the copy in memory
+    real = fed.state.put_report_batches
+    calls = []
+
+    def slow(batches):
+        calls.append(len(batches))
+        time.sleep(0.3 if len(calls) == 1 else 0)
+        return real(batches)
+    fed.state.put_report_batches = slow
+    good = [[ReportRow(0, f"r{i}", "s", "p0", 0.5, 1.0, False)] for i in range(4)]
+    bad = [ReportRow(0, "r9", "s", "p0", 0.5, 1.0, 1)]  # rejected must be a bool: a broker bug, not the node's
+    out: dict = {}
+
+    def one(name, rows):
+        try:
+            out[name] = fed.reports._commit(rows)
+        except TypeError as exc:
+            out[name] = exc
+    threads = [threading.Thread(target=one, args=(f"r{i}", rows)) for i, rows in enumerate(good)]
+    threads.insert(2, threading.Thread(target=one, args=("r9", bad)))
+    threads[0].start()
+    time.sleep(0.1)  # the first commit is under way: the others queue behind it and share the next
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(out.pop("r9"), TypeError)
+    assert out == {f"r{i}": (1, 0) for i in range(4)}
+    assert calls[1] == 4  # the shared commit was tried, then each report alone
+    assert [c.receiver for c in fed.compat()] == [f"r{i}" for i in range(4)] and fed.compat() == fed.state.compat()
+    assert fed.counters["report_calls"] == 4 and fed.counters["report_commits"] == 5  # 1, then 4 alone
