@@ -54,32 +54,35 @@ class Reports(Part):
         if len(entries) > limit:
             # a receiver gets at most one group per prompt of its round
             raise InvalidArgument(f"{len(entries)} entries in one report; at most {limit} (one per group received)")
-        seen = set()
-        for e in entries:
-            if not e.rejected and not (math.isfinite(e.mean_s) and 0 <= e.mean_s <= 1e6):
-                raise InvalidArgument(f"mean_s must be a finite number in [0, 1e6], got {e.mean_s}")
-            if not (0.0 <= e.admitted_fraction <= 1.0):
-                raise InvalidArgument(f"admitted_fraction must be in [0, 1], got {e.admitted_fraction}")
-            if (e.source, e.prompt_id) in seen:
-                raise InvalidArgument(f"source {clip(e.source)} and prompt {clip(e.prompt_id)} appear twice in one "
-                                      "report; send one entry per group received")
-            seen.add((e.source, e.prompt_id))
-        with self.cond:
-            self.registry.touch(node_id, session_id)
-            if round > self.rounds.current() + MAX_ROUNDS_AHEAD:
-                raise FailedPrecondition(f"report for round {round}, implausibly far ahead of the federation "
-                                         f"(current {self.rounds.current()})")
-            for source in {e.source for e in entries}:
-                if source == node_id or self.registry.get(source) is None:
-                    raise InvalidArgument(f"unknown source node {clip(source)}")
-            # a receiver reports only on groups it was matched to: otherwise one node could
-            # invent rejections of an honest source's groups and push it into quarantine
-            matched = {(m.source, m.prompt_id): m for m in self.matcher.matches_of(round, node_id)}
+        # a work slot, like publishes and answers: a thousand-entry report is Python work a
+        # heartbeat would otherwise wait behind, one GIL slice per report thread
+        with self.work:
+            seen = set()
             for e in entries:
-                if (e.source, e.prompt_id) not in matched:
-                    raise FailedPrecondition(f"{clip(node_id)} was not matched to {clip(e.source)}'s group for "
-                                             f"prompt {clip(e.prompt_id)} in round {round}; report only the groups "
-                                             "the broker offered you, with the round they were offered in")
+                if not e.rejected and not (math.isfinite(e.mean_s) and 0 <= e.mean_s <= 1e6):
+                    raise InvalidArgument(f"mean_s must be a finite number in [0, 1e6], got {e.mean_s}")
+                if not (0.0 <= e.admitted_fraction <= 1.0):
+                    raise InvalidArgument(f"admitted_fraction must be in [0, 1], got {e.admitted_fraction}")
+                if (e.source, e.prompt_id) in seen:
+                    raise InvalidArgument(f"source {clip(e.source)} and prompt {clip(e.prompt_id)} appear twice in one "
+                                          "report; send one entry per group received")
+                seen.add((e.source, e.prompt_id))
+            with self.cond:
+                self.registry.touch(node_id, session_id)
+                if round > self.rounds.current() + MAX_ROUNDS_AHEAD:
+                    raise FailedPrecondition(f"report for round {round}, implausibly far ahead of the federation "
+                                             f"(current {self.rounds.current()})")
+                for source in {e.source for e in entries}:
+                    if source == node_id or self.registry.get(source) is None:
+                        raise InvalidArgument(f"unknown source node {clip(source)}")
+                # a receiver reports only on groups it was matched to: otherwise one node could
+                # invent rejections of an honest source's groups and push it into quarantine
+                matched = {(m.source, m.prompt_id): m for m in self.matcher.matches_of(round, node_id)}
+                for e in entries:
+                    if (e.source, e.prompt_id) not in matched:
+                        raise FailedPrecondition(f"{clip(node_id)} was not matched to {clip(e.source)}'s group for "
+                                                 f"prompt {clip(e.prompt_id)} in round {round}; report only the groups "
+                                                 "the broker offered you, with the round they were offered in")
         # outside the lock: re-verifying may take a while and needs nothing the lock guards
         disputed = {(e.source, e.prompt_id) for e in entries
                     if e.rejected and self._rejection_disputed(matched[(e.source, e.prompt_id)])}
@@ -105,39 +108,44 @@ class Reports(Part):
             self._queue.append(mine)
         with self._fold:
             if not mine.done:
-                with self._queue_lock:
-                    batch, self._queue = self._queue, []
-                commits = 1
-                try:
-                    try:
-                        results = self.state.put_report_batches([q.rows for q in batch])
-                    except (TypeError, ValueError):
-                        if len(batch) == 1:
-                            raise
-                        # a malformed report (the state stored nothing): each alone, so that
-                        # only that one fails
-                        commits = len(batch)
-                        results = [self._alone(q) for q in batch]
-                        batch = [q for q in batch if not q.done]
-                        results = [x for x in results if x is not None]
-                    if any(accepted for accepted, _ in results):
-                        self.ctx.compat.update(self.state.compat(
-                            pairs={(r.source, r.receiver) for q in batch for r in q.rows}))
-                except BaseException as exc:  # every report of the batch gets the storage's error
-                    for q in batch:
-                        q.error, q.done = exc, True
-                else:
-                    for q, result in zip(batch, results):
-                        q.result, q.done = result, True
-                    self.counters["reports"] += sum(a for a, _ in results)
-                    self.counters["duplicate_reports"] += sum(d for _, d in results)
-                    # counted once per group, like the matrix (a repeated rejection is a duplicate)
-                    self.counters["rejected_groups"] = self.ctx.compat.rejected_total()
-                    self.counters["report_commits"] += commits
-                    self.counters["report_calls"] += len(batch)
+                with self.work:
+                    self._commit_queued()
         if mine.error is not None:
             raise mine.error
         return mine.result
+
+    def _commit_queued(self) -> None:
+        """Commit every queued report (the caller holds `_fold` and a work slot)."""
+        with self._queue_lock:
+            batch, self._queue = self._queue, []
+        commits = 1
+        try:
+            try:
+                results = self.state.put_report_batches([q.rows for q in batch])
+            except (TypeError, ValueError):
+                if len(batch) == 1:
+                    raise
+                # a malformed report (the state stored nothing): each alone, so that
+                # only that one fails
+                commits = len(batch)
+                results = [self._alone(q) for q in batch]
+                batch = [q for q in batch if not q.done]
+                results = [x for x in results if x is not None]
+            if any(accepted for accepted, _ in results):
+                self.ctx.compat.update(self.state.compat(
+                    pairs={(r.source, r.receiver) for q in batch for r in q.rows}))
+        except BaseException as exc:  # every report of the batch gets the storage's error
+            for q in batch:
+                q.error, q.done = exc, True
+        else:
+            for q, result in zip(batch, results):
+                q.result, q.done = result, True
+            self.counters["reports"] += sum(a for a, _ in results)
+            self.counters["duplicate_reports"] += sum(d for _, d in results)
+            # counted once per group, like the matrix (a repeated rejection is a duplicate)
+            self.counters["rejected_groups"] = self.ctx.compat.rejected_total()
+            self.counters["report_commits"] += commits
+            self.counters["report_calls"] += len(batch)
 
     def _alone(self, q: _Queued) -> tuple[int, int] | None:
         """q's report in a commit of its own: its result, or None with q failed (done)."""
