@@ -32,6 +32,21 @@ def _matched(broker, prompts):
     return source, receivers
 
 
+@pytest.fixture
+def matched(prompt_file, prompts):
+    """(broker, receivers) after `_matched`; the clients closed and the broker stopped after."""
+    broker = start_broker(broker_config(prompt_file, balance="none", min_nodes=RECEIVERS + 1))
+    clients = []
+    try:
+        source, receivers = _matched(broker, prompts)
+        clients = [source, *receivers]
+        yield broker, receivers
+    finally:
+        for x in clients:
+            x.close()
+        broker.stop()
+
+
 def _entries(prompts, rejected=False):
     return [pb.CompatibilityReport.Entry(source_node_id="src", prompt_id=p.id, mean_s=0.5 + i / 10,
                                          admitted_fraction=0.25 * i, rejected=rejected)
@@ -52,86 +67,68 @@ def _report_all(receivers, prompts, answers: dict) -> None:
         t.join()
 
 
-def test_reports_that_arrive_together_share_a_commit(prompt_file, prompts):
-    broker = start_broker(broker_config(prompt_file, balance="none", min_nodes=RECEIVERS + 1))
-    try:
-        source, receivers = _matched(broker, prompts)
-        state = broker.fed.state
-        real = state.put_report_batches
-        sizes = []
+def test_reports_that_arrive_together_share_a_commit(matched, prompts):
+    broker, receivers = matched
+    state = broker.fed.state
+    real = state.put_report_batches
+    sizes = []
 
-        def slow(batches):  # the first commit takes a while: the other reports queue behind it
-            sizes.append(len(batches))
-            time.sleep(0.5 if len(sizes) == 1 else 0)
-            return real(batches)
-        state.put_report_batches = slow
-        answers: dict = {}
-        _report_all(receivers, prompts, answers)
-        assert all(a.accepted == 4 and a.duplicates == 0 for a in answers.values()), answers
-        assert sum(sizes) == RECEIVERS and len(sizes) < RECEIVERS, sizes  # some shared a commit
-        counters = broker.fed.counters
-        assert counters["report_calls"] == RECEIVERS and counters["report_commits"] == len(sizes)
-        assert counters["reports"] == 4 * RECEIVERS
-        assert broker.fed.compat() == state.compat() and len(state.compat()) == RECEIVERS
-        again: dict = {}
-        _report_all(receivers, prompts, again)  # the same reports again: duplicates, each told so
-        assert all(a.accepted == 0 and a.duplicates == 4 for a in again.values()), again
-        assert broker.fed.compat() == state.compat()
-        for x in (source, *receivers):
-            x.close()
-    finally:
-        broker.stop()
+    def slow(batches):  # the first commit takes a while: the other reports queue behind it
+        sizes.append(len(batches))
+        time.sleep(0.5 if len(sizes) == 1 else 0)
+        return real(batches)
+    state.put_report_batches = slow
+    answers: dict = {}
+    _report_all(receivers, prompts, answers)
+    assert all(a.accepted == 4 and a.duplicates == 0 for a in answers.values()), answers
+    assert sum(sizes) == RECEIVERS and len(sizes) < RECEIVERS, sizes  # some shared a commit
+    counters = broker.fed.counters
+    assert counters["report_calls"] == RECEIVERS and counters["report_commits"] == len(sizes)
+    assert counters["reports"] == 4 * RECEIVERS
+    assert broker.fed.compat() == state.compat() and len(state.compat()) == RECEIVERS
+    again: dict = {}
+    _report_all(receivers, prompts, again)  # the same reports again: duplicates, each told so
+    assert all(a.accepted == 0 and a.duplicates == 4 for a in again.values()), again
+    assert broker.fed.compat() == state.compat()
 
 
-def test_a_failed_commit_fails_every_report_in_it_and_stores_none(prompt_file, prompts):
-    broker = start_broker(broker_config(prompt_file, balance="none", min_nodes=RECEIVERS + 1))
-    try:
-        source, receivers = _matched(broker, prompts)
-        state = broker.fed.state
-        real = state.put_report_batches
-        assert broker.fed.compat() == []  # loaded before the failure
+def test_a_failed_commit_fails_every_report_in_it_and_stores_none(matched, prompts):
+    broker, receivers = matched
+    state = broker.fed.state
+    real = state.put_report_batches
+    assert broker.fed.compat() == []  # loaded before the failure
 
-        def failing(batches):
-            time.sleep(0.3)
-            raise Unavailable("the disk went away (a test)")
-        state.put_report_batches = failing
-        answers: dict = {}
-        _report_all(receivers, prompts, answers)
-        assert set(answers.values()) == {grpc.StatusCode.UNAVAILABLE}, answers
-        assert state.compat() == [] and broker.fed.compat() == [] and state.reports() == []
-        assert broker.fed.counters["reports"] == 0
-        state.put_report_batches = real  # the storage is back: the nodes' retries are stored
-        retried: dict = {}
-        _report_all(receivers, prompts, retried)
-        assert all(a.accepted == 4 for a in retried.values()), retried
-        assert broker.fed.compat() == state.compat() and len(state.reports()) == 4 * RECEIVERS
-        for x in (source, *receivers):
-            x.close()
-    finally:
-        broker.stop()
+    def failing(batches):
+        time.sleep(0.3)
+        raise Unavailable("the disk went away (a test)")
+    state.put_report_batches = failing
+    answers: dict = {}
+    _report_all(receivers, prompts, answers)
+    assert set(answers.values()) == {grpc.StatusCode.UNAVAILABLE}, answers
+    assert state.compat() == [] and broker.fed.compat() == [] and state.reports() == []
+    assert broker.fed.counters["reports"] == 0
+    state.put_report_batches = real  # the storage is back: the nodes' retries are stored
+    retried: dict = {}
+    _report_all(receivers, prompts, retried)
+    assert all(a.accepted == 4 for a in retried.values()), retried
+    assert broker.fed.compat() == state.compat() and len(state.reports()) == 4 * RECEIVERS
 
 
 @pytest.mark.parametrize("bad", [{"mean_s": float("nan")}, {"admitted_fraction": 2.0}])
-def test_a_malformed_report_is_refused_alone(prompt_file, prompts, bad):
-    broker = start_broker(broker_config(prompt_file, balance="none", min_nodes=RECEIVERS + 1))
-    try:
-        source, receivers = _matched(broker, prompts)
-        entries = _entries(prompts)
-        for key, value in bad.items():
-            setattr(entries[0], key, value)
-        with pytest.raises(grpc.RpcError) as err:
-            receivers[0].stub.ReportCompatibility(pb.CompatibilityReport(
-                node_id="r0", session_id=receivers[0].session, round=0, entries=entries, tag=new_tag()),
-                timeout=10)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        answers: dict = {}
-        _report_all(receivers[1:], prompts, answers)
-        assert all(a.accepted == 4 for a in answers.values()), answers
-        assert {c.receiver for c in broker.fed.compat()} == {f"r{i}" for i in range(1, RECEIVERS)}
-        for x in (source, *receivers):
-            x.close()
-    finally:
-        broker.stop()
+def test_a_malformed_report_is_refused_alone(matched, prompts, bad):
+    broker, receivers = matched
+    entries = _entries(prompts)
+    for key, value in bad.items():
+        setattr(entries[0], key, value)
+    with pytest.raises(grpc.RpcError) as err:
+        receivers[0].stub.ReportCompatibility(pb.CompatibilityReport(
+            node_id="r0", session_id=receivers[0].session, round=0, entries=entries, tag=new_tag()),
+            timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    answers: dict = {}
+    _report_all(receivers[1:], prompts, answers)
+    assert all(a.accepted == 4 for a in answers.values()), answers
+    assert {c.receiver for c in broker.fed.compat()} == {f"r{i}" for i in range(1, RECEIVERS)}
 
 
 def test_a_malformed_row_in_a_shared_commit_fails_only_its_report(prompt_file, prompts):
