@@ -4,6 +4,7 @@ rejection of a group the broker re-verifies as correct is not counted."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -49,14 +50,17 @@ class Reports(Part):
         once however often it is sent: a retried or replayed report changes nothing, and a
         receiver cannot inflate a source's rejections by repeating one. A rejection of a
         group the broker holds and re-verifies as correct is not counted (`recheck_rejections`)."""
-        entries = list(entries)
-        limit = self.manifest.prompts_per_round * MAX_PER_ROUND_FACTOR
-        if len(entries) > limit:
-            # a receiver gets at most one group per prompt of its round
-            raise InvalidArgument(f"{len(entries)} entries in one report; at most {limit} (one per group received)")
         # a work slot, like publishes and answers: a thousand-entry report is Python work a
-        # heartbeat would otherwise wait behind, one GIL slice per report thread
+        # heartbeat would otherwise wait behind, one interpreter slice per report thread (64
+        # reports of 1,229 entries made heartbeats wait 400-530 ms, issue 13); `entries` may
+        # be lazy (the servicer's are made as they are read), so they are read in here too
         with self.work:
+            limit = self.manifest.prompts_per_round * MAX_PER_ROUND_FACTOR
+            entries = list(itertools.islice(entries, limit + 1))  # no more read than refused
+            if len(entries) > limit:
+                # a receiver gets at most one group per prompt of its round
+                raise InvalidArgument(f"more than {limit} entries in one report; at most {limit} (one per group "
+                                      "received)")
             seen = set()
             for e in entries:
                 if not e.rejected and not (math.isfinite(e.mean_s) and 0 <= e.mean_s <= 1e6):

@@ -168,3 +168,19 @@ def test_a_malformed_row_in_a_shared_commit_fails_only_its_report(prompt_file, p
     assert calls[1] == 4  # the shared commit was tried, then each report alone
     assert [c.receiver for c in fed.compat()] == [f"r{i}" for i in range(4)] and fed.compat() == fed.state.compat()
     assert fed.counters["report_calls"] == 4 and fed.counters["report_commits"] == 5  # 1, then 4 alone
+
+
+def test_a_report_with_more_entries_than_a_round_has_groups_is_refused_unread(matched, prompts):
+    broker, receivers = matched
+    limit = broker.fed.manifest.prompts_per_round * 4  # federation.limits.MAX_PER_ROUND_FACTOR
+    entries = [pb.CompatibilityReport.Entry(source_node_id="src", prompt_id=f"p{i}", mean_s=1.0)
+               for i in range(limit + 50)]
+    with pytest.raises(grpc.RpcError) as err:
+        receivers[0].stub.ReportCompatibility(pb.CompatibilityReport(
+            node_id="r0", session_id=receivers[0].session, round=0, entries=entries, tag=new_tag()), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"at most {limit}" in err.value.details()
+    assert broker.fed.state.reports() == [] and broker.fed.counters["report_calls"] == 0
+    answers: dict = {}
+    _report_all(receivers[:1], prompts, answers)  # the node's proper report goes through
+    assert answers["r0"].accepted == 4
