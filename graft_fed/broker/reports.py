@@ -50,10 +50,10 @@ class Reports(Part):
         once however often it is sent: a retried or replayed report changes nothing, and a
         receiver cannot inflate a source's rejections by repeating one. A rejection of a
         group the broker holds and re-verifies as correct is not counted (`recheck_rejections`)."""
-        # a work slot, like publishes and answers: a thousand-entry report is Python work a
-        # heartbeat would otherwise wait behind, one interpreter slice per report thread (64
-        # reports of 1,229 entries made heartbeats wait 400-530 ms, issue 13); `entries` may
-        # be lazy (the servicer's are made as they are read), so they are read in here too
+        # a work slot, like publishes and answers, so that a few report threads at a time
+        # want the interpreter; `entries` may be lazy (the servicer's are made as they are
+        # read), so they are read in here too. While 64 nodes report 1,229 groups each,
+        # heartbeats still wait 400-700 ms (issue 13, docs/performance.md, thirty-seventh pass)
         with self.work:
             limit = self.manifest.prompts_per_round * MAX_PER_ROUND_FACTOR
             entries = list(itertools.islice(entries, limit + 1))  # no more read than refused

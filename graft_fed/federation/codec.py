@@ -567,8 +567,7 @@ def report_entries_to_pb(entries: Sequence[ReportEntry]) -> list[pb.Compatibilit
 
 
 def report_entries_from_pb(request: pb.CompatibilityReport) -> Iterator[ReportEntry]:
-    """The entries, made as they are iterated: the broker takes them inside its work slot,
-    so that 64 reports of 4,096 entries are not 64 threads building objects at once while a
-    heartbeat waits for the interpreter among them (issue 13)."""
+    """The entries, made as they are iterated: the broker reads them inside a work slot (not
+    64 threads building objects at once) and no further than its limit."""
     for e in request.entries:
         yield ReportEntry(e.source_node_id, e.prompt_id, e.mean_s, e.admitted_fraction, e.rejected)
