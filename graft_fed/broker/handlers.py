@@ -12,8 +12,6 @@ validates its whole input first, so a rejected request leaves the state as it wa
 
 from __future__ import annotations
 
-import heapq
-import math
 import threading
 import time
 from collections import Counter
@@ -22,7 +20,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 from graft_fed.broker.answers import Answers, Encoders
 from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.bundles import Bundles
-from graft_fed.broker.compat import CompatTable
+from graft_fed.broker.compat import CompatTable, pair_rows
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.context import Context
 from graft_fed.broker.exchange import ExchangeView
@@ -226,26 +224,12 @@ class Federation:
         groups; `pairs_total` says how many there are. Without `pairs` the status costs
         O(nodes): /metrics reads the pairs from `exchange()` instead."""
         nodes = self.registry.all()
-        exchange: dict[tuple[str, str], int] = {}
-        compat: dict[tuple[str, str], CompatRow] = {}
         with self.cond:
             now = self.clock()
             n_bundles, n_bytes = self.state.bundle_stats()
             bad = self.ctx.quarantined()
-            if pairs:
-                exchange = self.matcher.exchange().as_dict()
-                compat = {(c.source, c.receiver): c for c in self.ctx.compat.rows()}
-        keys = set(exchange) | set(compat)
-        total = len(keys)
-        if max_pairs is not None and total > max_pairs:
-            keys = set(heapq.nlargest(max_pairs, sorted(keys), key=lambda k: exchange.get(k, 0)))
-        rows = []
-        for key in sorted(keys):
-            c = compat.get(key)
-            rows.append({"source": key[0], "receiver": key[1], "groups": exchange.get(key, 0),
-                         "mean_s": c.mean_s if c else math.nan,
-                         "admitted_fraction": c.admitted_fraction if c else math.nan,
-                         "rejected": c.rejected if c else 0})
+        # outside the broker's lock: the exchange and the compatibility counts keep their own
+        rows, total = pair_rows(self.matcher.exchange(), self.ctx.compat.view(), max_pairs) if pairs else ([], 0)
         return {
             "manifest": self.manifest, "current_round": self.current_round(),
             "nodes": [{"node_id": n.node_id, "model_id": n.model_id,

@@ -14,8 +14,8 @@ from typing import Any, Iterable, Sequence
 from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_rows import (
     as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, match_key, norm_blob, norm_bytes,
-    norm_compat_args, norm_digests, norm_pairs, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary,
-    opt_int, opt_str, prune_cutoff, report_key, summary_key,
+    norm_compat_args, norm_digests, norm_match, norm_node, norm_pairs, norm_prompt_ids, norm_report, norm_round,
+    norm_summary, opt_int, opt_str, prune_cutoff, report_key, summary_key,
 )
 
 

@@ -58,8 +58,8 @@ from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchR
                                     SummaryHead, SummaryRow)
 from graft_fed.broker.state_rows import (
     as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_blob, norm_block, norm_bytes,
-    norm_compat_args, norm_digests, norm_pairs, norm_match, norm_node, norm_prompt_ids, norm_report, norm_round, norm_summary,
-    opt_int, opt_str, prune_cutoff, summary_key,
+    norm_compat_args, norm_digests, norm_match, norm_node, norm_pairs, norm_prompt_ids, norm_report, norm_round,
+    norm_summary, opt_int, opt_str, prune_cutoff, summary_key,
 )
 from graft_fed.errors import DataError
 from graft_fed.federation.summaryblock import SummaryBlock, SummaryBlockError, facts_of, group_rows

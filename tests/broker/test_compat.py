@@ -145,3 +145,48 @@ def test_matching_on_the_estimate_matrix_chooses_what_it_chose_on_the_pairs():
     assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="shape"):
         select_sources_arrays(k, n, True, np.zeros((3, 3)))
+
+
+def old_pair_rows(exchange: dict, compat: dict, max_pairs):
+    """What the status built before `pair_rows`: a dict per pair, then the largest."""
+    import heapq
+
+    keys = set(exchange) | set(compat)
+    total = len(keys)
+    if max_pairs is not None and total > max_pairs:
+        keys = set(heapq.nlargest(max_pairs, sorted(keys), key=lambda k: exchange.get(k, 0)))
+    rows = []
+    for key in sorted(keys):
+        c = compat.get(key)
+        rows.append({"source": key[0], "receiver": key[1], "groups": exchange.get(key, 0),
+                     "mean_s": c.mean_s if c else math.nan, "admitted_fraction": c.admitted_fraction if c else math.nan,
+                     "rejected": c.rejected if c else 0})
+    return rows, total
+
+
+def test_the_status_pairs_on_arrays_are_the_pairs_it_listed_before(state):
+    from graft_fed.broker.compat import pair_rows
+    from graft_fed.broker.exchange import Exchange
+
+    rng = random.Random(9)
+    everyone = [f"n{i:02d}" for i in range(30)]
+    ex, table = Exchange(), CompatTable(state.compat)
+    assert pair_rows(ex.view(), table.view(), 5) == ([], 0)  # nothing yet
+    for round_ in range(25):
+        nodes = rng.sample(everyone, 12)
+        m = rng.randrange(0, 20)
+        ex.add_positions(nodes, np.array([rng.randrange(12) for _ in range(m)]),
+                         np.array([rng.randrange(12) for _ in range(m)]))
+        names = rng.sample(everyone, 8)  # some reports of pairs that never exchanged (as after a prune)
+        rows = random_reports(rng, names, round_, rng.randrange(1, 6))
+        state.put_reports(rows)
+        table.update(state.compat(pairs={(r.source, r.receiver) for r in rows}))
+    exchange = ex.view().as_dict()
+    compat = {(c.source, c.receiver): c for c in state.compat()}
+    assert set(compat) - set(exchange) and set(exchange) - set(compat)
+    for max_pairs in (None, 0, 1, 7, 50, 10_000):
+        got, total = pair_rows(ex.view(), table.view(), max_pairs)
+        want, want_total = old_pair_rows(exchange, compat, max_pairs)
+        assert total == want_total
+        assert [{k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()} for row in got] == \
+            [{k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()} for row in want]
