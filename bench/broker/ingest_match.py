@@ -110,30 +110,22 @@ def run_node(c: BrokerClient, i: int, requests: list[pb.PublishRequest], rounds:
         out["offers"][r][i] = len(m.offers)
         if reports:
             # a node reports once it has fetched and scored the groups, after its training
-            # step: seconds to minutes after the answer, so after every node has its answer.
-            # The request is made before (a node scores as it trains), so that the simulated
-            # nodes, threads of a few processes, do not build theirs all at once while the
-            # probe's heartbeats wait for the same interpreters
-            req = _report_request(c, r, m.offers) if m.offers else None
+            # step: seconds to minutes after the answer, so after every node has its answer
             barrier.wait()
-            if req is not None:
-                out["report_s"][r][i] = _traced(f"{c.node_id} round {r} ReportCompatibility", out["t_send"][r][i],
-                                                lambda: _send(c.stub.ReportCompatibility, req, timeout_s))
+        if reports and m.offers:
+            out["report_s"][r][i] = _traced(f"{c.node_id} round {r} ReportCompatibility", out["t_send"][r][i],
+                                            lambda: _report(c, r, m.offers, timeout_s))
 
 
-def _report_request(c: BrokerClient, r: int, offers) -> pb.CompatibilityReport:
-    """A report on every offered group (a made-up score, none rejected)."""
+def _report(c: BrokerClient, r: int, offers, timeout_s: float) -> float:
+    """Report on every offered group (a made-up score, none rejected); the call's seconds."""
     rng = random.Random(f"{c.node_id}/{r}")
-    return pb.CompatibilityReport(node_id=c.node_id, session_id=c.session, round=r, tag=new_tag(), entries=[
+    req = pb.CompatibilityReport(node_id=c.node_id, session_id=c.session, round=r, tag=new_tag(), entries=[
         pb.CompatibilityReport.Entry(source_node_id=o.source_node_id, prompt_id=o.prompt_id,
                                      mean_s=rng.uniform(0.2, 2.0), admitted_fraction=rng.random())
         for o in offers])
-
-
-def _send(method, request, timeout_s: float) -> float:
-    """The call's seconds."""
     t0 = time.perf_counter()
-    method(request, timeout=timeout_s)
+    c.stub.ReportCompatibility(req, timeout=timeout_s)
     return time.perf_counter() - t0
 
 
