@@ -15,9 +15,9 @@ sent it. The broker
   (ALREADY_EXISTS; the first application stands and nothing is applied again), and one
   that is still being processed (ABORTED: retry shortly);
 - forgets a request id once its send time is more than `window_s` old (a replay of it is
-  then refused by its timestamp), and keeps at most `max_per_node` ids per node and method
-  (beyond it the node's oldest eighth is forgotten at once), so its memory is bounded however
-  long the broker runs.
+  then refused by its timestamp), and keeps at most `max_per_node` ids per node (beyond it
+  the node's oldest eighth is forgotten at once), so its memory is bounded however long the
+  broker runs.
 
 The memory of request ids lives in the broker's process and does not survive a restart,
 by design: every state change those RPCs make is idempotent in the durable state, so a
@@ -72,7 +72,6 @@ class Ticket:
     request_id: str
     fingerprint: int
     expires: float
-    method: str = ""
 
 
 class RequestIds:
@@ -209,52 +208,18 @@ class RequestIds:
         return excess
 
 
-class _Stripe:
-    """One method's request ids, in-flight ids and counts, under a lock of its own."""
-
-    def __init__(self, max_per_node: int, epoch: float, merge_s: float) -> None:
-        self.lock = threading.Lock()
-        self.seen = RequestIds(max_per_node, epoch=epoch, merge_s=merge_s)
-        self.inflight: set[int] = set()
-        self.counters: Counter[str] = Counter()
-
-
 class ReplayGuard:
-    """Request ids are kept per method, each method's under a lock of its own: a request
-    is only ever replayed to the method it was sent to, and a node draws a new id for
-    every request. One lock for all of them was a convoy: when 64 nodes reported at once,
-    their ReportCompatibility calls queued on it, one interpreter switch per hand-over, and
-    every heartbeat behind them waited on it twice (median 209 ms, up to 362 ms a wait;
-    heartbeat p99 430-730 ms at 64 x 4,096, issue 13)."""
-
     def __init__(self, window_s: float = 300.0, required: bool = True, max_per_node: int = MAX_IDS_PER_NODE,
                  clock: Callable[[], float] = time.time) -> None:
         self.window = window_s
         self.required = required
         self.max_per_node = max_per_node
         self.clock = clock
-        self._epoch = clock()
-        self._merge_s = min(10.0, max(1.0, window_s / 30))
-        self._stripes: dict[str, _Stripe] = {}
-        self._stripes_lock = threading.Lock()
-        self._counters: Counter[str] = Counter()  # refusals decided before a stripe (untagged, stale)
+        self._lock = threading.Lock()
+        self._seen = RequestIds(max_per_node, epoch=clock(), merge_s=min(10.0, max(1.0, window_s / 30)))
+        self._inflight: set[int] = set()
+        self.counters: Counter[str] = Counter()
         self._warned_eviction = False
-
-    def _stripe(self, method: str) -> _Stripe:
-        stripe = self._stripes.get(method)
-        if stripe is None:
-            with self._stripes_lock:
-                stripe = self._stripes.setdefault(method, _Stripe(self.max_per_node, self._epoch, self._merge_s))
-        return stripe
-
-    @property
-    def counters(self) -> Counter[str]:
-        """Admitted and refused requests by reason, over every method (a copy)."""
-        out = Counter(self._counters)
-        for stripe in list(self._stripes.values()):
-            with stripe.lock:
-                out.update(stripe.counters)
-        return out
 
     def begin(self, method: str, node_id: str, request_id: str, sent_at_ms: int) -> Ticket | None:
         """Admit one request or raise: InvalidArgument (no or malformed tag), FailedPrecondition
@@ -262,7 +227,7 @@ class ReplayGuard:
         Returns None for an untagged request where tags are not required."""
         if not request_id and not sent_at_ms:
             if self.required:
-                self._counters["refused_untagged"] += 1
+                self.counters["refused_untagged"] += 1
                 raise InvalidArgument(f"{method}: the request carries no tag (request_id and sent_at_ms); this broker "
                                       "refuses untagged state-changing requests to stop replays. Upgrade the node, "
                                       "or set the broker's require_request_ids: false")
@@ -273,40 +238,38 @@ class ReplayGuard:
         now = self.clock()
         skew = now - sent_at_ms / 1000.0
         if abs(skew) > self.window:
-            self._counters["refused_stale"] += 1
+            self.counters["refused_stale"] += 1
             when = f"{skew:.0f} s ago" if skew > 0 else f"{-skew:.0f} s in the future"
             raise FailedPrecondition(f"{method}: the request says it was sent {when} by the broker's clock; the "
                                      f"broker accepts requests sent within {self.window:.0f} s. A replayed request, "
                                      "or the node's clock is off: synchronise it (NTP)")
-        stripe = self._stripe(method)
-        fp = stripe.seen.fingerprint(node_id, request_id)
-        with stripe.lock:
-            if fp in stripe.seen:
-                stripe.counters["refused_duplicate"] += 1
+        fp = self._seen.fingerprint(node_id, request_id)
+        with self._lock:
+            if fp in self._seen:
+                self.counters["refused_duplicate"] += 1
                 raise AlreadyExists(f"{method}: request {request_id} of node {node_id!r} was already applied; "
                                     "a repeated request is not applied again (a retry after a lost reply can "
                                     "take this as success)")
-            if fp in stripe.inflight:
-                stripe.counters["refused_inflight"] += 1
+            if fp in self._inflight:
+                self.counters["refused_inflight"] += 1
                 raise Aborted(f"{method}: request {request_id} of node {node_id!r} is still being processed; retry "
                               "shortly with the same request id")
-            stripe.inflight.add(fp)
-        return Ticket(node_id, request_id, fp, sent_at_ms / 1000.0 + self.window, method)
+            self._inflight.add(fp)
+        return Ticket(node_id, request_id, fp, sent_at_ms / 1000.0 + self.window)
 
     def end(self, ticket: Ticket | None, applied: bool) -> None:
         """Close a request admitted by `begin`: remember its id if it was applied, else let
         it be retried with the same id."""
         if ticket is None:
             return
-        stripe = self._stripe(ticket.method)
-        with stripe.lock:
-            stripe.inflight.discard(ticket.fingerprint)
+        with self._lock:
+            self._inflight.discard(ticket.fingerprint)
             if not applied:
                 return
-            evicted = stripe.seen.add(ticket.fingerprint, ticket.node_id, ticket.expires, self.clock())
-            stripe.counters["admitted"] += 1
+            evicted = self._seen.add(ticket.fingerprint, ticket.node_id, ticket.expires, self.clock())
+            self.counters["admitted"] += 1
             if evicted:
-                stripe.counters["evicted"] += evicted
+                self.counters["evicted"] += evicted
                 if not self._warned_eviction:
                     log.warning("node %s sent more than %d state-changing requests within %.0f s; its oldest request "
                                 "ids are forgotten early (their replay is harmless: the operations are idempotent)",
@@ -327,15 +290,9 @@ class ReplayGuard:
         """Forget ids whose send time left the window (a replay is refused by its timestamp),
         at most every few seconds (the housekeeping calls it every second); returns how many."""
         now = self.clock()
-        dropped = 0
-        for stripe in list(self._stripes.values()):
-            with stripe.lock:
-                dropped += stripe.seen.merge(now) if stripe.seen.due(now) else 0
-        return dropped
+        with self._lock:
+            return self._seen.merge(now) if self._seen.due(now) else 0
 
     def remembered(self) -> int:
-        total = 0
-        for stripe in list(self._stripes.values()):
-            with stripe.lock:
-                total += len(stripe.seen)
-        return total
+        with self._lock:
+            return len(self._seen)

@@ -4,7 +4,6 @@ tags are required (INVALID_ARGUMENT); a node retrying after a lost reply still s
 a replay that reaches a restarted broker (which has forgotten its request ids) changes
 nothing, because every state change those RPCs make is idempotent."""
 
-import threading
 import time
 
 import grpc
@@ -89,34 +88,6 @@ def test_guard_refuses_duplicates_stale_and_untagged_requests():
     for i in (2, 3):
         with pytest.raises(AlreadyExists):
             small.begin("Heartbeat", "a", f"{i:032d}", now + 1000 * i)
-
-
-def test_each_method_keeps_its_ids_under_its_own_lock():
-    clock = Clock()
-    g = ReplayGuard(window_s=300, clock=clock)
-    ms = int(clock.t * 1000)
-    with g.admit("ReportCompatibility", "a", ID, ms):
-        pass
-    with pytest.raises(AlreadyExists):  # a replay goes to the method it was sent to
-        g.begin("ReportCompatibility", "a", ID, ms)
-    with g.admit("Heartbeat", "a", ID, ms):  # another method's request (a node never reuses an id)
-        pass
-    counts = g.counters
-    assert counts["admitted"] == 2 and counts["refused_duplicate"] == 1 and g.remembered() == 2
-    # a method whose lock is held (a burst of reports queued on it) does not hold up another's
-    g.begin("ReportCompatibility", "a", "r" * 32, ms)  # the stripe exists
-    report_lock = g._stripes["ReportCompatibility"].lock
-    done = threading.Event()
-
-    def heartbeat():
-        with g.admit("Heartbeat", "a", "h" * 32, ms):
-            pass
-        done.set()
-    with report_lock:
-        t = threading.Thread(target=heartbeat)
-        t.start()
-        assert done.wait(5), "a heartbeat waited on the reports' lock"
-    t.join()
 
 
 def test_request_ids_across_merges_expiry_and_eviction():
