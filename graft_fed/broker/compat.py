@@ -57,9 +57,9 @@ class CompatTable:
 
     def _loaded(self) -> PairGrid:
         if self._grid is None:
-            grid = PairGrid(_DTYPES)
-            self._grid = grid
-            self._set(self._read_all())
+            rows = self._read_all()  # a failed read leaves the table unloaded: the next call reads again
+            self._grid = PairGrid(_DTYPES)
+            self._set(rows)
         return self._grid
 
     def _set(self, rows: Iterable[CompatRow]) -> None:

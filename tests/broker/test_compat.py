@@ -190,3 +190,20 @@ def test_the_status_pairs_on_arrays_are_the_pairs_it_listed_before(state):
         assert total == want_total
         assert [{k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()} for row in got] == \
             [{k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()} for row in want]
+
+
+def test_a_failed_first_read_is_read_again(state):
+    from graft_fed.federation.errors import Unavailable
+
+    state.put_reports([ReportRow(0, "r", "s", "p0", 0.5, 1.0, False)])
+    calls = []
+
+    def read_all():
+        calls.append(1)
+        if len(calls) == 1:
+            raise Unavailable("the disk went away (a test)")
+        return state.compat()
+    table = CompatTable(read_all)
+    with pytest.raises(Unavailable):
+        table.rows()
+    assert table.rows() == state.compat() and table.rejected_total() == 0 and len(calls) == 2
