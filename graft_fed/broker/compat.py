@@ -87,6 +87,14 @@ class CompatTable:
             if self._grid is not None:
                 self._set(rows)
 
+    def forget(self) -> None:
+        """Drop the copy: the next use reads every row from the state again."""
+        with self._lock:
+            self._grid = None
+            self._rejected = 0
+            self._version += 1
+            self._quarantine = None
+
     def rejected_total(self) -> int:
         """Groups rejected over every pair (each report counted once, as in the state)."""
         with self._lock:

@@ -136,8 +136,7 @@ class Reports(Part):
                 batch = [q for q in batch if not q.done]
                 results = [x for x in results if x is not None]
             if any(accepted for accepted, _ in results):
-                self.ctx.compat.update(self.state.compat(
-                    pairs={(r.source, r.receiver) for q in batch for r in q.rows}))
+                self._read_back({(r.source, r.receiver) for q in batch for r in q.rows})
         except BaseException as exc:  # every report of the batch gets the storage's error
             for q in batch:
                 q.error, q.done = exc, True
@@ -150,6 +149,19 @@ class Reports(Part):
             self.counters["rejected_groups"] = self.ctx.compat.rejected_total()
             self.counters["report_commits"] += commits
             self.counters["report_calls"] += len(batch)
+
+    def _read_back(self, pairs: set[tuple[str, str]]) -> None:
+        """Hand the copy in memory the stored rows of `pairs`. The reports are stored by now:
+        when the read fails, the copy is dropped (read whole on its next use) and the
+        reports still succeed, rather than telling the nodes to resend what counts once."""
+        try:
+            rows = self.state.compat(pairs=pairs)
+        except Exception as exc:  # noqa: BLE001 - a storage error; the commit stands
+            log.warning("could not read back the compatibility rows of %d pairs (%s); the broker reads them all "
+                        "again when it next needs them", len(pairs), exc)
+            self.ctx.compat.forget()
+            return
+        self.ctx.compat.update(rows)
 
     def _alone(self, q: _Queued) -> tuple[int, int] | None:
         """q's report in a commit of its own: its result, or None with q failed (done)."""

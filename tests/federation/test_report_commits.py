@@ -184,3 +184,21 @@ def test_a_report_with_more_entries_than_a_round_has_groups_is_refused_unread(ma
     answers: dict = {}
     _report_all(receivers[:1], prompts, answers)  # the node's proper report goes through
     assert answers["r0"].accepted == 4
+
+
+def test_a_failed_read_back_keeps_the_commit_and_rereads_the_counts(matched, prompts):
+    broker, receivers = matched
+    state = broker.fed.state
+    assert broker.fed.compat() == []  # loaded
+    real = state.compat
+
+    def failing(pairs=None):
+        if pairs is not None:
+            raise Unavailable("the disk went away (a test)")
+        return real()
+    state.compat = failing
+    answers: dict = {}
+    _report_all(receivers[:2], prompts, answers)
+    assert all(a.accepted == 4 for a in answers.values()), answers  # stored: the nodes are told so
+    state.compat = real
+    assert broker.fed.compat() == state.compat() and len(state.compat()) == 2  # read whole again
