@@ -57,43 +57,60 @@ class CompatTable:
 
     def _loaded(self) -> PairGrid:
         if self._grid is None:
-            rows = self._read_all()  # a failed read leaves the table unloaded: the next call reads again
-            self._grid = PairGrid(_DTYPES)
-            self._set(rows)
+            # built aside and kept only whole: a failed read (or fill) leaves the table
+            # unloaded, and the next use reads again
+            grid = PairGrid(_DTYPES)
+            rejected = self._fill(grid, self._read_all())
+            self._grid, self._rejected = grid, rejected
+            self._version += 1
         return self._grid
 
-    def _set(self, rows: Iterable[CompatRow]) -> None:
-        grid = self._grid
-        assert grid is not None
+    @staticmethod
+    def _fill(grid: PairGrid, rows: Iterable[CompatRow]) -> int:
+        """Write the rows into the grid; returns the change in the rejected total."""
         rows = list(rows)
         if not rows:
-            return
+            return 0
         at = grid.positions([x for c in rows for x in (c.source, c.receiver)]).reshape(-1, 2)
         s, r = at[:, 0], at[:, 1]
         m = grid.m
-        self._rejected -= int(m["rejected"][s, r][m["present"][s, r]].sum())
+        before = int(m["rejected"][s, r][m["present"][s, r]].sum())
         m["present"][s, r] = True
         m["groups"][s, r] = [c.groups for c in rows]
         m["rejected"][s, r] = [c.rejected for c in rows]
         m["mean_s"][s, r] = [c.mean_s for c in rows]
         m["admitted"][s, r] = [c.admitted_fraction for c in rows]
-        self._rejected += sum(c.rejected for c in rows)
-        self._version += 1
+        return sum(c.rejected for c in rows) - before
 
     def update(self, rows: Iterable[CompatRow]) -> None:
         """Take these rows as the state now holds them (a report's pairs, read back after
-        the state folded it). Nothing to do before the first load, which reads them all."""
+        the state folded it). Nothing to do before the first load, which reads them all; an
+        update that fails half way drops the copy (read whole on its next use)."""
         with self._lock:
-            if self._grid is not None:
-                self._set(rows)
+            if self._grid is None:
+                return
+            try:
+                self._rejected += self._fill(self._grid, rows)
+            except BaseException:
+                self._drop()
+                raise
+            self._version += 1
 
     def forget(self) -> None:
         """Drop the copy: the next use reads every row from the state again."""
         with self._lock:
-            self._grid = None
-            self._rejected = 0
-            self._version += 1
-            self._quarantine = None
+            self._drop()
+
+    def _drop(self) -> None:
+        self._grid = None
+        self._rejected = 0
+        self._version += 1
+        self._quarantine = None
+
+    def loaded_rejected_total(self) -> int | None:
+        """`rejected_total` when the copy is loaded, else None (without reading the state)."""
+        with self._lock:
+            return None if self._grid is None else self._rejected
 
     def rejected_total(self) -> int:
         """Groups rejected over every pair (each report counted once, as in the state)."""
@@ -199,7 +216,7 @@ def pair_rows(exchange: ExchangeView, compat: CompatView, max_pairs: int | None 
     groups = np.zeros(total, dtype=np.int64)
     groups[np.searchsorted(keys, ex_codes)] = exchange.groups
     if max_pairs is not None and total > max_pairs:
-        keep = np.sort(np.argsort(-groups, kind="stable")[:max_pairs])  # the most groups; ties by name
+        keep = np.sort(np.argsort(-groups, kind="stable")[:max(0, max_pairs)])  # the most groups; ties by name
         keys, groups = keys[keep], groups[keep]
     order = np.argsort(cx_codes, kind="stable")
     found = np.searchsorted(cx_codes[order], keys)

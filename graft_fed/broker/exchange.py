@@ -74,6 +74,15 @@ class Exchange:
 
     def __init__(self) -> None:
         self._grid = PairGrid({"groups": np.int64})
+        self._rounds: set[int] = set()  # the rounds whose match sets are counted
+
+    def add_set(self, round: int, nodes: Sequence[str], source: np.ndarray, receiver: np.ndarray) -> None:
+        """Count a round's match set once, however often it is added: a count built from the
+        state may already hold a round that matching then adds as it finishes."""
+        if round in self._rounds:
+            return
+        self._rounds.add(round)
+        self.add_positions(nodes, source, receiver)
 
     def add_positions(self, nodes: Sequence[str], source: np.ndarray, receiver: np.ndarray) -> None:
         """Count one match per i, from nodes[source[i]] to nodes[receiver[i]] (a match set's

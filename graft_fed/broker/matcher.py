@@ -85,8 +85,8 @@ class Matcher(Part):
             self._remember_set(ms)
             self.rounds.put(replace(matched, participants=ms.nodes))
         with self._exchange_lock:
-            if self._exchange is not None:
-                self._exchange.add_positions(ms.nodes, ms.source, ms.receiver)
+            if self._exchange is not None:  # a count built meanwhile from the state may hold it already
+                self._exchange.add_set(ms.round, ms.nodes, ms.source, ms.receiver)
         self.counters["rounds_matched"] += 1
         self.counters["matches"] += len(ms)
         log.info("round %d matched: %d nodes, %d transfers", round, len(ms.nodes), len(ms))
@@ -157,7 +157,7 @@ class Matcher(Part):
                 for r in self.state.match_set_rounds():
                     ms = self.match_set(r)
                     if ms is not None:
-                        counts.add_positions(ms.nodes, ms.source, ms.receiver)
+                        counts.add_set(ms.round, ms.nodes, ms.source, ms.receiver)
                 self._exchange = counts
             return self._exchange.view()
 

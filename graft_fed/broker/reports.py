@@ -119,57 +119,54 @@ class Reports(Part):
         return mine.result
 
     def _commit_queued(self) -> None:
-        """Commit every queued report (the caller holds `_fold` and a work slot)."""
+        """Commit every queued report (the caller holds `_fold` and a work slot). Once a
+        report is stored it succeeds, whatever fails after: its node must not resend what
+        counts once, and the copy in memory is refreshed or dropped."""
         with self._queue_lock:
             batch, self._queue = self._queue, []
-        commits = 1
+        commits = 0
         try:
-            try:
-                results = self.state.put_report_batches([q.rows for q in batch])
-            except (TypeError, ValueError):
-                if len(batch) == 1:
-                    raise
-                # a malformed report (the state stored nothing): each alone, so that
-                # only that one fails
-                commits = len(batch)
-                results = [self._alone(q) for q in batch]
-                batch = [q for q in batch if not q.done]
-                results = [x for x in results if x is not None]
-            if any(accepted for accepted, _ in results):
-                self._read_back({(r.source, r.receiver) for q in batch for r in q.rows})
-        except BaseException as exc:  # every report of the batch gets the storage's error
+            for q, result in zip(batch, self.state.put_report_batches([q.rows for q in batch])):
+                q.result = result
+            commits = 1
+        except (TypeError, ValueError) as exc:  # a malformed report; the state stored nothing
+            if len(batch) == 1:
+                batch[0].error = exc
+            else:  # each alone, so that only that one fails
+                for q in batch:
+                    try:
+                        q.result = self.state.put_reports(q.rows)
+                        commits += 1
+                    except BaseException as one:  # noqa: BLE001 - that report's own error
+                        q.error = one
+        except BaseException as exc:  # the commit failed: nothing stored, every report gets its error
             for q in batch:
-                q.error, q.done = exc, True
-        else:
-            for q, result in zip(batch, results):
-                q.result, q.done = result, True
-            self.counters["reports"] += sum(a for a, _ in results)
-            self.counters["duplicate_reports"] += sum(d for _, d in results)
+                q.error = exc
+        stored = [q for q in batch if q.error is None]
+        for q in batch:
+            q.done = True  # read by the others once this thread lets go of `_fold`
+        if not stored:
+            return
+        self.counters["reports"] += sum(q.result[0] for q in stored)
+        self.counters["duplicate_reports"] += sum(q.result[1] for q in stored)
+        self.counters["report_commits"] += commits
+        self.counters["report_calls"] += len(stored)
+        if any(q.result[0] for q in stored):
+            self._read_back({(r.source, r.receiver) for q in stored for r in q.rows})
+        total = self.ctx.compat.loaded_rejected_total()
+        if total is not None:
             # counted once per group, like the matrix (a repeated rejection is a duplicate)
-            self.counters["rejected_groups"] = self.ctx.compat.rejected_total()
-            self.counters["report_commits"] += commits
-            self.counters["report_calls"] += len(batch)
+            self.counters["rejected_groups"] = total
 
     def _read_back(self, pairs: set[tuple[str, str]]) -> None:
-        """Hand the copy in memory the stored rows of `pairs`. The reports are stored by now:
-        when the read fails, the copy is dropped (read whole on its next use) and the
-        reports still succeed, rather than telling the nodes to resend what counts once."""
+        """Hand the copy in memory the stored rows of `pairs`; when that fails, drop the copy
+        (read whole on its next use)."""
         try:
-            rows = self.state.compat(pairs=pairs)
+            self.ctx.compat.update(self.state.compat(pairs=pairs))
         except Exception as exc:  # noqa: BLE001 - a storage error; the commit stands
             log.warning("could not read back the compatibility rows of %d pairs (%s); the broker reads them all "
                         "again when it next needs them", len(pairs), exc)
             self.ctx.compat.forget()
-            return
-        self.ctx.compat.update(rows)
-
-    def _alone(self, q: _Queued) -> tuple[int, int] | None:
-        """q's report in a commit of its own: its result, or None with q failed (done)."""
-        try:
-            return self.state.put_reports(q.rows)
-        except (TypeError, ValueError) as exc:
-            q.error, q.done = exc, True
-            return None
 
     def _rejection_disputed(self, match: MatchRow) -> bool:
         """True when the broker holds the matched group's bundle and its own re-verification

@@ -50,6 +50,17 @@ def test_the_matrix_counts_what_a_counter_of_every_match_counts():
     assert view.among(some) == {k: g for k, g in want.items() if k[0] in some and k[1] in some}
 
 
+def test_a_round_added_twice_counts_once():
+    # a count built from the state can already hold the round that matching adds as it
+    # finishes (the state stores the round's set before matching adds it)
+    ex = Exchange()
+    nodes, src, dst = ["a", "b", "c"], np.array([0, 1, 2]), np.array([1, 2, 0])
+    ex.add_set(7, nodes, src, dst)
+    ex.add_set(7, nodes, src, dst)
+    ex.add_set(8, nodes, src[:1], dst[:1])
+    assert ex.view().as_dict() == {("a", "b"): 2, ("b", "c"): 1, ("c", "a"): 1}
+
+
 def test_an_empty_exchange_and_a_set_without_matches():
     ex = Exchange()
     ex.add_positions(["a", "b"], np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32))

@@ -167,7 +167,79 @@ def test_a_malformed_row_in_a_shared_commit_fails_only_its_report(prompt_file, p
     assert out == {f"r{i}": (1, 0) for i in range(4)}
     assert calls[1] == 4  # the shared commit was tried, then each report alone
     assert [c.receiver for c in fed.compat()] == [f"r{i}" for i in range(4)] and fed.compat() == fed.state.compat()
-    assert fed.counters["report_calls"] == 4 and fed.counters["report_commits"] == 5  # 1, then 4 alone
+    assert fed.counters["report_calls"] == 4 and fed.counters["report_commits"] == 4  # 1, then 3 alone
+
+
+def _shared_commit(fed, good, bad, slow_first=0.3):
+    """r0 commits alone while the rest queue, then share a commit: {name: result or error}."""
+    out: dict = {}
+
+    def one(name, rows):
+        try:
+            out[name] = fed.reports._commit(rows)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            out[name] = exc
+    threads = [threading.Thread(target=one, args=(f"r{i}", rows)) for i, rows in enumerate(good)]
+    threads.insert(2, threading.Thread(target=one, args=("r9", bad)))
+    threads[0].start()
+    time.sleep(0.1)
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _fed(prompt_file):
+    from graft_fed.broker.handlers import Federation
+    from graft_fed.broker.state_memory import InMemoryState
+
+    fed = Federation(broker_config(prompt_file), InMemoryState())
+    assert fed.compat() == []  # loaded
+    return fed
+
+
+def test_a_report_stored_alone_succeeds_when_another_alone_fails_on_storage(prompt_file):
+    from graft_fed.broker.state import ReportRow
+
+    fed = _fed(prompt_file)
+    real = fed.state.put_report_batches
+    calls = []
+
+    def flaky(batches):
+        calls.append(len(batches))
+        if len(calls) == 1:
+            time.sleep(0.3)
+        if batches and batches[0] and batches[0][0].receiver == "r3" and len(batches) == 1:
+            raise Unavailable("the disk went away for r3 (a test)")
+        return real(batches)
+    fed.state.put_report_batches = flaky
+    good = [[ReportRow(0, f"r{i}", "s", "p0", 0.5, 1.0, False)] for i in range(4)]
+    out = _shared_commit(fed, good, [ReportRow(0, "r9", "s", "p0", 0.5, 1.0, 1)])
+    assert isinstance(out.pop("r9"), TypeError) and isinstance(out.pop("r3"), Unavailable)
+    assert out == {f"r{i}": (1, 0) for i in range(3)}  # stored: told so
+    assert fed.compat() == fed.state.compat() and [c.receiver for c in fed.compat()] == ["r0", "r1", "r2"]
+    assert fed.counters["report_calls"] == 3 and fed.counters["reports"] == 3
+
+
+def test_reports_stored_succeed_when_every_read_after_fails(prompt_file):
+    from graft_fed.broker.state import ReportRow
+
+    fed = _fed(prompt_file)
+    real = fed.state.compat
+    down = [True]
+
+    def failing(pairs=None):
+        if down[0]:
+            raise Unavailable("the disk went away (a test)")
+        return real(pairs)
+    fed.state.compat = failing
+    fed.ctx.compat._read_all = failing  # the full read too (what a restart of the table does)
+    assert fed.reports._commit([ReportRow(0, "r0", "s", "p0", 0.5, 1.0, True)]) == (1, 0)
+    assert fed.counters["reports"] == 1 and fed.counters["report_calls"] == 1 and fed.counters["report_commits"] == 1
+    down[0] = False
+    assert fed.compat() == real() and fed.reports._commit([ReportRow(0, "r1", "s", "p0", 0.5, 1.0, True)]) == (1, 0)
+    assert fed.counters["rejected_groups"] == 2 and fed.compat() == real()
 
 
 def test_a_report_with_more_entries_than_a_round_has_groups_is_refused_unread(matched, prompts):
