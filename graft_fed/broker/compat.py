@@ -26,6 +26,7 @@ from graft_fed.broker.grid import PairGrid
 from graft_fed.broker.quarantine import quarantined_sources
 from graft_fed.broker.state import CompatRow
 
+
 @dataclass(frozen=True)
 class CompatView:
     """A copy of the pairs that have a row: `names[source[i]]` -> `names[receiver[i]]`, in no
@@ -143,15 +144,20 @@ class CompatTable:
             at = grid.known([receiver])[0]
             if at < 0:
                 return {}
-            n = len(grid)
-            known = grid.m["present"][:n, at] & (grid.m["groups"][:n, at] > 0)
-            names = grid.names
-            return {names[i]: float(grid.m["mean_s"][i, at]) for i in np.flatnonzero(known)}
+            known = grid.used("present")[:, at] & (grid.used("groups")[:, at] > 0)
+            names, mean = grid.names, grid.m["mean_s"]
+            return {names[i]: float(mean[i, at]) for i in np.flatnonzero(known)}
 
-    def view(self) -> CompatView:
+    def view(self, among: Iterable[str] | None = None) -> CompatView:
+        """The pairs that have a row; with `among`, those whose source and receiver are both in it."""
         with self._lock:
             grid = self._loaded()
-            s, r = np.nonzero(grid.used("present"))
+            present = grid.used("present")
+            if among is not None:
+                wanted = set(among)
+                inside = np.array([x in wanted for x in grid.names], dtype=bool)
+                present = present & inside[:, None] & inside[None, :]
+            s, r = np.nonzero(present)
             m = grid.m
             return CompatView(names=list(grid.names), source=s, receiver=r, groups=m["groups"][s, r],
                               mean_s=m["mean_s"][s, r], admitted=m["admitted"][s, r], rejected=m["rejected"][s, r])
@@ -159,21 +165,11 @@ class CompatTable:
     def rows(self, among: Iterable[str] | None = None) -> list[CompatRow]:
         """The pairs' rows by (source, receiver), as `BrokerState.compat()` lists them; with
         `among`, only the pairs whose source and receiver are both in it."""
-        with self._lock:
-            grid = self._loaded()
-            names = grid.names
-            present = grid.used("present")
-            if among is not None:
-                wanted = set(among)
-                inside = np.array([x in wanted for x in names], dtype=bool)
-                present = present & inside[:, None] & inside[None, :]
-            s, r = np.nonzero(present)
-            m = grid.m
-            out = [CompatRow(source=names[i], receiver=names[j], groups=g, mean_s=ms, admitted_fraction=af,
-                             rejected=rj)
-                   for i, j, g, ms, af, rj in zip(s.tolist(), r.tolist(), m["groups"][s, r].tolist(),
-                                                  m["mean_s"][s, r].tolist(), m["admitted"][s, r].tolist(),
-                                                  m["rejected"][s, r].tolist())]
+        v = self.view(among)
+        names = v.names
+        out = [CompatRow(source=names[i], receiver=names[j], groups=g, mean_s=ms, admitted_fraction=af, rejected=rj)
+               for i, j, g, ms, af, rj in zip(v.source.tolist(), v.receiver.tolist(), v.groups.tolist(),
+                                              v.mean_s.tolist(), v.admitted.tolist(), v.rejected.tolist())]
         out.sort(key=lambda c: (c.source, c.receiver))
         return out
 

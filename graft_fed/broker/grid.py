@@ -20,10 +20,9 @@ class PairGrid:
     """Node positions and the matrices over them; not thread-safe (its owner locks)."""
 
     def __init__(self, dtypes: dict[str, type]) -> None:
-        self._dtypes = dict(dtypes)
         self._pos: dict[str, int] = {}
         self._names: list[str] = []
-        self.m: dict[str, np.ndarray] = {key: np.zeros((0, 0), dtype=dt) for key, dt in self._dtypes.items()}
+        self.m: dict[str, np.ndarray] = {key: np.zeros((0, 0), dtype=dt) for key, dt in dtypes.items()}
 
     @property
     def names(self) -> list[str]:

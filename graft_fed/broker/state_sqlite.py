@@ -1211,33 +1211,29 @@ class SqliteState(BrokerState):
         return CompatRow(source=r[0], receiver=r[1], groups=r[2], mean_s=_db2f(r[3]),
                          admitted_fraction=_db2f(r[4]), rejected=r[5])
 
+    @classmethod
+    def _compat_of(cls, conn: sqlite3.Connection, pair: tuple[str, str]) -> CompatRow | None:
+        r = conn.execute(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?", pair).fetchone()
+        return None if r is None else cls._compat(r)
+
+    @staticmethod
+    def _put_compat(conn: sqlite3.Connection, row: CompatRow) -> None:
+        conn.execute(f"INSERT OR REPLACE INTO compat ({_COMPAT_COLS}) VALUES (?,?,?,?,?,?)",
+                     (row.source, row.receiver, row.groups, _f2db(row.mean_s), _f2db(row.admitted_fraction),
+                      row.rejected))
+
     def update_compat(self, source: str, receiver: str, mean_s: float, admitted_fraction: float,
                       rejected: bool) -> None:
         args = norm_compat_args(source, receiver, mean_s, admitted_fraction, rejected)
         with self._tx() as conn:
-            r = conn.execute(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?",
-                             args[:2]).fetchone()
-            new = fold_compat(None if r is None else self._compat(r), *args)
-            conn.execute(f"INSERT OR REPLACE INTO compat ({_COMPAT_COLS}) VALUES (?,?,?,?,?,?)",
-                         (new.source, new.receiver, new.groups, _f2db(new.mean_s), _f2db(new.admitted_fraction),
-                          new.rejected))
+            self._put_compat(conn, fold_compat(self._compat_of(conn, args[:2]), *args))
 
     def compat(self, pairs: Iterable[tuple[str, str]] | None = None) -> list[CompatRow]:
         if pairs is None:
             return [self._compat(r) for r in self._read(f"SELECT {_COMPAT_COLS} FROM compat ORDER BY source, receiver")]
-        out = []
-        with self._lock:  # one point read per pair on the primary key (a report names at most a round's prompts)
-            try:
-                for pair in sorted(set(norm_pairs(pairs))):
-                    r = self._conn.execute(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?",
-                                           pair).fetchone()
-                    if r is not None:
-                        out.append(self._compat(r))
-            except sqlite3.Error as exc:
-                if not _is_storage_failure(exc):
-                    raise
-                raise self._storage_error(exc, "read") from exc
-        return out
+        # one point read per pair on the primary key (a report names at most a round's prompts)
+        return [self._compat(r) for pair in sorted(set(norm_pairs(pairs)))
+                for r in self._read(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?", pair)]
 
     def put_report_batches(self, batches: Sequence[Sequence[ReportRow]]) -> list[tuple[int, int]]:
         normed = [[norm_report(r) for r in rows] for rows in batches]
@@ -1270,14 +1266,11 @@ class SqliteState(BrokerState):
         for r in fresh:
             per_pair.setdefault((r.source, r.receiver), []).append(r)
         for pair, rows in per_pair.items():
-            old = conn.execute(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?", pair).fetchone()
-            new = None if old is None else self._compat(old)
+            new = self._compat_of(conn, pair)
             for r in rows:
                 new = fold_compat(new, r.source, r.receiver, r.mean_s, r.admitted_fraction, r.rejected)
             assert new is not None
-            conn.execute(f"INSERT OR REPLACE INTO compat ({_COMPAT_COLS}) VALUES (?,?,?,?,?,?)",
-                         (new.source, new.receiver, new.groups, _f2db(new.mean_s), _f2db(new.admitted_fraction),
-                          new.rejected))
+            self._put_compat(conn, new)
         return len(fresh), len(batch) - len(fresh)
 
     def reports(self, round: int | None = None, receiver: str | None = None,

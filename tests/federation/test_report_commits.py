@@ -131,47 +131,27 @@ def test_a_malformed_report_is_refused_alone(matched, prompts, bad):
     assert {c.receiver for c in broker.fed.compat()} == {f"r{i}" for i in range(1, RECEIVERS)}
 
 
-def test_a_malformed_row_in_a_shared_commit_fails_only_its_report(prompt_file, prompts):
+def _fed(prompt_file):
     from graft_fed.broker.handlers import Federation
-    from graft_fed.broker.state import ReportRow
     from graft_fed.broker.state_memory import InMemoryState
 
     fed = Federation(broker_config(prompt_file), InMemoryState())
     assert fed.compat() == []  # loaded: the commits below update the copy in memory
-    real = fed.state.put_report_batches
+    return fed
+
+
+def _shared_commit(fed, good, bad):
+    """r0's report commits alone, slowly, while r1, r9 (`bad`), r2 and r3 queue behind it and
+    then share a commit: ({name: result or error}, the batches of each call to the state)."""
+    inner = fed.state.put_report_batches
     calls = []
 
-    def slow(batches):
+    def slow_first(batches):
         calls.append(len(batches))
-        time.sleep(0.3 if len(calls) == 1 else 0)
-        return real(batches)
-    fed.state.put_report_batches = slow
-    good = [[ReportRow(0, f"r{i}", "s", "p0", 0.5, 1.0, False)] for i in range(4)]
-    bad = [ReportRow(0, "r9", "s", "p0", 0.5, 1.0, 1)]  # rejected must be a bool: a broker bug, not the node's
-    out: dict = {}
-
-    def one(name, rows):
-        try:
-            out[name] = fed.reports._commit(rows)
-        except TypeError as exc:
-            out[name] = exc
-    threads = [threading.Thread(target=one, args=(f"r{i}", rows)) for i, rows in enumerate(good)]
-    threads.insert(2, threading.Thread(target=one, args=("r9", bad)))
-    threads[0].start()
-    time.sleep(0.1)  # the first commit is under way: the others queue behind it and share the next
-    for t in threads[1:]:
-        t.start()
-    for t in threads:
-        t.join()
-    assert isinstance(out.pop("r9"), TypeError)
-    assert out == {f"r{i}": (1, 0) for i in range(4)}
-    assert calls[1] == 4  # the shared commit was tried, then each report alone
-    assert [c.receiver for c in fed.compat()] == [f"r{i}" for i in range(4)] and fed.compat() == fed.state.compat()
-    assert fed.counters["report_calls"] == 4 and fed.counters["report_commits"] == 4  # 1, then 3 alone
-
-
-def _shared_commit(fed, good, bad, slow_first=0.3):
-    """r0 commits alone while the rest queue, then share a commit: {name: result or error}."""
+        if len(calls) == 1:
+            time.sleep(0.3)
+        return inner(batches)
+    fed.state.put_report_batches = slow_first
     out: dict = {}
 
     def one(name, rows):
@@ -182,21 +162,26 @@ def _shared_commit(fed, good, bad, slow_first=0.3):
     threads = [threading.Thread(target=one, args=(f"r{i}", rows)) for i, rows in enumerate(good)]
     threads.insert(2, threading.Thread(target=one, args=("r9", bad)))
     threads[0].start()
-    time.sleep(0.1)
+    time.sleep(0.1)  # the first commit is under way: the others queue behind it and share the next
     for t in threads[1:]:
         t.start()
     for t in threads:
         t.join()
-    return out
+    return out, calls
 
 
-def _fed(prompt_file):
-    from graft_fed.broker.handlers import Federation
-    from graft_fed.broker.state_memory import InMemoryState
+def test_a_malformed_row_in_a_shared_commit_fails_only_its_report(prompt_file):
+    from graft_fed.broker.state import ReportRow
 
-    fed = Federation(broker_config(prompt_file), InMemoryState())
-    assert fed.compat() == []  # loaded
-    return fed
+    fed = _fed(prompt_file)
+    good = [[ReportRow(0, f"r{i}", "s", "p0", 0.5, 1.0, False)] for i in range(4)]
+    bad = [ReportRow(0, "r9", "s", "p0", 0.5, 1.0, 1)]  # rejected must be a bool: a broker bug, not the node's
+    out, calls = _shared_commit(fed, good, bad)
+    assert isinstance(out.pop("r9"), TypeError)
+    assert out == {f"r{i}": (1, 0) for i in range(4)}
+    assert calls[1] == 4  # the shared commit was tried, then each report alone
+    assert [c.receiver for c in fed.compat()] == [f"r{i}" for i in range(4)] and fed.compat() == fed.state.compat()
+    assert fed.counters["report_calls"] == 4 and fed.counters["report_commits"] == 4  # 1, then 3 alone
 
 
 def test_a_report_stored_alone_succeeds_when_another_alone_fails_on_storage(prompt_file):
@@ -204,18 +189,14 @@ def test_a_report_stored_alone_succeeds_when_another_alone_fails_on_storage(prom
 
     fed = _fed(prompt_file)
     real = fed.state.put_report_batches
-    calls = []
 
-    def flaky(batches):
-        calls.append(len(batches))
-        if len(calls) == 1:
-            time.sleep(0.3)
-        if batches and batches[0] and batches[0][0].receiver == "r3" and len(batches) == 1:
+    def flaky(batches):  # r3's report, stored alone, meets a storage error
+        if len(batches) == 1 and batches[0] and batches[0][0].receiver == "r3":
             raise Unavailable("the disk went away for r3 (a test)")
         return real(batches)
     fed.state.put_report_batches = flaky
     good = [[ReportRow(0, f"r{i}", "s", "p0", 0.5, 1.0, False)] for i in range(4)]
-    out = _shared_commit(fed, good, [ReportRow(0, "r9", "s", "p0", 0.5, 1.0, 1)])
+    out, _ = _shared_commit(fed, good, [ReportRow(0, "r9", "s", "p0", 0.5, 1.0, 1)])
     assert isinstance(out.pop("r9"), TypeError) and isinstance(out.pop("r3"), Unavailable)
     assert out == {f"r{i}": (1, 0) for i in range(3)}  # stored: told so
     assert fed.compat() == fed.state.compat() and [c.receiver for c in fed.compat()] == ["r0", "r1", "r2"]
