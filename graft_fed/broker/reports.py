@@ -87,16 +87,17 @@ class Reports(Part):
                         raise FailedPrecondition(f"{clip(node_id)} was not matched to {clip(e.source)}'s group for "
                                                  f"prompt {clip(e.prompt_id)} in round {round}; report only the groups "
                                                  "the broker offered you, with the round they were offered in")
-        # outside the lock: re-verifying may take a while and needs nothing the lock guards
+            rows = [ReportRow(round=round, receiver=node_id, source=e.source, prompt_id=e.prompt_id,
+                              mean_s=e.mean_s if not e.rejected else 0.0, admitted_fraction=e.admitted_fraction,
+                              rejected=e.rejected) for e in entries]
+        # outside the slot: re-verifying may take a while and needs nothing the lock guards
         disputed = {(e.source, e.prompt_id) for e in entries
                     if e.rejected and self._rejection_disputed(matched[(e.source, e.prompt_id)])}
         if disputed:
             self.counters["disputed_rejections"] += len(disputed)
             log.warning("receiver %s reported %d group(s) rejected that the broker re-verified as correct; "
                         "those rejections are not counted", clip(node_id), len(disputed))
-        rows = [ReportRow(round=round, receiver=node_id, source=e.source, prompt_id=e.prompt_id,
-                          mean_s=e.mean_s if not e.rejected else 0.0, admitted_fraction=e.admitted_fraction,
-                          rejected=e.rejected) for e in entries if (e.source, e.prompt_id) not in disputed]
+            rows = [row for row in rows if (row.source, row.prompt_id) not in disputed]
         return self._commit(rows)
 
     def _commit(self, rows: list[ReportRow]) -> tuple[int, int]:

@@ -568,6 +568,12 @@ def report_entries_to_pb(entries: Sequence[ReportEntry]) -> list[pb.Compatibilit
 
 def report_entries_from_pb(request: pb.CompatibilityReport) -> Iterator[ReportEntry]:
     """The entries, made as they are iterated: the broker reads them inside a work slot (not
-    64 threads building objects at once) and no further than its limit."""
+    64 threads building objects at once) and no further than its limit. Each is checked
+    against the uniform bounds as it is read (InvalidArgument, in check_message's words):
+    the servicer only counted them."""
     for e in request.entries:
-        yield ReportEntry(e.source_node_id, e.prompt_id, e.mean_s, e.admitted_fraction, e.rejected)
+        source, prompt = e.source_node_id, e.prompt_id
+        for name, value in (("source_node_id", source), ("prompt_id", prompt)):
+            if len(value) > MAX_STRING_LEN:
+                raise InvalidArgument(f"entries.{name} is {len(value)} characters long; at most {MAX_STRING_LEN}")
+        yield ReportEntry(source, prompt, e.mean_s, e.admitted_fraction, e.rejected)

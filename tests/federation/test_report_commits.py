@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from graft_fed.federation.errors import Unavailable
+from graft_fed.federation.limits import MAX_STRING_LEN
 from graft_fed.node.client import new_tag
 from graft_fed.proto import broker_pb2 as pb
 from tests.federation.helpers import broker_config, start_broker
@@ -114,17 +115,27 @@ def test_a_failed_commit_fails_every_report_in_it_and_stores_none(matched, promp
     assert broker.fed.compat() == state.compat() and len(state.reports()) == 4 * RECEIVERS
 
 
-@pytest.mark.parametrize("bad", [{"mean_s": float("nan")}, {"admitted_fraction": 2.0}])
-def test_a_malformed_report_is_refused_alone(matched, prompts, bad):
+@pytest.mark.parametrize("bad", [{"mean_s": float("nan")}, {"admitted_fraction": 2.0},
+                                 # past the uniform bounds: the servicer only counts a report's
+                                 # entries, each is checked as the broker reads it (codec.py)
+                                 {"source_node_id": "s" * (MAX_STRING_LEN + 1)},
+                                 {"prompt_id": "p" * (MAX_STRING_LEN + 7)}])
+@pytest.mark.parametrize("where", [0, 3])
+def test_a_malformed_report_is_refused_alone(matched, prompts, bad, where):
     broker, receivers = matched
     entries = _entries(prompts)
     for key, value in bad.items():
-        setattr(entries[0], key, value)
+        setattr(entries[where], key, value)
     with pytest.raises(grpc.RpcError) as err:
         receivers[0].stub.ReportCompatibility(pb.CompatibilityReport(
             node_id="r0", session_id=receivers[0].session, round=0, entries=entries, tag=new_tag()),
             timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    if "source_node_id" in bad or "prompt_id" in bad:
+        (key, value), = bad.items()
+        assert err.value.details() == (f"entries.{key} is {len(value)} characters long; "
+                                       f"at most {MAX_STRING_LEN}")
+    assert broker.fed.state.reports() == []
     answers: dict = {}
     _report_all(receivers[1:], prompts, answers)
     assert all(a.accepted == 4 for a in answers.values()), answers
