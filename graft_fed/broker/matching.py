@@ -123,8 +123,16 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     # only the other prompts need the table.
     top = kkT.argmax(axis=1) if uniform else None  # (P,)
     top_k = kkT[np.arange(kkT.shape[0]), top] if uniform else None
+    # With estimates: the compatibility rank of each source for each receiver (equal
+    # estimates tie), and the receivers whose best-ranked sources are chosen in one batch
+    ranks = None if uniform else _dense_ranks(est_all)
+    batched = {} if uniform else _ranked_choices(kkT, t, ranks, fail, kspan)
     out = []
     for r in range(n_nodes):
+        if r in batched:
+            cols, src = batched[r]
+            out.append(_capped(cols, src, kkT, cap))
+            continue
         cols = np.flatnonzero(fail[r])
         if not cols.size:
             out.append((cols, cols.copy()))
@@ -148,14 +156,119 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
             if flat is None:
                 flat = kkT + 1 + (order * kspan).astype(np.int32)[None, :]
             # compatibility first (unknown = +inf); equal estimates tie
-            est = est_all[:, r]
-            cand = table(r, np.searchsorted(np.unique(est), est)[:, None])[flat[cols]]  # (C, N)
-            src = cand.argmax(axis=1)
-            has = cand[np.arange(cols.size), src] >= 0
+            rank = ranks[:, r]
+            src, has = _best_ranked(table(r, rank[:, None]), flat, cols, rank)
         if not has.all():
             cols, src = cols[has], src[has]
         out.append(_capped(cols, src, kkT, cap))
     return out
+
+
+TOP_SOURCES = 8  # a receiver's best-ranked sources tried first (_best_ranked)
+
+
+PAIRS_PER_BLOCK = 1 << 15  # (receiver, prompt) pairs scored over every source at once (_ranked_choices)
+
+
+def _dense_ranks(est: np.ndarray) -> np.ndarray:
+    """ranks[s, r]: the rank of est[s, r] among receiver r's estimates (column r), 0 the
+    lowest, equal estimates one rank (np.unique's order: -inf lowest, +inf highest)."""
+    n_nodes = est.shape[0]
+    by = np.argsort(est, axis=0, kind="stable")
+    ordered = np.take_along_axis(est, by, axis=0)
+    step = np.ones(est.shape, dtype=np.int64)
+    step[0] = 0
+    step[1:] = ordered[1:] != ordered[:-1]
+    ranks = np.empty(est.shape, dtype=np.int64)
+    np.put_along_axis(ranks, by, np.cumsum(step, axis=0), axis=0)
+    return ranks if n_nodes else ranks.reshape(0, 0)
+
+
+def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.ndarray,
+                    kspan: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """receiver -> (failed prompt columns with a winner, the winners), for every receiver
+    whose TOP_SOURCES best-ranked sources each have a rank of their own, above every other
+    source's (with estimates that differ, all of them), in one batch. The rank leads the
+    score, so a (receiver, prompt) pair's winner is then the first of those sources, best
+    first, whose group passes the pair's threshold: the pairs are tried on the best source,
+    those left on the next, and so on (a few 1-D gathers over fewer and fewer pairs); the
+    pairs none of them passes are scored over every source, PAIRS_PER_BLOCK at a time, with
+    the table's score ((rank x kspan + k_S) x N + N - 1 - source; -1 where the pair's
+    threshold rejects k_S)."""
+    n_nodes = ranks.shape[0]
+    m = min(TOP_SOURCES, n_nodes)
+    if not m:
+        return {}
+    source = np.arange(n_nodes)
+    by = np.argsort(-ranks * n_nodes + source[:, None], axis=0, kind="stable")  # by[i, r]: r's i-th best source
+    ranked = np.take_along_axis(ranks, by[:m + 1], axis=0)  # (m or m + 1, N), best first
+    receivers = np.flatnonzero((np.diff(ranked, axis=0) < 0).all(axis=0))  # no tie among the top or across the cut
+    if not receivers.size:
+        return {}
+    rr, pp = np.nonzero(fail[receivers])  # pairs, receiver-major, prompts ascending
+    rr = receivers[rr]
+    k_flat, t_flat = kkT.ravel(), t.ravel()
+    src = np.zeros(rr.size, dtype=np.int64)
+    has = np.zeros(rr.size, dtype=bool)
+    pending = np.arange(rr.size)
+    for i in range(m):
+        r = rr[pending]
+        s = by[i][r]
+        passed = k_flat[pp[pending] * n_nodes + s] >= t_flat[s * n_nodes + r]
+        won = pending[passed]
+        src[won], has[won] = s[passed], True
+        pending = pending[~passed]
+        if not pending.size:
+            break
+    if m < n_nodes:  # the rest, over every source
+        every = np.broadcast_to(source, (min(pending.size, PAIRS_PER_BLOCK), n_nodes))
+        for lo in range(0, pending.size, PAIRS_PER_BLOCK):
+            i = pending[lo:lo + PAIRS_PER_BLOCK]
+            r, s = rr[i][:, None], every[:i.size]
+            k_s = kkT[pp[i]].astype(np.int64)  # (F', N)
+            cand = np.where(k_s >= t[:, rr[i]].T, (ranks[:, rr[i]].T * kspan + k_s) * n_nodes + (n_nodes - 1 - s), -1)
+            best = cand.argmax(axis=1)
+            src[i] = best
+            has[i] = cand[np.arange(i.size), best] >= 0
+    bounds = np.searchsorted(rr, receivers, side="left").tolist() + [rr.size]
+    out = {}
+    for j, r in enumerate(receivers.tolist()):
+        sl = slice(bounds[j], bounds[j + 1])
+        keep = has[sl]
+        out[r] = (pp[sl][keep], src[sl][keep])
+    return out
+
+
+def _best_ranked(tab: np.ndarray, flat: np.ndarray, cols: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(source, found) per failed prompt `cols` of one receiver: the arg-max of its score
+    table `tab` gathered at flat[cols] (-1: the pair's threshold rejects it), computed on
+    its TOP_SOURCES best-ranked sources first (with every source tied with the last of
+    them). The compatibility rank leads the score, so a prompt that one of those passes has
+    its winner among them; only the other prompts are gathered over every source. With
+    estimates that differ, a receiver's failed prompts are then a (C x 8) gather, not a
+    (C x N) one (at 64 x 4,096, most of a round's matching once reports came in)."""
+    n_nodes = rank.size
+    m = TOP_SOURCES
+    if m < n_nodes:
+        by = np.lexsort((np.arange(n_nodes), -rank))  # best rank first, then the lower index
+        ranked = rank[by]
+        m = n_nodes - int(np.searchsorted(ranked[::-1], ranked[m - 1], side="left"))  # ties of the m-th too
+    if 2 * m > n_nodes:  # (a gather of whole rows is faster than one of half their columns)
+        cand = tab[flat[cols]]  # (C, N)
+        src = cand.argmax(axis=1)
+        return src, cand[np.arange(cols.size), src] >= 0
+    top = by[:m]
+    cand = tab[flat[np.ix_(cols, top)]]  # (C, m)
+    best = cand.argmax(axis=1)
+    src = top[best]
+    has = cand[np.arange(cols.size), best] >= 0
+    if not has.all():
+        rest = np.flatnonzero(~has)
+        cand = tab[flat[cols[rest]]]  # (C', N)
+        best = cand.argmax(axis=1)
+        src[rest] = best
+        has[rest] = cand[np.arange(rest.size), best] >= 0
+    return src, has
 
 
 def _capped(cols: np.ndarray, src: np.ndarray, kkT: np.ndarray, cap: int | None) -> tuple[np.ndarray, np.ndarray]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import random
 
+import numpy as np
 import pytest
 
 from graft_fed.broker.matching import select_sources_fast
@@ -61,6 +63,60 @@ def test_scores_in_int64_choose_the_same(seed: int, monkeypatch) -> None:
     compat = _compat(rng, n_nodes) if seed % 2 else {}
     for cap in (None, 1):
         assert select_sources_fast(kn, True, compat, cap=cap) == select_sources(kn, True, compat, cap=cap)
+
+
+def test_the_best_ranked_sources_first_choose_the_same(monkeypatch) -> None:
+    """With estimates known, a receiver's prompts are tried on its TOP_SOURCES best-ranked
+    sources first, the rest on every source (PAIRS_PER_BLOCK pairs at a time): in one batch
+    for the receivers whose cut falls between two ranks, one receiver at a time (ties with
+    the last of them included) for the others. The choices are still select_sources',
+    whatever the number tried first. Estimates drawn from many values (few ties) and from
+    few (many), with and without unexplored pairs; both ways are taken."""
+    from graft_fed.broker import matching
+
+    ways = {"batched": 0, "one receiver": 0}
+    real_batch, real_one = matching._ranked_choices, matching._best_ranked
+
+    def batch(*args):
+        got = real_batch(*args)
+        ways["batched"] += len(got)
+        return got
+
+    def one(tab, flat, cols, rank):
+        ways["one receiver"] += matching.TOP_SOURCES < rank.size
+        return real_one(tab, flat, cols, rank)
+    monkeypatch.setattr(matching, "_ranked_choices", batch)
+    monkeypatch.setattr(matching, "_best_ranked", one)
+    for seed in range(12):
+        rng = random.Random(300 + seed)
+        n_nodes = rng.choice([5, 9, 16, 21])
+        kn = _round(rng, n_nodes, rng.choice([30, 90]), rng.choice([4, 8]), partial=seed % 3 == 0)
+        values = [rng.random() for _ in range(40)] if seed % 2 else [0.5, 0.9, 1.0]
+        known = 1.0 if seed % 4 < 2 else 0.7  # every pair explored, or some still +inf
+        compat = {(s, r): rng.choice(values) for s in range(n_nodes) for r in range(n_nodes)
+                  if s != r and rng.random() < known}
+        can = [rng.random() > 0.2 for _ in range(n_nodes)] if seed % 5 == 1 else None
+        for top, block in ((1, 3), (2, 1 << 15), (3, 7), (8, 1 << 15)):
+            monkeypatch.setattr(matching, "TOP_SOURCES", top)
+            monkeypatch.setattr(matching, "PAIRS_PER_BLOCK", block)
+            for balance in (True, False):
+                for cap in (None, 2):
+                    want = select_sources(kn, balance, compat, can, cap=cap)
+                    got = select_sources_fast(kn, balance, compat, can, cap=cap)
+                    assert got == want, (seed, top, block, balance, cap)
+    assert ways["batched"] and ways["one receiver"], ways
+
+
+def test_dense_ranks_are_np_uniques() -> None:
+    from graft_fed.broker.matching import _dense_ranks
+
+    rng = np.random.default_rng(5)
+    for n_nodes in (1, 2, 7, 30):
+        est = rng.choice([0.5, 1.0, 2.0, math.inf, -math.inf], size=(n_nodes, n_nodes))
+        if n_nodes > 2:
+            est[:, 0] = rng.random(n_nodes)
+        want = np.stack([np.searchsorted(np.unique(est[:, r]), est[:, r]) for r in range(n_nodes)], axis=1)
+        assert (_dense_ranks(est) == want).all()
 
 
 def test_empty_and_unshared() -> None:
