@@ -147,6 +147,15 @@ class Matcher(Part):
         rows = ms.rows(receiver=receiver) if ms is not None else []
         return rows + (self.state.matches(round=round, receiver=receiver) if self.may_have_rows(round) else [])
 
+    def offered(self, round: int, receiver: str) -> set[tuple[str, str]]:
+        """The (source, prompt id) of every match of the receiver's in `round`: matches_of's,
+        as pairs."""
+        ms = self.match_set(round)
+        pairs = ms.offered(receiver) if ms is not None else set()
+        if self.may_have_rows(round):
+            pairs.update((m.source, m.prompt_id) for m in self.state.matches(round=round, receiver=receiver))
+        return pairs
+
     def exchange(self) -> ExchangeView:
         """Matches per (source, receiver) over every stored round (counted once from the
         state, then kept up to date by matching; broker/exchange.py)."""

@@ -159,6 +159,16 @@ class MatchSet:
         return [MatchRow(round=r, receiver=nodes[a], prompt_id=pids[c], source=nodes[s], source_round=r)
                 for a, c, s in zip(self.receiver[sel].tolist(), self.col[sel].tolist(), self.source[sel].tolist())]
 
+    def offered(self, receiver: str) -> set[tuple[str, str]]:
+        """The receiver's (source, prompt id) pairs: what `rows(receiver=...)` holds, without
+        a MatchRow each (a report of a thousand groups is checked against them)."""
+        i = self._pos.get(receiver)
+        if i is None:
+            return set()
+        sel = slice(int(self._start[i]), int(self._start[i + 1]))
+        nodes, pids = self.nodes, self.pids
+        return set(zip([nodes[s] for s in self.source[sel].tolist()], [pids[c] for c in self.col[sel].tolist()]))
+
     def to_bytes(self) -> bytes:
         arrays = (self.receiver, self.col, self.source, self.k)
         widths = [int_width(a) for a in arrays]

@@ -61,16 +61,17 @@ class Reports(Part):
                 # a receiver gets at most one group per prompt of its round
                 raise InvalidArgument(f"more than {limit} entries in one report; at most {limit} (one per group "
                                       "received)")
-            seen = set()
             for e in entries:
                 if not e.rejected and not (math.isfinite(e.mean_s) and 0 <= e.mean_s <= 1e6):
                     raise InvalidArgument(f"mean_s must be a finite number in [0, 1e6], got {e.mean_s}")
                 if not (0.0 <= e.admitted_fraction <= 1.0):
                     raise InvalidArgument(f"admitted_fraction must be in [0, 1], got {e.admitted_fraction}")
-                if (e.source, e.prompt_id) in seen:
-                    raise InvalidArgument(f"source {clip(e.source)} and prompt {clip(e.prompt_id)} appear twice in one "
-                                          "report; send one entry per group received")
-                seen.add((e.source, e.prompt_id))
+            keys = [(e.source, e.prompt_id) for e in entries]
+            if len(set(keys)) < len(keys):
+                seen: set[tuple[str, str]] = set()
+                source, prompt = next(k for k in keys if k in seen or seen.add(k))
+                raise InvalidArgument(f"source {clip(source)} and prompt {clip(prompt)} appear twice in one "
+                                      "report; send one entry per group received")
             with self.cond:
                 self.registry.touch(node_id, session_id)
                 if round > self.rounds.current() + MAX_ROUNDS_AHEAD:
@@ -81,12 +82,15 @@ class Reports(Part):
                         raise InvalidArgument(f"unknown source node {clip(source)}")
                 # a receiver reports only on groups it was matched to: otherwise one node could
                 # invent rejections of an honest source's groups and push it into quarantine
-                matched = {(m.source, m.prompt_id): m for m in self.matcher.matches_of(round, node_id)}
-                for e in entries:
-                    if (e.source, e.prompt_id) not in matched:
-                        raise FailedPrecondition(f"{clip(node_id)} was not matched to {clip(e.source)}'s group for "
-                                                 f"prompt {clip(e.prompt_id)} in round {round}; report only the groups "
-                                                 "the broker offered you, with the round they were offered in")
+                offered = self.matcher.offered(round, node_id)
+                if not offered.issuperset(keys):
+                    source, prompt = next(k for k in keys if k not in offered)
+                    raise FailedPrecondition(f"{clip(node_id)} was not matched to {clip(source)}'s group for "
+                                             f"prompt {clip(prompt)} in round {round}; report only the groups "
+                                             "the broker offered you, with the round they were offered in")
+                # the matches themselves only where a rejection may be re-verified
+                matched = {(m.source, m.prompt_id): m for m in self.matcher.matches_of(round, node_id)} if any(
+                    e.rejected for e in entries) else {}
             rows = [ReportRow(round=round, receiver=node_id, source=e.source, prompt_id=e.prompt_id,
                               mean_s=e.mean_s if not e.rejected else 0.0, admitted_fraction=e.admitted_fraction,
                               rejected=e.rejected) for e in entries]

@@ -205,7 +205,7 @@ class InMemoryState(BrokerState):
         args = norm_compat_args(source, receiver, mean_s, admitted_fraction, rejected)
         with self._lock:
             key = (args[0], args[1])
-            self._compat[key] = fold_compat(self._compat.get(key), *args)
+            self._compat[key] = fold_compat(self._compat.get(key), *args[:2], (args[2:],))
 
     def compat(self, pairs: Iterable[tuple[str, str]] | None = None) -> list[CompatRow]:
         with self._lock:
@@ -223,10 +223,10 @@ class InMemoryState(BrokerState):
             key = report_key(row)
             if key in self._reports:
                 continue
-            self._reports[key] = row
+            self._reports[key] = dataclasses.replace(row)  # norm_report may hand back the caller's own row
             pair = (row.source, row.receiver)
-            self._compat[pair] = fold_compat(self._compat.get(pair), row.source, row.receiver, row.mean_s,
-                                             row.admitted_fraction, row.rejected)
+            self._compat[pair] = fold_compat(self._compat.get(pair), row.source, row.receiver,
+                                             ((row.mean_s, row.admitted_fraction, row.rejected),))
             accepted += 1
         return accepted, len(batch) - accepted
 

@@ -164,13 +164,17 @@ def norm_bytes(data) -> bytes:
 
 
 def norm_report(row: ReportRow) -> ReportRow:
+    """The row checked; the row itself when every field already has its type (the broker's
+    own rows: a report of a thousand groups makes no second thousand)."""
     if not isinstance(row.rejected, bool):
         raise TypeError(f"rejected must be a bool, got {row.rejected!r}")
-    return ReportRow(round=as_int(row.round, "round"), receiver=as_str(row.receiver, "receiver"),
-                     source=as_str(row.source, "source"), prompt_id=as_str(row.prompt_id, "prompt_id"),
-                     mean_s=as_float(row.mean_s, "mean_s"), admitted_fraction=as_float(row.admitted_fraction,
-                                                                                    "admitted_fraction"),
-                     rejected=row.rejected)
+    fields = (as_int(row.round, "round"), as_str(row.receiver, "receiver"), as_str(row.source, "source"),
+              as_str(row.prompt_id, "prompt_id"), as_float(row.mean_s, "mean_s"),
+              as_float(row.admitted_fraction, "admitted_fraction"))
+    if (type(row) is ReportRow and fields[0] is row.round and fields[1] is row.receiver and fields[2] is row.source
+            and fields[3] is row.prompt_id and fields[4] is row.mean_s and fields[5] is row.admitted_fraction):
+        return row
+    return ReportRow(*fields, rejected=row.rejected)
 
 
 def norm_blob(value, what: str) -> bytes:
@@ -229,13 +233,14 @@ def bundles_to_drop(oldest_first: Sequence[tuple[str, int]], max_bundle_bytes: i
     return drop
 
 
-def fold_compat(row: CompatRow | None, source: str, receiver: str, mean_s: float, admitted_fraction: float,
-                rejected: bool) -> CompatRow:
-    """The pair's row after one more report (core.exchange.CompatEstimate: a rejected report
-    only increments `rejected`; otherwise both means are plain running means over groups)."""
+def fold_compat(row: CompatRow | None, source: str, receiver: str,
+                reports: Iterable[tuple[float, float, bool]]) -> CompatRow:
+    """The pair's row after more reports, (mean_s, admitted_fraction, rejected) each, in
+    order (core.exchange.CompatEstimate: a rejected report only increments `rejected`;
+    otherwise both means are plain running means over groups)."""
     est = CompatEstimate() if row is None else CompatEstimate(row.groups, row.mean_s, row.admitted_fraction,
                                                               row.rejected)
-    est = est.add(mean_s, admitted_fraction, rejected)
+    est = est.add_many(reports)
     return CompatRow(source=source, receiver=receiver, groups=est.groups, mean_s=est.mean_s,
                      admitted_fraction=est.admitted_fraction, rejected=est.rejected)
 

@@ -1226,7 +1226,7 @@ class SqliteState(BrokerState):
                       rejected: bool) -> None:
         args = norm_compat_args(source, receiver, mean_s, admitted_fraction, rejected)
         with self._tx() as conn:
-            self._put_compat(conn, fold_compat(self._compat_of(conn, args[:2]), *args))
+            self._put_compat(conn, fold_compat(self._compat_of(conn, args[:2]), *args[:2], (args[2:],)))
 
     def compat(self, pairs: Iterable[tuple[str, str]] | None = None) -> list[CompatRow]:
         if pairs is None:
@@ -1266,11 +1266,8 @@ class SqliteState(BrokerState):
         for r in fresh:
             per_pair.setdefault((r.source, r.receiver), []).append(r)
         for pair, rows in per_pair.items():
-            new = self._compat_of(conn, pair)
-            for r in rows:
-                new = fold_compat(new, r.source, r.receiver, r.mean_s, r.admitted_fraction, r.rejected)
-            assert new is not None
-            self._put_compat(conn, new)
+            self._put_compat(conn, fold_compat(self._compat_of(conn, pair), *pair,
+                                               [(r.mean_s, r.admitted_fraction, r.rejected) for r in rows]))
         return len(fresh), len(batch) - len(fresh)
 
     def reports(self, round: int | None = None, receiver: str | None = None,

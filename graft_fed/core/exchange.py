@@ -207,12 +207,21 @@ class CompatEstimate:
 
     def add(self, mean_s: float, admitted_fraction: float, rejected: bool) -> "CompatEstimate":
         """The estimate after one more group report. A rejected group counts only as rejected."""
-        if rejected:
-            return CompatEstimate(self.groups, self.mean_s, self.admitted_fraction, self.rejected + 1)
-        g = self.groups + 1
-        return CompatEstimate(g, self.mean_s + (mean_s - self.mean_s) / g,
-                              self.admitted_fraction + (admitted_fraction - self.admitted_fraction) / g,
-                              self.rejected)
+        return self.add_many(((mean_s, admitted_fraction, rejected),))
+
+    def add_many(self, reports: Iterable[tuple[float, float, bool]]) -> "CompatEstimate":
+        """The estimate after each of `reports` (mean_s, admitted_fraction, rejected), in
+        order: `add` one at a time, without an estimate per report (a broker folds a
+        thousand at once)."""
+        g, mean, admitted, rejections = self.groups, self.mean_s, self.admitted_fraction, self.rejected
+        for mean_s, admitted_fraction, rejected in reports:
+            if rejected:
+                rejections += 1
+                continue
+            g += 1
+            mean = mean + (mean_s - mean) / g
+            admitted = admitted + (admitted_fraction - admitted) / g
+        return CompatEstimate(g, mean, admitted, rejections)
 
     @property
     def known(self) -> bool:

@@ -241,6 +241,8 @@ def test_match_set_rows_are_in_receiver_then_prompt_id_order(seed: int) -> None:
                                                            ms.k.tolist())]
         assert got == want
         assert MatchSet.from_bytes(ms.to_bytes()).rows() == ms.rows()
+        for name in [f"n{i}" for i in range(n_nodes)] + ["stranger"]:  # a receiver's pairs, as rows has them
+            assert ms.offered(name) == {(m.source, m.prompt_id) for m in ms.rows(receiver=name)}
         # each source's distinct columns among the matches of the receivers in a mask
         mask = np.array([rng.random() < 0.6 for _ in range(n_nodes)])
         starts, cols = ms.columns_by_source(mask)
