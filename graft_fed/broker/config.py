@@ -144,6 +144,14 @@ class BrokerConfig:
     #: blocked. Python runs one thread at a time, so dozens of such calls at once only make
     #: every call, heartbeats included, wait its turn among them for the interpreter.
     work_slots: int = 2
+    #: Milliseconds a thread runs Python before the interpreter passes to another that wants
+    #: it (sys.setswitchinterval; 0 keeps Python's 5 ms), set where `graft-fed broker`
+    #: starts. A call that waited on the network (a heartbeat arriving, grpcio's serving
+    #: thread taking it) waits up to that long at each such step while a report or a publish
+    #: is being checked: with 64 nodes x 4,096 prompts reporting, heartbeat p99 was 250-335 ms
+    #: at 5 ms and 51-69 ms at 0.5, ingest and matching unchanged (docs/performance.md,
+    #: thirty-eighth pass).
+    switch_interval_ms: float = 0.5
     #: Publishes decoded, checked and stored by one thread in batches (one commit each,
     #: broker/publishqueue.py) while the threads that received them wait. Faster ingest and
     #: rounds at every size measured (64 x 256 to 64 x 4,096, 256 x 256, 1,000 x 128) and
@@ -197,6 +205,8 @@ class BrokerConfig:
         require(self.malloc_trim_s == 0 or self.malloc_trim_s >= 1,
                 "broker.malloc_trim_s must be 0 (never) or >= 1 second")
         require(self.work_slots >= 1, "broker.work_slots must be >= 1")
+        require(self.switch_interval_ms == 0 or 0.01 <= self.switch_interval_ms <= 1000,
+                "broker.switch_interval_ms must be 0 (Python's default) or in [0.01, 1000]")
         require(1 <= self.max_long_polls <= self.max_workers - 4,
                 "broker.max_long_polls must be >= 1 and leave at least 4 of max_workers to other calls")
         require(self.max_publishes_per_s >= 0, "broker.max_publishes_per_s must be >= 0 (0 = off)")

@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import math
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -361,9 +362,12 @@ def start_broker(cfg: BrokerConfig, state: BrokerState | None = None) -> BrokerS
     before any worker thread exists, then, once serving, everything loaded so far (modules,
     the state's caches) frozen out of the garbage collector's sight, so that a full
     collection walks only what serving allocates rather than ~40,000 more objects with the
-    GIL held, where every heartbeat waits (issue 13, fourth pass). Not for a process that
-    starts several brokers (the tests): the freeze is for the process's whole life."""
+    GIL held, where every heartbeat waits (issue 13, fourth pass); and the interpreter's
+    switch interval set (`switch_interval_ms`). Not for a process that starts several
+    brokers (the tests): the freeze and the interval are for the process's whole life."""
     limit_malloc_arenas(cfg.malloc_arena_max)
+    if cfg.switch_interval_ms:
+        sys.setswitchinterval(cfg.switch_interval_ms / 1000)
     server = BrokerServer(cfg, state).start()
     gc.collect()
     gc.freeze()

@@ -59,21 +59,35 @@ from graft_fed.broker.server import start_broker
 from graft_fed.configbase import from_mapping
 cfg = from_mapping(BrokerConfig, {"listen": "127.0.0.1:0", "http": "", "db": ":memory:",
                                   "data": {"source": sys.argv[1]}, "verifier": {"name": "tests.plugins:odd_char_sum"},
-                                  "n": 2, "prompts_per_round": 8})
+                                  "n": 2, "prompts_per_round": 8, **json.loads(sys.argv[2])})
 assert gc.get_freeze_count() == 0
+before = sys.getswitchinterval()
 server = start_broker(cfg)
 frozen = gc.get_freeze_count()
 server.stop(0)
-print(json.dumps({"frozen": frozen, "port": server.port}))
+print(json.dumps({"frozen": frozen, "port": server.port, "before": before, "interval": sys.getswitchinterval()}))
 """
 
 
-def test_start_broker_serves_then_freezes_what_is_loaded(prompt_file):
-    """The benchmarks' broker processes start as `graft-fed broker` does: serving, and what
-    was loaded by then frozen out of the collector's sight (they used to skip the freeze)."""
-    out = subprocess.run([sys.executable, "-c", _START, str(prompt_file)], capture_output=True, text=True,
-                         timeout=120, cwd=str(Path(__file__).resolve().parents[2]))  # tests.plugins
+def _start(prompt_file, **settings) -> dict:
+    out = subprocess.run([sys.executable, "-c", _START, str(prompt_file), json.dumps(settings)], capture_output=True,
+                         text=True, timeout=120, cwd=str(Path(__file__).resolve().parents[2]))  # tests.plugins
     assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_start_broker_serves_then_freezes_what_is_loaded(prompt_file):
+    """The benchmarks' broker processes start as `graft-fed broker` does: serving, what was
+    loaded by then frozen out of the collector's sight (they used to skip the freeze), and
+    the interpreter's switch interval at `switch_interval_ms` (0.5 by default)."""
+    got = _start(prompt_file)
     assert got["port"] > 0
     assert got["frozen"] > 10_000  # modules, grpc, numpy, the state's caches
+    assert got["before"] == 0.005 and got["interval"] == 0.0005
+
+
+def test_switch_interval_ms_zero_keeps_pythons(prompt_file):
+    assert _start(prompt_file, switch_interval_ms=0)["interval"] == 0.005
+    assert _start(prompt_file, switch_interval_ms=2)["interval"] == 0.002
+    with pytest.raises(ConfigError, match="switch_interval_ms must be 0"):
+        broker_config(prompt_file, switch_interval_ms=-1)
