@@ -167,7 +167,7 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
 TOP_SOURCES = 8  # a receiver's best-ranked sources tried first (_best_ranked)
 
 
-PAIRS_PER_BLOCK = 1 << 15  # (receiver, prompt) pairs scored over every source at once (_ranked_choices)
+SCORES_PER_BLOCK = 1 << 20  # (pair, source) scores computed at once over every source (_ranked_choices): 8 MiB each
 
 
 def _dense_ranks(est: np.ndarray) -> np.ndarray:
@@ -192,7 +192,7 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
     score, so a (receiver, prompt) pair's winner is then the first of those sources, best
     first, whose group passes the pair's threshold: the pairs are tried on the best source,
     those left on the next, and so on (a few 1-D gathers over fewer and fewer pairs); the
-    pairs none of them passes are scored over every source, PAIRS_PER_BLOCK at a time, with
+    pairs none of them passes are scored over every source, SCORES_PER_BLOCK scores at a time, with
     the table's score ((rank x kspan + k_S) x N + N - 1 - source; -1 where the pair's
     threshold rejects k_S)."""
     n_nodes = ranks.shape[0]
@@ -200,8 +200,15 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
     if not m:
         return {}
     source = np.arange(n_nodes)
-    by = np.argsort(-ranks * n_nodes + source[:, None], axis=0, kind="stable")  # by[i, r]: r's i-th best source
-    ranked = np.take_along_axis(ranks, by[:m + 1], axis=0)  # (m or m + 1, N), best first
+    key = -ranks * n_nodes + source[:, None]  # ascending: best rank first, then the lower index
+    top = min(m + 1, n_nodes)
+    if top < n_nodes:  # each receiver's top + 1 sources only, then those in order
+        part = np.argpartition(key, top - 1, axis=0)[:top]
+        by = np.take_along_axis(part, np.argsort(np.take_along_axis(key, part, axis=0), axis=0), axis=0)
+    else:
+        by = np.argsort(key, axis=0)
+    # by[i, r]: r's i-th best source (the keys are distinct)
+    ranked = np.take_along_axis(ranks, by, axis=0)  # (m or m + 1, N), best first
     receivers = np.flatnonzero((np.diff(ranked, axis=0) < 0).all(axis=0))  # no tie among the top or across the cut
     if not receivers.size:
         return {}
@@ -221,9 +228,10 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
         if not pending.size:
             break
     if m < n_nodes:  # the rest, over every source
-        every = np.broadcast_to(source, (min(pending.size, PAIRS_PER_BLOCK), n_nodes))
-        for lo in range(0, pending.size, PAIRS_PER_BLOCK):
-            i = pending[lo:lo + PAIRS_PER_BLOCK]
+        block = max(1, SCORES_PER_BLOCK // n_nodes)
+        every = np.broadcast_to(source, (min(pending.size, block), n_nodes))
+        for lo in range(0, pending.size, block):
+            i = pending[lo:lo + block]
             r, s = rr[i][:, None], every[:i.size]
             k_s = kkT[pp[i]].astype(np.int64)  # (F', N)
             cand = np.where(k_s >= t[:, rr[i]].T, (ranks[:, rr[i]].T * kspan + k_s) * n_nodes + (n_nodes - 1 - s), -1)

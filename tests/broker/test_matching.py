@@ -67,7 +67,7 @@ def test_scores_in_int64_choose_the_same(seed: int, monkeypatch) -> None:
 
 def test_the_best_ranked_sources_first_choose_the_same(monkeypatch) -> None:
     """With estimates known, a receiver's prompts are tried on its TOP_SOURCES best-ranked
-    sources first, the rest on every source (PAIRS_PER_BLOCK pairs at a time): in one batch
+    sources first, the rest on every source (SCORES_PER_BLOCK scores at a time): in one batch
     for the receivers whose cut falls between two ranks, one receiver at a time (ties with
     the last of them included) for the others. The choices are still select_sources',
     whatever the number tried first. Estimates drawn from many values (few ties) and from
@@ -96,9 +96,9 @@ def test_the_best_ranked_sources_first_choose_the_same(monkeypatch) -> None:
         compat = {(s, r): rng.choice(values) for s in range(n_nodes) for r in range(n_nodes)
                   if s != r and rng.random() < known}
         can = [rng.random() > 0.2 for _ in range(n_nodes)] if seed % 5 == 1 else None
-        for top, block in ((1, 3), (2, 1 << 15), (3, 7), (8, 1 << 15)):
+        for top, block in ((1, 3 * n_nodes), (2, 1 << 20), (3, 7 * n_nodes), (8, 1)):
             monkeypatch.setattr(matching, "TOP_SOURCES", top)
-            monkeypatch.setattr(matching, "PAIRS_PER_BLOCK", block)
+            monkeypatch.setattr(matching, "SCORES_PER_BLOCK", block)
             for balance in (True, False):
                 for cap in (None, 2):
                     want = select_sources(kn, balance, compat, can, cap=cap)
