@@ -200,18 +200,26 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
     if not m:
         return {}
     source = np.arange(n_nodes)
-    key = -ranks * n_nodes + source[:, None]  # ascending: best rank first, then the lower index
+    # a receiver whose best rank is shared (say, many pairs still unexplored, +inf) cannot
+    # qualify: only the others are sorted
+    maybe = np.flatnonzero((ranks == ranks.max(axis=0)).sum(axis=0) == 1)
+    if not maybe.size:
+        return {}
+    key = -ranks[:, maybe] * n_nodes + source[:, None]  # ascending: best rank first, then the lower index
     top = min(m + 1, n_nodes)
     if top < n_nodes:  # each receiver's top + 1 sources only, then those in order
         part = np.argpartition(key, top - 1, axis=0)[:top]
         by = np.take_along_axis(part, np.argsort(np.take_along_axis(key, part, axis=0), axis=0), axis=0)
     else:
         by = np.argsort(key, axis=0)
-    # by[i, r]: r's i-th best source (the keys are distinct)
-    ranked = np.take_along_axis(ranks, by, axis=0)  # (m or m + 1, N), best first
-    receivers = np.flatnonzero((np.diff(ranked, axis=0) < 0).all(axis=0))  # no tie among the top or across the cut
+    # by[i, j]: receiver maybe[j]'s i-th best source (the keys are distinct)
+    ranked = np.take_along_axis(ranks[:, maybe], by, axis=0)  # (m or m + 1, len(maybe)), best first
+    ok = (np.diff(ranked, axis=0) < 0).all(axis=0)  # no tie among the top or across the cut
+    receivers, by = maybe[ok], by[:, ok]
     if not receivers.size:
         return {}
+    first = np.full(n_nodes, -1, dtype=np.int64)  # a receiver's column in `by`
+    first[receivers] = np.arange(receivers.size)
     rr, pp = np.nonzero(fail[receivers])  # pairs, receiver-major, prompts ascending
     rr = receivers[rr]
     k_flat, t_flat = kkT.ravel(), t.ravel()
@@ -220,7 +228,7 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
     pending = np.arange(rr.size)
     for i in range(m):
         r = rr[pending]
-        s = by[i][r]
+        s = by[i][first[r]]
         passed = k_flat[pp[pending] * n_nodes + s] >= t_flat[s * n_nodes + r]
         won = pending[passed]
         src[won], has[won] = s[passed], True
