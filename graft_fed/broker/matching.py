@@ -264,16 +264,13 @@ def _best_ranked(tab: np.ndarray, flat: np.ndarray, cols: np.ndarray, rank: np.n
     estimates that differ, a receiver's failed prompts are then a (C x 8) gather, not a
     (C x N) one (at 64 x 4,096, most of a round's matching once reports came in)."""
     n_nodes = rank.size
-    m = TOP_SOURCES
-    if m < n_nodes:
-        by = np.lexsort((np.arange(n_nodes), -rank))  # best rank first, then the lower index
-        ranked = rank[by]
-        m = n_nodes - int(np.searchsorted(ranked[::-1], ranked[m - 1], side="left"))  # ties of the m-th too
-    if 2 * m > n_nodes:  # (a gather of whole rows is faster than one of half their columns)
+    top = None
+    if TOP_SOURCES < n_nodes:  # the sources ranked at least as high as the TOP_SOURCES-th best (no sort)
+        top = np.flatnonzero(rank >= np.partition(rank, n_nodes - TOP_SOURCES)[n_nodes - TOP_SOURCES])
+    if top is None or 2 * top.size > n_nodes:  # (a gather of whole rows is faster than one of half their columns)
         cand = tab[flat[cols]]  # (C, N)
         src = cand.argmax(axis=1)
         return src, cand[np.arange(cols.size), src] >= 0
-    top = by[:m]
     cand = tab[flat[np.ix_(cols, top)]]  # (C, m)
     best = cand.argmax(axis=1)
     src = top[best]
