@@ -52,8 +52,10 @@ class Reports(Part):
         group the broker holds and re-verifies as correct is not counted (`recheck_rejections`)."""
         # a work slot, like publishes and answers, so that a few report threads at a time
         # want the interpreter; `entries` may be lazy (the servicer's are made as they are
-        # read), so they are read in here too. While 64 nodes report 1,229 groups each,
-        # heartbeats still wait 400-700 ms (issue 13, docs/performance.md, thirty-seventh pass)
+        # read, and checked against the uniform bounds), so they are read in here too: the
+        # entries' checks in every reporting thread at once, outside any slot, had heartbeats
+        # wait 400-700 ms while 64 nodes reported 1,229 groups each (issue 13,
+        # docs/performance.md, thirty-seventh and thirty-eighth passes)
         with self.work:
             limit = self.manifest.prompts_per_round * MAX_PER_ROUND_FACTOR
             entries = list(itertools.islice(entries, limit + 1))  # no more read than refused
