@@ -45,8 +45,8 @@ class Answers(Part):
         # (time, registry version, online nodes by round, per round the receivers as a mask)
         self._models: dict[int, tuple[MatchSet, int, tuple]] = {}
         self._waiting: tuple[float, int, dict[int, set[str]], dict[int, tuple[MatchSet, np.ndarray]]] | None = None
-        # round -> (match set, each column's upload request encoded): _uploads_wire
-        self._wires: dict[int, tuple[MatchSet, list[bytes] | None]] = {}
+        # round -> (match set, each column's upload request encoded, the encoder): _uploads_wire
+        self._wires: dict[int, tuple[MatchSet, list[bytes] | None, Callable]] = {}
 
     def forget_answers(self) -> None:
         """Drop the cached answers (retention pruned some of what they offer)."""
@@ -351,11 +351,11 @@ class Answers(Part):
         match set; None when the set's prompt ids do not ascend with its columns (then an
         answer's requests are sorted one by one)."""
         cached = self._wires.get(round)
-        if cached is not None and cached[0] is ms:
+        if cached is not None and cached[0] is ms and cached[2] is encode:
             return cached[1]
         pids = ms.pids
         wires = [encode(((p, round),)) for p in pids] if all(a < b for a, b in zip(pids, pids[1:])) else None
-        self._wires[round] = (ms, wires)
+        self._wires[round] = (ms, wires, encode)
         if len(self._wires) > self.index.keep:
             for old in sorted(list(self._wires))[:-self.index.keep]:
                 self._wires.pop(old, None)

@@ -172,8 +172,13 @@ SCORES_PER_BLOCK = 1 << 20  # (pair, source) scores computed at once over every 
 
 def _dense_ranks(est: np.ndarray) -> np.ndarray:
     """ranks[s, r]: the rank of est[s, r] among receiver r's estimates (column r), 0 the
-    lowest, equal estimates one rank (np.unique's order: -inf lowest, +inf highest)."""
-    n_nodes = est.shape[0]
+    lowest, equal estimates one rank: -inf lowest, +inf highest, NaN as -inf (never wins,
+    as select_sources_arrays reads it). A receiver's own pair (the diagonal, never a
+    source: it failed the prompt) ranks lowest, so that its best-ranked sources are real."""
+    if not est.size:
+        return np.zeros(est.shape, dtype=np.int64)
+    est = np.where(np.isnan(est), -np.inf, est)
+    np.fill_diagonal(est, -np.inf)
     by = np.argsort(est, axis=0, kind="stable")
     ordered = np.take_along_axis(est, by, axis=0)
     step = np.ones(est.shape, dtype=np.int64)
@@ -181,7 +186,7 @@ def _dense_ranks(est: np.ndarray) -> np.ndarray:
     step[1:] = ordered[1:] != ordered[:-1]
     ranks = np.empty(est.shape, dtype=np.int64)
     np.put_along_axis(ranks, by, np.cumsum(step, axis=0), axis=0)
-    return ranks if n_nodes else ranks.reshape(0, 0)
+    return ranks
 
 
 def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.ndarray,

@@ -108,15 +108,32 @@ def test_the_best_ranked_sources_first_choose_the_same(monkeypatch) -> None:
 
 
 def test_dense_ranks_are_np_uniques() -> None:
+    """Per receiver, np.unique's ranks of its estimates with NaN read as -inf and its own
+    pair (the diagonal) lowest."""
     from graft_fed.broker.matching import _dense_ranks
 
     rng = np.random.default_rng(5)
+    assert _dense_ranks(np.zeros((0, 0))).shape == (0, 0)
     for n_nodes in (1, 2, 7, 30):
-        est = rng.choice([0.5, 1.0, 2.0, math.inf, -math.inf], size=(n_nodes, n_nodes))
+        est = rng.choice([0.5, 1.0, 2.0, math.inf, -math.inf, math.nan], size=(n_nodes, n_nodes))
         if n_nodes > 2:
             est[:, 0] = rng.random(n_nodes)
-        want = np.stack([np.searchsorted(np.unique(est[:, r]), est[:, r]) for r in range(n_nodes)], axis=1)
+        want_est = np.where(np.isnan(est), -math.inf, est)
+        np.fill_diagonal(want_est, -math.inf)
+        want = np.stack([np.searchsorted(np.unique(want_est[:, r]), want_est[:, r]) for r in range(n_nodes)], axis=1)
         assert (_dense_ranks(est) == want).all()
+
+
+def test_nan_estimates_never_win() -> None:
+    """A NaN estimate passed in the matrix ranks as -inf, as the mapping form's NaN does."""
+    from graft_fed.broker.matching import select_sources_arrays
+
+    est = np.full((3, 3), math.inf)
+    est[0, 2] = est[1, 2] = math.nan
+    k = np.array([[1], [1], [0]])
+    mapped = np.where(np.isnan(est), -math.inf, est)
+    assert [c.tolist() for c in select_sources_arrays(k, 4, False, est)[2]] == \
+        [c.tolist() for c in select_sources_arrays(k, 4, False, mapped)[2]] == [[0], [0]]
 
 
 def test_empty_and_unshared() -> None:

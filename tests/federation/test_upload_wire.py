@@ -1,7 +1,8 @@
 """A source's upload requests leave as one round's requests encoded once per prompt and
 joined (broker/answers.py::_uploads_wire): the same bytes as encoding the sorted list
 (_upload_requests), for every node, with groups that already have a bundle left out, with
-two rounds waiting and with matches stored as rows (those take the sorted list)."""
+a receiver gone on to the next round and with matches stored as rows (those take the
+sorted list), and with a match set whose prompt ids do not ascend with its columns."""
 
 from __future__ import annotations
 
@@ -50,6 +51,16 @@ def test_upload_requests_joined_are_the_sorted_list_encoded(prompt_file, prompts
         # a node moves on to round 1 while the others are still at round 0: one round each
         assert nodes[1].publish(1, [summary(p, 0, round=1) for p in prompts[:2]])[0] == 2
         _same_bytes(broker, names)
+        # a set whose ids do not ascend with its columns (none is stored so, but one could be
+        # read back from an older broker): the sorted list
+        ms = broker.fed.matcher.match_set(0)
+        with broker.fed.matcher._sets_lock:
+            broker.fed.matcher._sets[0] = type(ms)(ms.round, ms.nodes, list(reversed(ms.pids)), ms.receiver,
+                                                   len(ms.pids) - 1 - ms.col, ms.source, ms.k)
+        assert _same_bytes(broker, names) > 1
+        assert broker.fed.answers._wires[0][1] is None  # not joined: sorted
+        with broker.fed.matcher._sets_lock:
+            broker.fed.matcher._sets[0] = ms
         # a late joiner at round 0, matched on its own: its matches are rows (the sorted list)
         late = client(broker, prompts, "late")
         assert late.publish(0, [summary(p, 0) for p in prompts])[0] == len(prompts)
