@@ -89,6 +89,7 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
     from graft_fed.federation.errors import FederationError, Unauthenticated
     from graft_fed.federation.transport import TIMING_KEY, parse_timing
     from graft_fed.node.client import Backoff, BrokerClient
+    from graft_fed.proto import broker_pb2 as pb
 
     name = f"node{i:02d}"
     rng = random.Random(ctx["seed"] * 7919 + i)
@@ -160,6 +161,19 @@ def run_node(i: int, ctx: dict, out: dict) -> None:
                     if res.ready:
                         t_ready = time.perf_counter()
                         ready_wait.append(t_ready - t_ack)
+                        if ctx.get("reports") and res.offers:
+                            # as a node does once it has scored the groups it was given (made-up
+                            # scores, none rejected); best effort: a failed report is counted, and
+                            # the node goes on to its next round
+                            entries = [pb.CompatibilityReport.Entry(source_node_id=o.source_node,
+                                                                    prompt_id=o.prompt_id,
+                                                                    mean_s=rng.uniform(0.2, 2.0),
+                                                                    admitted_fraction=rng.random())
+                                       for o in res.offers]
+                            try:
+                                call("ReportCompatibility", lambda: client.report(rnd, entries))
+                            except FederationError:
+                                pass
                         rnd, published = rnd + 1, False
                         summaries = make_summaries(rng, ctx["prompt_ids"], rnd, GROUP_N)
                         break
@@ -513,6 +527,8 @@ def markdown(payload: dict) -> str:
              ("- each node publishes its next round at once after its matches (the broker never rests)"
               if not a.get("train_s") else
               f"- each node waits {a['train_s']:g} s (its training) between its matches and its next publish"),
+             *(["- each node reports on every group it was offered (ReportCompatibility) once it has its matches"]
+               if a.get("reports") else []),
              f"- load average (1 min) during the run: min {payload['load']['min']:.2f}, median "
              f"{payload['load']['median']:.2f}, max {payload['load']['max']:.2f}",
              f"- broker restart: SIGKILL at {payload['restart']['killed_at_s']:.1f} s, listening again after "
@@ -718,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-s", type=float, default=0.0,
                     help="seconds each node waits between a round's matches and its next publish, as a node "
                          "training would (0: none, every node publishes again at once and the broker never rests)")
+    ap.add_argument("--reports", action="store_true",
+                    help="each node reports on every group it was offered once it has its matches, as real nodes do")
     ap.add_argument("--backoff-cap-s", type=float, default=5.0, help="longest wait between a node's retries")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="load", help="results file stem")
@@ -811,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = {"address": f"127.0.0.1:{port}", "certs": str(c), "prompt_ids": [p.id for p in prompts],
                "manifest": manifest, "rpc_timeout_s": args.rpc_timeout_s, "match_wait_s": args.match_wait_s,
                "backoff_cap_s": args.backoff_cap_s, "seed": args.seed, "plaintext": args.plaintext,
-               "train_s": args.train_s}
+               "train_s": args.train_s, "reports": args.reports}
         mpctx = mp.get_context("spawn")
         queue, go, end = mpctx.Queue(), mpctx.Event(), mpctx.Value("d", 0.0)
         # the last `--probes` nodes each run alone in a process, as a real node does; the

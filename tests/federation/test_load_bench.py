@@ -5,6 +5,7 @@ SQLite file in the middle; nothing acknowledged lost or duplicated, results writ
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -152,21 +153,31 @@ def test_render_with_other_windows_and_back_and_bad_widths(tmp_path):
 
 def test_load_bench_plaintext_runs_the_same_load_without_tls(tmp_path):
     """`--plaintext` (a diagnosis of what mutual TLS costs): the broker gets no certificates,
-    the nodes plaintext channels, and the load and its checks are the same."""
+    the nodes plaintext channels, and the load and its checks are the same. With
+    `--reports` the nodes also report on the groups they were offered, and the broker
+    stores those reports."""
     args = ["--nodes", "3", "--prompts", "8", "--duration", "4", "--restart-at", "-1", "--procs", "1",
             "--sample-s", "0.5", "--memory-s", "0", "--rpc-timeout-s", "5", "--match-wait-s", "1", "--backoff-cap-s", "0.5",
-            "--plaintext", "--keep", "--out-dir", str(tmp_path), "--name", "plain"]
+            "--plaintext", "--reports", "--keep", "--out-dir", str(tmp_path), "--name", "plain"]
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "load.py"), *args],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "plain.json").read_text())
     v = res["verify"]
     assert v["acknowledged_summaries"] > 0 and v["lost"] == 0 and v["duplicate_keys"] == 0
-    assert "- plaintext (no TLS: a diagnosis) on 127.0.0.1" in (tmp_path / "plain.md").read_text()
+    md = (tmp_path / "plain.md").read_text()
+    assert "- plaintext (no TLS: a diagnosis) on 127.0.0.1" in md
+    assert "- each node reports on every group it was offered" in md
+    assert res["latency"]["ReportCompatibility"]["count"] > 0
+    assert not any(k.startswith("ReportCompatibility") for k in res["errors"]), res["errors"]
     work = Path(proc.stdout.split("work directory ", 1)[1].split()[0])
     try:
         broker_cfg = (work / "broker.yaml").read_text()
         assert "tls_cert" not in broker_cfg and "client_ca" not in broker_cfg
+        dbs = list(work.rglob("*.sqlite")) + list(work.rglob("*.db"))
+        with sqlite3.connect(dbs[0]) as conn:
+            (reports,), = conn.execute("SELECT COUNT(*) FROM reports").fetchall()
+        assert reports > 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
