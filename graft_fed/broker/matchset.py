@@ -37,6 +37,9 @@ _ORDERS: "OrderedDict[tuple[str, ...], np.ndarray]" = OrderedDict()  # the last 
 _ORDERS_LOCK = threading.Lock()
 
 
+COLUMN_GRID_CELLS = 1 << 26  # up to this many (node, prompt) cells, columns_by_source marks a grid (64 MiB)
+
+
 def pid_order(pids: Sequence[str]) -> np.ndarray:
     """The column numbers of `pids` in prompt-id order, remembered for the last few lists (a
     synchronous round's columns are the same list round after round). Read-only."""
@@ -137,6 +140,15 @@ class MatchSet:
         ascending."""
         width = max(1, len(self.pids))
         rows = np.asarray(receivers, dtype=bool)[self.receiver]
+        if len(self.nodes) * width <= COLUMN_GRID_CELLS:
+            # a mark per (source, column) and its marks in row-major order: the same sorted
+            # keys as np.unique's, without sorting a round's matches (at 64 x 4,096, 80,000 of
+            # them: 15-30 ms in the first answer of every round while nodes reported)
+            grid = np.zeros((len(self.nodes), width), dtype=bool)
+            grid[self.source[rows], self.col[rows]] = True
+            src, cols = np.nonzero(grid)
+            starts = np.searchsorted(src, np.arange(len(self.nodes) + 1))
+            return starts, cols.astype(np.int64)
         key = np.unique(self.source[rows].astype(np.int64) * width + self.col[rows])
         starts = np.searchsorted(key, np.arange(len(self.nodes) + 1, dtype=np.int64) * width)
         return starts, key % width

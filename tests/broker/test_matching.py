@@ -230,13 +230,14 @@ def test_a_rounds_complementarity_for_every_receiver_at_once_is_core_exchanges(s
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_match_set_rows_are_in_receiver_then_prompt_id_order(seed: int) -> None:
+def test_match_set_rows_are_in_receiver_then_prompt_id_order(seed: int, monkeypatch) -> None:
     """MatchSet.from_choice lays out any choice (columns in any order, receivers with none)
     as rows sorted by (receiver, prompt id), each with its source's k; prompt lists of the
     same length but another order do not reuse the previous list's order. And the columns
     each source is asked to upload for a set of receivers (columns_by_source)."""
     import numpy as np
 
+    from graft_fed.broker import matchset
     from graft_fed.broker.matchset import MatchSet
 
     rng = random.Random(seed)
@@ -262,11 +263,13 @@ def test_match_set_rows_are_in_receiver_then_prompt_id_order(seed: int) -> None:
             assert ms.offered(name) == {(m.source, m.prompt_id) for m in ms.rows(receiver=name)}
         # each source's distinct columns among the matches of the receivers in a mask
         mask = np.array([rng.random() < 0.6 for _ in range(n_nodes)])
-        starts, cols = ms.columns_by_source(mask)
-        for j in range(n_nodes):
-            want_cols = sorted({c for r, c, s in zip(ms.receiver.tolist(), ms.col.tolist(), ms.source.tolist())
-                                if s == j and mask[r]})
-            assert cols[starts[j]:starts[j + 1]].tolist() == want_cols
+        for cells in (matchset.COLUMN_GRID_CELLS, 0):  # marked on a grid, and sorted
+            monkeypatch.setattr(matchset, "COLUMN_GRID_CELLS", cells)
+            starts, cols = ms.columns_by_source(mask)
+            for j in range(n_nodes):
+                want_cols = sorted({c for r, c, s in zip(ms.receiver.tolist(), ms.col.tolist(), ms.source.tolist())
+                                    if s == j and mask[r]})
+                assert cols[starts[j]:starts[j + 1]].tolist() == want_cols
 
 
 def test_a_choice_that_gives_a_receiver_one_prompt_twice_is_refused() -> None:
