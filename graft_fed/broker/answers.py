@@ -325,8 +325,7 @@ class Answers(Part):
     def _upload_requests(self, source: str) -> list[tuple[str, int]]:
         """(prompt id, round) of every group of the source's that a receiver waiting for it
         was given and that has no bundle yet, sorted."""
-        pieces, rows = self._upload_pieces(source)
-        return sorted({(ms.pids[c], r) for r, ms, cols in pieces for c in cols} | set(rows))
+        return _sorted_requests(*self._upload_pieces(source))
 
     def _uploads_wire(self, source: str, encode: Callable[[Iterable[tuple[str, int]]], bytes]) -> bytes:
         """encode(self._upload_requests(source)), joined from each request encoded once per
@@ -342,9 +341,7 @@ class Answers(Part):
             wires = self._request_wires(r, ms, encode)
             if wires is not None:  # the round's prompt ids ascend with its columns: already in order
                 return b"".join([wires[c] for c in cols])
-        if not rows and not pieces:
-            return encode([])
-        return encode(sorted({(ms.pids[c], r) for r, ms, cols in pieces for c in cols} | set(rows)))
+        return encode(_sorted_requests(pieces, rows))
 
     def _request_wires(self, round: int, ms: MatchSet, encode: Callable) -> list[bytes] | None:
         """Each prompt's upload request of `round` encoded (column order), once per round's
@@ -414,3 +411,8 @@ class Answers(Part):
             waiting.setdefault(n.round, set()).add(n.node_id)
         self._waiting = (now, version, waiting, {})
         return waiting, self._waiting[3]
+
+
+def _sorted_requests(pieces: list[tuple[int, MatchSet, list[int]]], rows: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Answers._upload_pieces' (prompt id, round) requests, each once, sorted."""
+    return sorted({(ms.pids[c], r) for r, ms, cols in pieces for c in cols} | set(rows))

@@ -242,12 +242,12 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
             break
     if m < n_nodes:  # the rest, over every source
         block = max(1, SCORES_PER_BLOCK // n_nodes)
-        every = np.broadcast_to(source, (min(pending.size, block), n_nodes))
+        tie = n_nodes - 1 - source  # the lower index wins a tie
         for lo in range(0, pending.size, block):
             i = pending[lo:lo + block]
-            r, s = rr[i][:, None], every[:i.size]
+            r = rr[i]
             k_s = kkT[pp[i]].astype(np.int64)  # (F', N)
-            cand = np.where(k_s >= t[:, rr[i]].T, (ranks[:, rr[i]].T * kspan + k_s) * n_nodes + (n_nodes - 1 - s), -1)
+            cand = np.where(k_s >= t[:, r].T, (ranks[:, r].T * kspan + k_s) * n_nodes + tie, -1)
             best = cand.argmax(axis=1)
             src[i] = best
             has[i] = cand[np.arange(i.size), best] >= 0

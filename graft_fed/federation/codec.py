@@ -15,7 +15,7 @@ from graft_fed.core.advantages import PAPER_ADVANTAGE
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
 from graft_fed.federation.errors import InvalidArgument
-from graft_fed.federation.limits import INT64_MAX, MAX_REPEATED, MAX_STRING_LEN
+from graft_fed.federation.limits import INT64_MAX, MAX_REPEATED, MAX_STRING_LEN, check_string
 from graft_fed.federation.protowire import read_shortest_varint, read_varint, varint as _varint
 from graft_fed.federation.summaryblock import SummaryBlock, facts_of, intern_ids
 from graft_fed.proto import broker_pb2 as pb
@@ -397,8 +397,7 @@ def summaries_from_columns(request: pb.PublishRequest, raw: bytes | None = None,
             _learn_ids(raw, found[1:], pids)
         arrays = {name: getattr(c, name) for name in _ARRAY_FIELDS.values()}  # each read once: each access copies
     if _longest(pids) > MAX_STRING_LEN:
-        longest = next(len(p) for p in pids if len(p) > MAX_STRING_LEN)
-        raise InvalidArgument(f"columns.prompt_ids is {longest} characters long; at most {MAX_STRING_LEN}")
+        check_string("columns.prompt_ids", next(p for p in pids if len(p) > MAX_STRING_LEN))
     for name, width in (("policy_versions", 8), ("n", 4), ("k", 4), ("reward_means", 8), ("reward_stds", 8),
                         ("n_responses", 4)):
         size = len(arrays[name])
@@ -573,7 +572,6 @@ def report_entries_from_pb(request: pb.CompatibilityReport) -> Iterator[ReportEn
     the servicer only counted them."""
     for e in request.entries:
         source, prompt = e.source_node_id, e.prompt_id
-        for name, value in (("source_node_id", source), ("prompt_id", prompt)):
-            if len(value) > MAX_STRING_LEN:
-                raise InvalidArgument(f"entries.{name} is {len(value)} characters long; at most {MAX_STRING_LEN}")
+        check_string("entries.source_node_id", source)
+        check_string("entries.prompt_id", prompt)
         yield ReportEntry(source, prompt, e.mean_s, e.admitted_fraction, e.rejected)

@@ -66,6 +66,13 @@ def check_int64(value: int, what: str) -> int:
     return value
 
 
+def check_string(name: str, value: str) -> None:
+    """InvalidArgument naming the field when `value` is longer than MAX_STRING_LEN: the one
+    wording of that bound, wherever a request's strings are checked."""
+    if len(value) > MAX_STRING_LEN:
+        raise InvalidArgument(f"{name} is {len(value)} characters long; at most {MAX_STRING_LEN}")
+
+
 def check_message(msg: Any, where: str = "", shallow: tuple[str, ...] = ()) -> None:
     """Uniform bounds on a parsed protobuf request, field by field: integers fit int64,
     strings and bytes are bounded, repeated fields hold at most MAX_REPEATED entries.
@@ -88,8 +95,7 @@ def check_message(msg: Any, where: str = "", shallow: tuple[str, ...] = ()) -> N
                     raise InvalidArgument(f"{name}={clip(str(v), 24)} does not fit a signed 64-bit integer")
         elif field.type == F.TYPE_STRING:
             for v in values:
-                if len(v) > MAX_STRING_LEN:
-                    raise InvalidArgument(f"{name} is {len(v)} characters long; at most {MAX_STRING_LEN}")
+                check_string(name, v)
         elif field.type == F.TYPE_BYTES and field.name in ("signature", "signer_cert"):
             limit = MAX_SIGNATURE_BYTES if field.name == "signature" else MAX_CERT_BYTES
             for v in values:
