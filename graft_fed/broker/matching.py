@@ -7,8 +7,10 @@ steps of Python, which at 64 nodes x 4,096 prompts took the broker a minute per 
 a has an informative group for at each k (SelectWithTies keeps every candidate whose k_S
 reaches the m-th largest, so a histogram of k per pair fixes the threshold), and then, per
 receiver and prompt, the `source_rank` winner among the sources that passed their pair's
-threshold. Both are array operations: one (n - 1)-term sum of (N x P) @ (P x N) products,
-then one masked arg-max per receiver over (N x its failed prompts).
+threshold. Both are array operations: (N x P) @ (P x N) products of the masks k_S >= j
+(_thresholds), then, for every receiver at once, walks that try each (receiver, prompt)
+pair's likeliest winners first, and an arg-max over every source for the few pairs they do
+not settle (_ranked_choices).
 
 `select_sources_arrays` returns exactly what `select_sources` returns for the same input
 (tests/broker/test_matching.py compares them on random rounds with ties, N > 2, balance on
@@ -23,8 +25,6 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 
 MISSING = -1  # k of a prompt the node did not publish
-
-INT32_SCORES_BELOW = 2**31  # scores (and flat table indices) from this on are computed in int64
 
 
 def kn_arrays(kn: Sequence[Mapping[Hashable, tuple[int, int]]]) -> tuple[list[Hashable], np.ndarray, np.ndarray]:
@@ -45,23 +45,32 @@ def kn_arrays(kn: Sequence[Mapping[Hashable, tuple[int, int]]]) -> tuple[list[Ha
     return list(pids), k, n
 
 
+THRESHOLD_BYTES = 32 << 20  # the (N x P) float32 masks of k_S >= j multiplied at once (_thresholds)
+
+
 def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndarray, balance: bool) -> np.ndarray:
     """t[a, b]: the smallest k_S of a's groups that SelectWithTies keeps in direction a -> b
     (every candidate with k_S >= t is kept); kmax + 1 when the pair exchanges nothing."""
     n_nodes = k.shape[0]
     kmax = int(n[inf_src].max()) - 1 if inf_src.any() else 1
-    failT = fail.T.astype(np.float32)  # (P, N)
-    hist = []  # hist[j - 1][a, b]: a's informative groups with k_S = j on prompts b failed entirely
-    for j in range(1, kmax + 1):
-        a_j = (inf_src & (k == j)).astype(np.float32)
-        hist.append(a_j @ failT if a_j.any() else np.zeros((n_nodes, n_nodes), dtype=np.float32))
-    total = np.sum(hist, axis=0) if hist else np.zeros((n_nodes, n_nodes), dtype=np.float32)
+    # ranked[j - 1][a, b]: a's informative groups with k_S >= j on prompts b failed entirely,
+    # as few (J N x P) @ (P x N) products as THRESHOLD_BYTES of J (N x P) masks allow
+    k_inf = np.where(inf_src, k, 0)
+    failT = fail.T.astype(np.float32)
+    ranked = np.empty((kmax, n_nodes, n_nodes), dtype=np.float32)
+    per = max(1, THRESHOLD_BYTES // max(1, 4 * k.size))
+    for lo in range(1, kmax + 1, per):
+        js = np.arange(lo, min(lo + per, kmax + 1))
+        at_least = (k_inf[None] >= js[:, None, None]).astype(np.float32).reshape(js.size * n_nodes, -1)
+        ranked[lo - 1:lo - 1 + js.size] = (at_least @ failT).reshape(js.size, n_nodes, n_nodes)
+    total = ranked[0]
     m = np.minimum(total, total.T) if balance else total  # how many each direction keeps before ties
-    t = np.full((n_nodes, n_nodes), kmax + 1, dtype=np.int64)
-    ranked = np.zeros((n_nodes, n_nodes), dtype=np.float32)  # candidates with k_S >= j
-    for j in range(kmax, 0, -1):
-        ranked += hist[j - 1]
-        t = np.where((t == kmax + 1) & (m > 0) & (ranked >= m), j, t)
+    # ranked[j - 1] falls as j rises and ranked[0] = total >= m, so the largest j with
+    # ranked[j - 1] >= m is the count of those j (where m > 0)
+    t = np.zeros((n_nodes, n_nodes), dtype=np.int32)
+    for j in range(kmax):
+        t += ranked[j] >= m
+    t[m <= 0] = kmax + 1
     return t
 
 
@@ -82,7 +91,6 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     ok = np.ones(n_nodes, dtype=bool) if can_source is None else np.asarray(can_source, dtype=bool)
     inf_src = inf & ok[:, None]  # a node that may not share offers nothing, in either pair direction's count
     t = _thresholds(k, n, fail, inf_src, balance)
-    order = np.arange(n_nodes)
     # est[s, r]: source_rank's first key (an unexplored pair counts as +inf; NaN never wins a
     # comparison in max(), so it ranks below everything)
     if isinstance(compat, np.ndarray):  # already est_all (broker/compat.py's estimates)
@@ -102,71 +110,17 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     # group, else -1. A receiver's failed prompts are then whole rows (a gather of rows is a
     # copy of contiguous memory; one of columns was most of the time at 64 x 4,096).
     kkT = np.ascontiguousarray(np.where(inf_src, k, -1).T, dtype=np.int32)
-    kspan = int(kkT.max()) + 2  # k_S + 1 in [0, kspan)
-    # source_rank for receiver r is one integer per (source, k_S): ((compatibility rank) x
-    # kspan + k_S) x N + (N - 1 - source), higher is better, -1 where the pair's threshold
-    # rejects that k_S. So each receiver needs a (N, kspan) table, and a prompt's candidates
-    # are that table gathered at flat[p, s] = s x kspan + k_S + 1: one gather and one arg-max.
-    flat = None
-    ks_of = np.arange(kspan) - 1  # the k_S of each table column
-    tie = (n_nodes - 1 - order)[:, None]  # the lower index wins a tie
-    wide = (n_nodes * kspan + kspan) * n_nodes >= INT32_SCORES_BELOW
-    score_dtype = np.int64 if wide else np.int32
-
-    def table(r: int, rank: np.ndarray | int) -> np.ndarray:
-        score = (rank * kspan + ks_of[None, :]) * n_nodes + tie
-        return np.where(ks_of[None, :] >= t[:, r][:, None], score, -1).astype(score_dtype).ravel()
-
-    # Without compatibility estimates the score of a (source, prompt) does not depend on the
-    # receiver: the best-scored source of each prompt (highest k_S, then lowest index: the
-    # first arg-max) wins wherever it passes its pair's threshold, which it usually does;
-    # only the other prompts need the table.
-    top = kkT.argmax(axis=1) if uniform else None  # (P,)
-    top_k = kkT[np.arange(kkT.shape[0]), top] if uniform else None
-    # With estimates: the compatibility rank of each source for each receiver (equal
-    # estimates tie), and the receivers whose best-ranked sources are chosen in one batch
-    ranks = None if uniform else _dense_ranks(est_all)
-    batched = {} if uniform else _ranked_choices(kkT, t, ranks, fail, kspan)
-    out = []
-    for r in range(n_nodes):
-        if r in batched:
-            cols, src = batched[r]
-            out.append(_capped(cols, src, kkT, cap))
-            continue
-        cols = np.flatnonzero(fail[r])
-        if not cols.size:
-            out.append((cols, cols.copy()))
-            continue
-        if uniform:
-            src = top[cols]
-            done = top_k[cols] >= t[src, r]
-            if done.all():
-                out.append(_capped(cols, src, kkT, cap))
-                continue
-            rest = cols[~done]
-            if flat is None:
-                flat = kkT + 1 + (order * kspan).astype(np.int32)[None, :]
-            cand = table(r, 0)[flat[rest]]  # (C, N)
-            best = cand.argmax(axis=1)
-            src = src.copy()
-            src[~done] = best
-            has = np.ones(cols.size, dtype=bool)
-            has[~done] = cand[np.arange(rest.size), best] >= 0
-        else:
-            if flat is None:
-                flat = kkT + 1 + (order * kspan).astype(np.int32)[None, :]
-            # compatibility first (unknown = +inf); equal estimates tie
-            rank = ranks[:, r]
-            src, has = _best_ranked(table(r, rank[:, None]), flat, cols, rank)
-        if not has.all():
-            cols, src = cols[has], src[has]
-        out.append(_capped(cols, src, kkT, cap))
-    return out
+    kspan = int(kkT.max()) + 2 if kkT.size else 1  # k_S + 1 in [0, kspan)
+    if uniform:  # every pair unexplored: one rank, the receiver's own pair below it
+        ranks = np.ones((n_nodes, n_nodes), dtype=np.int32)
+        np.fill_diagonal(ranks, 0)
+    else:
+        ranks = _dense_ranks(est_all)
+    return [_capped(cols, src, kkT, cap) for cols, src in _ranked_choices(kkT, t, ranks, fail, kspan)]
 
 
-TOP_SOURCES = 8  # a receiver's best-ranked sources tried first (_best_ranked)
-
-
+TOP_SOURCES = 8  # a receiver's best-ranked sources tried first, where their ranks are distinct (_ranked_choices)
+PROMPT_TRIES = 64  # a tied receiver's candidates tried per prompt, best k_S first (_ranked_choices)
 SCORES_PER_BLOCK = 1 << 20  # (pair, source) scores computed at once over every source (_ranked_choices): 8 MiB each
 
 
@@ -176,41 +130,68 @@ def _dense_ranks(est: np.ndarray) -> np.ndarray:
     as select_sources_arrays reads it). A receiver's own pair (the diagonal, never a
     source: it failed the prompt) ranks lowest, so that its best-ranked sources are real."""
     if not est.size:
-        return np.zeros(est.shape, dtype=np.int64)
+        return np.zeros(est.shape, dtype=np.int32)
     est = np.where(np.isnan(est), -np.inf, est)
     np.fill_diagonal(est, -np.inf)
-    by = np.argsort(est, axis=0, kind="stable")
+    by = np.argsort(est, axis=0)  # equal estimates take one rank in any order: no stable sort
     ordered = np.take_along_axis(est, by, axis=0)
-    step = np.ones(est.shape, dtype=np.int64)
+    step = np.ones(est.shape, dtype=np.int32)
     step[0] = 0
     step[1:] = ordered[1:] != ordered[:-1]
-    ranks = np.empty(est.shape, dtype=np.int64)
+    ranks = np.empty(est.shape, dtype=np.int32)
     np.put_along_axis(ranks, by, np.cumsum(step, axis=0), axis=0)
     return ranks
 
 
 def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.ndarray,
-                    kspan: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """receiver -> (failed prompt columns with a winner, the winners), for every receiver
-    whose TOP_SOURCES best-ranked sources each have a rank of their own, above every other
-    source's (with estimates that differ, all of them), in one batch. The rank leads the
-    score, so a (receiver, prompt) pair's winner is then the first of those sources, best
-    first, whose group passes the pair's threshold: the pairs are tried on the best source,
-    those left on the next, and so on (a few 1-D gathers over fewer and fewer pairs); the
-    pairs none of them passes are scored over every source, SCORES_PER_BLOCK scores at a time, with
-    the table's score ((rank x kspan + k_S) x N + N - 1 - source; -1 where the pair's
-    threshold rejects k_S)."""
+                    kspan: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per receiver, (failed prompt columns with a winner, the winners), every receiver in
+    one batch. The score of a source for a (receiver, prompt) pair is ((rank x kspan + k_S)
+    x N + N - 1 - source), -1 where the pair's threshold rejects k_S: the compatibility rank
+    leads, so a pair's winner is the best passing source of the highest rank that has one.
+    Two cheap walks find most winners without scoring every source:
+    - a receiver whose TOP_SOURCES best-ranked sources each have a rank of their own, above
+      every other source's (estimates that differ): its pairs are tried on its best source,
+      those left on the next, and so on (_walk_ranked);
+    - any other receiver (its best rank shared, say by the pairs still unexplored, +inf):
+      the winner is the first source of that rank, in the prompt's order of k_S (highest
+      first, then the lower index), that passes the pair's threshold; each prompt's sources
+      are sorted once for every receiver, and its pairs walk them (_walk_prompts).
+    The pairs neither walk settles are scored over every source, SCORES_PER_BLOCK scores at a
+    time (_score_all)."""
+    n_nodes = ranks.shape[0]
+    rr, pp = np.divmod(np.flatnonzero(fail), fail.shape[1])  # pairs, receiver-major, prompts ascending (np.nonzero: 4x slower)
+    src = np.zeros(rr.size, dtype=np.int64)
+    has = np.zeros(rr.size, dtype=bool)
+    bounds = np.searchsorted(rr, np.arange(n_nodes + 1), side="left")
+    if rr.size:
+        ranked_by = _distinct_best(ranks)  # (m, N): receiver r's i-th best source, or -1 where r is tied
+        walks = ranked_by[0][rr] >= 0
+        left = [_walk_ranked(np.flatnonzero(walks), rr, pp, ranked_by, kkT, t, src, has),
+                _walk_prompts(np.flatnonzero(~walks), rr, pp, ranks, kkT, t, src, has)]
+        _score_all(np.concatenate(left), rr, pp, ranks, kkT, t, kspan, src, has)
+    out = []
+    for r in range(n_nodes):
+        sl = slice(bounds[r], bounds[r + 1])
+        keep = has[sl]
+        out.append((pp[sl][keep], src[sl][keep]))
+    return out
+
+
+def _distinct_best(ranks: np.ndarray) -> np.ndarray:
+    """by[i, r]: receiver r's i-th best-ranked source (i < TOP_SOURCES), for each receiver
+    whose TOP_SOURCES best ranks are distinct and above every other source's; -1 in
+    column r for any other receiver."""
     n_nodes = ranks.shape[0]
     m = min(TOP_SOURCES, n_nodes)
-    if not m:
-        return {}
-    source = np.arange(n_nodes)
+    out = np.full((max(m, 1), n_nodes), -1, dtype=np.int64)
     # a receiver whose best rank is shared (say, many pairs still unexplored, +inf) cannot
     # qualify: only the others are sorted
-    maybe = np.flatnonzero((ranks == ranks.max(axis=0)).sum(axis=0) == 1)
+    maybe = np.flatnonzero((ranks == ranks.max(axis=0)).sum(axis=0) == 1) if m else np.zeros(0, dtype=np.int64)
     if not maybe.size:
-        return {}
-    key = -ranks[:, maybe] * n_nodes + source[:, None]  # ascending: best rank first, then the lower index
+        return out
+    source = np.arange(n_nodes)
+    key = -ranks[:, maybe].astype(np.int64) * n_nodes + source[:, None]  # ascending: best rank first, then the lower index
     top = min(m + 1, n_nodes)
     if top < n_nodes:  # each receiver's top + 1 sources only, then those in order
         part = np.argpartition(key, top - 1, axis=0)[:top]
@@ -220,73 +201,82 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
     # by[i, j]: receiver maybe[j]'s i-th best source (the keys are distinct)
     ranked = np.take_along_axis(ranks[:, maybe], by, axis=0)  # (m or m + 1, len(maybe)), best first
     ok = (np.diff(ranked, axis=0) < 0).all(axis=0)  # no tie among the top or across the cut
-    receivers, by = maybe[ok], by[:, ok]
-    if not receivers.size:
-        return {}
-    first = np.full(n_nodes, -1, dtype=np.int64)  # a receiver's column in `by`
-    first[receivers] = np.arange(receivers.size)
-    rr, pp = np.nonzero(fail[receivers])  # pairs, receiver-major, prompts ascending
-    rr = receivers[rr]
+    out[:, maybe[ok]] = by[:m, ok]
+    return out
+
+
+def _walk_ranked(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, by: np.ndarray, kkT: np.ndarray,
+                 t: np.ndarray, src: np.ndarray, has: np.ndarray) -> np.ndarray:
+    """Settles the pairs `pending` (indices into rr, pp) whose receiver's best sources `by`
+    are distinct: each is won by the first of them, best first, whose group passes the
+    pair's threshold. Returns the pairs none of them passes (none when they are every
+    source)."""
+    n_nodes = t.shape[0]
     k_flat, t_flat = kkT.ravel(), t.ravel()
-    src = np.zeros(rr.size, dtype=np.int64)
-    has = np.zeros(rr.size, dtype=bool)
-    pending = np.arange(rr.size)
-    for i in range(m):
+    for i in range(by.shape[0]):
+        if not pending.size:
+            break
         r = rr[pending]
-        s = by[i][first[r]]
+        s = by[i][r]
         passed = k_flat[pp[pending] * n_nodes + s] >= t_flat[s * n_nodes + r]
         won = pending[passed]
         src[won], has[won] = s[passed], True
         pending = pending[~passed]
+    return pending if by.shape[0] < n_nodes else pending[:0]
+
+
+def _walk_prompts(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, ranks: np.ndarray, kkT: np.ndarray,
+                  t: np.ndarray, src: np.ndarray, has: np.ndarray) -> np.ndarray:
+    """Settles the pairs `pending` whose receiver's best rank is shared: each is won by the
+    first source of that rank, in its prompt's order (k_S highest first, then the lower
+    index), whose group passes the pair's threshold. Returns the pairs it did not settle:
+    no source of the best rank passes, or none within PROMPT_TRIES of the prompt's order."""
+    n_nodes = t.shape[0]
+    k_flat, t_flat, rank_flat = kkT.ravel(), t.ravel(), ranks.ravel()
+    best = ranks.max(axis=0)
+    tried = []
+    order = row = None
+    for i in range(min(PROMPT_TRIES, n_nodes)):
         if not pending.size:
             break
-    if m < n_nodes:  # the rest, over every source
-        block = max(1, SCORES_PER_BLOCK // n_nodes)
-        tie = n_nodes - 1 - source  # the lower index wins a tie
-        for lo in range(0, pending.size, block):
-            i = pending[lo:lo + block]
-            r = rr[i]
-            k_s = kkT[pp[i]].astype(np.int64)  # (F', N)
-            cand = np.where(k_s >= t[:, r].T, (ranks[:, r].T * kspan + k_s) * n_nodes + tie, -1)
-            best = cand.argmax(axis=1)
-            src[i] = best
-            has[i] = cand[np.arange(i.size), best] >= 0
-    bounds = np.searchsorted(rr, receivers, side="left").tolist() + [rr.size]
-    out = {}
-    for j, r in enumerate(receivers.tolist()):
-        sl = slice(bounds[j], bounds[j + 1])
-        keep = has[sl]
-        out[r] = (pp[sl][keep], src[sl][keep])
-    return out
+        r, p = rr[pending], pp[pending]
+        if not i:  # a prompt's first source: its arg-max (the first of the highest k_S), no sort
+            s = kkT.argmax(axis=1)[p]
+        else:
+            if order is None:  # each pending prompt's sources, k_S highest first, then the lower index
+                prompts = np.unique(p)
+                row = np.zeros(kkT.shape[0], dtype=np.int64)
+                row[prompts] = np.arange(prompts.size)
+                order = np.argsort(-kkT[prompts], axis=1, kind="stable")[:, :PROMPT_TRIES]
+            s = order[row[p], i]
+        k_s = k_flat[p * n_nodes + s]
+        gone = k_s < 0  # no informative group left in the prompt's order
+        passed = ~gone & (rank_flat[s * n_nodes + r] == best[r]) & (k_s >= t_flat[s * n_nodes + r])
+        won = pending[passed]
+        src[won], has[won] = s[passed], True
+        tried.append(pending[gone])
+        pending = pending[~(passed | gone)]
+    return np.concatenate([*tried, pending])
 
 
-def _best_ranked(tab: np.ndarray, flat: np.ndarray, cols: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(source, found) per failed prompt `cols` of one receiver: the arg-max of its score
-    table `tab` gathered at flat[cols] (-1: the pair's threshold rejects it), computed on
-    its TOP_SOURCES best-ranked sources first (with every source tied with the last of
-    them). The compatibility rank leads the score, so a prompt that one of those passes has
-    its winner among them; only the other prompts are gathered over every source. With
-    estimates that differ, a receiver's failed prompts are then a (C x 8) gather, not a
-    (C x N) one (at 64 x 4,096, most of a round's matching once reports came in)."""
-    n_nodes = rank.size
-    top = None
-    if TOP_SOURCES < n_nodes:  # the sources ranked at least as high as the TOP_SOURCES-th best (no sort)
-        top = np.flatnonzero(rank >= np.partition(rank, n_nodes - TOP_SOURCES)[n_nodes - TOP_SOURCES])
-    if top is None or 2 * top.size > n_nodes:  # (a gather of whole rows is faster than one of half their columns)
-        cand = tab[flat[cols]]  # (C, N)
-        src = cand.argmax(axis=1)
-        return src, cand[np.arange(cols.size), src] >= 0
-    cand = tab[flat[np.ix_(cols, top)]]  # (C, m)
-    best = cand.argmax(axis=1)
-    src = top[best]
-    has = cand[np.arange(cols.size), best] >= 0
-    if not has.all():
-        rest = np.flatnonzero(~has)
-        cand = tab[flat[cols[rest]]]  # (C', N)
+def _score_all(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, ranks: np.ndarray, kkT: np.ndarray,
+               t: np.ndarray, kspan: int, src: np.ndarray, has: np.ndarray) -> None:
+    """Settles the pairs `pending` by their score over every source, SCORES_PER_BLOCK scores
+    at a time."""
+    if not pending.size:
+        return
+    n_nodes = t.shape[0]
+    block = max(1, SCORES_PER_BLOCK // n_nodes)
+    tie = n_nodes - 1 - np.arange(n_nodes)  # the lower index wins a tie
+    tT, ranksT = t.T, ranks.T  # a receiver's column as a row
+    for lo in range(0, pending.size, block):
+        i = pending[lo:lo + block]
+        r = rr[i]
+        k_s = kkT[pp[i]].astype(np.int64)  # (F', N)
+        cand = np.where(k_s >= tT[r], (ranksT[r] * kspan + k_s) * n_nodes + tie, -1)
         best = cand.argmax(axis=1)
-        src[rest] = best
-        has[rest] = cand[np.arange(rest.size), best] >= 0
-    return src, has
+        src[i] = best
+        has[i] = cand[np.arange(i.size), best] >= 0
 
 
 def _capped(cols: np.ndarray, src: np.ndarray, kkT: np.ndarray, cap: int | None) -> tuple[np.ndarray, np.ndarray]:

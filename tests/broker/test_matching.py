@@ -50,61 +50,60 @@ def test_fast_path_equals_select_sources(seed: int) -> None:
             assert got == want, (seed, balance, cap)
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_scores_in_int64_choose_the_same(seed: int, monkeypatch) -> None:
-    """A federation whose scores would pass int32 (tens of thousands of nodes) scores in
-    int64: forced here for small rounds, the choices are still select_sources'."""
+def test_every_way_to_a_winner_chooses_the_same(monkeypatch) -> None:
+    """Receivers whose best-ranked sources are distinct try them in rank order
+    (_walk_ranked, TOP_SOURCES of them); the others try their best rank's sources in each
+    prompt's order of k_S (_walk_prompts, PROMPT_TRIES of them); what neither settles is
+    scored over every source (_score_all, SCORES_PER_BLOCK scores at a time). The choices
+    are still select_sources', whatever the number tried and the block, and with the
+    thresholds' masks multiplied one by one (THRESHOLD_BYTES). Estimates drawn
+    from many values (few ties) and from few (many), with and without unexplored pairs
+    (+inf: the best rank shared) and none at all; every way is taken."""
     from graft_fed.broker import matching
 
-    monkeypatch.setattr(matching, "INT32_SCORES_BELOW", 0)
-    rng = random.Random(100 + seed)
-    n_nodes = rng.choice([2, 3, 7])
-    kn = _round(rng, n_nodes, rng.choice([5, 40]), 8, partial=seed % 3 == 0)
-    compat = _compat(rng, n_nodes) if seed % 2 else {}
-    for cap in (None, 1):
-        assert select_sources_fast(kn, True, compat, cap=cap) == select_sources(kn, True, compat, cap=cap)
+    ways = {"ranked": 0, "prompts": 0, "scored": 0}
 
-
-def test_the_best_ranked_sources_first_choose_the_same(monkeypatch) -> None:
-    """With estimates known, a receiver's prompts are tried on its TOP_SOURCES best-ranked
-    sources first, the rest on every source (SCORES_PER_BLOCK scores at a time): in one batch
-    for the receivers whose cut falls between two ranks, one receiver at a time (ties with
-    the last of them included) for the others. The choices are still select_sources',
-    whatever the number tried first. Estimates drawn from many values (few ties) and from
-    few (many), with and without unexplored pairs; both ways are taken."""
-    from graft_fed.broker import matching
-
-    ways = {"batched": 0, "one receiver": 0}
-    real_batch, real_one = matching._ranked_choices, matching._best_ranked
-
-    def batch(*args):
-        got = real_batch(*args)
-        ways["batched"] += len(got)
-        return got
-
-    def one(tab, flat, cols, rank):
-        ways["one receiver"] += matching.TOP_SOURCES < rank.size
-        return real_one(tab, flat, cols, rank)
-    monkeypatch.setattr(matching, "_ranked_choices", batch)
-    monkeypatch.setattr(matching, "_best_ranked", one)
-    for seed in range(12):
+    def counted(name, real):
+        def call(pending, *args):
+            ways[name] += pending.size
+            return real(pending, *args)
+        return call
+    for name, fn in (("ranked", "_walk_ranked"), ("prompts", "_walk_prompts"), ("scored", "_score_all")):
+        monkeypatch.setattr(matching, fn, counted(name, getattr(matching, fn)))
+    for seed in range(16):
         rng = random.Random(300 + seed)
         n_nodes = rng.choice([5, 9, 16, 21])
         kn = _round(rng, n_nodes, rng.choice([30, 90]), rng.choice([4, 8]), partial=seed % 3 == 0)
         values = [rng.random() for _ in range(40)] if seed % 2 else [0.5, 0.9, 1.0]
-        known = 1.0 if seed % 4 < 2 else 0.7  # every pair explored, or some still +inf
+        known = (1.0, 0.7, 0.1, 0.0)[seed % 4]  # every pair explored, some, few or none (+inf)
         compat = {(s, r): rng.choice(values) for s in range(n_nodes) for r in range(n_nodes)
                   if s != r and rng.random() < known}
         can = [rng.random() > 0.2 for _ in range(n_nodes)] if seed % 5 == 1 else None
-        for top, block in ((1, 3 * n_nodes), (2, 1 << 20), (3, 7 * n_nodes), (8, 1)):
+        for top, tries, block, masks in ((1, 1, 3 * n_nodes, 1), (2, 2, 1 << 20, 32 << 20), (3, 5, 7 * n_nodes, 1),
+                                         (8, 64, 1, 32 << 20)):
+            monkeypatch.setattr(matching, "THRESHOLD_BYTES", masks)  # 1: one k_S >= j mask at a time
             monkeypatch.setattr(matching, "TOP_SOURCES", top)
+            monkeypatch.setattr(matching, "PROMPT_TRIES", tries)
             monkeypatch.setattr(matching, "SCORES_PER_BLOCK", block)
             for balance in (True, False):
                 for cap in (None, 2):
                     want = select_sources(kn, balance, compat, can, cap=cap)
                     got = select_sources_fast(kn, balance, compat, can, cap=cap)
-                    assert got == want, (seed, top, block, balance, cap)
-    assert ways["batched"] and ways["one receiver"], ways
+                    assert got == want, (seed, top, tries, block, masks, balance, cap)
+    assert all(ways.values()), ways
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_larger_federation_chooses_the_same(seed: int) -> None:
+    """60 nodes with few, half or most pairs explored, as in a federation's first rounds
+    and later ones: the choices are select_sources'."""
+    rng = random.Random(900 + seed)
+    n_nodes = 60
+    kn = _round(rng, n_nodes, 40, 8, partial=False)
+    known = (0.1, 0.5, 0.95)[seed]
+    compat = {(s, r): rng.random() for s in range(n_nodes) for r in range(n_nodes) if s != r and rng.random() < known}
+    for balance in (True, False):
+        assert select_sources_fast(kn, balance, compat) == select_sources(kn, balance, compat), (seed, balance)
 
 
 def test_dense_ranks_are_np_uniques() -> None:
