@@ -149,26 +149,33 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
     one batch. The score of a source for a (receiver, prompt) pair is ((rank x kspan + k_S)
     x N + N - 1 - source), -1 where the pair's threshold rejects k_S: the compatibility rank
     leads, so a pair's winner is the best passing source of the highest rank that has one.
-    Two cheap walks find most winners without scoring every source:
+    Cheap ways find most winners without scoring every source:
     - a receiver whose TOP_SOURCES best-ranked sources each have a rank of their own, above
       every other source's (estimates that differ): its pairs are tried on its best source,
       those left on the next, and so on (_walk_ranked);
-    - any other receiver (its best rank shared, say by the pairs still unexplored, +inf):
-      the winner is the first source of that rank, in the prompt's order of k_S (highest
-      first, then the lower index), that passes the pair's threshold; each prompt's sources
-      are sorted once for every receiver, and its pairs walk them (_walk_prompts).
-    The pairs neither walk settles are scored over every source, SCORES_PER_BLOCK scores at a
-    time (_score_all)."""
+    - a receiver whose best rank is shared by at least a quarter of the sources (say, the
+      pairs still unexplored, +inf, early in a federation): the winner is the first source
+      of that rank, in the prompt's order of k_S (highest first, then the lower index), that
+      passes the pair's threshold; each prompt's sources are sorted once for every
+      receiver, and its pairs walk them (_walk_prompts);
+    - any other receiver (its best rank shared by fewer, say the few pairs still
+      unexplored later on): its pairs are scored over the sources of that rank only
+      (_best_rank_only).
+    The pairs none of them settles are scored over every source, SCORES_PER_BLOCK scores at
+    a time (_score_all)."""
     n_nodes = ranks.shape[0]
     rr, pp = np.divmod(np.flatnonzero(fail), fail.shape[1])  # pairs, receiver-major, prompts ascending (np.nonzero: 4x slower)
     src = np.zeros(rr.size, dtype=np.int64)
     has = np.zeros(rr.size, dtype=bool)
     bounds = np.searchsorted(rr, np.arange(n_nodes + 1), side="left")
     if rr.size:
-        ranked_by = _distinct_best(ranks)  # (m, N): receiver r's i-th best source, or -1 where r is tied
-        walks = ranked_by[0][rr] >= 0
-        left = [_walk_ranked(np.flatnonzero(walks), rr, pp, ranked_by, kkT, t, src, has),
-                _walk_prompts(np.flatnonzero(~walks), rr, pp, ranks, kkT, t, src, has)]
+        at_top = ranks == ranks.max(axis=0)  # (N, N): the sources of each receiver's best rank
+        n_top = at_top.sum(axis=0)
+        ranked_by = _distinct_best(ranks, n_top)  # (m, N): receiver r's i-th best source, or -1
+        way = np.where(ranked_by[0] >= 0, 0, np.where(4 * n_top >= n_nodes, 1, 2))[rr]
+        left = [_walk_ranked(np.flatnonzero(way == 0), rr, pp, ranked_by, kkT, t, src, has),
+                _walk_prompts(np.flatnonzero(way == 1), rr, pp, at_top, kkT, t, src, has),
+                _best_rank_only(np.flatnonzero(way == 2), rr, pp, at_top, kkT, t, src, has)]
         _score_all(np.concatenate(left), rr, pp, ranks, kkT, t, kspan, src, has)
     out = []
     for r in range(n_nodes):
@@ -178,16 +185,17 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
     return out
 
 
-def _distinct_best(ranks: np.ndarray) -> np.ndarray:
+def _distinct_best(ranks: np.ndarray, n_top: np.ndarray) -> np.ndarray:
     """by[i, r]: receiver r's i-th best-ranked source (i < TOP_SOURCES), for each receiver
     whose TOP_SOURCES best ranks are distinct and above every other source's; -1 in
-    column r for any other receiver."""
+    column r for any other receiver. n_top: per receiver, how many sources share its best
+    rank."""
     n_nodes = ranks.shape[0]
     m = min(TOP_SOURCES, n_nodes)
     out = np.full((max(m, 1), n_nodes), -1, dtype=np.int64)
     # a receiver whose best rank is shared (say, many pairs still unexplored, +inf) cannot
     # qualify: only the others are sorted
-    maybe = np.flatnonzero((ranks == ranks.max(axis=0)).sum(axis=0) == 1) if m else np.zeros(0, dtype=np.int64)
+    maybe = np.flatnonzero(n_top == 1) if m else np.zeros(0, dtype=np.int64)
     if not maybe.size:
         return out
     source = np.arange(n_nodes)
@@ -225,15 +233,14 @@ def _walk_ranked(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, by: np.nda
     return pending if by.shape[0] < n_nodes else pending[:0]
 
 
-def _walk_prompts(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, ranks: np.ndarray, kkT: np.ndarray,
+def _walk_prompts(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, at_top: np.ndarray, kkT: np.ndarray,
                   t: np.ndarray, src: np.ndarray, has: np.ndarray) -> np.ndarray:
-    """Settles the pairs `pending` whose receiver's best rank is shared: each is won by the
-    first source of that rank, in its prompt's order (k_S highest first, then the lower
+    """Settles the pairs `pending` by the sources of their receiver's best rank (at_top[:, r]):
+    each is won by the first source of that rank, in its prompt's order (k_S highest first, then the lower
     index), whose group passes the pair's threshold. Returns the pairs it did not settle:
     no source of the best rank passes, or none within PROMPT_TRIES of the prompt's order."""
     n_nodes = t.shape[0]
-    k_flat, t_flat, rank_flat = kkT.ravel(), t.ravel(), ranks.ravel()
-    best = ranks.max(axis=0)
+    k_flat, t_flat, top_flat = kkT.ravel(), t.ravel(), at_top.ravel()
     tried = []
     order = row = None
     for i in range(min(PROMPT_TRIES, n_nodes)):
@@ -251,12 +258,53 @@ def _walk_prompts(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, ranks: np
             s = order[row[p], i]
         k_s = k_flat[p * n_nodes + s]
         gone = k_s < 0  # no informative group left in the prompt's order
-        passed = ~gone & (rank_flat[s * n_nodes + r] == best[r]) & (k_s >= t_flat[s * n_nodes + r])
+        st = s * n_nodes + r
+        passed = ~gone & top_flat[st] & (k_s >= t_flat[st])
         won = pending[passed]
         src[won], has[won] = s[passed], True
         tried.append(pending[gone])
         pending = pending[~(passed | gone)]
     return np.concatenate([*tried, pending])
+
+
+def _best_rank_only(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, at_top: np.ndarray, kkT: np.ndarray,
+                    t: np.ndarray, src: np.ndarray, has: np.ndarray) -> np.ndarray:
+    """Settles the pairs `pending` by their score over the sources of their receiver's best
+    rank only (at_top[:, r]): the highest k_S that passes the pair's threshold, then the
+    lower index. Receivers are taken in groups whose number of such sources rounds up to
+    the same power of two (a padded (pairs x width) gather each), SCORES_PER_BLOCK scores
+    at a time. Returns the pairs no source of that rank passes."""
+    if not pending.size:
+        return pending
+    n_nodes = t.shape[0]
+    receivers = np.unique(rr[pending])
+    width = 1 << np.ceil(np.log2(at_top[:, receivers].sum(axis=0))).astype(np.int64)
+    row = np.zeros(n_nodes, dtype=np.int64)  # a receiver's row in its group's `members`
+    k_flat = kkT.ravel()
+    left = []
+    for w in np.unique(width).tolist():
+        group = receivers[width == w]
+        row[group] = np.arange(group.size)
+        gi, gs = np.nonzero(at_top[:, group].T)  # (receiver in group, source), sources ascending
+        at = (gi, np.arange(gi.size) - np.searchsorted(gi, gi))
+        members = np.zeros((group.size, w), dtype=np.int64)  # padded with source 0 ...
+        members[at] = gs
+        t_of = np.full((group.size, w), np.iinfo(np.int32).max, dtype=t.dtype)  # ... that never passes
+        t_of[at] = t[gs, group[gi]]
+        mine = pending[np.isin(rr[pending], group)]
+        block = max(1, SCORES_PER_BLOCK // w)
+        for lo in range(0, mine.size, block):
+            i = mine[lo:lo + block]
+            g = row[rr[i]]
+            cand = members[g]  # (B, w), sources ascending: the first arg-max is the lower index
+            k_s = k_flat[(pp[i] * n_nodes)[:, None] + cand]
+            k_s = np.where(k_s >= t_of[g], k_s, -1)
+            best = k_s.argmax(axis=1)
+            at_best = np.arange(i.size), best
+            won = k_s[at_best] >= 0
+            src[i[won]], has[i[won]] = cand[at_best][won], True
+            left.append(i[~won])
+    return np.concatenate(left) if left else pending[:0]
 
 
 def _score_all(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, ranks: np.ndarray, kkT: np.ndarray,

@@ -53,29 +53,32 @@ def test_fast_path_equals_select_sources(seed: int) -> None:
 def test_every_way_to_a_winner_chooses_the_same(monkeypatch) -> None:
     """Receivers whose best-ranked sources are distinct try them in rank order
     (_walk_ranked, TOP_SOURCES of them); the others try their best rank's sources in each
-    prompt's order of k_S (_walk_prompts, PROMPT_TRIES of them); what neither settles is
-    scored over every source (_score_all, SCORES_PER_BLOCK scores at a time). The choices
+    prompt's order of k_S (_walk_prompts, PROMPT_TRIES of them) where a quarter of the
+    sources or more share it, or are scored over that rank's sources only where fewer do
+    (_best_rank_only); what none of them settles is scored over every source (_score_all,
+    SCORES_PER_BLOCK scores at a time). The choices
     are still select_sources', whatever the number tried and the block, and with the
     thresholds' masks multiplied one by one (THRESHOLD_BYTES). Estimates drawn
     from many values (few ties) and from few (many), with and without unexplored pairs
     (+inf: the best rank shared) and none at all; every way is taken."""
     from graft_fed.broker import matching
 
-    ways = {"ranked": 0, "prompts": 0, "scored": 0}
+    ways = {"ranked": 0, "prompts": 0, "best rank": 0, "scored": 0}
 
     def counted(name, real):
         def call(pending, *args):
             ways[name] += pending.size
             return real(pending, *args)
         return call
-    for name, fn in (("ranked", "_walk_ranked"), ("prompts", "_walk_prompts"), ("scored", "_score_all")):
+    for name, fn in (("ranked", "_walk_ranked"), ("prompts", "_walk_prompts"), ("best rank", "_best_rank_only"),
+                     ("scored", "_score_all")):
         monkeypatch.setattr(matching, fn, counted(name, getattr(matching, fn)))
     for seed in range(16):
         rng = random.Random(300 + seed)
         n_nodes = rng.choice([5, 9, 16, 21])
         kn = _round(rng, n_nodes, rng.choice([30, 90]), rng.choice([4, 8]), partial=seed % 3 == 0)
         values = [rng.random() for _ in range(40)] if seed % 2 else [0.5, 0.9, 1.0]
-        known = (1.0, 0.7, 0.1, 0.0)[seed % 4]  # every pair explored, some, few or none (+inf)
+        known = (1.0, 0.9, 0.1, 0.0)[seed % 4]  # every pair explored, most, few or none (+inf)
         compat = {(s, r): rng.choice(values) for s in range(n_nodes) for r in range(n_nodes)
                   if s != r and rng.random() < known}
         can = [rng.random() > 0.2 for _ in range(n_nodes)] if seed % 5 == 1 else None
