@@ -45,7 +45,7 @@ def kn_arrays(kn: Sequence[Mapping[Hashable, tuple[int, int]]]) -> tuple[list[Ha
     return list(pids), k, n
 
 
-THRESHOLD_BYTES = 32 << 20  # the (N x P) float32 masks of k_S >= j multiplied at once (_thresholds)
+THRESHOLD_BYTES = 32 << 20  # the (N x P) masks and (N x N) products of k_S >= j made at once, float32 (_thresholds)
 
 
 def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndarray, balance: bool) -> np.ndarray:
@@ -53,23 +53,23 @@ def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndar
     (every candidate with k_S >= t is kept); kmax + 1 when the pair exchanges nothing."""
     n_nodes = k.shape[0]
     kmax = int(n[inf_src].max()) - 1 if inf_src.any() else 1
-    # ranked[j - 1][a, b]: a's informative groups with k_S >= j on prompts b failed entirely,
-    # as few (J N x P) @ (P x N) products as THRESHOLD_BYTES of J (N x P) masks allow
+    # ranked_j[a, b]: a's informative groups with k_S >= j on prompts b failed entirely, for
+    # j = 1 (the total) up: as few (J N x P) @ (P x N) products as THRESHOLD_BYTES of J masks
+    # (N x P) and J products (N x N) allow. ranked_j falls as j rises and ranked_1 = total >= m,
+    # so the largest j with ranked_j >= m is the count of those j (where m > 0).
     k_inf = np.where(inf_src, k, 0)
     failT = fail.T.astype(np.float32)
-    ranked = np.empty((kmax, n_nodes, n_nodes), dtype=np.float32)
-    per = max(1, THRESHOLD_BYTES // max(1, 4 * k.size))
+    per = max(1, THRESHOLD_BYTES // (4 * max(k.size, n_nodes * n_nodes, 1)))
+    t = np.zeros((n_nodes, n_nodes), dtype=np.int32)
+    m = None
     for lo in range(1, kmax + 1, per):
         js = np.arange(lo, min(lo + per, kmax + 1))
         at_least = (k_inf[None] >= js[:, None, None]).astype(np.float32).reshape(js.size * n_nodes, -1)
-        ranked[lo - 1:lo - 1 + js.size] = (at_least @ failT).reshape(js.size, n_nodes, n_nodes)
-    total = ranked[0]
-    m = np.minimum(total, total.T) if balance else total  # how many each direction keeps before ties
-    # ranked[j - 1] falls as j rises and ranked[0] = total >= m, so the largest j with
-    # ranked[j - 1] >= m is the count of those j (where m > 0)
-    t = np.zeros((n_nodes, n_nodes), dtype=np.int32)
-    for j in range(kmax):
-        t += ranked[j] >= m
+        ranked = (at_least @ failT).reshape(js.size, n_nodes, n_nodes)
+        if m is None:  # how many each direction keeps before ties
+            m = np.minimum(ranked[0], ranked[0].T) if balance else ranked[0]
+        for r in ranked:
+            t += r >= m
     t[m <= 0] = kmax + 1
     return t
 
@@ -131,16 +131,17 @@ def _dense_ranks(est: np.ndarray) -> np.ndarray:
     source: it failed the prompt) ranks lowest, so that its best-ranked sources are real."""
     if not est.size:
         return np.zeros(est.shape, dtype=np.int32)
-    est = np.where(np.isnan(est), -np.inf, est)
+    # a receiver's estimates as a row: sorts and gathers along contiguous memory (2x faster)
+    est = np.ascontiguousarray(np.where(np.isnan(est), -np.inf, est).T)
     np.fill_diagonal(est, -np.inf)
-    by = np.argsort(est, axis=0)  # equal estimates take one rank in any order: no stable sort
-    ordered = np.take_along_axis(est, by, axis=0)
+    by = np.argsort(est, axis=1)  # equal estimates take one rank in any order: no stable sort
+    ordered = np.take_along_axis(est, by, axis=1)
     step = np.ones(est.shape, dtype=np.int32)
-    step[0] = 0
-    step[1:] = ordered[1:] != ordered[:-1]
+    step[:, 0] = 0
+    step[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
     ranks = np.empty(est.shape, dtype=np.int32)
-    np.put_along_axis(ranks, by, np.cumsum(step, axis=0), axis=0)
-    return ranks
+    np.put_along_axis(ranks, by, np.cumsum(step, axis=1), axis=1)
+    return ranks.T
 
 
 def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.ndarray,
@@ -153,14 +154,17 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
     - a receiver whose TOP_SOURCES best-ranked sources each have a rank of their own, above
       every other source's (estimates that differ): its pairs are tried on its best source,
       those left on the next, and so on (_walk_ranked);
-    - a receiver whose best rank is shared by at least a quarter of the sources (say, the
-      pairs still unexplored, +inf, early in a federation): the winner is the first source
+    - a receiver whose best rank is shared by n_top sources, n_top^2 >= 2 N (say, the pairs
+      still unexplored, +inf, early in a federation): the winner is the first source
       of that rank, in the prompt's order of k_S (highest first, then the lower index), that
       passes the pair's threshold; each prompt's sources are sorted once for every
-      receiver, and its pairs walk them (_walk_prompts);
+      receiver, and its pairs walk them (_walk_prompts): about N / n_top tries a pair;
     - any other receiver (its best rank shared by fewer, say the few pairs still
-      unexplored later on): its pairs are scored over the sources of that rank only
-      (_best_rank_only).
+      unexplored later on): its pairs are scored over its TOP_SOURCES best-ranked sources
+      and those tied with the last of them, or over its best rank's only where those are a
+      quarter of the sources or more (_few, _best_of_few): at least n_top scores a pair, so
+      the walk costs less from about n_top^2 = 2 N on (select alone, bench/broker/results/
+      s49_select_micro.txt).
     The pairs none of them settles are scored over every source, SCORES_PER_BLOCK scores at
     a time (_score_all)."""
     n_nodes = ranks.shape[0]
@@ -172,10 +176,11 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
         at_top = ranks == ranks.max(axis=0)  # (N, N): the sources of each receiver's best rank
         n_top = at_top.sum(axis=0)
         ranked_by = _distinct_best(ranks, n_top)  # (m, N): receiver r's i-th best source, or -1
-        way = np.where(ranked_by[0] >= 0, 0, np.where(4 * n_top >= n_nodes, 1, 2))[rr]
-        left = [_walk_ranked(np.flatnonzero(way == 0), rr, pp, ranked_by, kkT, t, src, has),
-                _walk_prompts(np.flatnonzero(way == 1), rr, pp, at_top, kkT, t, src, has),
-                _best_rank_only(np.flatnonzero(way == 2), rr, pp, at_top, kkT, t, src, has)]
+        way = np.where(ranked_by[0] >= 0, 0, np.where(n_top * n_top >= 2 * n_nodes, 1, 2))
+        left = [_walk_ranked(np.flatnonzero(way[rr] == 0), rr, pp, ranked_by, kkT, t, src, has),
+                _walk_prompts(np.flatnonzero(way[rr] == 1), rr, pp, at_top, kkT, t, src, has),
+                _best_of_few(np.flatnonzero(way[rr] == 2), rr, pp, _few(ranks, at_top, way == 2), ranks, kkT, t,
+                             kspan, src, has)]
         _score_all(np.concatenate(left), rr, pp, ranks, kkT, t, kspan, src, has)
     out = []
     for r in range(n_nodes):
@@ -199,18 +204,36 @@ def _distinct_best(ranks: np.ndarray, n_top: np.ndarray) -> np.ndarray:
     if not maybe.size:
         return out
     source = np.arange(n_nodes)
-    key = -ranks[:, maybe].astype(np.int64) * n_nodes + source[:, None]  # ascending: best rank first, then the lower index
+    # rows: receivers (a receiver's sources along contiguous memory)
+    key = -ranks.T[maybe].astype(np.int64) * n_nodes + source  # ascending: best rank first, then the lower index
     top = min(m + 1, n_nodes)
     if top < n_nodes:  # each receiver's top + 1 sources only, then those in order
-        part = np.argpartition(key, top - 1, axis=0)[:top]
-        by = np.take_along_axis(part, np.argsort(np.take_along_axis(key, part, axis=0), axis=0), axis=0)
+        part = np.argpartition(key, top - 1, axis=1)[:, :top]
+        by = np.take_along_axis(part, np.argsort(np.take_along_axis(key, part, axis=1), axis=1), axis=1)
     else:
-        by = np.argsort(key, axis=0)
-    # by[i, j]: receiver maybe[j]'s i-th best source (the keys are distinct)
-    ranked = np.take_along_axis(ranks[:, maybe], by, axis=0)  # (m or m + 1, len(maybe)), best first
-    ok = (np.diff(ranked, axis=0) < 0).all(axis=0)  # no tie among the top or across the cut
-    out[:, maybe[ok]] = by[:m, ok]
+        by = np.argsort(key, axis=1)
+    # by[j, i]: receiver maybe[j]'s i-th best source (the keys are distinct)
+    ranked = np.take_along_axis(ranks.T[maybe], by, axis=1)  # (len(maybe), m or m + 1), best first
+    ok = (np.diff(ranked, axis=1) < 0).all(axis=1)  # no tie among the top or across the cut
+    out[:, maybe[ok]] = by[ok, :m].T
     return out
+
+
+def _few(ranks: np.ndarray, at_top: np.ndarray, receivers: np.ndarray) -> np.ndarray:
+    """few[:, r] for each receiver r marked in `receivers` (its best rank shared by few
+    sources): the sources ranked at least as high as its
+    TOP_SOURCES-th best, where they are fewer than a quarter of the sources too; else those
+    of its best rank. Every source ranked above the lowest of them is one of them."""
+    few = at_top.copy()
+    cols = np.flatnonzero(receivers)
+    n_nodes = ranks.shape[0]
+    m = min(TOP_SOURCES, n_nodes)
+    if cols.size and m:
+        sub = ranks[:, cols]
+        ranked = sub >= np.partition(sub, n_nodes - m, axis=0)[n_nodes - m]
+        wider = 4 * ranked.sum(axis=0) < n_nodes
+        few[:, cols[wider]] = ranked[:, wider]
+    return few
 
 
 def _walk_ranked(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, by: np.ndarray, kkT: np.ndarray,
@@ -267,42 +290,43 @@ def _walk_prompts(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, at_top: n
     return np.concatenate([*tried, pending])
 
 
-def _best_rank_only(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, at_top: np.ndarray, kkT: np.ndarray,
-                    t: np.ndarray, src: np.ndarray, has: np.ndarray) -> np.ndarray:
-    """Settles the pairs `pending` by their score over the sources of their receiver's best
-    rank only (at_top[:, r]): the highest k_S that passes the pair's threshold, then the
-    lower index. Receivers are taken in groups whose number of such sources rounds up to
-    the same power of two (a padded (pairs x width) gather each), SCORES_PER_BLOCK scores
-    at a time. Returns the pairs no source of that rank passes."""
+def _best_of_few(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, few: np.ndarray, ranks: np.ndarray,
+                 kkT: np.ndarray, t: np.ndarray, kspan: int, src: np.ndarray, has: np.ndarray) -> np.ndarray:
+    """Settles the pairs `pending` by their score over a few sources of their receiver r
+    (few[:, r]: every source ranked above the lowest of them is one of them, so the best of
+    them that passes is the pair's winner). Receivers are taken in groups whose number of
+    such sources rounds up to the same power of two (a padded (pairs x width) gather each),
+    SCORES_PER_BLOCK scores at a time. Returns the pairs none of them passes."""
     if not pending.size:
         return pending
     n_nodes = t.shape[0]
     receivers = np.unique(rr[pending])
-    width = 1 << np.ceil(np.log2(at_top[:, receivers].sum(axis=0))).astype(np.int64)
+    width = 1 << np.ceil(np.log2(few[:, receivers].sum(axis=0))).astype(np.int64)
     row = np.zeros(n_nodes, dtype=np.int64)  # a receiver's row in its group's `members`
     k_flat = kkT.ravel()
     left = []
     for w in np.unique(width).tolist():
         group = receivers[width == w]
         row[group] = np.arange(group.size)
-        gi, gs = np.nonzero(at_top[:, group].T)  # (receiver in group, source), sources ascending
-        at = (gi, np.arange(gi.size) - np.searchsorted(gi, gi))
-        members = np.zeros((group.size, w), dtype=np.int64)  # padded with source 0 ...
+        gi, gs = np.nonzero(few[:, group].T)  # (receiver in group, source), sources ascending
+        at = (np.arange(gi.size) - np.searchsorted(gi, gi), gi)
+        # (width, group) tables, so that a block's scores are (width, pairs): its maximum over
+        # the first axis is element-wise (along a short last axis it is 2x slower)
+        members = np.zeros((w, group.size), dtype=np.int64)  # padded with source 0 ...
         members[at] = gs
-        t_of = np.full((group.size, w), np.iinfo(np.int32).max, dtype=t.dtype)  # ... that never passes
+        t_of = np.full((w, group.size), np.iinfo(np.int32).max, dtype=t.dtype)  # ... that never passes
         t_of[at] = t[gs, group[gi]]
+        score_of = np.zeros((w, group.size), dtype=np.int64)  # the score less k_S x N
+        score_of[at] = ranks[gs, group[gi]].astype(np.int64) * kspan * n_nodes + (n_nodes - 1 - gs)
         mine = pending[np.isin(rr[pending], group)]
         block = max(1, SCORES_PER_BLOCK // w)
         for lo in range(0, mine.size, block):
             i = mine[lo:lo + block]
             g = row[rr[i]]
-            cand = members[g]  # (B, w), sources ascending: the first arg-max is the lower index
-            k_s = k_flat[(pp[i] * n_nodes)[:, None] + cand]
-            k_s = np.where(k_s >= t_of[g], k_s, -1)
-            best = k_s.argmax(axis=1)
-            at_best = np.arange(i.size), best
-            won = k_s[at_best] >= 0
-            src[i[won]], has[i[won]] = cand[at_best][won], True
+            k_s = k_flat.take(members.take(g, axis=1) + pp[i] * n_nodes)  # (w, B)
+            best = np.where(k_s >= t_of.take(g, axis=1), score_of.take(g, axis=1) + k_s * n_nodes, -1).max(axis=0)
+            won = best >= 0  # the score's last term is N - 1 - source
+            src[i[won]], has[i[won]] = n_nodes - 1 - best[won] % n_nodes, True
             left.append(i[~won])
     return np.concatenate(left) if left else pending[:0]
 

@@ -53,9 +53,8 @@ def test_fast_path_equals_select_sources(seed: int) -> None:
 def test_every_way_to_a_winner_chooses_the_same(monkeypatch) -> None:
     """Receivers whose best-ranked sources are distinct try them in rank order
     (_walk_ranked, TOP_SOURCES of them); the others try their best rank's sources in each
-    prompt's order of k_S (_walk_prompts, PROMPT_TRIES of them) where a quarter of the
-    sources or more share it, or are scored over that rank's sources only where fewer do
-    (_best_rank_only); what none of them settles is scored over every source (_score_all,
+    prompt's order of k_S (_walk_prompts, PROMPT_TRIES of them) where many sources share
+    it, or are scored over a few best-ranked sources where few do (_best_of_few); what none of them settles is scored over every source (_score_all,
     SCORES_PER_BLOCK scores at a time). The choices
     are still select_sources', whatever the number tried and the block, and with the
     thresholds' masks multiplied one by one (THRESHOLD_BYTES). Estimates drawn
@@ -63,14 +62,14 @@ def test_every_way_to_a_winner_chooses_the_same(monkeypatch) -> None:
     (+inf: the best rank shared) and none at all; every way is taken."""
     from graft_fed.broker import matching
 
-    ways = {"ranked": 0, "prompts": 0, "best rank": 0, "scored": 0}
+    ways = {"ranked": 0, "prompts": 0, "few": 0, "scored": 0}
 
     def counted(name, real):
         def call(pending, *args):
             ways[name] += pending.size
             return real(pending, *args)
         return call
-    for name, fn in (("ranked", "_walk_ranked"), ("prompts", "_walk_prompts"), ("best rank", "_best_rank_only"),
+    for name, fn in (("ranked", "_walk_ranked"), ("prompts", "_walk_prompts"), ("few", "_best_of_few"),
                      ("scored", "_score_all")):
         monkeypatch.setattr(matching, fn, counted(name, getattr(matching, fn)))
     for seed in range(16):
