@@ -83,6 +83,10 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     (N, P) arrays k and n (k MISSING where a node has no group). `compat`: the estimate per
     (source index, receiver index) of the pairs that have one (NaN: known, never wins), or
     the (N, N) matrix of them with +inf where a pair has none and -inf for NaN."""
+    # row-major: the matcher's k (int16, its columns put in prompt-id order by a gather) is
+    # column-major, and every (N, P) mask made from it would be too (copied on each reshape
+    # and ravel: twice the time of the selection at 64 x 4,096)
+    k = np.ascontiguousarray(k)
     n_nodes = k.shape[0]
     n = np.broadcast_to(np.asarray(n), k.shape)
     published = k != MISSING
@@ -168,7 +172,8 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
     The pairs none of them settles are scored over every source, SCORES_PER_BLOCK scores at
     a time (_score_all)."""
     n_nodes = ranks.shape[0]
-    rr, pp = np.divmod(np.flatnonzero(fail), fail.shape[1])  # pairs, receiver-major, prompts ascending (np.nonzero: 4x slower)
+    # pairs, receiver-major, prompts ascending (np.nonzero is 4x slower)
+    rr, pp = np.divmod(np.flatnonzero(fail), fail.shape[1])
     src = np.zeros(rr.size, dtype=np.int64)
     has = np.zeros(rr.size, dtype=bool)
     bounds = np.searchsorted(rr, np.arange(n_nodes + 1), side="left")
@@ -221,9 +226,9 @@ def _distinct_best(ranks: np.ndarray, n_top: np.ndarray) -> np.ndarray:
 
 def _few(ranks: np.ndarray, at_top: np.ndarray, receivers: np.ndarray) -> np.ndarray:
     """few[:, r] for each receiver r marked in `receivers` (its best rank shared by few
-    sources): the sources ranked at least as high as its
-    TOP_SOURCES-th best, where they are fewer than a quarter of the sources too; else those
-    of its best rank. Every source ranked above the lowest of them is one of them."""
+    sources): the sources ranked at least as high as its TOP_SOURCES-th best, where they are
+    fewer than a quarter of the sources; else those of its best rank. Every source ranked
+    above the lowest of them is one of them."""
     few = at_top.copy()
     cols = np.flatnonzero(receivers)
     n_nodes = ranks.shape[0]
@@ -258,10 +263,11 @@ def _walk_ranked(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, by: np.nda
 
 def _walk_prompts(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, at_top: np.ndarray, kkT: np.ndarray,
                   t: np.ndarray, src: np.ndarray, has: np.ndarray) -> np.ndarray:
-    """Settles the pairs `pending` by the sources of their receiver's best rank (at_top[:, r]):
-    each is won by the first source of that rank, in its prompt's order (k_S highest first, then the lower
-    index), whose group passes the pair's threshold. Returns the pairs it did not settle:
-    no source of the best rank passes, or none within PROMPT_TRIES of the prompt's order."""
+    """Settles the pairs `pending` by the sources of their receiver's best rank (at_top[:,
+    r]): each is won by the first source of that rank, in its prompt's order (k_S highest
+    first, then the lower index), whose group passes the pair's threshold. Returns the pairs
+    it did not settle: no source of the best rank passes, or none within PROMPT_TRIES of the
+    prompt's order."""
     n_nodes = t.shape[0]
     k_flat, t_flat, top_flat = kkT.ravel(), t.ravel(), at_top.ravel()
     tried = []
@@ -295,7 +301,7 @@ def _best_of_few(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, few: np.nd
     """Settles the pairs `pending` by their score over a few sources of their receiver r
     (few[:, r]: every source ranked above the lowest of them is one of them, so the best of
     them that passes is the pair's winner). Receivers are taken in groups whose number of
-    such sources rounds up to the same power of two (a padded (pairs x width) gather each),
+    such sources rounds up to the same power of two (a padded (width x pairs) gather each),
     SCORES_PER_BLOCK scores at a time. Returns the pairs none of them passes."""
     if not pending.size:
         return pending

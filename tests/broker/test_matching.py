@@ -54,12 +54,12 @@ def test_every_way_to_a_winner_chooses_the_same(monkeypatch) -> None:
     """Receivers whose best-ranked sources are distinct try them in rank order
     (_walk_ranked, TOP_SOURCES of them); the others try their best rank's sources in each
     prompt's order of k_S (_walk_prompts, PROMPT_TRIES of them) where many sources share
-    it, or are scored over a few best-ranked sources where few do (_best_of_few); what none of them settles is scored over every source (_score_all,
-    SCORES_PER_BLOCK scores at a time). The choices
-    are still select_sources', whatever the number tried and the block, and with the
-    thresholds' masks multiplied one by one (THRESHOLD_BYTES). Estimates drawn
-    from many values (few ties) and from few (many), with and without unexplored pairs
-    (+inf: the best rank shared) and none at all; every way is taken."""
+    it, or are scored over a few best-ranked sources where few do (_best_of_few); what none
+    of them settles is scored over every source (_score_all, SCORES_PER_BLOCK scores at a
+    time). The choices are still select_sources', whatever the number tried and the block,
+    and with the thresholds' masks multiplied one by one (THRESHOLD_BYTES). Estimates drawn
+    from many values (few ties) and from few (many), with every pair explored, most, few or
+    none (+inf: the best rank shared); every way is taken."""
     from graft_fed.broker import matching
 
     ways = {"ranked": 0, "prompts": 0, "few": 0, "scored": 0}
