@@ -226,11 +226,12 @@ def _distinct_best(ranks: np.ndarray, n_top: np.ndarray) -> np.ndarray:
 
 def _few(ranks: np.ndarray, at_top: np.ndarray, receivers: np.ndarray) -> np.ndarray:
     """few[:, r] for each receiver r marked in `receivers` (its best rank shared by few
-    sources): the sources ranked at least as high as its TOP_SOURCES-th best, where they are
-    fewer than a quarter of the sources; else those of its best rank. Every source ranked
-    above the lowest of them is one of them."""
+    sources): those of its best rank where they are TOP_SOURCES / 2 or more (most pairs have
+    a winner among them); else the sources ranked at least as high as its TOP_SOURCES-th
+    best, where they are fewer than a quarter of the sources. Every source ranked above the
+    lowest of them is one of them."""
     few = at_top.copy()
-    cols = np.flatnonzero(receivers)
+    cols = np.flatnonzero(receivers & (2 * at_top.sum(axis=0) < TOP_SOURCES))
     n_nodes = ranks.shape[0]
     m = min(TOP_SOURCES, n_nodes)
     if cols.size and m:
@@ -310,6 +311,7 @@ def _best_of_few(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, few: np.nd
     width = 1 << np.ceil(np.log2(few[:, receivers].sum(axis=0))).astype(np.int64)
     row = np.zeros(n_nodes, dtype=np.int64)  # a receiver's row in its group's `members`
     k_flat = kkT.ravel()
+    dtype = np.int32 if (kspan + 1) * n_nodes * n_nodes < 2**31 else np.int64  # scores: int32 where they fit
     left = []
     for w in np.unique(width).tolist():
         group = receivers[width == w]
@@ -322,15 +324,18 @@ def _best_of_few(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, few: np.nd
         members[at] = gs
         t_of = np.full((w, group.size), np.iinfo(np.int32).max, dtype=t.dtype)  # ... that never passes
         t_of[at] = t[gs, group[gi]]
-        score_of = np.zeros((w, group.size), dtype=np.int64)  # the score less k_S x N
+        score_of = np.zeros((w, group.size), dtype=dtype)  # the score less k_S x N
         score_of[at] = ranks[gs, group[gi]].astype(np.int64) * kspan * n_nodes + (n_nodes - 1 - gs)
-        mine = pending[np.isin(rr[pending], group)]
+        member = np.zeros(n_nodes, dtype=bool)
+        member[group] = True
+        mine = pending[member[rr[pending]]]
         block = max(1, SCORES_PER_BLOCK // w)
         for lo in range(0, mine.size, block):
             i = mine[lo:lo + block]
             g = row[rr[i]]
             k_s = k_flat.take(members.take(g, axis=1) + pp[i] * n_nodes)  # (w, B)
-            best = np.where(k_s >= t_of.take(g, axis=1), score_of.take(g, axis=1) + k_s * n_nodes, -1).max(axis=0)
+            best = np.where(k_s >= t_of.take(g, axis=1), score_of.take(g, axis=1) + k_s.astype(dtype) * n_nodes,
+                            -1).max(axis=0)
             won = best >= 0  # the score's last term is N - 1 - source
             src[i[won]], has[i[won]] = n_nodes - 1 - best[won] % n_nodes, True
             left.append(i[~won])
