@@ -11,6 +11,8 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Sequence
 
+import numpy as np
+
 from graft_fed.broker.context import Context, Part
 from graft_fed.broker.exchange import Exchange, ExchangeView
 from graft_fed.broker.matching import select_sources_arrays
@@ -63,7 +65,8 @@ class Matcher(Part):
         # are then in order as the selection makes them (sorting each receiver's afterwards
         # took 10-13 ms a round at 64 x 4,096, issue 13); the choice does not depend on it
         by_id = pid_order(pids)
-        pids, k = [pids[i] for i in by_id.tolist()], k[:, by_id]
+        # np.take: row-major, as the selection reads it (k[:, by_id] is column-major, and 6x slower)
+        pids, k = [pids[i] for i in by_id.tolist()], np.take(k, by_id, axis=1)
         chosen = select_sources_arrays(k, self.cfg.n, self.cfg.balance == "pairwise",
                                        self.ctx.compat.estimates(participants), self.can_source(participants),
                                        cap=self.cfg.per_receiver_cap if self.cfg.balance == "per_receiver_cap"

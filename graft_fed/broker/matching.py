@@ -45,25 +45,34 @@ def kn_arrays(kn: Sequence[Mapping[Hashable, tuple[int, int]]]) -> tuple[list[Ha
     return list(pids), k, n
 
 
-THRESHOLD_BYTES = 32 << 20  # the (N x P) masks and (N x N) products of k_S >= j made at once, float32 (_thresholds)
+#: _thresholds' float32 masks (N x P) of k_S >= j made at once, at most: below the broker's
+#: mmap threshold (broker/heap.py: 4 MiB with 1 MiB chunks), above which each is mapped and
+#: faulted in afresh (7 masks at 64 x 4,096 at once took 1.3 ms there, against 0.2)
+MASK_BYTES = 2 << 20
+PRODUCT_BYTES = 32 << 20  # and their float32 products (N x N) at once, at most (one at least)
 
 
 def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndarray, balance: bool) -> np.ndarray:
     """t[a, b]: the smallest k_S of a's groups that SelectWithTies keeps in direction a -> b
     (every candidate with k_S >= t is kept); kmax + 1 when the pair exchanges nothing."""
     n_nodes = k.shape[0]
-    kmax = int(n[inf_src].max()) - 1 if inf_src.any() else 1
+    if not inf_src.any():
+        kmax = 1
+    elif not any(n.strides):  # one group size for every node (broadcast): no reduction over (N, P)
+        kmax = int(n.flat[0]) - 1
+    else:
+        kmax = int(n.max(where=inf_src, initial=0)) - 1
     # ranked_j[a, b]: a's informative groups with k_S >= j on prompts b failed entirely, for
-    # j = 1 (the total) up: as few (J N x P) @ (P x N) products as THRESHOLD_BYTES of J masks
-    # (N x P) and J products (N x N) allow. ranked_j falls as j rises and ranked_1 = total >= m,
+    # j = 1 (the total) up: as few (J N x P) @ (P x N) products as MASK_BYTES of J masks
+    # (N x P) and PRODUCT_BYTES of J products (N x N) allow. ranked_j falls as j rises and ranked_1 = total >= m,
     # so the largest j with ranked_j >= m is the count of those j (where m > 0).
-    k_inf = np.where(inf_src, k, 0)
+    k_inf = k * inf_src  # k's dtype (the matcher's int16), as the j compared with it: 3x faster than int64
     failT = fail.T.astype(np.float32)
-    per = max(1, THRESHOLD_BYTES // (4 * max(k.size, n_nodes * n_nodes, 1)))
+    per = max(1, min(MASK_BYTES // max(4 * k.size, 1), PRODUCT_BYTES // max(4 * n_nodes * n_nodes, 1)))
     t = np.zeros((n_nodes, n_nodes), dtype=np.int32)
     m = None
     for lo in range(1, kmax + 1, per):
-        js = np.arange(lo, min(lo + per, kmax + 1))
+        js = np.arange(lo, min(lo + per, kmax + 1), dtype=k.dtype)
         at_least = (k_inf[None] >= js[:, None, None]).astype(np.float32).reshape(js.size * n_nodes, -1)
         ranked = (at_least @ failT).reshape(js.size, n_nodes, n_nodes)
         if m is None:  # how many each direction keeps before ties
@@ -83,9 +92,9 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     (N, P) arrays k and n (k MISSING where a node has no group). `compat`: the estimate per
     (source index, receiver index) of the pairs that have one (NaN: known, never wins), or
     the (N, N) matrix of them with +inf where a pair has none and -inf for NaN."""
-    # row-major: the matcher's k (int16, its columns put in prompt-id order by a gather) is
-    # column-major, and every (N, P) mask made from it would be too (copied on each reshape
-    # and ravel: twice the time of the selection at 64 x 4,096)
+    # row-major (the matcher's is): every (N, P) mask made from a column-major k would be
+    # column-major too, and copied on each reshape and ravel (twice the time of the selection
+    # at 64 x 4,096)
     k = np.ascontiguousarray(k)
     n_nodes = k.shape[0]
     n = np.broadcast_to(np.asarray(n), k.shape)

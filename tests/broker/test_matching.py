@@ -57,7 +57,7 @@ def test_every_way_to_a_winner_chooses_the_same(monkeypatch) -> None:
     it, or are scored over a few best-ranked sources where few do (_best_of_few); what none
     of them settles is scored over every source (_score_all, SCORES_PER_BLOCK scores at a
     time). The choices are still select_sources', whatever the number tried and the block,
-    and with the thresholds' masks multiplied one by one (THRESHOLD_BYTES). Estimates drawn
+    and with the thresholds' masks multiplied one by one (MASK_BYTES). Estimates drawn
     from many values (few ties) and from few (many), with every pair explored, most, few or
     none (+inf: the best rank shared); every way is taken."""
     from graft_fed.broker import matching
@@ -83,7 +83,7 @@ def test_every_way_to_a_winner_chooses_the_same(monkeypatch) -> None:
         can = [rng.random() > 0.2 for _ in range(n_nodes)] if seed % 5 == 1 else None
         for top, tries, block, masks in ((1, 1, 3 * n_nodes, 1), (2, 2, 1 << 20, 32 << 20), (3, 5, 7 * n_nodes, 1),
                                          (8, 64, 1, 32 << 20)):
-            monkeypatch.setattr(matching, "THRESHOLD_BYTES", masks)  # 1: one k_S >= j mask at a time
+            monkeypatch.setattr(matching, "MASK_BYTES", masks)  # 1: one k_S >= j mask at a time
             monkeypatch.setattr(matching, "TOP_SOURCES", top)
             monkeypatch.setattr(matching, "PROMPT_TRIES", tries)
             monkeypatch.setattr(matching, "SCORES_PER_BLOCK", block)
