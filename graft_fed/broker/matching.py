@@ -14,7 +14,9 @@ not settle (_ranked_choices).
 
 `select_sources_arrays` returns exactly what `select_sources` returns for the same input
 (tests/broker/test_matching.py compares them on random rounds with ties, N > 2, balance on
-and off, sources that may not share, compatibility known and unknown, and a cap).
+and off, sources that may not share, compatibility known and unknown, and a cap), where no
+estimate is NaN: here a NaN estimate never wins, while `select_sources`' max() keeps a NaN
+candidate it meets first. The broker maps NaN to -inf before either.
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ def kn_arrays(kn: Sequence[Mapping[Hashable, tuple[int, int]]]) -> tuple[list[Ha
     return list(pids), k, n
 
 
-#: _thresholds' float32 masks (N x P) of k_S >= j made at once, at most: below the broker's
-#: mmap threshold (broker/heap.py: 4 MiB with 1 MiB chunks), above which each is mapped and
-#: faulted in afresh (7 masks at 64 x 4,096 at once took 1.3 ms there, against 0.2)
+#: _thresholds' float32 masks (N x P) of k_S >= j made at once, at most (one at least): below
+#: the broker's mmap threshold (broker/heap.py: 4 MiB with 1 MiB chunks), above which each is
+#: mapped and faulted in afresh (7 masks at 64 x 4,096 at once took 1.3 ms there, against 0.2)
 MASK_BYTES = 2 << 20
 PRODUCT_BYTES = 32 << 20  # and their float32 products (N x N) at once, at most (one at least)
 
@@ -64,18 +66,22 @@ def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndar
         kmax = int(n.max(where=inf_src, initial=0)) - 1
     # ranked_j[a, b]: a's informative groups with k_S >= j on prompts b failed entirely, for
     # j = 1 (the total) up: as few (J N x P) @ (P x N) products as MASK_BYTES of J masks
-    # (N x P) and PRODUCT_BYTES of J products (N x N) allow. ranked_j falls as j rises and ranked_1 = total >= m,
-    # so the largest j with ranked_j >= m is the count of those j (where m > 0).
-    k_inf = k * inf_src  # k's dtype (the matcher's int16), as the j compared with it: 3x faster than int64
+    # (N x P) and PRODUCT_BYTES of J products (N x N) allow. ranked_j falls as j rises and
+    # ranked_1 = total >= m, so the largest j with ranked_j >= m is the count of those j
+    # (where m > 0).
+    k_inf = k * inf_src
+    # the j compared with k in k's dtype (the matcher's int16: 3x faster than int64) where
+    # kmax fits in it
+    j_dtype = k.dtype if kmax <= np.iinfo(k.dtype).max else np.int64
     failT = fail.T.astype(np.float32)
     per = max(1, min(MASK_BYTES // max(4 * k.size, 1), PRODUCT_BYTES // max(4 * n_nodes * n_nodes, 1)))
     t = np.zeros((n_nodes, n_nodes), dtype=np.int32)
-    m = None
+    m = np.zeros((n_nodes, n_nodes), dtype=np.float32)  # how many each direction keeps before ties
     for lo in range(1, kmax + 1, per):
-        js = np.arange(lo, min(lo + per, kmax + 1), dtype=k.dtype)
-        at_least = (k_inf[None] >= js[:, None, None]).astype(np.float32).reshape(js.size * n_nodes, -1)
+        js = np.arange(lo, min(lo + per, kmax + 1), dtype=j_dtype)
+        at_least = (k_inf[None] >= js[:, None, None]).astype(np.float32).reshape(js.size * n_nodes, k.shape[1])
         ranked = (at_least @ failT).reshape(js.size, n_nodes, n_nodes)
-        if m is None:  # how many each direction keeps before ties
+        if lo == 1:  # ranked_1: the totals
             m = np.minimum(ranked[0], ranked[0].T) if balance else ranked[0]
         for r in ranked:
             t += r >= m
@@ -93,8 +99,8 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     (source index, receiver index) of the pairs that have one (NaN: known, never wins), or
     the (N, N) matrix of them with +inf where a pair has none and -inf for NaN."""
     # row-major (the matcher's is): every (N, P) mask made from a column-major k would be
-    # column-major too, and copied on each reshape and ravel (twice the time of the selection
-    # at 64 x 4,096)
+    # column-major too, and copied on each reshape and ravel (twice the time of the
+    # selection at 64 x 4,096)
     k = np.ascontiguousarray(k)
     n_nodes = k.shape[0]
     n = np.broadcast_to(np.asarray(n), k.shape)
@@ -132,9 +138,10 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     return [_capped(cols, src, kkT, cap) for cols, src in _ranked_choices(kkT, t, ranks, fail, kspan)]
 
 
-TOP_SOURCES = 8  # a receiver's best-ranked sources tried first, where their ranks are distinct (_ranked_choices)
+TOP_SOURCES = 8  # a receiver's best-ranked sources tried first (_walk_ranked, _few)
 PROMPT_TRIES = 64  # a tied receiver's candidates tried per prompt, best k_S first (_ranked_choices)
-SCORES_PER_BLOCK = 1 << 20  # (pair, source) scores computed at once over every source (_ranked_choices): 8 MiB each
+SCORES_PER_BLOCK = 1 << 20  # (pair, source) scores computed at once (_best_of_few, _score_all)
+INT32_SCORES_BELOW = 2**31  # _best_of_few's scores in int32 where every one is below this
 
 
 def _dense_ranks(est: np.ndarray) -> np.ndarray:
@@ -152,8 +159,9 @@ def _dense_ranks(est: np.ndarray) -> np.ndarray:
     step = np.ones(est.shape, dtype=np.int32)
     step[:, 0] = 0
     step[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    del ordered
     ranks = np.empty(est.shape, dtype=np.int32)
-    np.put_along_axis(ranks, by, np.cumsum(step, axis=1), axis=1)
+    np.put_along_axis(ranks, by, np.cumsum(step, axis=1, dtype=np.int32), axis=1)
     return ranks.T
 
 
@@ -173,9 +181,10 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
       passes the pair's threshold; each prompt's sources are sorted once for every
       receiver, and its pairs walk them (_walk_prompts): about N / n_top tries a pair;
     - any other receiver (its best rank shared by fewer, say the few pairs still
-      unexplored later on): its pairs are scored over its TOP_SOURCES best-ranked sources
-      and those tied with the last of them, or over its best rank's only where those are a
-      quarter of the sources or more (_few, _best_of_few): at least n_top scores a pair, so
+      unexplored later on): its pairs are scored over the sources of its best rank where
+      they are TOP_SOURCES / 2 or more, else over its TOP_SOURCES best-ranked sources and
+      those tied with the last of them where those are fewer than a quarter of the sources
+      (_few, _best_of_few): at least n_top scores a pair, so
       the walk costs less from about n_top^2 = 2 N on (select alone, bench/broker/results/
       s49_select_micro.txt).
     The pairs none of them settles are scored over every source, SCORES_PER_BLOCK scores at
@@ -293,7 +302,7 @@ def _walk_prompts(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, at_top: n
                 prompts = np.unique(p)
                 row = np.zeros(kkT.shape[0], dtype=np.int64)
                 row[prompts] = np.arange(prompts.size)
-                order = np.argsort(-kkT[prompts], axis=1, kind="stable")[:, :PROMPT_TRIES]
+                order = np.argsort(-kkT[prompts], axis=1, kind="stable")[:, :PROMPT_TRIES].copy()  # not the whole sort
             s = order[row[p], i]
         k_s = k_flat[p * n_nodes + s]
         gone = k_s < 0  # no informative group left in the prompt's order
@@ -320,7 +329,7 @@ def _best_of_few(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, few: np.nd
     width = 1 << np.ceil(np.log2(few[:, receivers].sum(axis=0))).astype(np.int64)
     row = np.zeros(n_nodes, dtype=np.int64)  # a receiver's row in its group's `members`
     k_flat = kkT.ravel()
-    dtype = np.int32 if (kspan + 1) * n_nodes * n_nodes < 2**31 else np.int64  # scores: int32 where they fit
+    dtype = np.int32 if (kspan + 1) * n_nodes * n_nodes < INT32_SCORES_BELOW else np.int64  # scores
     left = []
     for w in np.unique(width).tolist():
         group = receivers[width == w]
@@ -365,7 +374,7 @@ def _score_all(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, ranks: np.nd
         i = pending[lo:lo + block]
         r = rr[i]
         k_s = kkT[pp[i]].astype(np.int64)  # (F', N)
-        cand = np.where(k_s >= tT[r], (ranksT[r] * kspan + k_s) * n_nodes + tie, -1)
+        cand = np.where(k_s >= tT[r], (ranksT[r].astype(np.int64) * kspan + k_s) * n_nodes + tie, -1)
         best = cand.argmax(axis=1)
         src[i] = best
         has[i] = cand[np.arange(i.size), best] >= 0

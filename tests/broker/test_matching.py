@@ -57,7 +57,8 @@ def test_every_way_to_a_winner_chooses_the_same(monkeypatch) -> None:
     it, or are scored over a few best-ranked sources where few do (_best_of_few); what none
     of them settles is scored over every source (_score_all, SCORES_PER_BLOCK scores at a
     time). The choices are still select_sources', whatever the number tried and the block,
-    and with the thresholds' masks multiplied one by one (MASK_BYTES). Estimates drawn
+    and with the thresholds' masks multiplied one by one (MASK_BYTES) and scores in int64
+    (INT32_SCORES_BELOW). Estimates drawn
     from many values (few ties) and from few (many), with every pair explored, most, few or
     none (+inf: the best rank shared); every way is taken."""
     from graft_fed.broker import matching
@@ -84,6 +85,7 @@ def test_every_way_to_a_winner_chooses_the_same(monkeypatch) -> None:
         for top, tries, block, masks in ((1, 1, 3 * n_nodes, 1), (2, 2, 1 << 20, 32 << 20), (3, 5, 7 * n_nodes, 1),
                                          (8, 64, 1, 32 << 20)):
             monkeypatch.setattr(matching, "MASK_BYTES", masks)  # 1: one k_S >= j mask at a time
+            monkeypatch.setattr(matching, "INT32_SCORES_BELOW", 0 if masks == 1 else 2**31)  # 0: int64 scores
             monkeypatch.setattr(matching, "TOP_SOURCES", top)
             monkeypatch.setattr(matching, "PROMPT_TRIES", tries)
             monkeypatch.setattr(matching, "SCORES_PER_BLOCK", block)
@@ -138,7 +140,11 @@ def test_nan_estimates_never_win() -> None:
 
 
 def test_empty_and_unshared() -> None:
+    from graft_fed.broker.matching import select_sources_arrays
+
     assert select_sources_fast([], True, {}) == select_sources([], True, {}) == []
+    assert select_sources_arrays(np.zeros((0, 3), dtype=np.int16), 4, True, {}) == []  # no nodes
+    assert [c.size for c, _ in select_sources_arrays(np.zeros((2, 0), dtype=np.int16), 4, True, {})] == [0, 0]
     kn = [{"a": (0, 4)}, {"a": (2, 4)}]
     assert select_sources_fast(kn, True, {}, [True, False]) == select_sources(kn, True, {}, [True, False])
     assert select_sources_fast(kn, False, {}) == select_sources(kn, False, {}) == [{"a": 1}, {}]
