@@ -76,15 +76,16 @@ def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndar
     failT = fail.T.astype(np.float32)
     per = max(1, min(MASK_BYTES // max(4 * k.size, 1), PRODUCT_BYTES // max(4 * n_nodes * n_nodes, 1)))
     t = np.zeros((n_nodes, n_nodes), dtype=np.int32)
-    m = np.zeros((n_nodes, n_nodes), dtype=np.float32)  # how many each direction keeps before ties
+    m: np.ndarray | None = None  # how many each direction keeps before ties: set by the first chunk (kmax >= 1)
     for lo in range(1, kmax + 1, per):
         js = np.arange(lo, min(lo + per, kmax + 1), dtype=j_dtype)
         at_least = (k_inf[None] >= js[:, None, None]).astype(np.float32).reshape(js.size * n_nodes, k.shape[1])
         ranked = (at_least @ failT).reshape(js.size, n_nodes, n_nodes)
-        if lo == 1:  # ranked_1: the totals
+        if m is None:  # ranked_1: the totals
             m = np.minimum(ranked[0], ranked[0].T) if balance else ranked[0]
         for r in ranked:
             t += r >= m
+    assert m is not None
     t[m <= 0] = kmax + 1
     return t
 
@@ -184,9 +185,8 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
       unexplored later on): its pairs are scored over the sources of its best rank where
       they are TOP_SOURCES / 2 or more, else over its TOP_SOURCES best-ranked sources and
       those tied with the last of them where those are fewer than a quarter of the sources
-      (_few, _best_of_few): at least n_top scores a pair, so
-      the walk costs less from about n_top^2 = 2 N on (select alone, bench/broker/results/
-      s49_select_micro.txt).
+      (_few, _best_of_few): at least n_top scores a pair, so the walk costs less from about
+      n_top^2 = 2 N on (select alone, bench/broker/results/s49_select_micro.txt).
     The pairs none of them settles are scored over every source, SCORES_PER_BLOCK scores at
     a time (_score_all)."""
     n_nodes = ranks.shape[0]
@@ -200,10 +200,12 @@ def _ranked_choices(kkT: np.ndarray, t: np.ndarray, ranks: np.ndarray, fail: np.
         n_top = at_top.sum(axis=0)
         ranked_by = _distinct_best(ranks, n_top)  # (m, N): receiver r's i-th best source, or -1
         way = np.where(ranked_by[0] >= 0, 0, np.where(n_top * n_top >= 2 * n_nodes, 1, 2))
-        left = [_walk_ranked(np.flatnonzero(way[rr] == 0), rr, pp, ranked_by, kkT, t, src, has),
-                _walk_prompts(np.flatnonzero(way[rr] == 1), rr, pp, at_top, kkT, t, src, has),
-                _best_of_few(np.flatnonzero(way[rr] == 2), rr, pp, _few(ranks, at_top, way == 2), ranks, kkT, t,
-                             kspan, src, has)]
+        pair_way = way[rr]
+        few = np.flatnonzero(pair_way == 2)
+        left = [_walk_ranked(np.flatnonzero(pair_way == 0), rr, pp, ranked_by, kkT, t, src, has),
+                _walk_prompts(np.flatnonzero(pair_way == 1), rr, pp, at_top, kkT, t, src, has),
+                _best_of_few(few, rr, pp, _few(ranks, at_top, n_top, way == 2) if few.size else at_top, ranks,
+                             kkT, t, kspan, src, has)]
         _score_all(np.concatenate(left), rr, pp, ranks, kkT, t, kspan, src, has)
     out = []
     for r in range(n_nodes):
@@ -227,8 +229,8 @@ def _distinct_best(ranks: np.ndarray, n_top: np.ndarray) -> np.ndarray:
     if not maybe.size:
         return out
     source = np.arange(n_nodes)
-    # rows: receivers (a receiver's sources along contiguous memory)
-    key = -ranks.T[maybe].astype(np.int64) * n_nodes + source  # ascending: best rank first, then the lower index
+    rows = ranks.T[maybe]  # receivers as rows (a receiver's sources along contiguous memory)
+    key = -rows.astype(np.int64) * n_nodes + source  # ascending: best rank first, then the lower index
     top = min(m + 1, n_nodes)
     if top < n_nodes:  # each receiver's top + 1 sources only, then those in order
         part = np.argpartition(key, top - 1, axis=1)[:, :top]
@@ -236,20 +238,20 @@ def _distinct_best(ranks: np.ndarray, n_top: np.ndarray) -> np.ndarray:
     else:
         by = np.argsort(key, axis=1)
     # by[j, i]: receiver maybe[j]'s i-th best source (the keys are distinct)
-    ranked = np.take_along_axis(ranks.T[maybe], by, axis=1)  # (len(maybe), m or m + 1), best first
+    ranked = np.take_along_axis(rows, by, axis=1)  # (len(maybe), m or m + 1), best first
     ok = (np.diff(ranked, axis=1) < 0).all(axis=1)  # no tie among the top or across the cut
     out[:, maybe[ok]] = by[ok, :m].T
     return out
 
 
-def _few(ranks: np.ndarray, at_top: np.ndarray, receivers: np.ndarray) -> np.ndarray:
+def _few(ranks: np.ndarray, at_top: np.ndarray, n_top: np.ndarray, receivers: np.ndarray) -> np.ndarray:
     """few[:, r] for each receiver r marked in `receivers` (its best rank shared by few
     sources): those of its best rank where they are TOP_SOURCES / 2 or more (most pairs have
     a winner among them); else the sources ranked at least as high as its TOP_SOURCES-th
     best, where they are fewer than a quarter of the sources. Every source ranked above the
-    lowest of them is one of them."""
+    lowest of them is one of them. n_top: per receiver, how many sources share its best rank."""
     few = at_top.copy()
-    cols = np.flatnonzero(receivers & (2 * at_top.sum(axis=0) < TOP_SOURCES))
+    cols = np.flatnonzero(receivers & (2 * n_top < TOP_SOURCES))
     n_nodes = ranks.shape[0]
     m = min(TOP_SOURCES, n_nodes)
     if cols.size and m:
