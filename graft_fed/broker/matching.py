@@ -301,7 +301,7 @@ def _walk_prompts(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, at_top: n
             s = kkT.argmax(axis=1)[p]
         else:
             if order is None:  # each pending prompt's sources, k_S highest first, then the lower index
-                prompts = np.unique(p)
+                prompts = np.flatnonzero(np.bincount(p, minlength=kkT.shape[0]))  # np.unique(p), ascending
                 row = np.zeros(kkT.shape[0], dtype=np.int64)
                 row[prompts] = np.arange(prompts.size)
                 order = np.argsort(-kkT[prompts], axis=1, kind="stable")[:, :PROMPT_TRIES].copy()  # not the whole sort
@@ -327,13 +327,13 @@ def _best_of_few(pending: np.ndarray, rr: np.ndarray, pp: np.ndarray, few: np.nd
     if not pending.size:
         return pending
     n_nodes = t.shape[0]
-    receivers = np.unique(rr[pending])
+    receivers = np.flatnonzero(np.bincount(rr[pending], minlength=n_nodes))  # np.unique, ascending
     width = 1 << np.ceil(np.log2(few[:, receivers].sum(axis=0))).astype(np.int64)
     row = np.zeros(n_nodes, dtype=np.int64)  # a receiver's row in its group's `members`
     k_flat = kkT.ravel()
     dtype = np.int32 if (kspan + 1) * n_nodes * n_nodes < INT32_SCORES_BELOW else np.int64  # scores
     left = []
-    for w in np.unique(width).tolist():
+    for w in sorted(set(width.tolist())):
         group = receivers[width == w]
         row[group] = np.arange(group.size)
         gi, gs = np.nonzero(few[:, group].T)  # (receiver in group, source), sources ascending
