@@ -8,11 +8,11 @@ import itertools
 import logging
 import math
 import threading
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from graft_fed.broker.context import Context, Part
 from graft_fed.broker.matcher import Matcher
-from graft_fed.broker.state import MatchRow, ReportRow
+from graft_fed.broker.state import MatchRow, ReportRow, ReportRows
 from graft_fed.federation.bundles import decode_bundle
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument
 from graft_fed.federation.limits import MAX_PER_ROUND_FACTOR, MAX_ROUNDS_AHEAD, clip
@@ -26,7 +26,7 @@ class _Queued:
 
     __slots__ = ("rows", "done", "result", "error")
 
-    def __init__(self, rows: list[ReportRow]) -> None:
+    def __init__(self, rows: Sequence[ReportRow]) -> None:
         self.rows = rows
         self.done = False
         self.result = (0, 0)
@@ -63,12 +63,17 @@ class Reports(Part):
                 # a receiver gets at most one group per prompt of its round
                 raise InvalidArgument(f"more than {limit} entries in one report; at most {limit} (one per group "
                                       "received)")
-            for e in entries:
-                if not e.rejected and not (math.isfinite(e.mean_s) and 0 <= e.mean_s <= 1e6):
-                    raise InvalidArgument(f"mean_s must be a finite number in [0, 1e6], got {e.mean_s}")
-                if not (0.0 <= e.admitted_fraction <= 1.0):
-                    raise InvalidArgument(f"admitted_fraction must be in [0, 1], got {e.admitted_fraction}")
-            keys = [(e.source, e.prompt_id) for e in entries]
+            # the report as columns, its entries let go before the commit (state.ReportRows)
+            rows = ReportRows(round, node_id, [e.source for e in entries], [e.prompt_id for e in entries],
+                              [e.mean_s if not e.rejected else 0.0 for e in entries],
+                              [e.admitted_fraction for e in entries], [e.rejected for e in entries])
+            del entries
+            for mean_s, admitted in zip(rows.mean_s, rows.admitted_fraction):  # 0 where rejected
+                if not (math.isfinite(mean_s) and 0 <= mean_s <= 1e6):
+                    raise InvalidArgument(f"mean_s must be a finite number in [0, 1e6], got {mean_s}")
+                if not (0.0 <= admitted <= 1.0):
+                    raise InvalidArgument(f"admitted_fraction must be in [0, 1], got {admitted}")
+            keys = list(zip(rows.sources, rows.prompt_ids))
             if len(set(keys)) < len(keys):
                 seen: set[tuple[str, str]] = set()
                 source, prompt = next(k for k in keys if k in seen or seen.add(k))
@@ -79,7 +84,7 @@ class Reports(Part):
                 if round > self.rounds.current() + MAX_ROUNDS_AHEAD:
                     raise FailedPrecondition(f"report for round {round}, implausibly far ahead of the federation "
                                              f"(current {self.rounds.current()})")
-                for source in {e.source for e in entries}:
+                for source in set(rows.sources):
                     if source == node_id or self.registry.get(source) is None:
                         raise InvalidArgument(f"unknown source node {clip(source)}")
                 # a receiver reports only on groups it was matched to: otherwise one node could
@@ -92,21 +97,19 @@ class Reports(Part):
                                              "the broker offered you, with the round they were offered in")
                 # the matches themselves only where a rejection may be re-verified
                 matched = {(m.source, m.prompt_id): m for m in self.matcher.matches_of(round, node_id)} if any(
-                    e.rejected for e in entries) else {}
-            rows = [ReportRow(round=round, receiver=node_id, source=e.source, prompt_id=e.prompt_id,
-                              mean_s=e.mean_s if not e.rejected else 0.0, admitted_fraction=e.admitted_fraction,
-                              rejected=e.rejected) for e in entries]
+                    rows.rejected) else {}
         # outside the slot: re-verifying may take a while and needs nothing the lock guards
-        disputed = {(e.source, e.prompt_id) for e in entries
-                    if e.rejected and self._rejection_disputed(matched[(e.source, e.prompt_id)])}
+        disputed = {key for key, rejected in zip(keys, rows.rejected)
+                    if rejected and self._rejection_disputed(matched[key])}
+        del keys, matched
         if disputed:
             self.counters["disputed_rejections"] += len(disputed)
             log.warning("receiver %s reported %d group(s) rejected that the broker re-verified as correct; "
                         "those rejections are not counted", clip(node_id), len(disputed))
-            rows = [row for row in rows if (row.source, row.prompt_id) not in disputed]
+            rows = rows.without(disputed)
         return self._commit(rows)
 
-    def _commit(self, rows: list[ReportRow]) -> tuple[int, int]:
+    def _commit(self, rows: Sequence[ReportRow]) -> tuple[int, int]:
         """Store a report and fold it, as one of the reports that arrived together: group
         commit. Not under the broker's lock (publishes, matching and answers never wait
         behind a report's commit). Whoever takes `_fold` first stores every report queued by

@@ -77,7 +77,7 @@ class CompatRow:
     rejected: int  # groups rejected by re-verification
 
 
-@dataclass
+@dataclass(slots=True)
 class ReportRow:
     """One receiver's verdict on one group it was given: what ReportCompatibility carries."""
 
@@ -88,6 +88,45 @@ class ReportRow:
     mean_s: float
     admitted_fraction: float
     rejected: bool  # re-verification (or the bundle's signature) failed
+
+
+class ReportRows(Sequence[ReportRow]):
+    """One receiver's report of one round as columns: the sequence of its ReportRow, made
+    only as they are read. A report of a thousand groups waits for its commit (and a
+    commit of twenty reports takes a few hundred milliseconds) holding a few lists rather
+    than a thousand objects the garbage collector tracks: at 64 x 4,096 those kept the
+    collector's oldest generation growing, and it ran a full collection (up to 53 ms with
+    the interpreter held) three times a round while nodes reported (issue 13,
+    docs/performance.md, fortieth pass)."""
+
+    __slots__ = ("round", "receiver", "sources", "prompt_ids", "mean_s", "admitted_fraction", "rejected")
+
+    def __init__(self, round: int, receiver: str, sources: list[str], prompt_ids: list[str], mean_s: list[float],
+                 admitted_fraction: list[float], rejected: list[bool]) -> None:
+        if not len(sources) == len(prompt_ids) == len(mean_s) == len(admitted_fraction) == len(rejected):
+            raise ValueError("a report's columns differ in length")
+        self.round, self.receiver = round, receiver
+        self.sources, self.prompt_ids, self.mean_s = sources, prompt_ids, mean_s
+        self.admitted_fraction, self.rejected = admitted_fraction, rejected
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - an index or a slice, as a list's
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return ReportRow(self.round, self.receiver, self.sources[i], self.prompt_ids[i], self.mean_s[i],
+                         self.admitted_fraction[i], self.rejected[i])
+
+    def __iter__(self) -> Iterator[ReportRow]:
+        for s, p, m, a, r in zip(self.sources, self.prompt_ids, self.mean_s, self.admitted_fraction, self.rejected):
+            yield ReportRow(self.round, self.receiver, s, p, m, a, r)
+
+    def without(self, drop: set[tuple[str, str]]) -> "ReportRows":
+        """The rows whose (source, prompt id) is not in `drop`."""
+        keep = [i for i, key in enumerate(zip(self.sources, self.prompt_ids)) if key not in drop]
+        return ReportRows(self.round, self.receiver, *([col[i] for i in keep] for col in (
+            self.sources, self.prompt_ids, self.mean_s, self.admitted_fraction, self.rejected)))
 
 
 @dataclass

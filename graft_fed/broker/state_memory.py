@@ -223,7 +223,7 @@ class InMemoryState(BrokerState):
             key = report_key(row)
             if key in self._reports:
                 continue
-            self._reports[key] = dataclasses.replace(row)  # norm_report may hand back the caller's own row
+            self._reports[key] = row  # norm_report's own copy
             pair = (row.source, row.receiver)
             self._compat[pair] = fold_compat(self._compat.get(pair), row.source, row.receiver,
                                              ((row.mean_s, row.admitted_fraction, row.rejected),))

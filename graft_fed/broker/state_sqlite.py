@@ -58,8 +58,8 @@ from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchR
                                     SummaryHead, SummaryRow)
 from graft_fed.broker.state_rows import (
     as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_blob, norm_block, norm_bytes,
-    norm_compat_args, norm_digests, norm_match, norm_node, norm_pairs, norm_prompt_ids, norm_report, norm_round,
-    norm_summary, opt_int, opt_str, prune_cutoff, summary_key,
+    norm_compat_args, norm_digests, norm_match, norm_node, norm_pairs, norm_prompt_ids, norm_round,
+    norm_summary, opt_int, opt_str, prune_cutoff, report_fields, summary_key, ReportFields,
 )
 from graft_fed.errors import DataError
 from graft_fed.federation.summaryblock import SummaryBlock, SummaryBlockError, facts_of, group_rows
@@ -1236,38 +1236,37 @@ class SqliteState(BrokerState):
                 for r in self._read(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?", pair)]
 
     def put_report_batches(self, batches: Sequence[Sequence[ReportRow]]) -> list[tuple[int, int]]:
-        normed = [[norm_report(r) for r in rows] for rows in batches]
+        normed = [[report_fields(r) for r in rows] for rows in batches]  # plain tuples (state_rows.report_fields)
         out = []
         with self._tx() as conn:
             for batch in normed:
                 out.append(self._put_reports(conn, batch))
         return out
 
-    def _put_reports(self, conn: sqlite3.Connection, batch: list[ReportRow]) -> tuple[int, int]:
+    def _put_reports(self, conn: sqlite3.Connection, batch: list[ReportFields]) -> tuple[int, int]:
         """One batch inside the caller's transaction. Which reports are new is read once per
         (round, receiver) rather than found out by one INSERT each; the new ones are inserted
         together, and each pair's row is read and written once, folded over its new reports
         in the batch's order (the same numbers as folding one report at a time). A report of
         4,096 groups used to cost three statements a group (issue 13)."""
         stored: set[tuple[int, str, str, str]] = set()
-        for rnd, receiver in {(r.round, r.receiver) for r in batch}:
+        for rnd, receiver in {r[:2] for r in batch}:
             stored.update((rnd, receiver, src, pid) for src, pid in conn.execute(
                 "SELECT source, prompt_id FROM reports WHERE round = ? AND receiver = ?", (rnd, receiver)))
-        fresh: list[ReportRow] = []
+        fresh: list[ReportFields] = []
         for r in batch:
-            key = (r.round, r.receiver, r.source, r.prompt_id)
+            key = r[:4]  # (round, receiver, source, prompt_id)
             if key not in stored:  # the first of the batch wins too
                 stored.add(key)
                 fresh.append(r)
         conn.executemany(f"INSERT INTO reports ({_REPORT_COLS}) VALUES (?,?,?,?,?,?,?)",
-                         [(r.round, r.receiver, r.source, r.prompt_id, _f2db(r.mean_s), _f2db(r.admitted_fraction),
-                           int(r.rejected)) for r in fresh])
-        per_pair: dict[tuple[str, str], list[ReportRow]] = {}
-        for r in fresh:
-            per_pair.setdefault((r.source, r.receiver), []).append(r)
-        for pair, rows in per_pair.items():
-            self._put_compat(conn, fold_compat(self._compat_of(conn, pair), *pair,
-                                               [(r.mean_s, r.admitted_fraction, r.rejected) for r in rows]))
+                         [(rnd, receiver, source, pid, _f2db(m), _f2db(a), int(rej))
+                          for rnd, receiver, source, pid, m, a, rej in fresh])
+        per_pair: dict[tuple[str, str], list[tuple[float, float, bool]]] = {}
+        for _, receiver, source, _, m, a, rej in fresh:
+            per_pair.setdefault((source, receiver), []).append((m, a, rej))
+        for pair, folded in per_pair.items():
+            self._put_compat(conn, fold_compat(self._compat_of(conn, pair), *pair, folded))
         return len(fresh), len(batch) - len(fresh)
 
     def reports(self, round: int | None = None, receiver: str | None = None,

@@ -85,7 +85,7 @@ class MatchResult:
     uploads_wire: bytes | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a report makes thousands (no __dict__ each for the collector)
 class ReportEntry:
     """A receiver's verdict on one group it was offered."""
 

@@ -33,7 +33,7 @@ from graft_fed.broker.blockfiles import BlockFiles
 from graft_fed.broker.bundlefiles import file_name
 from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
 from graft_fed.broker.matchset import MatchSet
-from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
+from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, ReportRows, RoundRow, SummaryRow
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
 from graft_fed.errors import DataError
@@ -360,6 +360,29 @@ def test_report_batches_fold_as_one_report_at_a_time(state):
     with pytest.raises(TypeError):  # a malformed batch: nothing of the commit is stored
         state.put_report_batches([[rep(round=9)], [rep(round=9, prompt_id="x", rejected=1)]])
     assert state.reports(round=9) == []
+
+
+def test_a_report_as_columns_is_stored_as_its_rows(state):
+    """state.ReportRows (how the broker hands a report to the state): the sequence of its
+    ReportRow, stored and folded exactly as those rows as a list are."""
+    cols = ReportRows(2, "r", ["s", "t", "s", "s"], ["p0", "p0", "p1", "p0"], [0.25, 0.5, 0.0, 0.75],
+                      [1.0, 0.5, 0.0, 0.25], [False, False, True, False])
+    rows = [rep(round=2, source="s", mean_s=0.25), rep(round=2, source="t", mean_s=0.5, admitted_fraction=0.5),
+            rep(round=2, prompt_id="p1", mean_s=0.0, admitted_fraction=0.0, rejected=True),
+            rep(round=2, mean_s=0.75, admitted_fraction=0.25)]
+    assert len(cols) == 4 and list(cols) == rows and cols[1] == rows[1] and cols[-1] == rows[-1]
+    assert cols[1:3] == rows[1:3] and cols[::-1] == rows[::-1]
+    assert list(cols.without({("s", "p0"), ("x", "p9")})) == rows[1:3]
+    with pytest.raises(IndexError):
+        cols[4]
+    with pytest.raises(ValueError, match="differ in length"):
+        ReportRows(0, "r", ["s"], [], [0.5], [1.0], [False])
+    as_list = InMemoryState()
+    assert state.put_reports(cols) == as_list.put_reports(rows) == (3, 1)  # the first of (s, p0) wins
+    assert state.reports() == as_list.reports() and state.compat() == as_list.compat()
+    with pytest.raises(TypeError):  # checked as rows are: nothing stored
+        state.put_reports(ReportRows(3, "r", ["s"], ["p0"], [0.5], [1.0], [1]))
+    assert state.reports(round=3) == []
 
 
 def rep(round=0, receiver="r", source="s", prompt_id="p0", mean_s=0.5, admitted_fraction=1.0, rejected=False):

@@ -93,6 +93,38 @@ def test_reports_that_arrive_together_share_a_commit(matched, prompts):
     assert broker.fed.compat() == state.compat()
 
 
+def test_reports_waiting_for_their_commit_hold_no_object_per_group(matched, prompts):
+    """A report waits for its commit as columns (state.ReportRows): no ReportRow or
+    ReportEntry per group that the garbage collector would track and carry into its older
+    generations while the commit before it runs."""
+    import gc
+
+    from graft_fed.broker.state import ReportRow
+    from graft_fed.federation.messages import ReportEntry
+
+    def per_group() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) in (ReportRow, ReportEntry))
+
+    broker, receivers = matched
+    state = broker.fed.state
+    real = state.put_report_batches
+    seen = []
+    before = per_group()
+
+    def slow(batches):  # while the first commit runs, the other reports queue behind it
+        if not seen:
+            time.sleep(0.5)
+            seen.append((per_group() - before, broker.fed.reports._queue and len(broker.fed.reports._queue)))
+        return real(batches)
+    state.put_report_batches = slow
+    answers: dict = {}
+    _report_all(receivers, prompts, answers)
+    assert all(a.accepted == 4 for a in answers.values()), answers
+    assert seen[0][1] >= 2, seen  # reports of 4 groups each waited while it ran
+    assert seen[0][0] == 0, seen
+    assert len(state.reports()) == 4 * RECEIVERS and broker.fed.compat() == state.compat()
+
+
 def test_a_failed_commit_fails_every_report_in_it_and_stores_none(matched, prompts):
     broker, receivers = matched
     state = broker.fed.state
