@@ -114,7 +114,7 @@ def test_reports_waiting_for_their_commit_hold_no_object_per_group(matched, prom
     def slow(batches):  # while the first commit runs, the other reports queue behind it
         if not seen:
             time.sleep(0.5)
-            seen.append((per_group() - before, broker.fed.reports._queue and len(broker.fed.reports._queue)))
+            seen.append((per_group() - before, len(broker.fed.reports._queue)))
         return real(batches)
     state.put_report_batches = slow
     answers: dict = {}
