@@ -366,9 +366,10 @@ def start_broker(cfg: BrokerConfig, state: BrokerState | None = None) -> BrokerS
     switch interval set (`switch_interval_ms`). Not for a process that starts several
     brokers (the tests): the freeze and the interval are for the process's whole life."""
     limit_malloc_arenas(cfg.malloc_arena_max)
-    # numpy 2.x imports numpy.ma on the first np.unique (it asks np.ma.is_masked): 27 ms of
-    # imports with the GIL held, in the middle of the first round that called it (issue 13,
-    # docs/performance.md, fortieth pass); imported here, before the freeze, instead
+    # numpy 2.x imports numpy.ma on the first np.unique (it asks np.ma.is_masked): 7-9 ms of
+    # imports with the GIL held alone, more among the broker's threads, in the middle of the
+    # first round that called it (issue 13, docs/performance.md, fortieth pass); imported
+    # here, before the freeze, instead
     import numpy.ma  # noqa: F401
     if cfg.switch_interval_ms:
         sys.setswitchinterval(cfg.switch_interval_ms / 1000)
