@@ -35,7 +35,7 @@ def main() -> None:
 
     from graft_fed.modeling import load_model_and_tokenizer
     from graft_fed.trainer.config import load_train_config
-    from graft_fed.trainer.distributed import full_weights, init_distributed, shard_model
+    from graft_fed.trainer.distributed import end_process, full_weights, init_distributed, shard_model
 
     cfg = load_train_config(None, {"run.device": "auto"})
     ctx = init_distributed(cfg)
@@ -67,6 +67,9 @@ def main() -> None:
         print("bytes; 'rollout gather' is held only while the process samples (full_weights)")
     dist.barrier()
     dist.destroy_process_group()
+    # as the CLI ends a torchrun process: a gloo worker thread still dropping the last
+    # all-gather's tensors during interpreter finalisation aborts a run that succeeded
+    end_process(0)
 
 
 if __name__ == "__main__":
