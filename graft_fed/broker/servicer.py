@@ -514,8 +514,16 @@ _parsers = {"PublishSummaries": _publish_parser, "UploadBundle": _chunk_parser}
 
 def add_to_server(servicer: BrokerServicer, server: grpc.Server) -> None:
     """Register the servicer's methods with deserializers that never raise (see the module
-    docstring): the replacement for the generated add_BrokerServicer_to_server."""
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, method_handlers(servicer)),))
+    docstring): the replacement for the generated add_BrokerServicer_to_server.
+
+    Registered methods, not a generic handler: grpcio's serving thread keeps one request for
+    a new call outstanding per registered method and one for all generic ones, and takes the
+    next call of that kind only once it has taken the last (with the interpreter). Behind one
+    generic request, a heartbeat that arrives with a burst of 64 publishes waits for the
+    serving thread to take all 64 first; with a request of its own it is taken at once
+    (issue 13, docs/performance.md, forty-first pass). A method the service lacks still
+    reaches grpcio's generic request and is answered UNIMPLEMENTED."""
+    server.add_registered_method_handlers(SERVICE, method_handlers(servicer))
 
 
 def method_handlers(servicer: BrokerServicer, front: bool = False) -> dict[str, grpc.RpcMethodHandler]:

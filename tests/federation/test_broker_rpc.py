@@ -452,6 +452,25 @@ def test_a_call_that_asks_gets_the_brokers_timing_in_its_trailers(broker, prompt
     a.close()
 
 
+def test_every_method_is_taken_by_a_call_request_of_its_own_and_others_are_unimplemented(broker, prompts):
+    """grpcio's serving thread takes a generic handler's calls one at a time, all methods
+    in one line: a heartbeat would wait behind every publish of a burst. The broker
+    registers each method instead (servicer.add_to_server); a method it lacks is still
+    answered UNIMPLEMENTED, and the registered ones serve (a join, a heartbeat)."""
+    from graft_fed.broker.servicer import METHODS, SERVICE
+
+    if broker.grpc is not None:  # gRPC in the broker; the front (an aio server) takes calls itself
+        assert set(broker.grpc._state.registered_method_handlers) == {f"/{SERVICE}/{m}" for m in METHODS}
+    a = client(broker, prompts, "a")
+    a.stub.Heartbeat(pb.HeartbeatRequest(node_id="a", session_id=a.session, round=0, tag=new_tag()), timeout=5)
+    with grpc.insecure_channel(broker.address) as channel:
+        for method in (f"/{SERVICE}/NoSuchMethod", "/graft_fed.v1.Other/Heartbeat"):
+            with pytest.raises(grpc.RpcError) as err:
+                channel.unary_unary(method)(b"", timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, method
+    a.close()
+
+
 def test_a_late_joiner_learns_from_a_departed_peers_stored_groups(broker, prompts):
     b = client(broker, prompts, "b")
     p0 = prompts[0]
