@@ -165,13 +165,14 @@ def cmd_broker(args: argparse.Namespace) -> int:
         raise GraftFedError(f"cannot listen for gRPC on {cfg.listen}: the address is taken or not this machine's "
                             f"({str(exc).split(';')[0]}); is another broker running? choose another with "
                             "--set listen=HOST:PORT") from None
-    except OSError as exc:  # http.server: EADDRINUSE / EADDRNOTAVAIL
-        raise GraftFedError(f"cannot serve HTTP (/metrics, /healthz) on {cfg.http}: {exc.strerror or exc}; "
-                            "choose another with --set http=HOST:PORT") from None
+    except OSError as exc:  # what the state's own checks did not name (its errors say what to do)
+        raise GraftFedError(f"cannot start the broker: {exc.strerror or exc}"
+                            + (f" ({exc.filename})" if exc.filename else "")) from None
     from pathlib import Path
 
+    http_host = cfg.http.rpartition(":")[0]
     for path, value in ((args.port_file, server.address),
-                        (args.http_port_file, f"127.0.0.1:{server.http_port}" if server.http_port else "")):
+                        (args.http_port_file, f"{http_host}:{server.http_port}" if server.http_port else "")):
         if path:
             tmp = Path(path + ".tmp")
             tmp.write_text(value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -83,6 +84,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
                 except ValueError:
                     pass
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if math.isnan(value):
+            raise ConfigError(f"{where}: NaN is not a setting; give a number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -114,14 +117,44 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
         raise ConfigError(f"{where or cls.__name__}: {exc}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (YAML would keep the
+    last one silently, so `n: 4` ... `n: 8` would run with 8 and nobody would know)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.setdefault(key, line)
+            except TypeError:  # an unhashable key: SafeLoader's own error says so
+                break
+            if first != line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (lines {first} and {line}); keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
+
+
+def safe_load(text: str) -> Any:
+    """yaml.safe_load, refusing duplicate keys (`_UniqueKeyLoader`)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                          "save it as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        data = safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     if data is None:
@@ -139,7 +172,10 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set run.steps=20")
         key, value = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            out[key.strip()] = value  # not YAML (e.g. listen=[::1]:0): the text as written
     return out
 
 
@@ -182,6 +218,21 @@ def to_dict(cfg: Any) -> dict[str, Any]:
             return {k: plain(x) for k, x in v.items()}
         return v
     return plain(cfg)
+
+
+def require_address(value: str, key: str, port_zero: bool = True) -> None:
+    """`value` is HOST:PORT, the port a number in 0-65535 (1-65535 without `port_zero`,
+    where 0 would ask the system for any free port) and an IPv6 host in brackets; raises
+    ConfigError naming `key` otherwise."""
+    host, sep, port = value.rpartition(":")
+    require(bool(sep and host), f"{key} must be HOST:PORT, e.g. 127.0.0.1:50551; got {value!r}")
+    lowest = 0 if port_zero else 1
+    require(port.isascii() and port.isdigit() and lowest <= int(port) <= 65535,
+            f"{key}: the port must be a number in {lowest}-65535, got {port!r} in {value!r}")
+    bracketed = host.startswith("[") and host.endswith("]")
+    require(bracketed or ":" not in host, f"{key}: write an IPv6 host in brackets, e.g. [::1]:PORT; got {value!r}")
+    bare = host[1:-1] if bracketed else host
+    require(bool(bare) and not any(c.isspace() for c in bare), f"{key}: the host is empty or has spaces in {value!r}")
 
 
 def require(cond: bool, message: str) -> None:

@@ -217,3 +217,39 @@ def test_node_final_lines_keep_a_resumed_before_and_count_exchanged_steps(tmp_pa
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert exchange_line(str(run)) == ("federation: exchanged on 1 of 3 steps (3 peer groups received); "
                                        "connected to the broker on 2")
+
+
+def test_broker_start_errors_name_their_cause(tmp_path, capsys):
+    """A state folder that cannot be made is not blamed on HTTP, and the HTTP port file
+    names the host the live page is served on."""
+    (tmp_path / "pf").write_text("a file, not a folder")
+    assert main(["broker", "--set", "listen=127.0.0.1:0", "--set", "http=127.0.0.1:0",
+                 "--set", f"db={tmp_path / 'pf' / 'b.sqlite'}"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot create the folder of broker.db" in err and "--set db=PATH" in err and "HTTP" not in err
+
+
+def test_the_http_port_file_names_the_http_host(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port_file = tmp_path / "http.addr"
+    proc = subprocess.Popen([sys.executable, "-m", "graft_fed.cli", "broker", "--set", "listen=127.0.0.1:0",
+                             "--set", "http=127.0.0.2:0", "--set", f"db={tmp_path / 'b.sqlite'}",
+                             "--http-port-file", str(port_file)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        address = port_file.read_text()
+        assert address.startswith("127.0.0.2:")
+        with urllib.request.urlopen(f"http://{address}/healthz", timeout=10) as r:
+            assert r.read() == b"ok\n"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

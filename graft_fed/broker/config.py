@@ -6,8 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from graft_fed.configbase import load_config, require
+import math
+
+from graft_fed.configbase import load_config, require, require_address
 from graft_fed.core.advantages import ADVANTAGES, PAPER_ADVANTAGE
+from graft_fed.core.records import MAX_GROUP_N
 from graft_fed.data.config import DataConfig
 from graft_fed.rewards.config import VerifierConfig
 
@@ -182,7 +185,9 @@ class BrokerConfig:
     max_bundle_gib: float | None = None
 
     def __post_init__(self) -> None:
-        require(":" in self.listen, f"broker.listen must be HOST:PORT, got {self.listen!r}")
+        require_address(self.listen, "broker.listen")
+        if self.http:
+            require_address(self.http, "broker.http (\"\" turns it off)")
         require((self.tls_cert is None) == (self.tls_key is None), "broker: give both tls_cert and tls_key, or neither")
         require(self.client_ca is None or self.tls_cert is not None,
                 "broker.client_ca (mutual TLS) needs the broker's own tls_cert and tls_key")
@@ -192,15 +197,20 @@ class BrokerConfig:
         require(self.balance in ("pairwise", "per_receiver_cap", "none"),
                 "broker.balance must be pairwise, per_receiver_cap or none")
         require(self.per_receiver_cap >= 1, "broker.per_receiver_cap must be >= 1")
-        require(self.n >= 2, "broker.n must be >= 2")
-        require(self.prompts_per_round >= 1, "broker.prompts_per_round must be >= 1")
-        require(self.staleness_rounds >= 0, "broker.staleness_rounds must be >= 0")
+        # the manifest's fields as the wire carries them (uint64 seed, uint32 counts)
+        require(0 <= self.seed < 2**64, f"broker.seed must be in [0, 2^64), got {self.seed}")
+        require(2 <= self.n <= MAX_GROUP_N, f"broker.n must be in [2, {MAX_GROUP_N}], got {self.n}")
+        require(1 <= self.prompts_per_round < 2**31, f"broker.prompts_per_round must be >= 1 and < 2^31, "
+                f"got {self.prompts_per_round}")
+        require(0 <= self.staleness_rounds < 2**31, f"broker.staleness_rounds must be >= 0 and < 2^31, "
+                f"got {self.staleness_rounds}")
         require(self.round_deadline_s > 0, "broker.round_deadline_s must be > 0")
         require(self.min_nodes >= 1, "broker.min_nodes must be >= 1")
         require(0 < self.quarantine_rejection_rate <= 1, "broker.quarantine_rejection_rate must be in (0, 1]")
         require(self.quarantine_min_reports >= 1, "broker.quarantine_min_reports must be >= 1")
         require(self.quarantine_min_receivers >= 1, "broker.quarantine_min_receivers must be >= 1")
-        require(self.max_workers >= 8, "broker.max_workers must be >= 8")
+        require(8 <= self.max_workers <= 4096, "broker.max_workers must be in [8, 4096] (every worker thread is "
+                "started with the broker)")
         require(self.malloc_arena_max >= 0, "broker.malloc_arena_max must be >= 0 (0: glibc's default)")
         require(self.malloc_trim_s == 0 or self.malloc_trim_s >= 1,
                 "broker.malloc_trim_s must be 0 (never) or >= 1 second")
@@ -209,13 +219,15 @@ class BrokerConfig:
                 "broker.switch_interval_ms must be 0 (Python's default) or in [0.01, 1000]")
         require(1 <= self.max_long_polls <= self.max_workers - 4,
                 "broker.max_long_polls must be >= 1 and leave at least 4 of max_workers to other calls")
-        require(self.max_publishes_per_s >= 0, "broker.max_publishes_per_s must be >= 0 (0 = off)")
-        require(self.max_requests_per_s >= 0, "broker.max_requests_per_s must be >= 0 (0 = off)")
+        require(0 <= self.max_publishes_per_s < math.inf,
+                "broker.max_publishes_per_s must be >= 0 and finite (0 = off)")
+        require(0 <= self.max_requests_per_s < math.inf,
+                "broker.max_requests_per_s must be >= 0 and finite (0 = off)")
         require(self.max_node_bundle_mib >= 0, "broker.max_node_bundle_mib must be >= 0 (0 = off)")
-        require(self.replay_window_s >= 1, "broker.replay_window_s must be >= 1 (seconds of clock skew and delay "
-                "tolerated between a node sending a request and the broker receiving it)")
-        require(0 < self.heartbeat_interval_s < self.offline_after_s,
-                "broker.heartbeat_interval_s must be > 0 and below offline_after_s")
+        require(1 <= self.replay_window_s < math.inf, "broker.replay_window_s must be >= 1 and finite (seconds of "
+                "clock skew and delay tolerated between a node sending a request and the broker receiving it)")
+        require(0.1 <= self.heartbeat_interval_s < self.offline_after_s and math.isfinite(self.offline_after_s),
+                "broker.heartbeat_interval_s must be >= 0.1 s and below offline_after_s (finite)")
         require(self.max_heartbeats_per_s == 0 or self.max_heartbeats_per_s >= 1,
                 "broker.max_heartbeats_per_s must be 0 (a fixed heartbeat interval) or >= 1")
         require(1 <= self.max_message_mib <= 1024, "broker.max_message_mib must be in [1, 1024]")
@@ -223,7 +235,11 @@ class BrokerConfig:
                 "broker.chunk_kib must be >= 16 and at most half of max_message_mib")
         require(self.max_bundle_mib >= 1, "broker.max_bundle_mib must be >= 1")
         require(self.max_pairs_shown >= 0, "broker.max_pairs_shown must be >= 0")
-        require(self.keep_rounds is None or self.keep_rounds >= 1, "broker.keep_rounds must be >= 1 or null")
+        require(self.keep_rounds is None or 1 <= self.keep_rounds < 2**62,
+                f"broker.keep_rounds must be >= 1 (and < 2^62) or null, got {self.keep_rounds}")
+        require(self.max_bundle_gib is None or (math.isfinite(self.max_bundle_gib) and self.max_bundle_gib >= 0),
+                f"broker.max_bundle_gib must be a finite number of GiB >= 0 or null (unbounded), "
+                f"got {self.max_bundle_gib}")
 
 
 def load_broker_config(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> BrokerConfig:

@@ -16,7 +16,7 @@ import re
 import threading
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from graft_fed.federation.errors import InvalidArgument
 
@@ -57,10 +57,30 @@ class ScalarLog:
             while len(rows) > self.keep:
                 rows.popitem(last=False)
 
-    def series(self) -> dict[str, list[dict[str, float]]]:
+    def series(self, nodes: Iterable[str] | None = None,
+               max_points: int | None = None) -> dict[str, list[dict[str, float]]]:
+        """Each node's rows by step; with `nodes`, those nodes' only; with `max_points`, at
+        most that many values of each scalar per node, evenly spaced over the steps that have
+        it, its last included (a scalar reported every 20 steps keeps its own points)."""
+        if max_points is not None and max_points < 2:
+            raise ValueError(f"max_points must be >= 2 (the first and the last), not {max_points}")
         with self._lock:
-            return {node: [{"step": step, **vals} for step, vals in sorted(rows.items())]
-                    for node, rows in self._rows.items()}
+            wanted = self._rows if nodes is None else {n: self._rows[n] for n in nodes if n in self._rows}
+            picked = {node: sorted(rows.items()) for node, rows in wanted.items()}
+        out = {}
+        for node, rows in picked.items():
+            if max_points is None:
+                out[node] = [{"step": step, **vals} for step, vals in rows]
+                continue
+            keep: dict[int, list[str]] = {}
+            for key in sorted({k for _, vals in rows for k in vals}):
+                have = [i for i, (_, vals) in enumerate(rows) if key in vals]
+                if len(have) > max_points:
+                    have = [have[round(j * (len(have) - 1) / (max_points - 1))] for j in range(max_points)]
+                for i in have:
+                    keep.setdefault(i, []).append(key)
+            out[node] = [{"step": rows[i][0], **{k: rows[i][1][k] for k in keys}} for i, keys in sorted(keep.items())]
+        return out
 
     def latest(self) -> dict[str, dict[str, float]]:
         """Per node, the latest value of each scalar (held-out pass@1 is not every step)."""
@@ -102,8 +122,11 @@ class RefusalLog:
                             self.by_identity.get(key, 0))
 
 
-#: nodes the live page's matrices show at most: those that gave and received the most groups
+#: nodes the live page's matrices and curves show at most: those that gave and received the most groups
 MATRIX_NODES = 64
+#: points per node and learning curve on the live page (a node keeps up to 2,000 steps: 64
+#: nodes' whole series made /api/status 28 MiB, fetched every 2 s by each open page)
+CURVE_POINTS = 200
 
 
 def _matrix(names: list[str], cells: Mapping[tuple[str, str], float]) -> list[list[float | None]]:
@@ -146,7 +169,7 @@ def status_view(fed: Any, scalars: ScalarLog | None = None, refusals: RefusalLog
         "nodes": nodes, "rounds": timeline,
         "matrix": {"names": names, "nodes_total": len(st["nodes"]), "exchange": _matrix(names, exchange),
                    "compat": _matrix(names, compat), "admitted": _matrix(names, admitted)},
-        "curves": scalars.series() if scalars is not None else {},
+        "curves": scalars.series(names, CURVE_POINTS) if scalars is not None else {},
         "refused": dict(refusals.by_reason) if refusals is not None else {},
         "time": time.time(),
     }

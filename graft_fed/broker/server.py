@@ -10,7 +10,7 @@ import math
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
@@ -25,7 +25,9 @@ from graft_fed.broker.live import RefusalLog, ScalarLog, node_metrics, status_vi
 from graft_fed.broker.servicer import (METHODS, SERVICE, BrokerServicer, TimingInterceptor, add_to_server,
                                        method_handlers)
 from graft_fed.broker.state import BrokerState
+from graft_fed.broker.web import serve_http
 from graft_fed.broker.workers import Workers
+from graft_fed.errors import GraftFedError
 from graft_fed.federation.transport import check_plaintext, grpc_options, server_credentials
 
 log = logging.getLogger("graft_fed.broker")
@@ -38,7 +40,11 @@ def open_state(db: str) -> BrokerState:
         return InMemoryState()
     from graft_fed.broker.state_sqlite import SqliteState
 
-    Path(db).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        Path(db).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GraftFedError(f"cannot create the folder of broker.db {db}: {exc.strerror or exc} "
+                            f"({exc.filename or Path(db).parent}); choose another with --set db=PATH") from None
     return SqliteState(db)
 
 
@@ -245,43 +251,17 @@ class BrokerServer:
             return
         fed, servicer, refusals = self.fed, self.servicer, self.refusals
         front_pid = self.front.proc.pid if self.front is not None and self.front.proc is not None else None
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    body, ctype, code = (render_metrics(fed, servicer, refusals, front_pid).encode(),
-                                         "text/plain; version=0.0.4", 200)
-                elif path == "/healthz":
-                    body, ctype, code = b"ok\n", "text/plain", 200
-                elif path == "/api/status":
-                    view = _finite(status_view(fed, servicer.scalars, refusals))
-                    body, ctype, code = json.dumps(view).encode(), "application/json", 200
-                elif path in ("/", "/index.html"):
-                    body, ctype, code = live_page(), "text/html; charset=utf-8", 200
-                else:
-                    body, ctype, code = b"not found\n", "text/plain", 404
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("Cache-Control", "no-store")
-                self.send_header("X-Content-Type-Options", "nosniff")
-                if ctype.startswith("text/html"):
-                    # the page loads nothing from elsewhere and talks only to this origin
-                    self.send_header("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; "
-                                     "style-src 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        host, port = self.cfg.http.rsplit(":", 1)
-        self.http = ThreadingHTTPServer((host, int(port)), Handler)
+        routes = {
+            "/metrics": lambda: (render_metrics(fed, servicer, refusals, front_pid).encode(),
+                                 "text/plain; version=0.0.4"),
+            "/healthz": lambda: (b"ok\n", "text/plain"),
+            "/api/status": lambda: (json.dumps(_finite(status_view(fed, servicer.scalars, refusals))).encode(),
+                                    "application/json"),
+            "/": lambda: (live_page(), "text/html; charset=utf-8"),
+        }
+        routes["/index.html"] = routes["/"]
+        self.http = serve_http(self.cfg.http, routes)  # bounded connections and reads (broker/web.py)
         self.http_port = self.http.server_address[1]
-        t = threading.Thread(target=self.http.serve_forever, name="broker-http", daemon=True)
-        t.start()
-        self._threads.append(t)
 
     def _housekeeping(self) -> None:
         last_trim = time.monotonic()
@@ -315,7 +295,7 @@ class BrokerServer:
             self.front.serve()
         try:
             self._serve_http()
-        except OSError:
+        except BaseException:
             self._stop_grpc(0)
             self.state.close()
             raise

@@ -22,8 +22,11 @@ PRIVACY = Privacy.names()
 
 def check_id(value: str, what: str, limit: int = MAX_ID_LEN, empty: bool = False) -> None:
     """Printable: no control, format or other category-C characters (ids end up in logs and
-    in `graft-fed status` on an operator's terminal, where C1 controls are escape sequences)."""
-    if (not value and not empty) or len(value) > limit or any(unicodedata.category(c)[0] == "C" for c in value):
+    in `graft-fed status` on an operator's terminal, where C1 controls are escape sequences),
+    and no line or paragraph separator (U+2028, U+2029: tools that split lines on them
+    would read a forged log line)."""
+    if (not value and not empty) or len(value) > limit or any(
+            unicodedata.category(c)[0] == "C" or unicodedata.category(c) in ("Zl", "Zp") for c in value):
         raise InvalidArgument(f"{what} must be {0 if empty else 1}-{limit} printable characters, got {clip(value)}")
 
 

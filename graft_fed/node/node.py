@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from graft_fed.configbase import load_config, require
+from graft_fed.configbase import load_config, require, require_address
 from graft_fed.core.advantages import advantage_id
 from graft_fed.errors import ConfigError, GraftFedError
 from graft_fed.federation.certcheck import JoinTracker, check_node_certificate, track_joins, wait_for_first_join
@@ -78,13 +78,20 @@ class FederationSection:
     reconnect_max_s: float = 60.0
 
     def __post_init__(self) -> None:
-        require(":" in self.broker, f"federation.broker must be HOST:PORT, got {self.broker!r}")
+        require_address(self.broker, "federation.broker", port_zero=False)
         require(self.privacy in Privacy.names(), f"federation.privacy must be one of {', '.join(Privacy.names())}")
-        require(self.match_wait_s > 0 and self.round_timeout_s > 0 and self.fetch_timeout_s >= 0,
-                "federation timeouts must be positive")
-        require(0 < self.reconnect_min_s <= self.reconnect_max_s, "need 0 < reconnect_min_s <= reconnect_max_s")
-        require(self.chunk_kib >= 16, "federation.chunk_kib must be >= 16: the broker refuses smaller non-final "
-                "upload chunks")
+        for key in ("match_wait_s", "round_timeout_s", "rpc_timeout_s", "reconnect_min_s", "reconnect_max_s"):
+            value = getattr(self, key)
+            require(0 < value <= 86400, f"federation.{key} must be seconds > 0 and at most a day, got {value}")
+        require(0 <= self.fetch_timeout_s <= 86400,
+                f"federation.fetch_timeout_s must be seconds >= 0 and at most a day, got {self.fetch_timeout_s}")
+        require(self.reconnect_min_s <= self.reconnect_max_s, "need reconnect_min_s <= reconnect_max_s")
+        require(1 <= self.max_message_mib <= 1024,
+                f"federation.max_message_mib must be in [1, 1024] (keep it equal to the broker's), "
+                f"got {self.max_message_mib}")
+        require(16 <= self.chunk_kib <= 1024 * self.max_message_mib // 2,
+                "federation.chunk_kib must be >= 16 (the broker refuses smaller non-final upload chunks) and at "
+                f"most half of max_message_mib, got {self.chunk_kib}")
         require((self.tls_cert is None) == (self.tls_key is None), "federation: give both tls_cert and tls_key")
         require(self.tls_cert is None or self.tls_ca is not None,
                 "federation.tls_cert needs federation.tls_ca (the CA that signed the broker's certificate)")

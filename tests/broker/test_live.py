@@ -120,3 +120,25 @@ def test_status_watch_prints_json_lines_until_interrupted(fed, capsys, monkeypat
     assert main(["status", "--broker", server.address, "--json", "--watch", "0.5"]) == 130
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and all(json.loads(x)["current_round"] == 0 for x in lines)
+
+
+def test_the_page_data_is_bounded_per_curve_and_keeps_sparse_scalars(fed):
+    """Each node keeps up to 2,000 steps; the page gets at most CURVE_POINTS values of each
+    scalar per node (the last included), so /api/status stays small however long the run,
+    and a scalar reported every 20 steps keeps its own points rather than those of `reward`."""
+    from graft_fed.broker.live import CURVE_POINTS
+
+    server, _, _, _ = fed
+    log = server.servicer.scalars
+    for step in range(2000):
+        log.record("a", step, {"reward": step / 2000, **({"heldout_pass1": step / 4000} if step % 20 == 0 else {})})
+    curves = json.loads(_get(server, "/api/status")[1])["curves"]
+    rows = curves["a"]
+    reward = [r["step"] for r in rows if "reward" in r]
+    held = [r["step"] for r in rows if "heldout_pass1" in r]
+    assert len(reward) == CURVE_POINTS and reward[0] == 0 and reward[-1] == 1999
+    assert held == list(range(0, 2000, 20))  # 100 <= CURVE_POINTS: all of them
+    assert len(log.series()["a"]) == 2000  # what is kept is unchanged
+    with pytest.raises(ValueError):
+        log.series(max_points=1)
+    assert set(log.series(["b", "nobody"])) <= {"b"}

@@ -1,0 +1,93 @@
+"""Settings that used to be taken and then misbehave (a port that wraps, a NaN, a value that
+fails every second at run time, a key given twice) are refused when the config loads, with
+a message that names the key and says what to write."""
+
+from __future__ import annotations
+
+import pytest
+
+from graft_fed.broker.config import load_broker_config
+from graft_fed.configbase import load_yaml, parse_overrides, require_address
+from graft_fed.errors import ConfigError
+from graft_fed.node.node import load_node_config
+
+
+@pytest.mark.parametrize("value, message", [
+    ("127.0.0.1:99999", "port must be a number in 0-65535"),
+    ("127.0.0.1:65536", "port must be a number in 0-65535"),
+    ("127.0.0.1:-5", "port must be a number in 0-65535"),
+    ("127.0.0.1:abc", "port must be a number"),
+    ("127.0.0.1", "must be HOST:PORT"),
+    (":50551", "must be HOST:PORT"),
+    ("::1:50551", "IPv6 host in brackets"),
+])
+def test_addresses_are_checked_where_the_config_loads(value, message):
+    with pytest.raises(ConfigError, match=f"broker.listen.*{message}"):
+        load_broker_config(None, {"listen": value})
+    with pytest.raises(ConfigError, match=f"broker.http.*{message}"):
+        load_broker_config(None, {"http": value})
+    assert load_broker_config(None, {"listen": "[::1]:0", "http": ""}).listen == "[::1]:0"
+
+
+def test_a_node_needs_a_real_port_to_call():
+    for bad in ("127.0.0.1:0", "host:99999"):
+        with pytest.raises(ConfigError, match="federation.broker: the port must be a number in 1-65535"):
+            load_node_config(None, {"federation.broker": bad})
+    require_address("broker.example.org:443", "federation.broker", port_zero=False)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("max_bundle_gib", -1, "max_bundle_gib must be a finite number of GiB >= 0"),
+    ("max_bundle_gib", float("inf"), "max_bundle_gib must be a finite"),
+    ("max_bundle_gib", float("nan"), "NaN is not a setting"),
+    ("keep_rounds", 10**30, "keep_rounds must be >= 1"),
+    ("seed", -1, r"seed must be in \[0, 2\^64\)"),
+    ("seed", 2**64, r"seed must be in \[0, 2\^64\)"),
+    ("n", 2**32, "broker.n must be in"),
+    ("prompts_per_round", 2**32, "prompts_per_round must be >= 1 and < 2"),
+    ("staleness_rounds", 2**32, "staleness_rounds must be >= 0 and < 2"),
+    ("heartbeat_interval_s", 1e-300, "heartbeat_interval_s must be >= 0.1"),
+    ("round_deadline_s", float("nan"), "NaN is not a setting"),
+    ("replay_window_s", float("inf"), "replay_window_s must be >= 1 and finite"),
+    ("max_requests_per_s", float("inf"), "max_requests_per_s must be >= 0 and finite"),
+    ("max_workers", 10**6, r"max_workers must be in \[8, 4096\]"),
+])
+def test_broker_values_that_failed_at_run_time_are_refused_at_load(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_broker_config(None, {key: value})
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("rpc_timeout_s", -1, "rpc_timeout_s must be seconds > 0"),
+    ("rpc_timeout_s", 0, "rpc_timeout_s must be seconds > 0"),
+    ("rpc_timeout_s", float("nan"), "NaN is not a setting"),
+    ("match_wait_s", float("inf"), "match_wait_s must be seconds > 0 and at most a day"),
+    ("max_message_mib", 0, r"max_message_mib must be in \[1, 1024\]"),
+    ("max_message_mib", -5, r"max_message_mib must be in \[1, 1024\]"),
+    ("chunk_kib", 16 * 1024, "chunk_kib must be >= 16 .* at most half of max_message_mib"),
+])
+def test_node_federation_values_that_failed_every_call_are_refused_at_load(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_node_config(None, {f"federation.{key}": value})
+
+
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
+    path = tmp_path / "broker.yaml"
+    path.write_text("n: 4\nmode: sync\nn: 8\n")
+    with pytest.raises(ConfigError, match=r"key 'n' is given twice \(lines 1 and 3\)"):
+        load_broker_config(path)
+    path.write_text("federation_id: f\ndata:\n  dataset_id: f\n  federation_id: g\n")  # one key, two mappings
+    with pytest.raises(ConfigError, match="unknown key 'data.federation_id'"):  # not "given twice"
+        load_broker_config(path)
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    path = tmp_path / "broker.yaml"
+    path.write_bytes(b"federation_id: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xe9 at offset 18\); save it as UTF-8"):
+        load_yaml(path)
+
+
+def test_a_set_value_that_is_not_yaml_is_taken_as_written():
+    assert parse_overrides(["listen=[::1]:0", "n=4", "http="]) == {"listen": "[::1]:0", "n": 4, "http": None}
+    assert load_broker_config(None, parse_overrides(["listen=[::1]:0"])).listen == "[::1]:0"
