@@ -100,6 +100,26 @@ def test_user_errors_are_one_line_and_non_zero(tmp_path, capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out)["missing_references"] == 1
 
 
+def test_broker_nodes_on_a_bad_allowlist_is_an_error_and_leaves_the_file(tmp_path, capsys):
+    """A hand-edited allowlist the broker would refuse: every `broker nodes` command says what
+    is wrong (key, file, what to write) and exits 2, no traceback, no letters listed as names,
+    the file untouched."""
+    path = tmp_path / "allow.yaml"
+    for raw, needle in ((b"allowed: [alice, mallory]\nrevoked: mallory\n", "revoked: [mallory]"),
+                        (b"allowed: alice\n", "allowed: [alice]"),
+                        (b"allowed: [alice, 007]\n", "quote it: '007'"),
+                        (b"allowed: [alice, \xe9ve]\n", "not UTF-8"),
+                        (b"- alice\n", "the top level is a list")):
+        path.write_bytes(raw)
+        for argv in (["list"], ["add", "bob"], ["revoke", "alice"], ["release", "alice"]):
+            assert main(["broker", "nodes", argv[0], "--allowlist", str(path), *argv[1:]]) == 2, (raw, argv)
+            out, err = capsys.readouterr()
+            assert out == "" and "Traceback" not in err and err.startswith("graft-fed broker: error: allowlist "), err
+            assert str(path) in err and needle in err, (needle, err)
+            assert path.read_bytes() == raw
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["allow.yaml"]
+
+
 def test_broker_on_a_taken_port_is_an_error(tmp_path, capsys):
     import socket
 
