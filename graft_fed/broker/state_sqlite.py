@@ -592,6 +592,28 @@ class SqliteState(BrokerState):
                     raise
                 raise self._storage_error(exc, "read") from exc
 
+    # ----- the federation the rows belong to (BrokerState.bind_manifest)
+    def _state_name(self) -> str:
+        return f"broker state {self.path!r}"
+
+    def _stored_manifest(self) -> dict[str, Any] | None:
+        rows = self._read("SELECT value FROM meta WHERE key = 'manifest'")
+        if not rows:
+            return None
+        try:
+            fields = json.loads(rows[0][0])
+        except ValueError:
+            fields = None
+        if not isinstance(fields, dict):
+            raise self._fail(self.path, f"its stored manifest is not readable ({str(rows[0][0])[:80]!r}); restore the "
+                                        "database from a backup, or point the broker at another state file")
+        return fields
+
+    def _store_manifest(self, fields: dict[str, Any]) -> None:
+        with self._tx() as conn:
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('manifest', ?)",
+                         (json.dumps(fields, sort_keys=True),))
+
     def close(self) -> None:
         self.checkpointer.stop()
         self.files.close()

@@ -2267,3 +2267,85 @@ def test_sqlite_one_write_across_more_rounds_than_files_kept_open(tmp_path):
         assert sorted((x.node_id, x.round) for x in s.summaries()) == sorted((n, r) for n in "ab" for r in rounds)
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------- the federation a state belongs to
+
+def manifest(**kw):
+    from graft_fed.federation.manifest import Manifest
+
+    base = dict(federation_id="fed-A", protocol_version=1, dataset_id="ds", dataset_hash="h" * 64, seed=0, n=8,
+                prompts_per_round=4, mode="sync", verifier_name="math-verify", verifier_version="math-verify 1.0",
+                staleness_rounds=2, advantage="group/std")
+    base.update(kw)
+    return Manifest(**base)
+
+
+def test_a_state_is_bound_to_the_federation_it_was_first_used_for(state):
+    """The identifying fields are stored at the first bind; a later manifest that differs in
+    any of them is refused, naming each field with both values, and changes nothing; the
+    operator's knobs and versions an upgrade moves may change."""
+    state.bind_manifest(manifest())
+    state.bind_manifest(manifest(mode="async", staleness_rounds=9, verifier_version="math-verify 2.0",
+                                 protocol_version=2))
+    with pytest.raises(DataError) as info:
+        state.bind_manifest(manifest(federation_id="fed-B", n=4))
+    message = str(info.value)
+    assert "federation_id: the state has 'fed-A', the configuration 'fed-B'" in message
+    assert "n: the state has 8, the configuration 4" in message and "seed" not in message
+    assert "nothing was changed" in message and "new path" in message
+    for field, value in [("dataset_id", "other"), ("dataset_hash", "0" * 64), ("seed", 1), ("prompts_per_round", 8),
+                         ("verifier_name", "plugin"), ("advantage", "none/none")]:
+        with pytest.raises(DataError, match=f"{field}: the state has"):
+            state.bind_manifest(manifest(**{field: value}))
+    state.bind_manifest(manifest())  # still bound to fed-A
+
+
+def _bound_rows(path):
+    return sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'manifest'").fetchall()
+
+
+def test_sqlite_a_state_of_another_federation_is_refused_after_a_restart(tmp_path):
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    try:
+        s.bind_manifest(manifest())
+        s.put_summaries([summ("alice", 0, "p0", n=8, lengths=[3] * 8, mean_logprobs=[-0.5] * 8)])
+    finally:
+        s.close()
+    stored = _bound_rows(path)
+    assert json.loads(stored[0][0])["federation_id"] == "fed-A"
+    s = SqliteState(path)
+    try:
+        with pytest.raises(DataError, match=r"broker state '.*b\.db' belongs to another federation .*"
+                                            r"federation_id: the state has 'fed-A', the configuration 'fed-B'"):
+            s.bind_manifest(manifest(federation_id="fed-B", n=4, seed=9))
+        s.bind_manifest(manifest(mode="async"))
+        assert len(s.summaries()) == 1
+    finally:
+        s.close()
+    assert _bound_rows(path) == stored
+
+
+def test_sqlite_a_state_from_before_manifests_adopts_the_first_one(tmp_path, caplog):
+    """A database written before the manifest was stored holds rows and no manifest: it is
+    not refused but adopts the broker's, says so, and is bound from then on."""
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    s.upsert_node(node("alice"))
+    s.close()
+    assert _bound_rows(path) == []
+    s = SqliteState(path)
+    try:
+        with caplog.at_level("INFO", logger="graft_fed.broker"):
+            s.bind_manifest(manifest())
+        assert "holds rows but no manifest" in caplog.text and "federation_id='fed-A'" in caplog.text
+    finally:
+        s.close()
+    s = SqliteState(path)
+    try:
+        with pytest.raises(DataError, match="federation_id"):
+            s.bind_manifest(manifest(federation_id="fed-B"))
+    finally:
+        s.close()
+
