@@ -68,6 +68,16 @@ def file_name(round: int) -> str:
     return f"r{int(round)}"
 
 
+def stored_files(path: str) -> list[str]:
+    """The names of the round files in the directory `path` (those the sweep deletes unless
+    a row names their round); none when it is missing or not a directory. A new state checks
+    this before its first open's sweep, which would delete every one of them (SqliteState)."""
+    try:
+        return sorted(name for name in os.listdir(path) if _NAME.match(name))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 class BlockFiles:
     """The directory of round files (created when missing, its parent then fsynced). Opening
     it checks that the broker can write there. `append` is for one caller at a time (the

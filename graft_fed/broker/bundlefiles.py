@@ -167,8 +167,7 @@ class BundleFiles:
                 except OSError:
                     pass
                 # not of its row's size: the row is dropped, and the file with it
-            if e.name in names or e.name.endswith(".part") or (e.is_file(follow_symlinks=False) and (
-                    e.name.startswith("k-") or (len(e.name) == 64 and _HEX.issuperset(e.name)))):
+            if e.name in names or _is_stored(e):
                 try:
                     os.unlink(e.path)
                     stray += 1
@@ -177,6 +176,23 @@ class BundleFiles:
         if stray:
             log.info("broker bundle files %s: deleted %d file(s) of uploads a crash cut off", self.path, stray)
         return [d for name, d in names.items() if name not in present]
+
+def _is_stored(entry: os.DirEntry) -> bool:
+    """A file the sweep deletes unless a row names it: a temporary file, or a bundle's."""
+    return entry.name.endswith(".part") or (entry.is_file(follow_symlinks=False) and (
+        entry.name.startswith("k-") or (len(entry.name) == 64 and _HEX.issuperset(entry.name))))
+
+
+def stored_files(path: str) -> list[str]:
+    """The names of the bundle files (and temporary files) in the directory `path`; none
+    when it is missing or not a directory. A new state checks this before its first open's
+    sweep, which would delete every one of them (SqliteState)."""
+    try:
+        with os.scandir(path) as entries:
+            return sorted(e.name for e in entries if _is_stored(e))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
 
 class PartFile:
     """A bundle's temporary file, open for writing, its bytes flushed to disk behind the

@@ -57,6 +57,7 @@ class Federation:
             dataset_hash=dataset_hash(prompts), seed=cfg.seed, n=cfg.n, prompts_per_round=cfg.prompts_per_round,
             mode=cfg.mode, verifier_name=cfg.verifier.name, verifier_version=verifier_version(cfg.verifier),
             staleness_rounds=cfg.staleness_rounds, advantage=cfg.advantage)
+        state.bind_manifest(self.manifest)  # a state of another federation is refused (broker/state.py)
         self.cond = threading.Condition()
         # what long-polls wait on: ("round", r) until round r is ready or matched,
         # ("bundles", r) for bundles of round r, ("bundles", None) for any bundle (asynchronous

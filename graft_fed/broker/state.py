@@ -20,18 +20,35 @@ each implementation):
   is sent (a retried or replayed report changes nothing).
 - Reads return copies: mutating a returned object never changes the state.
 - Methods are safe to call from several threads.
+- A state belongs to one federation: `bind_manifest` stores the identifying fields of the
+  broker's manifest (MANIFEST_FIELDS) the first time, and refuses (DataError) a later
+  broker whose manifest differs in any of them, changing nothing.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
+from graft_fed.errors import DataError
 from graft_fed.federation.messages import SummaryRow
 from graft_fed.federation.summaryblock import SummaryBlock
 
 NODE_STATES = ("registered", "online", "offline", "left")
+
+log = logging.getLogger("graft_fed.broker")
+
+#: The manifest's fields a state's rows are bound to (`BrokerState.bind_manifest`): those that
+#: make stored rows meaningless, or dangerous, under another value: whose federation it is,
+#: which problems the prompt ids name (dataset id and hash) and which of them a round asks
+#: (seed, prompts per round), how many responses a group holds (n), what its rewards mean
+#: (the verifier) and how its bundles' advantages were normalised (advantage). Not the
+#: operator's knobs (mode, staleness, deadlines, limits), nor versions an upgrade changes
+#: (protocol, the verifier's package version): those may change between two starts.
+MANIFEST_FIELDS = ("federation_id", "dataset_id", "dataset_hash", "seed", "n", "prompts_per_round",
+                   "verifier_name", "advantage")
 
 
 @dataclass
@@ -383,6 +400,52 @@ class BrokerState(abc.ABC):
 
     def close(self) -> None:
         """Release resources (files, connections)."""
+
+    # ----- the federation the rows belong to
+    def bind_manifest(self, manifest: Any) -> None:
+        """Bind the state to the federation of `manifest` (a federation.manifest.Manifest, or
+        anything with its MANIFEST_FIELDS): stored the first time; afterwards a manifest that
+        differs in any of those fields raises DataError naming each (stored and configured
+        values), and nothing is changed. A state that holds rows but no manifest (written by a
+        graft-fed from before this check) adopts this one, and says so in the log; a field
+        added to MANIFEST_FIELDS since the manifest was stored is adopted likewise."""
+        wanted = {f: getattr(manifest, f) for f in MANIFEST_FIELDS}
+        stored = self._stored_manifest()
+        if stored is None:
+            if self._holds_rows():
+                log.info("%s holds rows but no manifest (written before graft-fed stored one): it adopts this "
+                         "broker's: %s", self._state_name(),
+                         ", ".join(f"{k}={v!r}" for k, v in wanted.items()))
+            self._store_manifest(wanted)
+            return
+        diffs = [f"{f}: the state has {stored[f]!r}, the configuration {wanted[f]!r}"
+                 for f in MANIFEST_FIELDS if f in stored and stored[f] != wanted[f]]
+        if diffs:
+            raise DataError(
+                f"{self._state_name()} belongs to another federation than this broker's configuration ("
+                + "; ".join(diffs) + "). Its rows (nodes, rounds, summaries, matches, bundles) would be mixed "
+                "with this federation's, so the broker does not start and nothing was changed. Point the "
+                "broker's db at this federation's own state (or at a new path, to start with an empty state), "
+                "or put the configuration back if it is what changed by mistake")
+        added = {f: v for f, v in wanted.items() if f not in stored}
+        if added:
+            log.info("%s: manifest field(s) stored for the first time: %s", self._state_name(),
+                     ", ".join(f"{k}={v!r}" for k, v in added.items()))
+            self._store_manifest({**stored, **added})
+
+    def _state_name(self) -> str:
+        return "broker state (in memory)"
+
+    def _stored_manifest(self) -> dict[str, Any] | None:
+        """The manifest fields bound so far, or None. This default keeps them in the object."""
+        got = getattr(self, "_bound_manifest", None)
+        return None if got is None else dict(got)
+
+    def _store_manifest(self, fields: dict[str, Any]) -> None:
+        self._bound_manifest = dict(fields)
+
+    def _holds_rows(self) -> bool:
+        return self.latest_round() >= 0 or bool(self.list_nodes()) or self.bundle_stats()[0] > 0
 
 
 class BundleWriter:

@@ -21,6 +21,17 @@
 - A bundle's bytes are a file of their own beside the database (`<db>-bundles/<digest>`,
   broker/bundlefiles.py), fsynced and renamed before the bundle's row commits; its row is
   the index. Files no row names are deleted at open, rows whose file is missing dropped.
+- The database file is created 0600 (SQLite gives its -wal and -shm files the same mode):
+  it holds live session ids. An existing one readable by group or others is tightened to
+  0600 at open, with a warning.
+- A new (missing or empty) database beside bundle or block files of a previous one (a
+  database lost or emptied, its directories not) stops the start, deleting nothing: the
+  sweeps at open would otherwise take every one of those files for a crash's leftover.
+- A file the broker cannot read and write (permissions, a read-only mount) stops the start
+  with that reason, never with advice to move the data aside.
+- The state is bound to one federation (`bind_manifest`, state.py): the manifest's
+  identifying fields are stored in `meta` (key `manifest`, JSON) the first time and a
+  broker configured for another federation is refused.
 - The schema is created on first open; a `meta` table holds `schema_version`. A file of
   an older version is migrated in place (one transaction); a file of a newer version, or a
   file that is not a SQLite database, raises `DataError` naming the file and what to do.
@@ -45,12 +56,14 @@ import logging
 import math
 import os
 import sqlite3
+import stat
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from graft_fed.broker import blockfiles, bundlefiles
 from graft_fed.broker.blockfiles import BlockFiles
 from graft_fed.broker.bundlefiles import BundleFiles, PartFile, storage_error
 from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
@@ -210,6 +223,50 @@ def _storage_failed(exc: BaseException) -> bool:
     fails the whole group commit."""
     return isinstance(exc, (StorageFull, Unavailable)) or (isinstance(exc, sqlite3.Error)
                                                             and _is_storage_failure(exc))
+
+
+_PERMISSION_CODES = {sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM}
+_DAMAGE_CODES = {sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT}
+
+
+def _access_problem(path: str) -> str | None:
+    """Why this process cannot read and write the state file and create its -wal and -shm
+    files beside it, as far as statvfs(2) and access(2) tell (a read-only mount stops root
+    too); None when nothing says so."""
+    where = os.path.dirname(os.path.abspath(path))
+    try:
+        if os.statvfs(where).f_flag & os.ST_RDONLY:
+            return f"{where} is on a read-only mount"
+    except OSError:
+        pass
+    for p in (path, path + "-wal", path + "-shm"):
+        if os.path.exists(p) and not os.access(p, os.R_OK | os.W_OK):
+            return f"{p} is not readable and writable by this process (uid {os.geteuid()})"
+    if os.path.isdir(where) and not os.access(where, os.W_OK | os.X_OK):
+        return f"its directory {where} is not writable by this process (uid {os.geteuid()})"
+    return None
+
+
+def _tighten(path: str) -> None:
+    """The state file, -wal and -shm readable or writable by group or others (a file from
+    before graft-fed created it 0600, or copied in): made 0600, with a warning. The database
+    holds live session ids, which let a caller act as a node where mutual TLS is off."""
+    for p in (path, path + "-wal", path + "-shm"):
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o077:
+            continue
+        mode = stat.S_IMODE(st.st_mode)
+        try:
+            os.chmod(p, mode & 0o700)
+        except OSError as exc:
+            log.warning("broker state %s: mode %04o lets other users read it (it holds live session ids), and it "
+                        "could not be tightened (%s): chmod 600 it", p, mode, exc)
+            continue
+        log.warning("broker state %s: mode %04o let other users read it (it holds live session ids): tightened to "
+                    "%04o", p, mode, mode & 0o700)
 
 
 def _f2db(x: float):
@@ -375,8 +432,35 @@ class SqliteState(BrokerState):
 
     def _open(self, path: str) -> sqlite3.Connection:
         existed = os.path.exists(path)
-        if existed and os.path.isfile(path) and os.path.getsize(path) == 0:
+        empty = existed and os.path.isfile(path) and os.path.getsize(path) == 0
+        self._fresh = False  # the schema was created by this open (_init_schema)
+        created = False
+        if not existed:
+            try:  # 0600 before SQLite creates it 0644 (its -wal and -shm take the file's mode)
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600))
+                created = True
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise self._fail(path, f"cannot open it: creating it failed ({e}); check that the directory "
+                                       "exists, belongs to the broker's user and is writable (and is not on a "
+                                       "read-only mount), or point the broker at another state file") from None
+        try:
+            conn = self._connect_checked(path)
+        except BaseException:
+            if created:  # the empty file this open created, and nothing else
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
+        if existed:  # once it is known to be a broker state (never another file's mode)
+            _tighten(path)
+        if empty and self._fresh:
             log.warning("broker state %s exists but is empty (0 bytes): starting a new, empty state in it", path)
+        if not existed:
+            log.info("broker state %s: new file, empty state", path)
+        return conn
+
+    def _connect_checked(self, path: str) -> sqlite3.Connection:
         try:
             # a group commit's INSERT has one text per number of rows: room for them in the cache
             conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30.0,
@@ -394,15 +478,46 @@ class SqliteState(BrokerState):
                                    "with an empty state; do not keep writing to it")
         except sqlite3.DatabaseError as e:
             conn.close()
+            code = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
+            access = _access_problem(path)
+            if code in _PERMISSION_CODES or (access and code not in _DAMAGE_CODES):
+                # sqlite3.connect opens lazily: a file it cannot open lands here, not above
+                raise self._fail(path, f"cannot be opened for reading and writing ({access or e}). That is a "
+                                       "permission or mount problem, not damage, and nothing was changed: check "
+                                       "that the file, its -wal and -shm files and its directory belong to the "
+                                       "broker's user and are writable, and that the volume is not mounted "
+                                       "read-only, then start the broker again") from None
             raise self._fail(path, f"is not a readable SQLite database ({e}). If it is not the broker's "
                                    "state, point the broker at another path; if it is, restore it from a "
                                    "backup or move it aside to start with an empty state") from None
         except BaseException:
             conn.close()
             raise
-        if not existed:
-            log.info("broker state %s: new file, empty state", path)
         return conn
+
+    def _refuse_orphaned_files(self, path: str) -> None:
+        """A new state (no tables: the database was missing or empty) with bundle or block
+        files beside it: those are a previous state's, whose database is gone. The sweeps at
+        open would delete every one of them (no row names them), so the start stops here,
+        before anything is written or deleted."""
+        found = []
+        try:
+            bundles = bundlefiles.stored_files(path + "-bundles")
+            rounds = blockfiles.stored_files(path + "-blocks")
+        except OSError as e:
+            raise self._fail(path, f"is a new, empty database, and the directories of its bundle and block files "
+                                   f"cannot be listed ({e}); nothing was deleted. Check that they belong to the "
+                                   "broker's user") from None
+        if bundles:
+            found.append(f"{len(bundles)} bundle file(s) in {path + '-bundles'!r}")
+        if rounds:
+            found.append(f"the summary block files of {len(rounds)} round(s) in {path + '-blocks'!r}")
+        if found:
+            raise self._fail(path, "is missing or empty (no tables: a new state), but " + " and ".join(found)
+                             + " are there: the files of a previous state whose database is gone. Nothing was "
+                               "deleted. Restore the database (with its -wal file, if any) from a backup beside "
+                               "those directories (docs/deploy.md, State and backups); or, to start with an "
+                               "empty state, move both directories aside (or point the broker at another path)")
 
     def _init_schema(self, conn: sqlite3.Connection, path: str) -> None:
         # 64 KiB pages for a new file (an existing one keeps its size): a publish is one blob
@@ -421,6 +536,8 @@ class SqliteState(BrokerState):
         try:
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if not tables:
+                self._refuse_orphaned_files(path)
+                self._fresh = True
                 for stmt in _SCHEMA.split(";"):
                     if stmt.strip():
                         conn.execute(stmt)
@@ -435,6 +552,10 @@ class SqliteState(BrokerState):
                 raise self._fail(path, f"is a SQLite database but not a graft-fed broker state (tables: "
                                        f"{', '.join(sorted(tables))}); point the broker at another path")
             else:
+                # a write at once: a file SQLite could open only for reading (its mode, its
+                # owner, a read-only mount) fails here, as a permission problem (_open), not
+                # at the first write of the open's sweeps as the storage failing
+                conn.execute("UPDATE meta SET value = value WHERE key = 'schema_version'")
                 row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
                 version = row[0] if row else None
                 if str(version).isdigit() and 1 <= int(version) < SCHEMA_VERSION:
@@ -591,6 +712,28 @@ class SqliteState(BrokerState):
                 if not _is_storage_failure(exc):
                     raise
                 raise self._storage_error(exc, "read") from exc
+
+    # ----- the federation the rows belong to (BrokerState.bind_manifest)
+    def _state_name(self) -> str:
+        return f"broker state {self.path!r}"
+
+    def _stored_manifest(self) -> dict[str, Any] | None:
+        rows = self._read("SELECT value FROM meta WHERE key = 'manifest'")
+        if not rows:
+            return None
+        try:
+            fields = json.loads(rows[0][0])
+        except ValueError:
+            fields = None
+        if not isinstance(fields, dict):
+            raise self._fail(self.path, f"its stored manifest is not readable ({str(rows[0][0])[:80]!r}); restore the "
+                                        "database from a backup, or point the broker at another state file")
+        return fields
+
+    def _store_manifest(self, fields: dict[str, Any]) -> None:
+        with self._tx() as conn:
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('manifest', ?)",
+                         (json.dumps(fields, sort_keys=True),))
 
     def close(self) -> None:
         self.checkpointer.stop()

@@ -2267,3 +2267,219 @@ def test_sqlite_one_write_across_more_rounds_than_files_kept_open(tmp_path):
         assert sorted((x.node_id, x.round) for x in s.summaries()) == sorted((n, r) for n in "ab" for r in rounds)
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------- the federation a state belongs to
+
+def manifest(**kw):
+    from graft_fed.federation.manifest import Manifest
+
+    base = dict(federation_id="fed-A", protocol_version=1, dataset_id="ds", dataset_hash="h" * 64, seed=0, n=8,
+                prompts_per_round=4, mode="sync", verifier_name="math-verify", verifier_version="math-verify 1.0",
+                staleness_rounds=2, advantage="group/std")
+    base.update(kw)
+    return Manifest(**base)
+
+
+def test_a_state_is_bound_to_the_federation_it_was_first_used_for(state):
+    """The identifying fields are stored at the first bind; a later manifest that differs in
+    any of them is refused, naming each field with both values, and changes nothing; the
+    operator's knobs and versions an upgrade moves may change."""
+    state.bind_manifest(manifest())
+    state.bind_manifest(manifest(mode="async", staleness_rounds=9, verifier_version="math-verify 2.0",
+                                 protocol_version=2))
+    with pytest.raises(DataError) as info:
+        state.bind_manifest(manifest(federation_id="fed-B", n=4))
+    message = str(info.value)
+    assert "federation_id: the state has 'fed-A', the configuration 'fed-B'" in message
+    assert "n: the state has 8, the configuration 4" in message and "seed" not in message
+    assert "nothing was changed" in message and "new path" in message
+    for field, value in [("dataset_id", "other"), ("dataset_hash", "0" * 64), ("seed", 1), ("prompts_per_round", 8),
+                         ("verifier_name", "plugin"), ("advantage", "none/none")]:
+        with pytest.raises(DataError, match=f"{field}: the state has"):
+            state.bind_manifest(manifest(**{field: value}))
+    state.bind_manifest(manifest())  # still bound to fed-A
+
+
+def _bound_rows(path):
+    return sqlite3.connect(path).execute("SELECT value FROM meta WHERE key = 'manifest'").fetchall()
+
+
+def test_sqlite_a_state_of_another_federation_is_refused_after_a_restart(tmp_path):
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    try:
+        s.bind_manifest(manifest())
+        s.put_summaries([summ("alice", 0, "p0", n=8, lengths=[3] * 8, mean_logprobs=[-0.5] * 8)])
+    finally:
+        s.close()
+    stored = _bound_rows(path)
+    assert json.loads(stored[0][0])["federation_id"] == "fed-A"
+    s = SqliteState(path)
+    try:
+        with pytest.raises(DataError, match=r"broker state '.*b\.db' belongs to another federation .*"
+                                            r"federation_id: the state has 'fed-A', the configuration 'fed-B'"):
+            s.bind_manifest(manifest(federation_id="fed-B", n=4, seed=9))
+        s.bind_manifest(manifest(mode="async"))
+        assert len(s.summaries()) == 1
+    finally:
+        s.close()
+    assert _bound_rows(path) == stored
+
+
+def test_sqlite_a_state_from_before_manifests_adopts_the_first_one(tmp_path, caplog):
+    """A database written before the manifest was stored holds rows and no manifest: it is
+    not refused but adopts the broker's, says so, and is bound from then on."""
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    s.upsert_node(node("alice"))
+    s.close()
+    assert _bound_rows(path) == []
+    s = SqliteState(path)
+    try:
+        with caplog.at_level("INFO", logger="graft_fed.broker"):
+            s.bind_manifest(manifest())
+        assert "holds rows but no manifest" in caplog.text and "federation_id='fed-A'" in caplog.text
+    finally:
+        s.close()
+    s = SqliteState(path)
+    try:
+        with pytest.raises(DataError, match="federation_id"):
+            s.bind_manifest(manifest(federation_id="fed-B"))
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------- a database lost beside its files
+
+def _populated(path):
+    s = SqliteState(path)
+    try:
+        s.put_summaries([summ("a", 0, "p0")])
+        s.put_bundle("a" * 64, b"aaa")
+    finally:
+        s.close()
+    return sorted(os.listdir(f"{path}-bundles")), _round_files(f"{path}-blocks")
+
+
+@pytest.mark.parametrize("how", ["emptied", "deleted"])
+def test_sqlite_a_new_database_beside_a_previous_states_files_stops_the_start(tmp_path, how):
+    """The database gone (emptied or deleted, its -wal and -shm with it) and its bundle and
+    block directories still there: the sweeps would take every file for a crash's leftover
+    and delete it. The start stops instead, says what it found and what to do, and deletes
+    nothing (nor leaves a database it created)."""
+    path = tmp_path / "b.db"
+    bundles, rounds = _populated(path)
+    assert bundles == ["a" * 64] and rounds == ["r0"]
+    for p in (path, f"{path}-wal", f"{path}-shm"):
+        if os.path.exists(p):
+            os.unlink(p)
+    if how == "emptied":
+        path.write_bytes(b"")
+    for _ in range(2):  # a second try finds the same (the refused start wrote no schema)
+        with pytest.raises(DataError) as info:
+            SqliteState(path)
+        message = str(info.value)
+        assert "1 bundle file(s) in" in message and "b.db-bundles" in message
+        assert "block files of 1 round(s)" in message and "b.db-blocks" in message
+        assert "Nothing was deleted" in message and "from a backup" in message and "move both directories aside" \
+            in message
+        assert sorted(os.listdir(f"{path}-bundles")) == bundles and _round_files(f"{path}-blocks") == rounds
+        assert os.path.exists(path) == (how == "emptied")
+    os.rename(f"{path}-bundles", tmp_path / "old-bundles")  # the way on, with an empty state
+    os.rename(f"{path}-blocks", tmp_path / "old-blocks")
+    s = SqliteState(path)
+    try:
+        assert s.bundle_stats() == (0, 0) and _round_files(f"{path}-blocks") == []
+    finally:
+        s.close()
+
+
+def test_sqlite_a_new_database_beside_empty_directories_starts(tmp_path):
+    path = tmp_path / "b.db"
+    SqliteState(path).close()
+    for p in (path, f"{path}-wal", f"{path}-shm"):
+        if os.path.exists(p):
+            os.unlink(p)
+    s = SqliteState(path)  # the directories hold nothing of a state (the blocks' .lock only)
+    try:
+        assert s.bundle_stats() == (0, 0)
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------- permissions
+
+def test_sqlite_the_database_and_its_wal_are_created_0600(tmp_path):
+    """The database holds live session ids: only the broker's user may read it, whatever
+    the umask; SQLite gives the -wal and -shm files the database's mode."""
+    old = os.umask(0)
+    try:
+        s = SqliteState(tmp_path / "b.db")
+    finally:
+        os.umask(old)
+    try:
+        s.upsert_node(node("a"))
+        for name in ("b.db", "b.db-wal", "b.db-shm"):
+            assert oct(os.stat(tmp_path / name).st_mode & 0o777) == oct(0o600), name
+    finally:
+        s.close()
+
+
+def test_sqlite_an_existing_database_readable_by_others_is_tightened(tmp_path, caplog):
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    s.upsert_node(node("a", session_id="live"))
+    s.close()
+    os.chmod(path, 0o644)
+    with caplog.at_level("WARNING", logger="graft_fed.broker"):
+        s = SqliteState(path)
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert "mode 0644 let other users read it" in caplog.text and "tightened to 0600" in caplog.text
+        assert os.stat(f"{path}-wal").st_mode & 0o777 == 0o600 and s.get_node("a").session_id == "live"
+    finally:
+        s.close()
+
+
+def test_sqlite_a_database_it_can_only_read_is_a_permission_problem_not_damage(tmp_path, monkeypatch):
+    """SQLite opens a file it may not write read-only without a word (its mode, its owner, a
+    read-only mount): the open says it is a permission problem and never advises moving the
+    data aside. Here the read-only open is forced (the tests run as root, whom modes do not
+    stop)."""
+    path = tmp_path / "b.db"
+    _populated(path)
+    before = path.read_bytes()
+    real = sqlite3.connect
+
+    def read_only(database, *args, **kw):
+        return real(f"file:{database}?mode=ro", *args, uri=True, **kw)
+
+    monkeypatch.setattr(sqlite3, "connect", read_only)
+    with pytest.raises(DataError) as info:
+        SqliteState(path)
+    message = str(info.value)
+    assert "permission or mount problem, not damage" in message and "nothing was changed" in message
+    assert "readonly" in message and "aside" not in message and "backup" not in message
+    monkeypatch.undo()
+    assert path.read_bytes() == before and os.listdir(f"{path}-bundles") == ["a" * 64]
+
+
+def test_sqlite_a_database_on_a_read_only_mount_is_a_mount_problem_not_damage(tmp_path):
+    """The same on a real read-only bind mount (in a mount namespace of its own): skipped
+    where the tests may not create one."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    _populated(d / "b.db")
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "sh", "-c", f"mount --bind {d} {d} && mount -o remount,ro,bind {d} {d}"],
+            capture_output=True).returncode != 0:
+        pytest.skip("no read-only bind mount here (needs unshare -m and mount)")
+    code = ("from graft_fed.broker.state_sqlite import SqliteState\n"
+            "from graft_fed.errors import DataError\n"
+            "try:\n    SqliteState(%r)\nexcept DataError as e:\n    print(e)\n" % str(d / "b.db"))
+    out = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind {d} {d} && mount -o remount,ro,bind {d} {d} "
+                          f"&& exec {sys.executable} -c \"$0\"", code], capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert "read-only mount" in out.stdout and "permission or mount problem" in out.stdout, out.stdout + out.stderr
+    assert "aside" not in out.stdout

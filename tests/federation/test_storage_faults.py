@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from graft_fed.broker.handlers import Federation
 from graft_fed.broker.server import BrokerServer
 from graft_fed.broker.state import NodeRow, SummaryRow
 from graft_fed.broker.state_sqlite import SqliteState
@@ -305,3 +306,32 @@ def test_a_damaged_stored_block_is_answered_unavailable_and_logged(prompt_file, 
         for c in (a, b):
             c.close()
         broker.stop()
+
+
+# ----- a state of another federation -----------------------------------------------------------
+
+def test_a_state_of_another_federation_is_refused_at_start(prompt_file, prompts, tmp_path):
+    """A broker configured for another federation (another id, another n) on a state that
+    holds a federation's rows does not start: the error names each field that differs, and
+    the state is left as it was. The same configuration, and changed knobs, start."""
+    db = tmp_path / "broker.sqlite"
+    state = SqliteState(db)
+    try:
+        fed = Federation(broker_config(prompt_file, db=str(db), federation_id="fed-A", n=8), state)
+        fed.join("alice", "m", "tok", fed.manifest, "share_all", 0)
+        fed.stop()
+    finally:
+        state.close()
+    state = SqliteState(db)
+    try:
+        with pytest.raises(DataError) as info:
+            Federation(broker_config(prompt_file, db=str(db), federation_id="fed-B", n=4), state)
+        message = str(info.value)
+        assert str(db) in message and "federation_id: the state has 'fed-A', the configuration 'fed-B'" in message
+        assert "n: the state has 8, the configuration 4" in message
+        assert [n.node_id for n in state.list_nodes()] == ["alice"]
+        fed = Federation(broker_config(prompt_file, db=str(db), federation_id="fed-A", n=8, mode="async",
+                                       staleness_rounds=3), state)
+        fed.stop()
+    finally:
+        state.close()
