@@ -137,8 +137,8 @@ class Simulation:
         deadline = time.monotonic() + 120
         while not port_file.is_file():
             if self.procs["broker"].poll() is not None:
-                raise GraftFedError(f"the broker exited at start (code {self.procs['broker'].returncode}); "
-                                    f"see {log}")
+                raise GraftFedError(f"the broker exited at start (code {self.procs['broker'].returncode}): "
+                                    f"{exit_reason(log)}; see {log}")
             if time.monotonic() > deadline:
                 raise GraftFedError(f"the broker did not start within 120 s; see {log}")
             time.sleep(0.1)

@@ -178,8 +178,13 @@ class BrokerServer:
         one_blas_thread()  # matching's matrix products, without OpenBLAS threads spinning for a busy core
         self.cfg = cfg
         self.state = state or open_state(cfg.db)
-        allowlist = Allowlist(cfg.allowlist) if cfg.allowlist else None
-        self.fed = Federation(cfg, self.state, allowlist=allowlist)
+        try:  # a bad allowlist, a state of another federation, prompts that do not load
+            allowlist = Allowlist(cfg.allowlist) if cfg.allowlist else None
+            self.fed = Federation(cfg, self.state, allowlist=allowlist)
+        except BaseException:
+            if state is None:  # opened here: closed here (its lock would outlive the refusal)
+                self.state.close()
+            raise
         self.servicer = BrokerServicer(self.fed)
         self.refusals = RefusalLog()
         self.servicer.scalars = ScalarLog()

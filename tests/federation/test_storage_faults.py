@@ -335,3 +335,20 @@ def test_a_state_of_another_federation_is_refused_at_start(prompt_file, prompts,
         fed.stop()
     finally:
         state.close()
+
+
+def test_a_broker_refused_at_start_lets_go_of_its_state(prompt_file, tmp_path):
+    """A BrokerServer whose start is refused after it opened the state (a malformed
+    allowlist, a state of another federation) closes it: trying again in the same process
+    is not told that another broker holds the state."""
+    from graft_fed.errors import ConfigError
+
+    db = str(tmp_path / "broker.sqlite")
+    allow = tmp_path / "allow.yaml"
+    allow.write_text("allowed: [alice\n")
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="is not valid YAML"):
+            BrokerServer(broker_config(prompt_file, db=db, allowlist=str(allow)))
+    allow.write_text("allowed: [alice]\n")
+    server = BrokerServer(broker_config(prompt_file, db=db, allowlist=str(allow))).start()
+    server.stop()
