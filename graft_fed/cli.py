@@ -235,7 +235,14 @@ def exchange_line(run_dir: str) -> str:
 def _status_dict(st) -> dict:
     m = st.manifest
     return {"federation_id": m.federation_id, "dataset_id": m.dataset_id, "n": m.n,
-            "prompts_per_round": m.prompts_per_round, "current_round": st.current_round, "bundles": st.bundles,
+            "prompts_per_round": m.prompts_per_round,
+            # the whole manifest: what a node must match to join (a refused node's operator compares these)
+            "manifest": {"federation_id": m.federation_id, "protocol_version": m.protocol_version,
+                         "dataset_id": m.dataset_id, "dataset_hash": m.dataset_hash, "seed": m.seed, "n": m.n,
+                         "prompts_per_round": m.prompts_per_round, "mode": m.mode,
+                         "staleness_rounds": m.staleness_rounds, "verifier_name": m.verifier_name,
+                         "verifier_version": m.verifier_version, "advantage": m.advantage},
+            "current_round": st.current_round, "bundles": st.bundles,
             "bundle_bytes": st.bundle_bytes,
             "nodes": [{"node_id": n.node_id, "model_id": n.model_id, "state": n.state, "round": n.round,
                        "published": n.published, "last_seen_s": round(n.last_seen_s, 3)} for n in st.nodes],
@@ -249,6 +256,8 @@ def _status_dict(st) -> dict:
 def _status_table(d: dict) -> str:
     lines = [f"federation {d['federation_id']}: dataset {d['dataset_id']}, n={d['n']}, {d['prompts_per_round']} "
              f"prompts/round, round {d['current_round']}, {d['bundles']} bundles ({d['bundle_bytes'] / 2**20:.1f} MiB)",
+             "manifest: " + ", ".join(f"{k} {v}" for k, v in d["manifest"].items()
+                                      if k not in ("federation_id", "dataset_id", "n", "prompts_per_round")),
              f"{'node':<20} {'model':<20} {'state':<11} {'round':>6} {'published':>9} {'last seen':>9}"]
     for n in d["nodes"]:
         lines.append(f"{n['node_id']:<20} {n['model_id']:<20} {n['state']:<11} {n['round']:>6} {n['published']:>9} "
@@ -306,7 +315,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_sim(args: argparse.Namespace) -> int:
     from graft_fed.sim import Simulation, load_sim_config
 
-    cfg = load_sim_config(args.config)
+    cfg = load_sim_config(args.config, parse_overrides(args.set))
     if args.output_dir:
         import dataclasses
         cfg = dataclasses.replace(cfg, output_dir=args.output_dir)
@@ -441,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("broker", help="run a federation's broker",
                        description="Run the broker (config: docs/configuration.md#broker).")
     b.add_argument("--config", help="broker config YAML (default: built-in defaults)")
-    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set listen=0.0.0.0:50551 (repeatable)")
     b.add_argument("--port-file", help="write the bound HOST:PORT here once listening (useful with port 0)")
     b.add_argument("--http-port-file", help="write the HTTP port's address (live page, /metrics) here once listening")
     b.set_defaults(func=cmd_broker)
@@ -474,10 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     nd = sub.add_parser("node", help="run a federation node (a trainer that exchanges through the broker)")
     nd.add_argument("--config", required=True, help="node config YAML: a train config plus `federation`")
-    nd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    nd.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT")
-    nd.add_argument("--no-eval", action="store_true")
-    nd.add_argument("--quiet", action="store_true")
+    nd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. --set federation.broker=HOST:PORT (repeatable)")
+    nd.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
+                    help="resume from the latest checkpoint in run.output_dir, or from CKPT")
+    nd.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation before and after")
+    nd.add_argument("--quiet", action="store_true", help="no progress lines, only the final summary")
     nd.add_argument("--join-timeout", type=float, default=120.0, metavar="SECONDS",
                     help="exit with the cause when the first Join has not succeeded within SECONDS "
                          "(default 120; 0: start training alone and keep trying, the degraded mode)")
@@ -497,7 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm = sub.add_parser("sim", help="a broker and N node processes on this machine, over loopback gRPC")
     sm.add_argument("--config", required=True, help="sim config YAML, e.g. configs/sim-zoo.yaml")
     sm.add_argument("--nodes", type=int, default=3, help="how many of the config's nodes to run (default 3)")
-    sm.add_argument("--output-dir", help="override the config's output_dir")
+    sm.add_argument("--output-dir", help="override the config's output_dir (a folder no earlier sim used)")
+    sm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. --set base.run.steps=5 or --set broker.seed=1 (repeatable)")
     sm.add_argument("--quiet", action="store_true")
     sm.set_defaults(func=cmd_sim)
 

@@ -64,6 +64,8 @@ def _type_name(tp: Any) -> str:
 def section_markdown(cls: type, prefix: str, out: list[str], skip: frozenset[str] = frozenset()) -> None:
     hints = typing.get_type_hints(cls)
     doc = inspect.getdoc(cls) or ""
+    if doc.startswith(f"{cls.__name__}("):  # dataclass's generated signature, not a description
+        doc = ""
     out.append(f"## `{prefix or 'top level'}`\n")
     if doc:
         out.append(doc.split("\n\n")[0] + "\n")
@@ -94,8 +96,10 @@ def render() -> str:
     out = ["# Configuration reference", "",
            "Generated from the config dataclasses by `python -m graft_fed.configdoc`; do not edit by hand.",
            "Every run reads one YAML file whose sections are below. Unknown keys are errors; so are values",
-           "out of range and impossible combinations, with a message saying how to fix them. Any field can",
-           "be overridden on the command line: `--set section.key=value`.", ""]
+           "out of range and impossible combinations, with a message saying how to fix them. `train`,",
+           "`cotrain`, `node`, `broker` and `sim` override any field on the command line with",
+           "`--set section.key=value` (repeatable; the value is read as YAML); `experiment` takes its",
+           "config as written.", ""]
     section_markdown(TrainConfig, "", out)
     from graft_fed.experiment import ExperimentConfig
     from graft_fed.graft.cotrain import CotrainConfig
@@ -109,7 +113,7 @@ def render() -> str:
     section_markdown(ExperimentConfig, "experiment", out)
     from graft_fed.broker.config import BrokerConfig
     from graft_fed.node.node import FederationSection
-    from graft_fed.sim import SimConfig, SimNode
+    from graft_fed.sim import SimConfig
 
     out += ["# Node (`graft-fed node`)", "",
             "A node config has every section of a run config, plus `federation`.", ""]
@@ -119,8 +123,7 @@ def render() -> str:
     out += ["# One-machine federation (`graft-fed sim`)", "",
             "`broker` is a broker config (listen, http and db are chosen by the simulator); `base` a node "
             "config without model, output_dir and the broker address.", ""]
-    section_markdown(SimConfig, "sim", out)
-    section_markdown(SimNode, "sim.nodes[]", out)
+    section_markdown(SimConfig, "sim", out)  # its nodes' section follows it
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -22,13 +22,15 @@ from typing import Any, Mapping
 
 import yaml
 
-from graft_fed.configbase import deep_merge, from_mapping, load_yaml, require
+from graft_fed.configbase import deep_merge, load_config, require
 from graft_fed.errors import ConfigError, GraftFedError
 from graft_fed.trainer.config import member_seed
 
 
 @dataclass(frozen=True)
 class SimNode:
+    """One node of the simulated federation: a name, a model and its own overrides."""
+
     #: Node name (node id, run name, output sub-folder).
     name: str = ""
     #: The node's model section (path, template).
@@ -64,11 +66,10 @@ class SimConfig:
         require(all(names) and len(set(names)) == len(names), f"sim node names must be unique, got {names}")
 
 
-def load_sim_config(path: str | Path) -> SimConfig:
-    try:
-        return from_mapping(SimConfig, load_yaml(path))
-    except ConfigError as exc:
-        raise ConfigError(f"invalid sim config {path}: {exc}") from None
+def load_sim_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> SimConfig:
+    """The sim config at `path` with dotted `overrides` (`--set broker.min_nodes=2`,
+    `--set base.run.steps=5`) applied."""
+    return load_config(SimConfig, path, overrides, "sim config")
 
 
 def _gpus() -> int:
@@ -126,6 +127,13 @@ class Simulation:
         port_file.unlink(missing_ok=True)
         bcfg = deep_merge(self.cfg.broker, {"listen": "127.0.0.1:0", "http": "127.0.0.1:0",
                                               "db": str(self.root / "broker.sqlite")})
+        wanted = bcfg.get("min_nodes", 1)
+        if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > len(self.nodes):
+            # otherwise every round would wait out round_deadline_s for nodes that never come
+            bcfg["min_nodes"] = len(self.nodes)
+            if not self.quiet:
+                print(f"broker.min_nodes {wanted} -> {len(self.nodes)}: this sim runs {len(self.nodes)} node(s)",
+                      flush=True)
         path = self._write("broker", bcfg)
         log = (self.root / "logs").joinpath("broker.log")
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -240,7 +248,20 @@ class Simulation:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
+    def earlier_run(self) -> list[str]:
+        """What an earlier sim left in the output folder: its broker state and node runs. A
+        new sim there would join the earlier federation at its last round and mix its results
+        (and the result table) with the earlier ones."""
+        found = [p.name for p in (self.root / "broker.sqlite",) if p.exists()]
+        found += [f"{n.name}/" for n in self.cfg.nodes if (self.root / n.name / "metrics.jsonl").exists()]
+        return found
+
     def run(self) -> str:
+        found = self.earlier_run()
+        if found:
+            raise GraftFedError(f"{self.root} holds an earlier sim ({', '.join(found)}): a new one there would "
+                                "continue its federation and mix the results. Choose another folder with "
+                                f"--output-dir, or move {self.root} away (or delete it) to start again")
         try:
             address = self.start_broker()
             if not self.quiet:

@@ -132,7 +132,7 @@ def explain_connect_failure(address: str, detail: str, tls: bool, client_cert: b
                     "certificate (expired, issued by another CA, or not for this node); the broker's log has "
                     "the exact reason")
         return (f"the broker at {address} closed the TLS handshake: it most likely requires a client certificate "
-                "(mutual TLS): set federation.tls_cert and tls_key")
+                "(mutual TLS): set federation.tls_cert and tls_key (--tls-cert and --tls-key for `status`)")
     if "deadline" in d or "timeout" in d or "timed out" in d:
         return f"no answer from {address} in time: a firewall, a wrong address, or a broker too busy to answer"
     return "see the broker's log for the cause"

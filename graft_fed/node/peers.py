@@ -185,8 +185,12 @@ class BrokerPeers:
     def _lost(self, exc: FederationError) -> None:
         self.connected = False
         delay = self.backoff.failed()
-        log.warning("exchange with broker %s failed (%s: %s); training plain GRPO, next attempt in %.1fs",
-                    self.broker, exc.status, exc, delay)
+        if self.broker_manifest is None:  # never joined: Node.connect decides whether it trains alone meanwhile
+            log.warning("cannot join the broker at %s yet (%s: %s); next attempt in %.1fs", self.broker,
+                        exc.status, exc, delay)
+        else:
+            log.warning("exchange with broker %s failed (%s: %s); training plain GRPO, next attempt in %.1fs",
+                        self.broker, exc.status, exc, delay)
 
     def leave(self) -> None:
         if self.connected:

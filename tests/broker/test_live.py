@@ -57,10 +57,15 @@ def test_revoked_nodes_show_as_revoked_and_refusals_are_counted_and_logged(fed, 
     assert 'graft_fed_refused_by_identity_total{reason="not_allowed",identity="stranger"} 1' in metrics
     assert 'graft_fed_nodes{state="revoked"} 1' in metrics
     assert main(["status", "--broker", server.address, "--json"]) == 0
-    states = {n["node_id"]: n["state"] for n in json.loads(capsys.readouterr().out)["nodes"]}
+    d = json.loads(capsys.readouterr().out)
+    states = {n["node_id"]: n["state"] for n in d["nodes"]}
     assert states == {"a": "online", "b": "online", "gone": "revoked"}
+    # the whole manifest, which a refused node's operator compares with the node's config
+    assert d["manifest"]["seed"] == 3 and d["manifest"]["verifier_name"] == "tests.plugins:odd_char_sum"
+    assert set(d["manifest"]) >= {"advantage", "protocol_version", "dataset_hash", "mode", "staleness_rounds"}
     assert main(["status", "--broker", server.address]) == 0
-    assert "revoked" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "revoked" in out and "seed 3" in out and "verifier_name tests.plugins:odd_char_sum" in out
 
 
 def test_per_node_series_scalars_and_the_page_data(fed):

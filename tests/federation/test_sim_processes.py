@@ -119,27 +119,34 @@ def test_sim_can_go_on_without_an_exited_node_and_says_what_that_costs(tmp_path,
     assert "b: EXITED 2" in sim._progress()
 
 
-def test_sim_on_the_state_of_another_federation_says_why_the_broker_stopped(prompt_file, tmp_path):
-    """The sim's broker reuses `output_dir/broker.sqlite`; a sim whose federation changed
-    (here its seed) is refused by the broker, and the sim says why, not just 'see the log'."""
+def test_sim_refuses_an_earlier_sims_folder_and_says_why_its_broker_stopped(prompt_file, tmp_path):
+    """A sim never continues an earlier sim's federation in its folder (its nodes would join at
+    the earlier last round and the table would mix both runs); a broker that exits at start
+    is reported with its own reason; and a broker.min_nodes above the nodes run is lowered."""
     import pytest
 
-    from graft_fed.broker.config import load_broker_config
-    from graft_fed.broker.handlers import Federation
-    from graft_fed.broker.server import open_state
     from graft_fed.errors import GraftFedError
 
     broker = {"data": {"source": str(prompt_file)}, "verifier": {"name": "tests.plugins:odd_char_sum"},
               "seed": 3, "n": 2, "prompts_per_round": 8}
-    (tmp_path / "sim").mkdir()
-    state = open_state(str(tmp_path / "sim" / "broker.sqlite"))
-    Federation(load_broker_config(None, broker), state).stop()  # the state is now this federation's
-    state.close()
-    cfg = {"output_dir": str(tmp_path / "sim"), "broker": {**broker, "seed": 4},
+    cfg = {"output_dir": str(tmp_path / "sim"), "broker": {**broker, "seed": -1},
            "base": {"data": {"source": str(prompt_file)}, "verifier": {"name": "tests.plugins:odd_char_sum"}},
            "nodes": [{"name": "a", "model": {"path": str(tmp_path / "unused")}}], "timeout_s": 60}
     path = tmp_path / "sim.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    with pytest.raises(GraftFedError, match=r"the broker exited at start \(code 2\): .*another federation.*"
-                                            r"seed: the state has 3, the configuration 4"):
+    with pytest.raises(GraftFedError, match=r"the broker exited at start \(code 2\): .*broker.seed must be in"):
         Simulation(load_sim_config(path), 1, quiet=True).run()
+    (tmp_path / "sim" / "broker.sqlite").write_bytes(b"")
+    (tmp_path / "sim" / "a").mkdir()
+    (tmp_path / "sim" / "a" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(GraftFedError, match=r"holds an earlier sim \(broker.sqlite, a/\).*--output-dir"):
+        Simulation(load_sim_config(path, {"broker.seed": 3}), 1, quiet=True).run()
+    assert (tmp_path / "sim" / "a" / "metrics.jsonl").read_text() == "{}\n"  # nothing touched
+    sim = Simulation(load_sim_config(path, {"broker.min_nodes": 3, "broker.seed": 3,
+                                            "output_dir": str(tmp_path / "sim2")}), 1, quiet=True)
+    try:
+        sim.start_broker()
+        config = yaml.safe_load((tmp_path / "sim2" / "configs" / "broker.yaml").read_text())
+        assert config["min_nodes"] == 1 and config["seed"] == 3
+    finally:
+        sim.stop()
