@@ -10,6 +10,7 @@ included, so a revoked node cannot be revived by a late heartbeat.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import stat
@@ -241,6 +242,23 @@ class Allowlist:
         that is not a valid allowlist is a ConfigError and is left as it is; the new version is
         written beside it and renamed over it (the broker never reads a half-written file)."""
         path = Path(path)
+        if action == "list":
+            return Allowlist._edit_locked(path, action, name)
+        # two `broker nodes` commands at once: each reads, changes and writes the whole file,
+        # so without a lock one could write over the other's revocation. The lock is the
+        # folder's (flock on the directory): nothing is left beside the file
+        try:
+            folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise ConfigError(f"cannot open the folder of allowlist {path} ({exc.strerror or exc})") from None
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            return Allowlist._edit_locked(path, action, name)
+        finally:
+            os.close(folder)  # and with it the lock
+
+    @staticmethod
+    def _edit_locked(path: Path, action: str, name: str | None) -> dict[str, list[str]]:
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
