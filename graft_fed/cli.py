@@ -351,31 +351,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from graft_fed.data.config import DataConfig, load_prompts
     from graft_fed.data.loaders import BENCHMARKS
-    from graft_fed.evaluation import evaluate, write_eval
+    from graft_fed.evaluation import eval_conflict, eval_record, evaluate, write_eval
     from graft_fed.modeling import load_model_and_tokenizer, resolve_device
     from graft_fed.rewards import VerifierConfig, build_verifier
 
     bench = args.benchmark
-    if bench.startswith("embedded:") or bench in BENCHMARKS or bench.startswith("hf:"):
+    has_splits = bench.startswith("embedded:") or bench in BENCHMARKS or bench.startswith("hf:")
+    if has_splits:
         data = DataConfig(source=bench, split=args.split, max_prompts=args.limit)
     else:
         data = DataConfig(source=bench, max_prompts=args.limit)
     prompts = load_prompts(data, benchmarks_root=args.benchmarks_dir)
     if args.k < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
         raise GraftFedError("-k, --max-new-tokens and --batch-size must be at least 1")
+    name = Path(bench).stem if Path(bench).suffix else bench.replace(":", "_")
+    settings = eval_settings(args, args.split if has_splits else None)
+    conflict = eval_conflict(Path(args.out) / f"{name}.summary.json", settings)
+    if conflict and not args.overwrite:
+        raise GraftFedError(f"{conflict}: choose another --out for this one, or pass --overwrite to replace it")
     device = resolve_device(args.device)
     model, tok = load_model_and_tokenizer(args.model, device)
     model.eval()
     template = args.template or ("chat" if getattr(tok, "chat_template", None) else "paper")
+    settings["template_used"] = template
     with build_verifier(VerifierConfig(workers=args.workers)) as verifier:
         result = evaluate(model, tok, prompts, verifier, template=template,
                           add_special_tokens=template != "chat", k=args.k, temperature=args.temperature,
                           top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
                           batch_size=args.batch_size, seeding=args.seeding, progress=not args.quiet)
-    name = Path(bench).stem if Path(bench).suffix else bench.replace(":", "_")
-    path = write_eval(result, args.out, name)
+    path = write_eval(result, args.out, name, settings)
     if args.json:
-        print(json.dumps(result.summary(), indent=2))
+        print(json.dumps(eval_record(result, settings), indent=2))
     else:
         print(f"{args.model} on {bench}:")
         print(result.table())
@@ -385,6 +391,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(f"summary: {path}")
     print(f"per-prompt results: {path.with_suffix('').with_suffix('.jsonl')}")
     return 0
+
+
+def eval_settings(args: argparse.Namespace, split: str | None) -> dict:
+    """What a `graft-fed eval` summary records: the model and benchmark as given (and where
+    they are local paths, resolved), and every setting that shapes the number."""
+    from pathlib import Path
+
+    from graft_fed import __version__
+
+    def where(spec: str) -> str | None:
+        return str(Path(spec).resolve()) if Path(spec).exists() else None
+
+    return {"model": args.model, "model_path": where(args.model), "benchmark": args.benchmark,
+            "benchmark_path": where(args.benchmark), "split": split, "limit": args.limit,
+            "template": args.template or "default", "k": args.k, "temperature": args.temperature,
+            "top_p": args.top_p, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+            "seeding": args.seeding, "batch_size": args.batch_size, "graft_fed_version": __version__}
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -548,7 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the same random numbers and batch size does not matter (default: stream)")
     e.add_argument("--workers", type=int, default=2, help="verifier processes")
     e.add_argument("--device", default="auto")
-    e.add_argument("--out", default="runs/eval", help="output folder (default: runs/eval)")
+    e.add_argument("--out", default="runs/eval",
+                   help="output folder (default: runs/eval); BENCH.summary.json and BENCH.jsonl there, and an "
+                        "evaluation of another model or with other settings already there is refused")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace the evaluation already in --out for this benchmark (of another model or settings)")
     e.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     e.add_argument("--quiet", action="store_true", help="no progress lines")
     e.set_defaults(func=cmd_eval)

@@ -176,12 +176,50 @@ def evaluate(model: Any, tokenizer: Any, prompts: Sequence[Prompt], verifier: An
                                  for key, values in by_key.items()})
 
 
-def write_eval(result: EvalResult, out_dir: str | Path, name: str) -> Path:
+def eval_record(result: EvalResult, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The summary file's content: which model on which benchmark (`settings["model"]`,
+    `settings["benchmark"]`), the result, and every setting that shapes the number."""
+    if not settings:
+        return result.summary()
+    return {"model": settings.get("model"), "benchmark": settings.get("benchmark"), **result.summary(),
+            "settings": settings}
+
+
+def write_eval(result: EvalResult, out_dir: str | Path, name: str, settings: dict[str, Any] | None = None) -> Path:
+    """Write `name`.jsonl (per-prompt results) and `name`.summary.json (eval_record) under
+    `out_dir`; returns the summary's path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with (out_dir / f"{name}.jsonl").open("w", encoding="utf-8") as fh:
         for row in result.rows:
             fh.write(json.dumps(row) + "\n")
     path = out_dir / f"{name}.summary.json"
-    path.write_text(json.dumps(result.summary(), indent=2), encoding="utf-8")
+    path.write_text(json.dumps(eval_record(result, settings), indent=2), encoding="utf-8")
     return path
+
+
+#: recorded settings that do not make another evaluation (the version; the template the default
+#: resolved to, known only once the model is loaded: the same for the same model)
+_NOT_IDENTITY = ("graft_fed_version", "template_used")
+
+
+def eval_conflict(path: str | Path, settings: dict[str, Any]) -> str:
+    """Why writing an evaluation with `settings` to the summary `path` would replace another
+    evaluation ("" when there is none there, or it is the same evaluation: same model,
+    benchmark and settings, whose re-run may replace it)."""
+    path = Path(path)
+    if not path.exists():
+        return ""
+    try:
+        theirs = json.loads(path.read_text(encoding="utf-8")).get("settings")
+    except (OSError, ValueError, AttributeError):
+        theirs = None
+    if not isinstance(theirs, dict):
+        return f"{path} holds an evaluation that records no model or settings (an earlier graft-fed wrote it)"
+    keys = [k for k in dict.fromkeys([*theirs, *settings]) if k not in _NOT_IDENTITY]
+    diff = [f"{k}: {json.dumps(theirs.get(k))} -> {json.dumps(settings.get(k))}" for k in keys
+            if theirs.get(k) != settings.get(k)]
+    if not diff:
+        return ""
+    return (f"{path} holds the evaluation of {theirs.get('model')} on {theirs.get('benchmark')} "
+            f"(that one -> this one: {'; '.join(diff)})")

@@ -273,3 +273,59 @@ def test_the_http_port_file_names_the_http_host(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_a_fresh_train_into_a_used_output_dir_is_refused_and_a_refused_resume_names_the_setting(
+        tiny_llama, prompt_file, tmp_path, capsys):
+    cfg = _train_cfg(tmp_path, tiny_llama, prompt_file, steps=2)
+    assert main(["train", "--config", str(cfg), "--quiet", "--no-eval"]) == 0
+    run = tmp_path / "run"
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    # a fresh run (no --resume) into the same folder: refused before anything is written
+    assert main(["train", "--config", str(cfg), "--quiet", "--no-eval", "--set", "run.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert str(run) in err and "step_000002" in err and "metrics.jsonl with 2 rows" in err
+    assert "--resume" in err and "another run.output_dir" in err and "remove the folder" in err
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+    # a resume with a changed setting names it, with the checkpoint's value and this config's
+    assert main(["train", "--config", str(cfg), "--quiet", "--no-eval", "--resume", "--set", "optim.lr=0.0001",
+                 "--set", "run.steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert "different configuration" in err and "optim.lr: 1e-06 -> 0.0001" in err, err
+    assert "fingerprint" not in err
+
+
+def test_eval_records_its_model_and_settings_and_does_not_replace_another_models(tiny_llama, tiny_gpt2, tmp_path,
+                                                                                  capsys):
+    out = tmp_path / "ev"
+    common = ["--benchmark", "math500", "--benchmarks-dir", str(FIXTURES), "-k", "2", "--max-new-tokens", "4",
+              "--device", "cpu", "--template", "paper", "--out", str(out)]
+    assert main(["eval", "--model", str(tiny_llama), *common]) == 0
+    summary_path = out / "math500.summary.json"
+    first = json.loads(summary_path.read_text())
+    assert first["model"] == str(tiny_llama) and first["benchmark"] == "math500"
+    s = first["settings"]
+    assert (s["k"], s["seed"], s["seeding"], s["temperature"], s["top_p"], s["max_new_tokens"], s["template"]) == \
+        (2, 1234, "stream", 0.6, 0.95, 4, "paper")
+    assert s["model_path"] == str(tiny_llama.resolve()) and s["split"] == "test"
+    per_prompt = (out / "math500.jsonl").read_text()
+    capsys.readouterr()
+    # another model into the same folder: refused, nothing replaced
+    assert main(["eval", "--model", str(tiny_gpt2), *common]) == 2
+    err = capsys.readouterr().err
+    assert str(summary_path) in err and str(tiny_llama) in err and "--out" in err and "--overwrite" in err
+    assert json.loads(summary_path.read_text()) == first and (out / "math500.jsonl").read_text() == per_prompt
+    # the same model with another k: refused too, naming the setting
+    assert main(["eval", "--model", str(tiny_llama), *common, "-k", "1"]) == 2
+    assert "k: 2 -> 1" in capsys.readouterr().err
+    # the same evaluation again replaces itself; --overwrite replaces another model's
+    assert main(["eval", "--model", str(tiny_llama), *common]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--model", str(tiny_gpt2), *common, "--overwrite", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.split("\nsummary: ")[0])
+    assert printed["model"] == str(tiny_gpt2) == json.loads(summary_path.read_text())["model"]
+    # a summary an earlier version wrote (no settings) is not replaced silently either
+    summary_path.write_text(json.dumps({"pass@1": 0.5}))
+    assert main(["eval", "--model", str(tiny_gpt2), *common]) == 2
+    assert "records no model or settings" in capsys.readouterr().err

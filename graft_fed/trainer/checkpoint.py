@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -46,7 +46,9 @@ def checkpoint_dirs(root: str | Path) -> list[Path]:
 
 
 def save_checkpoint(root: str | Path, step: int, model: Any, tokenizer: Any, state: dict[str, Any],
-                    fingerprint: str, keep: int) -> Path:
+                    fingerprint: str, keep: int, config: dict[str, Any] | None = None) -> Path:
+    """`config`: the fingerprinted settings (TrainConfig.fingerprint_dict), recorded in the
+    manifest so that a refused resume can name the settings that differ."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
@@ -57,7 +59,7 @@ def save_checkpoint(root: str | Path, step: int, model: Any, tokenizer: Any, sta
         model.save_pretrained(tmp / "model", safe_serialization=True)
         tokenizer.save_pretrained(tmp / "model")
         torch.save(state, tmp / "trainer_state.pt")
-        write_manifest(tmp, step, fingerprint)
+        write_manifest(tmp, step, fingerprint, **({"config": config} if config is not None else {}))
     except OSError as exc:
         raise save_failed(tmp, root, step, exc) from exc
     return commit(tmp, root, step, keep)
@@ -85,18 +87,51 @@ def write_manifest(tmp: Path, step: int, fingerprint: str, **extra: Any) -> None
 
 
 def commit(tmp: Path, root: Path, step: int, keep: int) -> Path:
-    """Rename a fully written checkpoint into place and delete all but the `keep` newest."""
+    """Rename a fully written checkpoint into place and delete the oldest others so that `keep`
+    remain. The checkpoint just written is never deleted, whatever the step numbers of the
+    others (a run resumed from an earlier checkpoint than the latest)."""
     final = root / f"step_{step:06d}"
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for old in checkpoint_dirs(root)[:-keep]:
+    others = [d for d in checkpoint_dirs(root) if d != final]
+    for old in others[:max(0, len(others) - (max(1, keep) - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def verify_checkpoint(path: str | Path, fingerprint: str | None = None) -> dict[str, Any]:
-    """Check a checkpoint's files against its manifest; return the manifest."""
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def config_difference(old: dict[str, Any], new: dict[str, Any], limit: int = 8) -> str:
+    """The settings that differ, as "key: old -> new; ..." ("(default)" where one side does
+    not record the key: fingerprints leave out some settings at their defaults)."""
+    a, b = _flatten(old), _flatten(new)
+    missing = object()
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key, missing), b.get(key, missing)
+        if x != y and not (isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and list(x) == list(y)):
+            show = [("(default)" if v is missing else json.dumps(v)) for v in (x, y)]
+            diffs.append(f"{key}: {show[0]} -> {show[1]}")
+    more = f"; and {len(diffs) - limit} more" if len(diffs) > limit else ""
+    return "; ".join(diffs[:limit]) + more
+
+
+def verify_checkpoint(path: str | Path, fingerprint: str | None = None, config: dict[str, Any] | None = None,
+                      recorded: Callable[[str], dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """Check a checkpoint's files against its manifest; return the manifest.
+
+    `fingerprint`: refuse a checkpoint of another configuration; `config` (this run's
+    fingerprinted settings) names the settings that differ, from the configuration the manifest
+    records or, for a checkpoint written before manifests recorded it, from `recorded(its
+    fingerprint)` (e.g. its run's config.json, when that still matches)."""
     path = Path(path)
     mpath = path / MANIFEST
     if not mpath.is_file():
@@ -117,10 +152,19 @@ def verify_checkpoint(path: str | Path, fingerprint: str | None = None) -> dict[
             raise CheckpointError(f"checkpoint {path} is corrupt: {rel} does not match its recorded "
                                   "sha256; delete it and resume from an earlier one")
     if fingerprint is not None and manifest.get("fingerprint") != fingerprint:
+        theirs = manifest.get("config")
+        if not isinstance(theirs, dict) and recorded is not None:
+            theirs = recorded(str(manifest.get("fingerprint")))
+        diff = config_difference(theirs, config) if isinstance(theirs, dict) and config is not None else ""
+        if diff:
+            what = f"the checkpoint's -> this config's settings: {diff}"
+        else:
+            what = (f"fingerprint {manifest.get('fingerprint')} != {fingerprint}; the checkpoint does not record "
+                    "its configuration (written before graft-fed recorded it), so the differing settings cannot "
+                    "be named: compare with the config.json of the run that wrote it")
         raise CheckpointError(
-            f"checkpoint {path} was written by a run with a different configuration (fingerprint "
-            f"{manifest.get('fingerprint')} != {fingerprint}); resume with the config it was trained with, "
-            "or start a new run in another output_dir")
+            f"checkpoint {path} was written by a run with a different configuration ({what}); resume with the "
+            "config it was trained with, or start a new run in another output_dir")
     manifest["step"] = step
     return manifest
 

@@ -55,7 +55,7 @@ class RunSection:
     precision: str = "auto"
     #: Save a checkpoint every this many steps (0 = only at the end).
     checkpoint_every: int = 25
-    #: Keep this many most recent checkpoints (older ones are deleted).
+    #: Keep this many most recent checkpoints (older ones are deleted; never the one just written).
     keep_checkpoints: int = 2
     #: Evaluate on `eval` prompts every this many steps (0 = only before and after).
     eval_every: int = 0

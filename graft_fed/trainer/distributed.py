@@ -423,7 +423,7 @@ class DistributedGRPOTrainer(GRPOTrainer):
                 torch.save({"step": self.step, "schedule_cursor": self.schedule.cursor,
                             "scheduler": self.scheduler.state_dict()}, tmp / "trainer_state.pt")
                 ckpt.write_manifest(tmp, self.step, self.cfg.fingerprint(), layout=self.checkpoint_layout,
-                                    world_size=self.ctx.world_size)
+                                    world_size=self.ctx.world_size, config=self.cfg.fingerprint_dict())
             except OSError as exc:
                 failure = _describe(exc)
         del full

@@ -69,6 +69,44 @@ def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
     return f
 
 
+def previous_run(out_dir: Path) -> str:
+    """What in `out_dir` belongs to a run that already trained there ("" when nothing): its
+    checkpoints, a metrics.jsonl with rows, its summary.json."""
+    found = []
+    steps = [p.name for p in ckpt.checkpoint_dirs(out_dir / "checkpoints")]
+    if steps:
+        found.append(f"checkpoints {', '.join(steps[-3:])}" if len(steps) <= 3 else
+                     f"{len(steps)} checkpoints up to {steps[-1]}")
+    metrics = out_dir / "metrics.jsonl"
+    try:
+        rows = sum(1 for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip())
+    except (OSError, UnicodeDecodeError):
+        rows = 0
+    if rows:
+        found.append(f"metrics.jsonl with {rows} row{'s' if rows != 1 else ''}")
+    if (out_dir / "summary.json").is_file():
+        found.append("summary.json")
+    return "; ".join(found)
+
+
+def recorded_config(checkpoint: Path, fingerprint: str) -> dict[str, Any] | None:
+    """The fingerprinted settings of the run that wrote `checkpoint`, from its run folder's
+    config.json, when that config still has the checkpoint's fingerprint (for checkpoints
+    whose manifest does not record them); None otherwise."""
+    import warnings
+
+    from graft_fed.configbase import from_mapping
+
+    try:
+        data = json.loads((Path(checkpoint).parent.parent / "config.json").read_text(encoding="utf-8"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            old = from_mapping(TrainConfig, data)
+    except Exception:  # noqa: BLE001 - missing, unreadable or of another version: nothing to name
+        return None
+    return old.fingerprint_dict() if old.fingerprint() == fingerprint else None
+
+
 def _numpy_state_to_plain(state: tuple) -> list:
     name, keys, pos, has_gauss, cached = state
     return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
@@ -96,6 +134,8 @@ class GRPOTrainer:
         self._seed_everything(cfg.run.seed)
 
         resume_dir = self._find_resume(resume)
+        if resume is None:
+            self._refuse_reused_output_dir()
         manifest = self._verify_resume(resume_dir) if resume_dir else None
         model_spec = str(resume_dir / "model") if resume_dir else cfg.model.path
         self.model, self.tokenizer = self._load_model(model_spec, trainable=True)
@@ -145,7 +185,7 @@ class GRPOTrainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2), encoding="utf-8")
             self.metrics = MetricsWriter(self.out_dir, tensorboard=cfg.run.tensorboard,
-                                         resume_step=self.step if resume_dir else 0)
+                                         resume_step=self.step if resume_dir else -1)
 
     # ----- setup helpers ---------------------------------------------------------------
     # A torchrun run (graft_fed/trainer/distributed.py) overrides the hooks marked "hook".
@@ -165,7 +205,8 @@ class GRPOTrainer:
 
     def _verify_resume(self, path: Path) -> dict[str, Any]:
         """hook: the checkpoint's manifest, after checking its files, config and layout."""
-        manifest = ckpt.verify_checkpoint(path, self.cfg.fingerprint())
+        manifest = ckpt.verify_checkpoint(path, self.cfg.fingerprint(), self.cfg.fingerprint_dict(),
+                                          recorded=lambda fp: recorded_config(path, fp))
         ckpt.check_layout(path, manifest, self.checkpoint_layout)
         return manifest
 
@@ -174,6 +215,18 @@ class GRPOTrainer:
         random.seed(seed)
         np.random.seed(seed % (2**32))
         torch.manual_seed(seed)
+
+    def _refuse_reused_output_dir(self) -> None:
+        """A fresh run (no --resume) never writes into a folder that holds another run's
+        checkpoints or metrics: its checkpoints would mix with theirs (and be pruned by step
+        number), its metrics would follow theirs, and a later --resume would pick up theirs.
+        Checked before anything is written (on the main process; every process refuses)."""
+        found = previous_run(self.out_dir) if self.is_main else None
+        found = self.from_main(found)
+        if found:
+            raise CheckpointError(
+                f"run.output_dir {self.out_dir} already holds another run ({found}): resume it with --resume, "
+                "or choose another run.output_dir (--set run.output_dir=...), or remove the folder")
 
     def _find_resume(self, resume: str | None) -> Path | None:
         if resume is None:
@@ -219,7 +272,8 @@ class GRPOTrainer:
 
     def save_checkpoint(self) -> Path:
         return ckpt.save_checkpoint(self.out_dir / "checkpoints", self.step, self.model, self.tokenizer,
-                                    self._trainer_state(), self.cfg.fingerprint(), self.cfg.run.keep_checkpoints)
+                                    self._trainer_state(), self.cfg.fingerprint(), self.cfg.run.keep_checkpoints,
+                                    config=self.cfg.fingerprint_dict())
 
     def _restore(self, path: Path, manifest: dict[str, Any] | None) -> None:
         state = ckpt.load_trainer_state(path)

@@ -1,3 +1,4 @@
+import json
 import shutil
 
 import pytest
@@ -94,7 +95,18 @@ def test_corrupt_and_foreign_checkpoints_are_refused(tiny_llama, prompt_file, tm
     with GRPOTrainer(cfg, quiet=True) as tr:
         path = tr.save_checkpoint()
     other = make_cfg(tiny_llama, prompt_file, tmp_path / "run", **{"run.steps": 1, "algorithm.eps_high": 0.3})
-    with pytest.raises(CheckpointError, match="different configuration"):
+    with pytest.raises(CheckpointError, match=r"different configuration.*algorithm\.eps_high: 0\.28 -> 0\.3") as info:
+        GRPOTrainer(other, resume=str(path), quiet=True)
+    assert "fingerprint" not in str(info.value) and "optim" not in str(info.value)  # only what differs
+    # a checkpoint written before manifests recorded the configuration: named from its run's
+    # config.json while that still matches, else the fingerprints and why no names
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["config"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"algorithm\.eps_high: 0\.28 -> 0\.3"):
+        GRPOTrainer(other, resume=str(path), quiet=True)
+    (tmp_path / "run" / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"fingerprint \w+ != \w+; the checkpoint does not record"):
         GRPOTrainer(other, resume=str(path), quiet=True)
     weights = next(path.joinpath("model").glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
@@ -206,3 +218,42 @@ def test_a_non_finite_update_is_skipped_counted_and_its_peer_groups_named(tiny_l
         assert m["skipped_nonfinite"] == 1 and tr.nonfinite_groups == [("mallory", groups[-1].prompt.id)]
         after = params(tr.model)
         assert torch.isfinite(after).all() and not torch.equal(after, before)  # the first minibatch trained
+
+
+def test_a_fresh_run_into_a_used_output_dir_is_refused_before_writing(tiny_llama, prompt_file, tmp_path):
+    cfg = make_cfg(tiny_llama, prompt_file, tmp_path / "run", **{"run.steps": 1})
+    with GRPOTrainer(cfg, quiet=True) as tr:
+        tr.train(evaluate_before_after=False)
+    run = tmp_path / "run"
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    again = make_cfg(tiny_llama, prompt_file, run, **{"run.steps": 2})
+    with pytest.raises(CheckpointError, match=r"already holds another run \(checkpoints step_000001; "
+                                              r"metrics.jsonl with 1 row; summary.json\): resume it with --resume"):
+        GRPOTrainer(again, quiet=True)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+    # resuming it is what that folder is for
+    with GRPOTrainer(again, resume="auto", quiet=True) as tr:
+        assert tr.step == 1
+    # a folder a run only started in (no step, no checkpoint) may be started afresh
+    fresh = make_cfg(tiny_llama, prompt_file, tmp_path / "started", **{"run.steps": 1})
+    GRPOTrainer(fresh, quiet=True).close()
+    GRPOTrainer(fresh, quiet=True).close()
+    # --resume where a run crashed before its first checkpoint: it starts over with a fresh log
+    (tmp_path / "started" / "metrics.jsonl").write_text('{"step": 0, "eval/pass@1": 0.5}\n')
+    with GRPOTrainer(fresh, resume="auto", quiet=True) as tr:
+        assert tr.step == 0
+    assert (tmp_path / "started" / "metrics.jsonl").read_text() == ""
+
+
+def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
+    from graft_fed.trainer import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+    for step in (30, 40):
+        (root / f"step_{step:06d}").mkdir(parents=True)
+    for step, keep, left in ((2, 2, [2, 40]), (3, 1, [3]), (5, 3, [3, 5])):
+        tmp = root / f".tmp_{step}"
+        tmp.mkdir()
+        final = ckpt.commit(tmp, root, step, keep)
+        assert final.is_dir() and final.name == f"step_{step:06d}"
+        assert sorted(int(p.name[5:]) for p in ckpt.checkpoint_dirs(root)) == left
