@@ -418,6 +418,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_arguments(p: argparse.ArgumentParser, example: str) -> None:
+    """What `train` and `node` share: overrides, resume, evaluation and output."""
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"override a config field, e.g. --set {example} (repeatable)")
+    p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
+                   help="resume from a checkpoint directory, or from the latest one in run.output_dir")
+    p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation before and after")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from graft_fed import __version__
     from graft_fed.rewards.cli import add_score_subparser
@@ -431,12 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train one model with GRPO on its own rollouts",
                        description="Train one model (GRPO). The YAML config is documented in docs/configuration.md.")
     t.add_argument("--config", help="run config YAML (default: built-in defaults)")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set run.steps=20 (repeatable)")
-    t.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
-                   help="resume from a checkpoint directory, or from the latest one in run.output_dir")
-    t.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation before and after")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    _run_arguments(t, "run.steps=20")
     t.add_argument("--peer-store", metavar="PATH",
                    help="GRAFT stored mode: learn from the groups of a peer run's trajectories.sqlite")
     t.add_argument("--peer-run", metavar="RUN_ID", help="which run of the peer store (when it holds several)")
@@ -507,12 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     nd = sub.add_parser("node", help="run a federation node (a trainer that exchanges through the broker)")
     nd.add_argument("--config", required=True, help="node config YAML: a train config plus `federation`")
-    nd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config field, e.g. --set federation.broker=HOST:PORT (repeatable)")
-    nd.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
-                    help="resume from the latest checkpoint in run.output_dir, or from CKPT")
-    nd.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation before and after")
-    nd.add_argument("--quiet", action="store_true", help="no progress lines, only the final summary")
+    _run_arguments(nd, "federation.broker=HOST:PORT")
     nd.add_argument("--join-timeout", type=float, default=120.0, metavar="SECONDS",
                     help="exit with the cause when the first Join has not succeeded within SECONDS "
                          "(default 120; 0: start training alone and keep trying, the degraded mode)")
