@@ -78,13 +78,16 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             # YAML reads 1e-6 (no dot) as a string; accept it when it parses.
+            parsed = None
             if isinstance(value, str):
                 try:
-                    return float(value)
+                    parsed = float(value)
                 except ValueError:
                     pass
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        if math.isnan(value):
+            if parsed is None:
+                raise ConfigError(f"{where}: expected a number, got {value!r}")
+            value = parsed
+        if math.isnan(value):  # .nan, or the strings nan / NaN
             raise ConfigError(f"{where}: NaN is not a setting; give a number")
         return float(value)
     if tp is str:
@@ -124,15 +127,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden
+                continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             try:
-                first = seen.setdefault(key, line)
+                first = seen.get(key)
+                seen.setdefault(key, line)
             except TypeError:  # an unhashable key: SafeLoader's own error says so
                 break
-            if first != line:
+            if first is not None:
+                where = f"lines {first} and {line}" if first != line else f"line {line}"
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice (lines {first} and {line}); keep one", key_node.start_mark)
+                    None, None, f"key {key!r} is given twice ({where}); keep one", key_node.start_mark)
         return super().construct_mapping(node, deep=deep)
 
 

@@ -216,7 +216,11 @@ def eval_conflict(path: str | Path, settings: dict[str, Any]) -> str:
         theirs = None
     if not isinstance(theirs, dict):
         return f"{path} holds an evaluation that records no model or settings (an earlier graft-fed wrote it)"
-    keys = [k for k in dict.fromkeys([*theirs, *settings]) if k not in _NOT_IDENTITY]
+    # a local model or benchmark is the folder or file it resolves to, however it was written
+    # (runs/x/model and ../main/runs/x/model are one model)
+    as_written = {name for name in ("model", "benchmark")
+                  if theirs.get(f"{name}_path") and settings.get(f"{name}_path")}
+    keys = [k for k in dict.fromkeys([*theirs, *settings]) if k not in _NOT_IDENTITY and k not in as_written]
     diff = [f"{k}: {json.dumps(theirs.get(k))} -> {json.dumps(settings.get(k))}" for k in keys
             if theirs.get(k) != settings.get(k)]
     if not diff:

@@ -99,6 +99,23 @@ def exit_reason(log: Path, max_lines: int = 400) -> str:
     return lines[-1] if lines else "(the log is empty)"
 
 
+def _holds_nodes(db: Path) -> bool:
+    """Whether a broker state holds a node (a sim whose broker was refused at start, or whose
+    nodes all failed before joining, leaves an empty one: nothing to continue)."""
+    import sqlite3
+
+    if not db.is_file() or db.stat().st_size == 0:
+        return False
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            return conn.execute("SELECT 1 FROM nodes LIMIT 1").fetchone() is not None
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return True  # unreadable: not ours to judge or to overwrite
+
+
 class Simulation:
     def __init__(self, cfg: SimConfig, n_nodes: int, quiet: bool = False) -> None:
         if not 1 <= n_nodes <= len(cfg.nodes):
@@ -112,6 +129,11 @@ class Simulation:
         self.failed: dict[str, tuple[int, str]] = {}
         #: the broker's live page (set once the broker listens)
         self.live_url: str | None = None
+        #: the broker's min_nodes as it runs: the config's, at most the nodes this sim runs
+        #: (otherwise every round would wait out round_deadline_s for nodes that never come)
+        wanted = cfg.broker.get("min_nodes", 1)
+        wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 1
+        self.min_nodes = min(wanted, len(self.nodes))
 
     def _cli(self) -> list[str]:
         return [sys.executable, "-m", "graft_fed.cli"]
@@ -128,11 +150,10 @@ class Simulation:
         bcfg = deep_merge(self.cfg.broker, {"listen": "127.0.0.1:0", "http": "127.0.0.1:0",
                                               "db": str(self.root / "broker.sqlite")})
         wanted = bcfg.get("min_nodes", 1)
-        if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > len(self.nodes):
-            # otherwise every round would wait out round_deadline_s for nodes that never come
-            bcfg["min_nodes"] = len(self.nodes)
+        if wanted != self.min_nodes and isinstance(wanted, int) and not isinstance(wanted, bool):
+            bcfg["min_nodes"] = self.min_nodes
             if not self.quiet:
-                print(f"broker.min_nodes {wanted} -> {len(self.nodes)}: this sim runs {len(self.nodes)} node(s)",
+                print(f"broker.min_nodes {wanted} -> {self.min_nodes}: this sim runs {len(self.nodes)} node(s)",
                       flush=True)
         path = self._write("broker", bcfg)
         log = (self.root / "logs").joinpath("broker.log")
@@ -208,7 +229,7 @@ class Simulation:
             raise GraftFedError(f"node {name} exited with code {code}: {reason} (log: {log}); stopping the "
                                 "federation (sim config `on_node_exit: continue` goes on without it)")
         running = [n.name for n in self.nodes if self.procs[n.name].poll() is None]
-        quorum = int(self.cfg.broker.get("min_nodes", 0) or 0)
+        quorum = self.min_nodes
         note = ""
         if quorum > len(running):
             note = (f"; the broker's min_nodes={quorum} can no longer be met, so every round now waits its "
@@ -252,7 +273,7 @@ class Simulation:
         """What an earlier sim left in the output folder: its broker state and node runs. A
         new sim there would join the earlier federation at its last round and mix its results
         (and the result table) with the earlier ones."""
-        found = [p.name for p in (self.root / "broker.sqlite",) if p.exists()]
+        found = [p.name for p in (self.root / "broker.sqlite",) if _holds_nodes(p)]
         found += [f"{n.name}/" for n in self.cfg.nodes if (self.root / n.name / "metrics.jsonl").exists()]
         return found
 

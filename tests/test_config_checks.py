@@ -91,3 +91,20 @@ def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
 def test_a_set_value_that_is_not_yaml_is_taken_as_written():
     assert parse_overrides(["listen=[::1]:0", "n=4", "http="]) == {"listen": "[::1]:0", "n": 4, "http": None}
     assert load_broker_config(None, parse_overrides(["listen=[::1]:0"])).listen == "[::1]:0"
+
+
+def test_merge_keys_still_share_sections_and_duplicates_on_one_line_are_caught(tmp_path):
+    from graft_fed.configbase import safe_load
+
+    assert safe_load("base: &b {lr: 1, wd: 0}\nother:\n  <<: *b\n  lr: 2\n") == {
+        "base": {"lr": 1, "wd": 0}, "other": {"lr": 2, "wd": 0}}
+    with pytest.raises(Exception, match=r"key 'n' is given twice \(line 1\)"):
+        safe_load("a: {n: 4, n: 8}\n")
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN", ".nan"])
+def test_nan_is_refused_however_yaml_reads_it(text):
+    from graft_fed.trainer.config import load_train_config
+
+    with pytest.raises(ConfigError, match="optim.eps: NaN is not a setting"):
+        load_train_config(None, parse_overrides([f"optim.eps={text}"]))

@@ -53,3 +53,18 @@ def test_unknown_seeding_is_refused(setup):
         _run(setup, seeding="per-prompt")
     with pytest.raises(ConfigError, match="eval.seeding"):
         EvalSection(seeding="per-prompt")
+
+
+def test_a_local_model_is_the_folder_it_resolves_to_however_it_was_written(tmp_path):
+    import json
+
+    from graft_fed.evaluation import eval_conflict
+
+    path = tmp_path / "bench.summary.json"
+    mine = {"model": "runs/x/model", "model_path": "/abs/runs/x/model", "benchmark": "embedded:arith-v1",
+            "benchmark_path": None, "k": 4}
+    path.write_text(json.dumps({"settings": mine}))
+    assert eval_conflict(path, {**mine, "model": "../main/runs/x/model"}) == ""  # the same folder
+    assert "model_path" in eval_conflict(path, {**mine, "model_path": "/abs/other"})
+    assert 'model: "runs/x/model" -> "zoo:tiny"' in eval_conflict(path, {**mine, "model": "zoo:tiny",
+                                                                          "model_path": None})

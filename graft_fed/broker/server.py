@@ -177,6 +177,8 @@ class BrokerServer:
     def __init__(self, cfg: BrokerConfig, state: BrokerState | None = None) -> None:
         one_blas_thread()  # matching's matrix products, without OpenBLAS threads spinning for a busy core
         self.cfg = cfg
+        if not (cfg.tls_cert and cfg.tls_key):  # before anything is opened
+            check_plaintext(cfg.listen, cfg.insecure, "broker")
         self.state = state or open_state(cfg.db)
         try:  # a bad allowlist, a state of another federation, prompts that do not load
             allowlist = Allowlist(cfg.allowlist) if cfg.allowlist else None
@@ -196,8 +198,6 @@ class BrokerServer:
         options = (grpc_options(cfg.max_message_mib) + [("grpc.so_reuseport", 0)]
                    + pending_call_options(cfg.max_long_polls))
         tls = (cfg.tls_cert, cfg.tls_key, cfg.client_ca) if cfg.tls_cert and cfg.tls_key else None
-        if tls is None:
-            check_plaintext(cfg.listen, cfg.insecure, "broker")
         #: set, with `failure`, when the broker cannot serve any more (its front process exited)
         self.failed = threading.Event()
         self.failure = ""

@@ -424,9 +424,9 @@ class BrokerState(abc.ABC):
             raise DataError(
                 f"{self._state_name()} belongs to another federation than this broker's configuration ("
                 + "; ".join(diffs) + "). Its rows (nodes, rounds, summaries, matches, bundles) would be mixed "
-                "with this federation's, so the broker does not start and nothing was changed. Point the "
-                "broker's db at this federation's own state (or at a new path, to start with an empty state), "
-                "or put the configuration back if it is what changed by mistake")
+                "with this federation's, so the broker does not start and its rows were left as they were. "
+                "Point the broker's db at this federation's own state (or at a new path, to start with an empty "
+                "state), or put the configuration back if it is what changed by mistake")
         added = {f: v for f, v in wanted.items() if f not in stored}
         if added:
             log.info("%s: manifest field(s) stored for the first time: %s", self._state_name(),

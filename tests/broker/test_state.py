@@ -2293,7 +2293,7 @@ def test_a_state_is_bound_to_the_federation_it_was_first_used_for(state):
     message = str(info.value)
     assert "federation_id: the state has 'fed-A', the configuration 'fed-B'" in message
     assert "n: the state has 8, the configuration 4" in message and "seed" not in message
-    assert "nothing was changed" in message and "new path" in message
+    assert "its rows were left as they were" in message and "new path" in message
     for field, value in [("dataset_id", "other"), ("dataset_hash", "0" * 64), ("seed", 1), ("prompts_per_round", 8),
                          ("verifier_name", "plugin"), ("advantage", "none/none")]:
         with pytest.raises(DataError, match=f"{field}: the state has"):

@@ -57,14 +57,7 @@ def test_connections_beyond_the_cap_get_503_at_once_and_a_freed_slot_serves_agai
         assert busy.value.code == 503 and time.monotonic() - t0 < 2
         assert threading.active_count() == threads  # refused without a thread of its own
         idle[0].close()
-        deadline = time.monotonic() + 5
-        while True:  # the slot comes back once its thread sees the connection closed
-            try:
-                assert _get(port)[0] == 200
-                break
-            except urllib.error.HTTPError:
-                assert time.monotonic() < deadline, "the freed slot never served"
-                time.sleep(0.05)
+        _served_again(port)
     finally:
         for s in idle:
             s.close()
@@ -79,7 +72,56 @@ def test_an_idle_connection_is_closed_after_the_timeout(http):
         assert time.monotonic() - t0 < 4
     finally:
         s.close()
-    assert _get(port)[0] == 200  # and its slot served the next
+    _served_again(port)  # and its slot serves the next
+
+
+def _served_again(port):
+    deadline = time.monotonic() + 5
+    while True:  # the slot comes back once its thread has finished with the connection
+        try:
+            assert _get(port)[0] == 200
+            return
+        except urllib.error.HTTPError:
+            assert time.monotonic() < deadline, "the freed slot never served"
+            time.sleep(0.05)
+
+
+def test_a_client_trickling_its_request_is_cut_at_the_deadline(http):
+    """One byte every 0.2 s never lets a read time out; the request head's deadline still
+    cuts the connection, and its slot serves the next client."""
+    _, port = http(max_connections=1, timeout_s=1.0)
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(OSError):
+            for _ in range(50):  # 10 s of trickling, if nothing cut it
+                s.sendall(b"X")
+                time.sleep(0.2)
+                s.setblocking(False)
+                try:
+                    if s.recv(1024) == b"":
+                        raise ConnectionResetError("closed by the server")
+                except BlockingIOError:
+                    pass
+                finally:
+                    s.setblocking(True)
+        assert time.monotonic() - t0 < 4
+    finally:
+        s.close()
+    _served_again(port)
+
+
+def test_one_address_cannot_take_every_slot(http):
+    _, port = http(max_connections=10, max_per_address=2, timeout_s=30)
+    idle = [_idle(port), _idle(port)]
+    try:
+        time.sleep(0.2)
+        with pytest.raises(urllib.error.HTTPError) as busy:  # the third from 127.0.0.1
+            _get(port)
+        assert busy.value.code == 503
+    finally:
+        for s in idle:
+            s.close()
 
 
 def test_head_has_the_headers_and_no_body_unknown_paths_404(http):

@@ -129,24 +129,37 @@ def test_sim_refuses_an_earlier_sims_folder_and_says_why_its_broker_stopped(prom
 
     broker = {"data": {"source": str(prompt_file)}, "verifier": {"name": "tests.plugins:odd_char_sum"},
               "seed": 3, "n": 2, "prompts_per_round": 8}
-    cfg = {"output_dir": str(tmp_path / "sim"), "broker": {**broker, "seed": -1},
+    cfg = {"output_dir": str(tmp_path / "sim"), "broker": {**broker, "allowlist": str(tmp_path / "no-such.yaml")},
            "base": {"data": {"source": str(prompt_file)}, "verifier": {"name": "tests.plugins:odd_char_sum"}},
            "nodes": [{"name": "a", "model": {"path": str(tmp_path / "unused")}}], "timeout_s": 60}
     path = tmp_path / "sim.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    with pytest.raises(GraftFedError, match=r"the broker exited at start \(code 2\): .*broker.seed must be in"):
+    with pytest.raises(GraftFedError, match=r"the broker exited at start \(code 2\): allowlist .*no-such.yaml does "
+                                            "not exist"):
         Simulation(load_sim_config(path), 1, quiet=True).run()
-    (tmp_path / "sim" / "broker.sqlite").write_bytes(b"")
+    fixed = {"broker.allowlist": None}
+    # the refused broker left an empty state: nothing to continue, so the fixed config may run there
+    assert (tmp_path / "sim" / "broker.sqlite").exists()
+    assert Simulation(load_sim_config(path, fixed), 1, quiet=True).earlier_run() == []
+    from graft_fed.broker.config import load_broker_config
+    from graft_fed.broker.handlers import Federation
+    from graft_fed.broker.server import open_state
+
+    state = open_state(str(tmp_path / "sim" / "broker.sqlite"))
+    fed = Federation(load_broker_config(None, broker), state)
+    fed.join("a", "m", "tok", fed.manifest, "share_all", 0)  # a node of the earlier sim
+    fed.stop()
+    state.close()
     (tmp_path / "sim" / "a").mkdir()
     (tmp_path / "sim" / "a" / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(GraftFedError, match=r"holds an earlier sim \(broker.sqlite, a/\).*--output-dir"):
-        Simulation(load_sim_config(path, {"broker.seed": 3}), 1, quiet=True).run()
+        Simulation(load_sim_config(path, fixed), 1, quiet=True).run()
     assert (tmp_path / "sim" / "a" / "metrics.jsonl").read_text() == "{}\n"  # nothing touched
-    sim = Simulation(load_sim_config(path, {"broker.min_nodes": 3, "broker.seed": 3,
-                                            "output_dir": str(tmp_path / "sim2")}), 1, quiet=True)
+    sim = Simulation(load_sim_config(path, {**fixed, "broker.min_nodes": 3, "output_dir": str(tmp_path / "sim2")}),
+                     1, quiet=True)
     try:
         sim.start_broker()
         config = yaml.safe_load((tmp_path / "sim2" / "configs" / "broker.yaml").read_text())
-        assert config["min_nodes"] == 1 and config["seed"] == 3
+        assert config["min_nodes"] == 1 and config["seed"] == 3 and sim.min_nodes == 1
     finally:
         sim.stop()
