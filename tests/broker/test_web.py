@@ -119,6 +119,10 @@ def test_one_address_cannot_take_every_slot(http):
         with pytest.raises(urllib.error.HTTPError) as busy:  # the third from 127.0.0.1
             _get(port)
         assert busy.value.code == 503
+        # another address (a probe's) is served meanwhile
+        with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.2", 0)) as other:
+            other.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            assert other.recv(64).startswith(b"HTTP/1.0 200")
     finally:
         for s in idle:
             s.close()
