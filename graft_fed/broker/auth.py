@@ -236,6 +236,13 @@ class Allowlist:
             self._load()
             return node_id in self.trusted
 
+    def current_problem(self) -> str | None:
+        """What is wrong with the file now (the last good list is in force meanwhile), after
+        reading it again if it changed; None when the list in force is the file's."""
+        with self._lock:
+            self._load()
+            return self.problem
+
     @staticmethod
     def edit(path: str | Path, action: str, name: str | None = None) -> dict[str, list[str]]:
         """Apply `action` (add, revoke, release, list) to the file and return its lists. A file

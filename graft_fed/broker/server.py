@@ -58,6 +58,10 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
         for labels, value in samples:
             lines.append(f"graft_fed_{name}{labels} {value}")
 
+    if fed.allowlist is not None:  # an alert's handle on a bad edit, which only the log told before
+        metric("allowlist_valid", "gauge", "1 when the allowlist file is the list in force; 0 while it is "
+               "malformed, missing or unreadable and the last good list stands in (the log says why).",
+               [("", 0 if fed.allowlist.current_problem() else 1)])
     st = fed.status(pairs=False)
     states: dict[str, int] = {"online": 0, "offline": 0, "left": 0, "registered": 0, "quarantined": 0, "revoked": 0}
     for n in st["nodes"]:

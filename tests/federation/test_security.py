@@ -161,6 +161,13 @@ def _replace(path, raw):
     tmp.replace(path)
 
 
+def _metrics(broker):
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{broker.http_port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
 def test_a_bad_allowlist_edit_while_serving_keeps_the_last_good_list(prompt_file, prompts, tmp_path, caplog):
     path = tmp_path / "allow.yaml"
     path.write_text("allowed: [alice, bob]\n")
@@ -196,8 +203,10 @@ def test_a_bad_allowlist_edit_while_serving_keeps_the_last_good_list(prompt_file
             served_as_before(i + len(bad_versions))  # the same version again: no new warning
             warnings = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
             assert len(warnings) == 1 and needle in warnings[0] and "last good allowlist" in warnings[0], warnings
+            assert "graft_fed_allowlist_valid 0" in _metrics(broker)  # what an alert watches
         # the next good version (saved atomically) takes effect at the next call
         _replace(path, b"allowed: [alice, bob, eve]\n")
+        assert "graft_fed_allowlist_valid 1" in _metrics(broker)
         join("eve")
         Allowlist.edit(path, "revoke", "alice")
         code, details = code_of(lambda: alice.publish(1, [summary(prompts[0], 1, round=1)]))
