@@ -329,3 +329,15 @@ def test_eval_records_its_model_and_settings_and_does_not_replace_another_models
     summary_path.write_text(json.dumps({"pass@1": 0.5}))
     assert main(["eval", "--model", str(tiny_gpt2), *common]) == 2
     assert "records no model or settings" in capsys.readouterr().err
+
+
+def test_status_pointed_at_the_http_port_says_so(capsys):
+    from graft_fed.broker.web import serve_http
+
+    server = serve_http("127.0.0.1:0", {"/healthz": lambda: (b"ok\n", "text/plain")})
+    try:
+        assert main(["status", "--broker", f"127.0.0.1:{server.server_address[1]}"]) == 2
+        assert "answers plain HTTP/1, not gRPC: is it the broker's HTTP port" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -133,6 +133,9 @@ def explain_connect_failure(address: str, detail: str, tls: bool, client_cert: b
                     "the exact reason")
         return (f"the broker at {address} closed the TLS handshake: it most likely requires a client certificate "
                 "(mutual TLS): set federation.tls_cert and tls_key (--tls-cert and --tls-key for `status`)")
+    if "failed parsing http/2" in d or "http1" in d or "http/1" in d:
+        return (f"{address} answers plain HTTP/1, not gRPC: is it the broker's HTTP port (`http`, /metrics and "
+                "the live page; 9464 by default) rather than its gRPC port (`listen`, 50551 by default)?")
     if "deadline" in d or "timeout" in d or "timed out" in d:
         return f"no answer from {address} in time: a firewall, a wrong address, or a broker too busy to answer"
     return "see the broker's log for the cause"
