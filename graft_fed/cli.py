@@ -233,15 +233,13 @@ def exchange_line(run_dir: str) -> str:
 
 
 def _status_dict(st) -> dict:
+    from graft_fed.federation.codec import manifest_from_pb
+
     m = st.manifest
     return {"federation_id": m.federation_id, "dataset_id": m.dataset_id, "n": m.n,
             "prompts_per_round": m.prompts_per_round,
             # the whole manifest: what a node must match to join (a refused node's operator compares these)
-            "manifest": {"federation_id": m.federation_id, "protocol_version": m.protocol_version,
-                         "dataset_id": m.dataset_id, "dataset_hash": m.dataset_hash, "seed": m.seed, "n": m.n,
-                         "prompts_per_round": m.prompts_per_round, "mode": m.mode,
-                         "staleness_rounds": m.staleness_rounds, "verifier_name": m.verifier_name,
-                         "verifier_version": m.verifier_version, "advantage": m.advantage},
+            "manifest": manifest_from_pb(m).to_dict(),
             "current_round": st.current_round, "bundles": st.bundles,
             "bundle_bytes": st.bundle_bytes,
             "nodes": [{"node_id": n.node_id, "model_id": n.model_id, "state": n.state, "round": n.round,

@@ -151,15 +151,22 @@ def safe_load(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
+def utf8_text(raw: bytes, what: str, encoding: str = "utf-8") -> str:
+    """`raw` decoded, or a ConfigError saying where in `what` (a file) it is not UTF-8."""
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
+                          "save it as UTF-8") from None
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
-                          "save it as UTF-8") from None
+    text = utf8_text(raw, str(path))
     try:
         data = safe_load(text)
     except yaml.YAMLError as exc:

@@ -132,8 +132,9 @@ class Simulation:
         #: the broker's min_nodes as it runs: the config's, at most the nodes this sim runs
         #: (otherwise every round would wait out round_deadline_s for nodes that never come)
         wanted = cfg.broker.get("min_nodes", 1)
-        wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else 1
-        self.min_nodes = min(wanted, len(self.nodes))
+        valid = isinstance(wanted, int) and not isinstance(wanted, bool)  # else the broker refuses the config
+        self.min_nodes = min(wanted, len(self.nodes)) if valid else 1
+        self._lowered_from = wanted if valid and wanted > self.min_nodes else None
 
     def _cli(self) -> list[str]:
         return [sys.executable, "-m", "graft_fed.cli"]
@@ -149,12 +150,11 @@ class Simulation:
         port_file.unlink(missing_ok=True)
         bcfg = deep_merge(self.cfg.broker, {"listen": "127.0.0.1:0", "http": "127.0.0.1:0",
                                               "db": str(self.root / "broker.sqlite")})
-        wanted = bcfg.get("min_nodes", 1)
-        if wanted != self.min_nodes and isinstance(wanted, int) and not isinstance(wanted, bool):
+        if self._lowered_from is not None:
             bcfg["min_nodes"] = self.min_nodes
             if not self.quiet:
-                print(f"broker.min_nodes {wanted} -> {self.min_nodes}: this sim runs {len(self.nodes)} node(s)",
-                      flush=True)
+                print(f"broker.min_nodes {self._lowered_from} -> {self.min_nodes}: this sim runs "
+                      f"{len(self.nodes)} node(s)", flush=True)
         path = self._write("broker", bcfg)
         log = (self.root / "logs").joinpath("broker.log")
         log.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, NoReturn
 import grpc
 import yaml
 
+from graft_fed.configbase import utf8_text
 from graft_fed.errors import ConfigError
 from graft_fed.federation.errors import FederationError, PermissionDenied, ResourceExhausted, Unauthenticated
 from graft_fed.federation.limits import clip
@@ -60,11 +61,7 @@ def parse_allowlist(raw: bytes, path: str | Path) -> dict[str, list[str]]:
     list, an unknown or repeated key are refused rather than guessed at (a guess could admit
     a name the operator meant to refuse). An empty file is an empty allowlist."""
     where = f"allowlist {path}"
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{where} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
-                          "save it as UTF-8") from None
+    text = utf8_text(raw, where, encoding="utf-8-sig")
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:

@@ -9,8 +9,7 @@ request line and headers are not in within `timeout_s` is cut, however slowly it
 them, and each later read or write waits at most `timeout_s`. Without the cap, idle
 connections held a thread and a file descriptor each for ever: about 490 of them under a
 limit of 512 descriptors left the gRPC port unable to accept a node (its accept loop
-spinning on EMFILE). One request per connection (HTTP/1.0),
-GET and HEAD.
+spinning on EMFILE). One request per connection (HTTP/1.0), GET and HEAD.
 """
 
 from __future__ import annotations
