@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -188,6 +189,30 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
         return torch.load(Path(path) / "trainer_state.pt", map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure to unpickle means the same thing here
         raise CheckpointError(f"cannot read {path}/trainer_state.pt: {exc}") from None
+
+
+def set_aside_after(root: str | Path, step: int) -> list[Path]:
+    """Move the checkpoints under `root` of steps after `step` into `root/abandoned/<UTC time>/`,
+    where neither --resume nor pruning looks, and return where they went. A run resumed from
+    an earlier checkpoint than its latest abandons the later ones: left in place, a later bare
+    --resume would continue the abandoned line, and pruning would keep it over the new one.
+    Nothing is deleted."""
+    root = Path(root)
+    later = [d for d in checkpoint_dirs(root) if int(d.name[len("step_"):]) > step]
+    if not later:
+        return []
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest = root / "abandoned" / stamp
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = root / "abandoned" / f"{stamp}.{n}"
+    dest.mkdir(parents=True)
+    moved = []
+    for d in later:
+        os.replace(d, dest / d.name)
+        moved.append(dest / d.name)
+    return moved
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

@@ -180,6 +180,12 @@ class GRPOTrainer:
             self.store.set_run_advantage(self.run_id, advantage_id(cfg.algorithm.scale_rewards, cfg.algorithm.std))
         if resume_dir is not None:
             self._restore(resume_dir, manifest)
+            if self.is_main:
+                moved = ckpt.set_aside_after(self.out_dir / "checkpoints", self.step)
+                if moved:
+                    log.warning("resumed from %s (step %d): the later checkpoints %s are set aside in %s, "
+                                "so that neither --resume nor pruning takes them for this run's",
+                                resume_dir, self.step, ", ".join(p.name for p in moved), moved[0].parent)
         self.metrics: MetricsWriter | NullMetrics = NullMetrics()
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)

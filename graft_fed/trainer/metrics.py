@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -38,11 +39,23 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def _truncate_after(self, step: int) -> None:
-        """Drop rows a crashed run wrote after its last checkpoint, so a resumed run's log has
-        exactly one row per step."""
-        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        """Take out the rows written after the checkpoint a run resumes from (by a run that
+        crashed after it, or a line of steps abandoned by resuming from an earlier checkpoint),
+        so the resumed run's log has exactly one row per step. The rows taken out are appended
+        to `metrics.dropped.jsonl` beside it, not lost."""
+        kept, dropped = [], []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                (kept if json.loads(line).get("step", 0) <= step else dropped).append(line)
+        if not dropped:
+            return
+        with self.path.with_name("metrics.dropped.jsonl").open("a", encoding="utf-8") as fh:
+            fh.write("".join(line + "\n" for line in dropped))
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp = self.path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
 
     def write(self, row: Mapping[str, Any]) -> None:
         self._fh.write(json.dumps({k: _clean(v) for k, v in row.items()}, sort_keys=False) + "\n")

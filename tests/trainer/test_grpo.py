@@ -243,6 +243,39 @@ def test_a_fresh_run_into_a_used_output_dir_is_refused_before_writing(tiny_llama
     with GRPOTrainer(fresh, resume="auto", quiet=True) as tr:
         assert tr.step == 0
     assert (tmp_path / "started" / "metrics.jsonl").read_text() == ""
+    # the rows taken out are kept beside it
+    assert (tmp_path / "started" / "metrics.dropped.jsonl").read_text() == '{"step": 0, "eval/pass@1": 0.5}\n'
+
+
+def test_resuming_from_an_earlier_checkpoint_sets_the_later_ones_aside(tiny_llama, prompt_file, tmp_path):
+    from graft_fed.trainer import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    cfg = make_cfg(tiny_llama, prompt_file, run, **{"run.steps": 2, "run.keep_checkpoints": 5})
+    with GRPOTrainer(cfg, quiet=True) as tr:
+        tr.train(evaluate_before_after=False)
+    root = run / "checkpoints"
+    old_two = (root / "step_000002" / "trainer_state.pt").read_bytes()
+    old_rows = (run / "metrics.jsonl").read_text().splitlines()
+    # resumed from step 1: step 2 of the first line is abandoned, and kept where no resume sees it
+    with GRPOTrainer(cfg, resume=str(root / "step_000001"), quiet=True) as tr:
+        assert tr.step == 1
+        assert [p.name for p in ckpt.checkpoint_dirs(root)] == ["step_000001"]
+        (aside,) = list((root / "abandoned").iterdir())
+        assert (aside / "step_000002" / "trainer_state.pt").read_bytes() == old_two
+        assert [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+        assert (run / "metrics.dropped.jsonl").read_text().splitlines() == old_rows[1:]
+        # a crash here: a bare --resume continues from step 1, not the abandoned step 2
+        assert ckpt.latest_checkpoint(root) == root / "step_000001"
+        tr.train(evaluate_before_after=False)
+    assert [p.name for p in ckpt.checkpoint_dirs(root)] == ["step_000001", "step_000002"]
+    assert (root / "step_000002" / "trainer_state.pt").read_bytes() != old_two
+    assert (aside / "step_000002").is_dir()
+    # set_aside_after on its own: later steps only, a second call beside the first
+    for step in (3, 4):
+        (root / f"step_{step:06d}").mkdir()
+    assert [p.name for p in ckpt.set_aside_after(root, 2)] == ["step_000003", "step_000004"]
+    assert len(list((root / "abandoned").iterdir())) == 2 and ckpt.set_aside_after(root, 2) == []
 
 
 def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
