@@ -149,6 +149,26 @@ def cmd_broker_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reexec_without_tcache() -> None:
+    """Run this command again in this process (same pid, same arguments) with glibc's
+    per-thread caches off (`broker.malloc_tcache: false`, broker/heap.py): glibc reads that
+    only from the environment at start. Nothing happens off glibc or where GLIBC_TUNABLES
+    already sets tcache_count (as it does in the re-executed process)."""
+    from graft_fed.broker.heap import without_tcache
+
+    env = without_tcache(os.environ)
+    argv = getattr(sys, "orig_argv", None)
+    if env is None or not argv or not sys.executable:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, [sys.executable, *argv[1:]], env)
+    except OSError as exc:  # the broker still runs, with glibc's caches on
+        logging.getLogger("graft_fed.broker").warning(
+            "could not restart with glibc's per-thread caches off (%s): serving with them on", exc)
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
     if getattr(args, "nodes_command", None):
         return cmd_broker_nodes(args)
@@ -159,6 +179,8 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from graft_fed.broker.server import start_broker
 
     cfg = load_broker_config(args.config, parse_overrides(args.set))
+    if not cfg.malloc_tcache:
+        _reexec_without_tcache()
     try:
         server = start_broker(cfg)  # heap, then serving, then the collector (broker/server.py)
     except RuntimeError as exc:  # grpc: "Failed to bind to address ..."

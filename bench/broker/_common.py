@@ -207,7 +207,23 @@ class ChildServer:
                                                                 kwargs.get("chunk", 1 << 20))
         self.kind = kind
         self.proc = ctx.Process(target=target, args=args, daemon=True)
-        self.proc.start()
+        # a broker runs as `graft-fed broker` runs it: with glibc's per-thread caches off unless
+        # its config keeps them, which glibc reads from the environment the child starts with
+        from graft_fed.broker.heap import without_tcache
+
+        env = (without_tcache(os.environ) if kind == "broker" and not kwargs["cfg"].get("malloc_tcache", False)
+               else None)
+        before = os.environ.get("GLIBC_TUNABLES")
+        if env is not None:
+            os.environ["GLIBC_TUNABLES"] = env["GLIBC_TUNABLES"]
+        try:
+            self.proc.start()
+        finally:
+            if env is not None:
+                if before is None:
+                    os.environ.pop("GLIBC_TUNABLES")
+                else:
+                    os.environ["GLIBC_TUNABLES"] = before
         if not self.conn.poll(120):
             self.proc.kill()
             raise RuntimeError(f"{kind} server did not start")

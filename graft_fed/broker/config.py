@@ -127,8 +127,18 @@ class BrokerConfig:
     #: glibc malloc arenas of the `graft-fed broker` process (0: glibc's default, 8 per
     #: core; the environment's MALLOC_ARENA_MAX wins when set). With hundreds of worker
     #: threads each arena keeps its own peak of freed memory: under 256 nodes x 256 prompts
-    #: RSS grew 16.5 MiB/min with the default and 5.9 with 2 (docs/performance.md, issue 13).
-    malloc_arena_max: int = 2
+    #: RSS grew 16.5 MiB/min with the default and 5.9 with 2 (docs/performance.md, issue 13);
+    #: with 1 and `malloc_tcache: false`, every thread reuses the same freed memory.
+    malloc_arena_max: int = 1
+    #: Keep glibc's per-thread caches of freed blocks (tcache) in the `graft-fed broker`
+    #: process. Off by default: with hundreds of threads each keeps freed blocks for itself
+    #: and the heap took about half an hour to settle. Off, with one arena, under 256 nodes x
+    #: 256 prompts the RSS after a 5-minute warm-up rose 0.26 +- 1.24 MiB/min at about 187
+    #: MiB, against 2.2-3.3 at about 235 with both on (docs/performance.md, issue 13,
+    #: "forty-third pass"). glibc reads it only from the environment at start, so the
+    #: command re-executes itself once (same pid) with GLIBC_TUNABLES=glibc.malloc.
+    #: tcache_count=0 added; a GLIBC_TUNABLES that sets tcache_count already is left alone.
+    malloc_tcache: bool = False
     #: Seconds between the housekeeping's malloc_trim(0) (glibc), which hands the free pages
     #: inside the C heap back to the kernel (0: never). Freed memory otherwise stays in the
     #: process, counted in its RSS, until a later allocation reuses it: set it (e.g. 60) where

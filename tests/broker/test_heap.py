@@ -6,6 +6,8 @@ import platform
 import subprocess
 import sys
 
+import pytest
+
 from graft_fed.broker.heap import keep_chunk_buffers
 
 
@@ -90,3 +92,65 @@ def test_memory_usage_tells_live_c_memory_and_sqlite_apart():
     if platform.libc_ver()[0] == "glibc":
         assert after["malloc_in_use"] - before["malloc_in_use"] > 35 * mib
         assert after["malloc_in_use"] - freed["malloc_in_use"] > 35 * mib
+
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+def test_without_tcache_adds_the_tunable_once_and_leaves_the_operators_choice_alone():
+    from graft_fed.broker.heap import TCACHE_OFF, tcache_off, without_tcache
+
+    env = without_tcache({"A": "1"})
+    if not GLIBC:
+        assert env is None and not tcache_off({"GLIBC_TUNABLES": TCACHE_OFF})
+        return
+    assert env == {"A": "1", "GLIBC_TUNABLES": TCACHE_OFF} and tcache_off(env)
+    other = without_tcache({"GLIBC_TUNABLES": "glibc.malloc.mxfast=0"})
+    assert other["GLIBC_TUNABLES"] == f"glibc.malloc.mxfast=0:{TCACHE_OFF}" and tcache_off(other)
+    assert without_tcache(env) is None  # the re-executed process: no second round
+    assert without_tcache({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}) is None  # the operator's
+    assert not tcache_off({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}) and not tcache_off({})
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's tunables")
+def test_graft_fed_broker_runs_itself_again_with_glibcs_caches_off(prompt_file, tmp_path):
+    """`graft-fed broker` re-executes itself once, in the same process, with
+    GLIBC_TUNABLES=glibc.malloc.tcache_count=0 added (broker.malloc_tcache: false, the
+    default); not with malloc_tcache: true, and not over an operator's own tcache_count."""
+    import socket
+    import time
+
+    import yaml
+
+    def environ(pid: int) -> dict[str, str]:
+        raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    cases = [({}, base, "glibc.malloc.tcache_count=0", "off"),
+             ({"malloc_tcache": True}, base, None, "on"),
+             ({}, {**base, "GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}, "glibc.malloc.tcache_count=3", "on")]
+    for i, (extra, env, tunables, said) in enumerate(cases):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cfg = {"listen": f"127.0.0.1:{port}", "http": "", "db": str(tmp_path / f"b{i}.sqlite"),
+               "data": {"source": str(prompt_file)}, "verifier": {"name": "tests.plugins:odd_char_sum"},
+               "n": 2, "prompts_per_round": 4, **extra}
+        (tmp_path / f"b{i}.yaml").write_text(yaml.safe_dump(cfg))
+        port_file, log = tmp_path / f"port{i}", tmp_path / f"log{i}"
+        with log.open("wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "graft_fed.cli", "broker",
+                                     "--config", str(tmp_path / f"b{i}.yaml"), "--port-file", str(port_file)],
+                                    stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while not port_file.exists():
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "the broker did not start"
+                time.sleep(0.05)
+            assert environ(proc.pid).get("GLIBC_TUNABLES") == tunables  # the same process, run again
+            assert f"glibc's per-thread caches {said}" in log.read_text()
+        finally:
+            proc.terminate()
+            assert proc.wait(60) == 0, log.read_text()
