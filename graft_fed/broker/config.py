@@ -136,8 +136,9 @@ class BrokerConfig:
     #: 256 prompts the RSS after a 5-minute warm-up rose 0.26 +- 1.24 MiB/min at about 187
     #: MiB, against 2.2-3.3 at about 235 with both on (docs/performance.md, issue 13,
     #: "forty-third pass"). glibc reads it only from the environment at start, so the
-    #: command re-executes itself once (same pid) with GLIBC_TUNABLES=glibc.malloc.
-    #: tcache_count=0 added; a GLIBC_TUNABLES that sets tcache_count already is left alone.
+    #: command re-executes itself once (same pid) with
+    #: GLIBC_TUNABLES=glibc.malloc.tcache_count=0 added; a GLIBC_TUNABLES that sets
+    #: tcache_count already is left alone.
     malloc_tcache: bool = False
     #: Seconds between the housekeeping's malloc_trim(0) (glibc), which hands the free pages
     #: inside the C heap back to the kernel (0: never). Freed memory otherwise stays in the
