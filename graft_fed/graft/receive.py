@@ -41,6 +41,20 @@ class Receiver:
     graft: GraftSection
     scale_rewards: str = "group"  # how the receiver computes advantages (the pooled ablation)
     std: str = "sample"
+    #: The most tokens (the receiver's own) of one peer response it trains on, and the most
+    #: prompt + response tokens its model takes (its context); None = no bound. A peer group
+    #: with a longer response is refused before any model sees it: a hostile peer could
+    #: otherwise send responses of 256 Ki characters that crash the scoring pass (out of
+    #: memory, or positions past the model's context).
+    max_response_tokens: int | None = None
+    context_tokens: int | None = None
+
+    def response_limit(self, prompt_tokens: int) -> int | None:
+        """The most tokens a peer response to a prompt of `prompt_tokens` tokens may have."""
+        limits = [x for x in (self.max_response_tokens,
+                              None if self.context_tokens is None else self.context_tokens - prompt_tokens)
+                  if x is not None]
+        return min(limits) if limits else None
 
 
 def retokenise(tokenizer: Any, text: str, finish_reason: str, eos_id: int) -> list[int]:
@@ -125,17 +139,30 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
     # Re-tokenise and score compatibility in one batched likelihood pass of pi_old^R.
     eos = rx.eos_id
     plans, prompt_ids, resp_ids, owners = [], [], [], []
+    kept = []
     for i, rec in accepted:
         plan = plan_transfer(rec.rewards, advantages[own[i].prompt.id], g.transfer,  # type: ignore[arg-type]
                              own_rewards=own[i].rewards.tolist() if g.transfer == "pooled" else (),
                              scale=rx.scale_rewards, std=rx.std)
+        ids = {j: retokenise(rx.tokenizer, rec.texts[j], rec.finish_reasons[j], eos)
+               for j in plan.peer_index if j is not None}
+        limit = rx.response_limit(len(own[i].prompt_ids))
+        if limit is not None and any(len(r) > limit for r in ids.values()):
+            # not trained on; reported as unusable (s 0), not as a lie: an honest peer with a
+            # longer response cap than this receiver's sends such groups too
+            counts["rejected_too_long"] += 1
+            per_source[rec.model_id]["rejected_too_long"] += 1
+            reports.append(GroupReport(rec.prompt_id, rec.model_id, 0.0, 0.0, False))
+            continue
+        kept.append((i, rec))
         plans.append(plan)
         for j in plan.peer_index:
             if j is None:
                 continue
             prompt_ids.append(own[i].prompt_ids)
-            resp_ids.append(retokenise(rx.tokenizer, rec.texts[j], rec.finish_reasons[j], eos))
+            resp_ids.append(ids[j])
             owners.append((len(plans) - 1, j))
+    accepted = kept
     lbar_r = torch.empty(0)
     token_lps: list[list[float]] = []
     if resp_ids:

@@ -57,3 +57,26 @@ def test_a_poisoned_group_is_refused_reported_and_the_weights_stay_finite(tiny_l
         res = receive(receiver_of(tr), own, {own[0].prompt.id: rec})
         assert res.metrics["graft/replaced"] == 1
         assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
+
+
+def test_a_peer_response_longer_than_the_receiver_takes_is_refused_before_scoring(tiny_gpt2, prompt_file, tmp_path):
+    """A hostile peer's group whose responses, re-tokenised, run past the receiver's model
+    context (GPT-2's 512 learned positions here: an IndexError in the scoring pass, on a GPU
+    a device-side assert; a long-context model runs out of memory instead) or past
+    graft.max_peer_tokens is refused before any model sees it, and reported as unusable
+    (s 0, not as a lie: an honest peer with a longer cap sends such groups too)."""
+    for sub, over in (("default", {}), ("beyond_context", {"graft.max_peer_tokens": 10**6})):
+        (tmp_path / sub).mkdir()
+        tr, own = _receiver(tiny_gpt2, prompt_file, tmp_path / sub, **over)
+        with tr:
+            rec, *_ = _informative_record(tiny_gpt2, tr, own[0])
+            # 600 more characters of even character-code sum: the rewards still re-verify
+            long = dataclasses.replace(rec, texts=tuple("a" * 600 + t for t in rec.texts))
+            res = receive(receiver_of(tr), own, {own[0].prompt.id: long})
+            assert res.metrics["graft/rejected_too_long"] == 1, sub
+            assert res.groups[0] is own[0]
+            assert [(r.source, r.prompt_id, r.mean_s, r.rejected) for r in res.reports] == \
+                [(rec.model_id, rec.prompt_id, 0.0, False)]
+            # the same group within bounds is trained on
+            res = receive(receiver_of(tr), own, {own[0].prompt.id: rec})
+            assert res.metrics["graft/replaced"] == 1 and "graft/rejected_too_long" not in res.metrics
