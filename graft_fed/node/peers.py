@@ -32,8 +32,8 @@ from graft_fed.federation.errors import PERMANENT, FailedPrecondition, Federatio
     ResourceExhausted
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow, summarise
-from graft_fed.federation.policy import fetch_failure_is_per_offer, refused_record_entry, undelivered_entries, \
-    uploads_to_serve
+from graft_fed.federation.policy import fetch_failure_is_per_offer, offers_to_fetch, refused_record_entry, \
+    undelivered_entries, uploads_to_serve
 from graft_fed.federation.signing import ProvenanceError
 from graft_fed.graft.receive import GroupReport, offer_metrics
 from graft_fed.graft.step import Offers
@@ -78,9 +78,10 @@ class FetchedOffers:
                 "federation/fetch_refused": float(self.refused), "federation/undelivered": float(self.undelivered)}
 
 
-def fetch_offers(client: BrokerClient, offers: Sequence[Offer]) -> FetchedOffers:
+def fetch_offers(client: BrokerClient, offers: Sequence[Offer], n: int | None = None) -> FetchedOffers:
     """Download and check every offered bundle: digest, record, and who produced it (the
-    signature must be the offered source's, see graft_fed/federation/signing.py). A bundle
+    signature must be the offered source's, see graft_fed/federation/signing.py); with `n`
+    (the federation's group size), a record of another size is refused too. A bundle
     that fails is skipped, never trained on, and reported as a rejected group of that
     source; a fetch the broker refuses skips that offer only (the step goes on); only a lost
     broker raises."""
@@ -109,7 +110,10 @@ def fetch_offers(client: BrokerClient, offers: Sequence[Offer]) -> FetchedOffers
             out.bad += 1
             out.refused += 1
             continue
-        if got.record.prompt_id != o.prompt_id:
+        if got.record.prompt_id != o.prompt_id or (n is not None and got.record.n != n):
+            log.warning("bundle from %s rejected: it holds %d responses for prompt %r, offered as prompt %r (a "
+                        "federation's groups have %s)", o.source_node, got.record.n, got.record.prompt_id[:64],
+                        o.prompt_id[:64], n)
             out.bad += 1
             out.rejections.append(refused_record_entry(o))
             continue
@@ -276,7 +280,12 @@ class BrokerPeers:
                 # the broker answers as soon as every offered bundle is there (or the wait ends)
                 resp = self.client.get_matches(cur.round, self.fetch_timeout_s, wait_for_bundles=True)
                 uploads += self._serve_uploads(learner, resp, cur.groups)
-            fetched = fetch_offers(self.client, resp.offers)
+            # only offers for this round's all-fail prompts, one each, whatever the broker sends
+            offers, ignored = offers_to_fetch(resp.offers, {pid for pid, g in cur.groups.items() if g.k == 0})
+            if ignored:
+                log.warning("node %s: ignored %d offers of round %d for prompts it did not ask for (not all-fail "
+                            "here, unknown, or offered twice)", self.node_id, ignored, cur.round)
+            fetched = fetch_offers(self.client, offers, n=self.manifest.n)
         except FederationError as exc:
             cur.live = False
             self._lost(exc)
@@ -284,10 +293,11 @@ class BrokerPeers:
                                    "federation/backlog_rounds": float(len(self.backlog)),
                                    "time/federation": time.perf_counter() - t0})
         cur.rejections = fetched.rejections
-        metrics: dict[str, Any] = offer_metrics(groups, resp.candidates, resp.solved_by_peers, len(resp.offers))
+        metrics: dict[str, Any] = offer_metrics(groups, resp.candidates, resp.solved_by_peers, len(offers))
         metrics.update(fetched.metrics())
         metrics.update({"federation/connected": 1.0, "federation/skipped": 0.0,
-                        "federation/offers": float(len(resp.offers)), "federation/bad_bundles": float(fetched.bad),
+                        "federation/offers": float(len(offers)), "federation/offers_ignored": float(ignored),
+                        "federation/bad_bundles": float(fetched.bad),
                         "federation/uploads": float(uploads), "federation/uploads_refused": float(self.uploads_refused),
                         "time/federation": time.perf_counter() - t0})
         return Offers(records=fetched.records, metrics=metrics)

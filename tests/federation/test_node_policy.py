@@ -5,8 +5,8 @@ uploads only what the node can see was matched in the current window."""
 from graft_fed.federation.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
                                          PermissionDenied, ResourceExhausted, Unavailable)
 from graft_fed.federation.messages import Offer, ReportEntry
-from graft_fed.federation.policy import (fetch_failure_is_per_offer, refused_record_entry, undelivered_entries,
-                                         uploads_to_serve)
+from graft_fed.federation.policy import (fetch_failure_is_per_offer, offers_to_fetch, refused_record_entry,
+                                         undelivered_entries, uploads_to_serve)
 
 
 def offer(pid, source="s", digest="d" * 64):
@@ -75,3 +75,35 @@ def test_a_node_fetching_offers_skips_a_refused_one_reports_it_and_keeps_the_res
         ReportEntry("s", "p4", 0.0, 0.0, False)]
     with pytest.raises(Unavailable):
         fetch_offers(Client(lost=True), offers)
+
+
+def test_a_node_fetches_only_one_offer_per_all_fail_prompt_of_its_round():
+    """A hostile broker offering groups for prompts the receiver solved or never had, several
+    for one prompt, or thousands, cannot make it download, decode and report them."""
+    offers = [offer("p1"), offer("p1", source="t"), offer("solved"), offer("p2", digest=""), offer("nowhere")]
+    offers += [offer(f"x{i}") for i in range(10_000)]
+    got, ignored = offers_to_fetch(offers, wanted={"p1", "p2", "p3"})
+    assert got == [offer("p1"), offer("p2", digest="")] and ignored == 10_003
+
+
+def test_a_fetched_group_of_another_size_than_the_federations_is_rejected():
+    """The broker checks a source's n against the manifest; a hostile broker relays a group of
+    4,096 responses (4,096 re-verifications and scoring rows at the receiver): refused."""
+    from graft_fed.core.records import GroupRecord
+    from graft_fed.node.client import FetchedBundle
+    from graft_fed.node.peers import fetch_offers
+
+    def rec(pid, n):
+        return GroupRecord(prompt_id=pid, step=0, model_id="m", tokenizer_id="t", problem="q", answer="1",
+                           rewards=(1.0,) + (0.0,) * (n - 1), advantages=(0.7071,) + (-0.7071,) * (n - 1),
+                           texts=("1",) * n, finish_reasons=("stop",) * n, lengths=(1,) * n,
+                           mean_logprobs=(-0.5,) * n)
+
+    class Client:
+        def fetch_bundle(self, digest, source=None):
+            return FetchedBundle(record=rec("p1", 2 if digest == "a" * 64 else 4096), signer="")
+
+    got = fetch_offers(Client(), [offer("p1", digest="b" * 64)], n=2)
+    assert got.records == {} and got.bad == 1
+    assert got.rejections == [ReportEntry("s", "p1", 0.0, 0.0, True)]
+    assert set(fetch_offers(Client(), [offer("p1", digest="a" * 64)], n=2).records) == {"p1"}
