@@ -141,10 +141,17 @@ def verify_checkpoint(path: str | Path, fingerprint: str | None = None, config: 
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
         files = manifest["files"]
         step = int(manifest["step"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{mpath} is unreadable ({exc}); the checkpoint is corrupt") from None
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        raise CheckpointError(f"{mpath} is unreadable ({type(exc).__name__}: {str(exc)[:200]}); the checkpoint is "
+                              "corrupt: delete it and resume from an earlier one") from None
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise CheckpointError(f"{mpath}: 'files' is not a map of file names to sha256 digests; the checkpoint is "
+                              "corrupt: delete it and resume from an earlier one")
     for rel, digest in files.items():
         fpath = path / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise CheckpointError(f"{mpath} lists {rel[:200]!r}, a file outside the checkpoint; the checkpoint is "
+                                  "corrupt: delete it and resume from an earlier one")
         if not fpath.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {rel}; it is incomplete: delete it and "
                                   "resume from an earlier one")
