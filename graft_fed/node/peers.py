@@ -144,7 +144,7 @@ class BrokerPeers:
     def __init__(self, client: BrokerClient, node_id: str, privacy: str, manifest: Manifest,
                  broker: str, federation_id: str | None, match_wait_s: float, round_timeout_s: float,
                  fetch_timeout_s: float, rpc_timeout_s: float, reconnect_min_s: float,
-                 reconnect_max_s: float) -> None:
+                 reconnect_max_s: float, max_staleness_rounds: int = 16) -> None:
         self.client = client
         self.node_id = node_id
         self.privacy = Privacy(privacy)
@@ -153,6 +153,7 @@ class BrokerPeers:
         self.federation_id = federation_id
         self.match_wait_s, self.round_timeout_s, self.fetch_timeout_s = match_wait_s, round_timeout_s, fetch_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
+        self.max_staleness_rounds = max_staleness_rounds  # matched_only: the widest upload window taken
         self.connected = False
         self.backoff = Backoff(reconnect_min_s, reconnect_max_s)
         self.broker_manifest: Manifest | None = None
@@ -180,6 +181,12 @@ class BrokerPeers:
         if self.federation_id and manifest.federation_id != self.federation_id:
             raise ConfigError(f"broker {self.broker} serves federation {manifest.federation_id!r}, "
                               f"not {self.federation_id!r}")
+        if (self.privacy is Privacy.MATCHED_ONLY and manifest.mode == "async"
+                and manifest.staleness_rounds > self.max_staleness_rounds):
+            log.warning("node %s: the broker runs asynchronous rounds with staleness_rounds %d; this node uploads "
+                        "(matched_only) groups at most %d rounds old (federation.max_staleness_rounds) and refuses "
+                        "requests for older ones", self.node_id, manifest.staleness_rounds,
+                        self.max_staleness_rounds)
         self.broker_manifest = manifest
         self.connected = True
         self.backoff.succeeded()
@@ -321,11 +328,17 @@ class BrokerPeers:
             # upload only what this node can see was matched in the current window, whatever
             # the broker asks (docs/security.md)
             m = self.broker_manifest
-            window = m.staleness_rounds if m is not None and m.mode == "async" else 0
+            # the broker's window, never wider than this node takes (a hostile broker could
+            # otherwise ask for every round the node ever recorded)
+            window = min(m.staleness_rounds, self.max_staleness_rounds) if m is not None and m.mode == "async" else 0
             informative = {learner.step: {pid for pid, g in current.items() if 0 < g.k < g.n}}
             if window and learner.store is not None:
-                for rnd in range(max(0, learner.step - window), learner.step):
-                    found = learner.store.lookup([p for p, r in requests if r == rnd], step=rnd, run_id=learner.run_id)
+                asked: dict[int, list[str]] = {}
+                for p, r in requests:
+                    if learner.step - window <= r < learner.step:
+                        asked.setdefault(r, []).append(p)
+                for rnd, pids in sorted(asked.items()):
+                    found = learner.store.lookup(pids, step=rnd, run_id=learner.run_id)
                     informative[rnd] = {pid for pid, rec in found.items() if rec.kind == "informative"}
             requests, refused = uploads_to_serve(requests, learner.step, window, informative)
             if refused:

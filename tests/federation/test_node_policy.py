@@ -107,3 +107,47 @@ def test_a_fetched_group_of_another_size_than_the_federations_is_rejected():
     assert got.records == {} and got.bad == 1
     assert got.rejections == [ReportEntry("s", "p1", 0.0, 0.0, True)]
     assert set(fetch_offers(Client(), [offer("p1", digest="a" * 64)], n=2).records) == {"p1"}
+
+
+def test_matched_only_a_broker_cannot_widen_the_upload_window_past_the_nodes_cap(caplog):
+    """The window is the broker's staleness_rounds in asynchronous mode: a hostile broker
+    announcing staleness 10^9 got a matched_only node at round 500 to upload its groups of
+    every round since 0 (when it records them). The node takes at most
+    federation.max_staleness_rounds (16 by default)."""
+    from types import SimpleNamespace
+
+    from graft_fed.core.records import GroupRecord
+    from graft_fed.federation.manifest import Manifest
+    from graft_fed.federation.messages import MatchResult
+    from graft_fed.node.peers import BrokerPeers
+
+    def rec(pid, step):
+        return GroupRecord(prompt_id=pid, step=step, model_id="m", tokenizer_id="t", problem="q", answer="1",
+                           rewards=(1.0, 0.0), advantages=(0.7071, -0.7071), texts=("a", "b"),
+                           finish_reasons=("stop", "stop"), lengths=(1, 1), mean_logprobs=(-0.5, -0.25))
+
+    class Store:
+        def lookup(self, pids, step=None, run_id=None, match="same_step"):
+            return {p: rec(p, step) for p in pids}
+
+    class Client:
+        def __init__(self):
+            self.uploaded = []
+
+        def upload_missing(self, records):
+            records = list(records)
+            self.uploaded += records
+            return len(records)
+
+    learner = SimpleNamespace(step=500, store=Store(), run_id="r", model_id="m", tok_id="t")
+    asks = MatchResult(ready=True, offers=[], upload_requests=[(f"p{r}", r) for r in range(500)])
+    for staleness, cap, first in ((10**9, 16, 484), (4, 16, 496), (10**9, 0, None)):
+        hostile = Manifest("f", 1, "d", "h", 0, 2, 4, "async", "v", "1", staleness, "group/sample")
+        client = Client()
+        peers = BrokerPeers(client, "me", "matched_only", hostile, "b", None, 1, 1, 1, 1, 1, 1,
+                            max_staleness_rounds=cap)
+        peers.broker_manifest = hostile
+        peers._serve_uploads(learner, asks, {})
+        rounds = [r for _, r in client.uploaded]
+        assert rounds == ([] if first is None else list(range(first, 500))), (staleness, cap)
+        assert peers.uploads_refused == 500 - len(rounds)
