@@ -197,6 +197,55 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"cannot read {path}/trainer_state.pt: {exc}") from None
 
 
+#: What a distributed checkpoint's metadata (torch.distributed.checkpoint's `.metadata`, a
+#: pickle) may name: its own dataclasses, tensor sizes, dtypes and layouts, paths. Anything
+#: else (os.system, builtins.eval, ...) would run when dcp.load unpickles it.
+_DCP_METADATA_GLOBALS = frozenset(
+    [("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")]
+    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+       ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")]
+    + [("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")])
+
+
+def check_dcp_metadata(path: str | Path) -> None:
+    """Refuse a distributed checkpoint (the `dcp` folder of a torchrun checkpoint) whose
+    metadata names anything but what torch.distributed.checkpoint writes: dcp.load unpickles
+    it with plain pickle, so a checkpoint from elsewhere could run any code at resume. Call
+    before dcp.load; raises CheckpointError."""
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) in _DCP_METADATA_GLOBALS or (
+                    module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"it names {module[:80]}.{name[:80]}, which a checkpoint's metadata never "
+                                         "holds")
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        files = sorted(p for p in Path(path).iterdir() if p.name.endswith(".metadata") and p.is_file())
+    except OSError:
+        files = []
+    if not files:
+        raise CheckpointError(f"{path} holds no .metadata: the checkpoint is incomplete; delete it and resume from "
+                              "an earlier one")
+    for meta in files:
+        try:
+            with meta.open("rb") as fh:
+                value = Restricted(fh).load()
+        except Exception as exc:  # noqa: BLE001 - any failure to unpickle means the same thing here
+            raise CheckpointError(f"checkpoint metadata {meta} refused ({type(exc).__name__}: {str(exc)[:200]}); "
+                                  "the checkpoint is corrupt or not one graft-fed wrote: delete it and resume from "
+                                  "an earlier one") from None
+        if meta.name == ".metadata" and not isinstance(value, Metadata):
+            raise CheckpointError(f"checkpoint metadata {meta} holds a {type(value).__name__}, not a checkpoint's "
+                                  "metadata; delete it and resume from an earlier one")
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     dirs = checkpoint_dirs(root)
     return dirs[-1] if dirs else None
