@@ -59,8 +59,12 @@ class Receiver:
 
 def retokenise(tokenizer: Any, text: str, finish_reason: str, eos_id: int) -> list[int]:
     """The receiver's own token ids for a peer response string (never the peer's ids).
-    A response that stopped gets the receiver's EOS so the receiver learns to stop."""
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    A response that stopped gets the receiver's EOS so the receiver learns to stop.
+    Special-token strings in the text ("<|im_end|>", "<|endoftext|>", the pad token) are
+    read as the plain text they are, never as those tokens: responses are decoded without
+    special tokens, so only a hostile peer's text makes them, and it would otherwise put
+    end-of-turn, role or pad tokens inside what the receiver trains on."""
+    ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
     if finish_reason == "stop" or not ids:
         ids.append(eos_id)
     return ids

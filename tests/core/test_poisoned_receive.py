@@ -80,3 +80,21 @@ def test_a_peer_response_longer_than_the_receiver_takes_is_refused_before_scorin
             # the same group within bounds is trained on
             res = receive(receiver_of(tr), own, {own[0].prompt.id: rec})
             assert res.metrics["graft/replaced"] == 1 and "graft/rejected_too_long" not in res.metrics
+
+
+def test_special_token_strings_in_a_peer_response_are_retokenised_as_plain_text(tiny_llama):
+    """Responses are decoded without special tokens, so only a hostile peer's text holds
+    "<eos>" or "<pad>" (a real model's "<|im_end|><|im_start|>user"): re-tokenised as those
+    tokens they put end-of-turn, role or pad ids inside what the receiver trains on, at
+    weight 1 once the source claims low log-probs. They are read as the text they are."""
+    from transformers import AutoTokenizer
+
+    from graft_fed.graft.receive import retokenise
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    specials = {tok.eos_token_id, tok.pad_token_id}
+    ids = retokenise(tok, "12<eos>34<pad>", "stop", tok.eos_token_id)
+    assert ids[-1] == tok.eos_token_id and not specials & set(ids[:-1])
+    assert retokenise(tok, "1234", "length", tok.eos_token_id) == tok("1234", add_special_tokens=False)["input_ids"]
+    # the tokenizer is left as it was: its own calls still read special tokens
+    assert tok.eos_token_id in tok("12<eos>", add_special_tokens=False)["input_ids"]
