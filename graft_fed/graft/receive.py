@@ -126,12 +126,24 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
     if g.reverify and accepted:
         texts = [t for _, rec in accepted for t in rec.texts]
         answers = [own[i].prompt.answer for i, rec in accepted for _ in rec.texts]
-        scored = rx.verifier.score(texts, answers).rewards
+        result = rx.verifier.score(texts, answers)
+        scored = result.rewards
+        statuses = list(getattr(result, "statuses", None) or ())
         counts["reverified"] += len(accepted)
         kept, pos = [], 0
         for i, rec in accepted:
             mine = scored[pos:pos + rec.n]
+            unverified = sum(1 for st in statuses[pos:pos + rec.n] if st in ("timeout", "error"))
             pos += rec.n
+            if unverified:
+                # a response this verifier could not finish is not verified, whatever was
+                # claimed (a hostile peer's "9^{9^{9^9}}" claimed 0 costs the verifier's whole
+                # timeout and passed): not trained on, reported as unusable (s 0), not as a
+                # lie, so the source stops being the most compatible one for this receiver
+                counts["rejected_unverifiable"] += 1
+                per_source[rec.model_id]["rejected_unverifiable"] += 1
+                reports.append(GroupReport(rec.prompt_id, rec.model_id, 0.0, 0.0, False))
+                continue
             if [float(r) for r in mine] != [float(r) for r in rec.rewards]:
                 counts["rejected_reverify"] += 1
                 per_source[rec.model_id]["rejected_reverify"] += 1

@@ -98,3 +98,32 @@ def test_special_token_strings_in_a_peer_response_are_retokenised_as_plain_text(
     assert retokenise(tok, "1234", "length", tok.eos_token_id) == tok("1234", add_special_tokens=False)["input_ids"]
     # the tokenizer is left as it was: its own calls still read special tokens
     assert tok.eos_token_id in tok("12<eos>", add_special_tokens=False)["input_ids"]
+
+
+def test_a_peer_group_the_verifier_could_not_finish_is_not_trained_on(tiny_llama, tiny_gpt2, prompt_file, tmp_path):
+    """A hostile peer's group: one right answer and responses math-verify never finishes
+    ("\\boxed{9^{9^{9^9}}}": each costs the verifier's whole timeout, 20 s for seven of them
+    with two workers), claimed 0, which is what a timeout scores: re-verification agreed and
+    the group was trained on, every step it was matched. A response the verifier could not
+    finish is not verified: the group is refused and reported as unusable (s 0)."""
+    from graft_fed.rewards.verifier import ScoreResult
+
+    tr, own = _receiver(tiny_llama, prompt_file, tmp_path)
+    with tr:
+        rec, *_ = _informative_record(tiny_gpt2, tr, own[0])
+        zero = rec.rewards.index(0.0)
+
+        class TimesOut:
+            def score(self, texts, answers):
+                got = tr.verifier.score(texts, answers)
+                statuses = ["ok"] * len(texts)
+                statuses[zero] = "timeout"  # scored 0, as the pool scores a timeout
+                return ScoreResult.from_statuses(list(got.rewards), statuses)
+
+        rx = dataclasses.replace(receiver_of(tr), verifier=TimesOut())
+        res = receive(rx, own, {own[0].prompt.id: rec})
+        assert res.metrics["graft/rejected_unverifiable"] == 1 and "graft/replaced" not in res.metrics
+        assert res.groups[0] is own[0]
+        assert [(r.source, r.prompt_id, r.mean_s, r.rejected) for r in res.reports] == \
+            [(rec.model_id, rec.prompt_id, 0.0, False)]
+        assert receive(receiver_of(tr), own, {own[0].prompt.id: rec}).metrics["graft/replaced"] == 1
