@@ -30,6 +30,7 @@ from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
 from graft_fed.federation.errors import PERMANENT, FailedPrecondition, FederationError, InvalidArgument, \
     ResourceExhausted
+from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow, summarise
 from graft_fed.federation.policy import fetch_failure_is_per_offer, offers_to_fetch, refused_record_entry, \
@@ -345,11 +346,26 @@ class BrokerPeers:
                 log.warning("node %s: refused %d upload requests outside the current window or for groups it "
                             "never published as informative (matched_only)", self.node_id, len(refused))
                 self.uploads_refused += len(refused)
-        records = []
+        # whatever the privacy: only informative groups (the only ones ever matched as a
+        # source), each once, of rounds the node has reached, and no more than one HasBundles
+        # call may name; a hostile broker could otherwise ask for the node's all-fail and
+        # all-pass groups, or for millions of lookups
+        records, seen, skipped = [], set(), 0
         for prompt_id, rnd in requests:
+            if (prompt_id, rnd) in seen or rnd > learner.step or len(seen) >= MAX_DIGESTS_PER_CALL:
+                skipped += 1
+                continue
+            seen.add((prompt_id, rnd))
             rec = self._own_record(learner, prompt_id, rnd, current)
-            if rec is not None:
+            if rec is not None and rec.kind == "informative":
                 records.append((rec, rnd))
+            elif rec is not None:
+                skipped += 1
+        if skipped:
+            log.warning("node %s: refused %d upload requests for groups that are not informative, repeated, of a "
+                        "round it has not reached, or beyond %d in one answer", self.node_id, skipped,
+                        MAX_DIGESTS_PER_CALL)
+            self.uploads_refused += skipped
         return self.client.upload_missing(records)
 
     def _defer(self, rnd: int, summaries: list[SummaryRow]) -> None:

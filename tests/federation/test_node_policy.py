@@ -151,3 +151,53 @@ def test_matched_only_a_broker_cannot_widen_the_upload_window_past_the_nodes_cap
         rounds = [r for _, r in client.uploaded]
         assert rounds == ([] if first is None else list(range(first, 500))), (staleness, cap)
         assert peers.uploads_refused == 500 - len(rounds)
+
+
+def test_share_all_uploads_only_informative_groups_each_once_whatever_the_broker_asks():
+    """share_all shares every informative group; a hostile broker asking for the node's
+    all-pass or all-fail groups, one group a thousand times, rounds it has not reached or
+    millions of groups got them uploaded (or looked up one by one)."""
+    from types import SimpleNamespace
+
+    from graft_fed.core.records import GroupRecord
+    from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL
+    from graft_fed.federation.manifest import Manifest
+    from graft_fed.federation.messages import MatchResult
+    from graft_fed.node.peers import BrokerPeers
+
+    def rec(pid, step):
+        k = {"pass": 2, "fail": 0}.get(pid[:4], 1)
+        rewards = (1.0,) * k + (0.0,) * (2 - k)
+        adv = (0.7071, -0.7071) if k == 1 else (0.0, 0.0)
+        return GroupRecord(prompt_id=pid, step=step, model_id="m", tokenizer_id="t", problem="q", answer="1",
+                           rewards=rewards, advantages=adv, texts=("a", "b"), finish_reasons=("stop", "stop"),
+                           lengths=(1, 1), mean_logprobs=(-0.5, -0.25))
+
+    class Store:
+        def __init__(self):
+            self.lookups = 0
+
+        def lookup(self, pids, step=None, run_id=None, match="same_step"):
+            self.lookups += 1
+            return {p: rec(p, step) for p in pids}
+
+    class Client:
+        def __init__(self):
+            self.uploaded = []
+
+        def upload_missing(self, records):
+            records = list(records)
+            self.uploaded += records
+            return len(records)
+
+    m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
+    client = Client()
+    peers = BrokerPeers(client, "me", "share_all", m, "b", None, 1, 1, 1, 1, 1, 1)
+    peers.broker_manifest = m
+    learner = SimpleNamespace(step=5, store=Store(), run_id="r", model_id="m", tok_id="t")
+    asks = [("pass-1", 4), ("fail-1", 3), ("p1", 4), ("p9", 6)] + [("p2", 3)] * 1000
+    asks += [(f"x{i}", 1) for i in range(100_000)]
+    peers._serve_uploads(learner, MatchResult(ready=True, offers=[], upload_requests=asks), {})
+    assert [(r.prompt_id, rnd) for r, rnd in client.uploaded][:2] == [("p1", 4), ("p2", 3)]
+    assert len(client.uploaded) == MAX_DIGESTS_PER_CALL - 2 and learner.store.lookups == MAX_DIGESTS_PER_CALL
+    assert all(r.kind == "informative" for r, _ in client.uploaded)
