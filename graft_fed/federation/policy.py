@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Collection, Iterable, Mapping, Sequence
 
 from graft_fed.federation.errors import FailedPrecondition, FederationError, InvalidArgument, NotFound, PermissionDenied
+from graft_fed.federation.limits import MAX_ID_LEN, printable
 from graft_fed.federation.messages import Offer, ReportEntry
 
 #: Refusals of one fetch that say nothing about the broker being reachable.
@@ -59,11 +60,13 @@ def undelivered_entries(offers: Iterable[Offer], received: Collection[str],
 
 def offers_to_fetch(offers: Iterable[Offer], wanted: Collection[str]) -> tuple[list[Offer], int]:
     """(offers to fetch, how many were ignored): the first offer for each prompt id in
-    `wanted` (the receiver's all-fail prompts of the round); every other offer is ignored:
-    not fetched, not reported."""
+    `wanted` (the receiver's all-fail prompts of the round) whose source is a node id the
+    broker accepts (1-256 printable characters: it goes into the node's log, metrics and
+    reports); every other offer is ignored: not fetched, not reported."""
     out, seen, ignored = [], set(), 0
     for o in offers:
-        if o.prompt_id in wanted and o.prompt_id not in seen:
+        good_source = 0 < len(o.source_node) <= MAX_ID_LEN and printable(o.source_node) == o.source_node
+        if o.prompt_id in wanted and o.prompt_id not in seen and good_source:
             seen.add(o.prompt_id)
             out.append(o)
         else:

@@ -84,6 +84,9 @@ def test_a_node_fetches_only_one_offer_per_all_fail_prompt_of_its_round():
     offers += [offer(f"x{i}") for i in range(10_000)]
     got, ignored = offers_to_fetch(offers, wanted={"p1", "p2", "p3"})
     assert got == [offer("p1"), offer("p2", digest="")] and ignored == 10_003
+    # a source name that would go raw into the node's log (ANSI escapes, a forged line) or is no id at all
+    bad = [offer("p3", source="s\x1b[2J\nINFO forged"), offer("p3", source=""), offer("p3", source="s" * 257)]
+    assert offers_to_fetch(bad + [offer("p3", source="t")], wanted={"p3"}) == ([offer("p3", source="t")], 3)
 
 
 def test_a_fetched_group_of_another_size_than_the_federations_is_rejected():
