@@ -61,8 +61,8 @@ def test_a_poisoned_group_is_refused_reported_and_the_weights_stay_finite(tiny_l
 
 def test_a_peer_response_longer_than_the_receiver_takes_is_refused_before_scoring(tiny_gpt2, prompt_file, tmp_path):
     """A hostile peer's group whose responses, re-tokenised, run past the receiver's model
-    context (GPT-2's 512 learned positions here: an IndexError in the scoring pass, on a GPU
-    a device-side assert; a long-context model runs out of memory instead) or past
+    context (GPT-2's 512 learned positions here: an IndexError in the scoring pass; on a
+    long-context model the scoring pass's memory grows with the response instead) or past
     graft.max_peer_tokens is refused before any model sees it, and reported as unusable
     (s 0, not as a lie: an honest peer with a longer cap sends such groups too)."""
     for sub, over in (("default", {}), ("beyond_context", {"graft.max_peer_tokens": 10**6})):
