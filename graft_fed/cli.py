@@ -274,6 +274,15 @@ def _status_dict(st) -> dict:
 
 
 def _status_table(d: dict) -> str:
+    from graft_fed.federation.limits import printable
+
+    def shown(value: object) -> object:  # the broker's strings: a hostile one must not drive the terminal
+        return printable(value, 256) if isinstance(value, str) else value
+
+    d = {k: shown(v) for k, v in d.items()}
+    d["manifest"] = {k: shown(v) for k, v in d["manifest"].items()}
+    d["nodes"] = [{k: shown(v) for k, v in n.items()} for n in d["nodes"]]
+    d["pairs"] = [{k: shown(v) for k, v in p.items()} for p in d["pairs"]]
     lines = [f"federation {d['federation_id']}: dataset {d['dataset_id']}, n={d['n']}, {d['prompts_per_round']} "
              f"prompts/round, round {d['current_round']}, {d['bundles']} bundles ({d['bundle_bytes'] / 2**20:.1f} MiB)",
              "manifest: " + ", ".join(f"{k} {v}" for k, v in d["manifest"].items()

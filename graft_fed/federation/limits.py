@@ -60,6 +60,21 @@ def clip(value: Any, n: int = MAX_ECHO) -> str:
     return f"{text[:n]!r}... ({len(text)} chars)"
 
 
+def printable(text: str, n: int = MAX_ERROR_MESSAGE) -> str:
+    """What a broker or peer sent, fit for a log line or a terminal: at most `n` characters,
+    control, format and other category-C characters (and line or paragraph separators)
+    escaped, so a hostile sender cannot drive the reader's terminal (ANSI and C1 escape
+    sequences) or forge log lines."""
+    import unicodedata
+
+    text = text if len(text) <= n else text[:n] + f"... ({len(text)} chars)"
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(c.encode("unicode_escape").decode("ascii")
+                   if unicodedata.category(c)[0] == "C" or unicodedata.category(c) in ("Zl", "Zp") else c
+                   for c in text)
+
+
 def check_int64(value: int, what: str) -> int:
     if not 0 <= value <= INT64_MAX:
         raise InvalidArgument(f"{what}={clip(str(value), 24)} is out of range [0, 2^63-1]")

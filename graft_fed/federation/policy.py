@@ -12,6 +12,10 @@ broker (or a peer behind it) may be hostile. graft_fed/node/peers.py calls them
   source for that receiver instead of the most (a pair with no reports counts as best).
 - `refused_record_entry`: a bundle that arrived, with the right digest (and signature), but
   whose record is malformed or poisoned is the source's own doing: reported as rejected.
+- `offers_to_fetch`: the node fetches only offers for its own all-fail prompts of the round,
+  one per prompt, whatever else the broker offers (groups for prompts it solved or never
+  had, several for one prompt, thousands of them), so a hostile broker cannot make it
+  download, decode and report what it would never train on.
 - `uploads_to_serve`: under `matched_only` privacy the node uploads only what it can see
   was matched in the current window: groups of its own rounds within the window, that it
   published as informative (0 < k < n, the only groups ever matched as a source). An upload
@@ -24,6 +28,7 @@ from __future__ import annotations
 from typing import Collection, Iterable, Mapping, Sequence
 
 from graft_fed.federation.errors import FailedPrecondition, FederationError, InvalidArgument, NotFound, PermissionDenied
+from graft_fed.federation.limits import MAX_ID_LEN, printable
 from graft_fed.federation.messages import Offer, ReportEntry
 
 #: Refusals of one fetch that say nothing about the broker being reachable.
@@ -51,6 +56,22 @@ def undelivered_entries(offers: Iterable[Offer], received: Collection[str],
         out.append(ReportEntry(source=o.source_node, prompt_id=o.prompt_id, mean_s=0.0, admitted_fraction=0.0,
                                rejected=False))
     return out
+
+
+def offers_to_fetch(offers: Iterable[Offer], wanted: Collection[str]) -> tuple[list[Offer], int]:
+    """(offers to fetch, how many were ignored): the first offer for each prompt id in
+    `wanted` (the receiver's all-fail prompts of the round) whose source is a node id the
+    broker accepts (1-256 printable characters: it goes into the node's log, metrics and
+    reports); every other offer is ignored: not fetched, not reported."""
+    out, seen, ignored = [], set(), 0
+    for o in offers:
+        good_source = 0 < len(o.source_node) <= MAX_ID_LEN and printable(o.source_node) == o.source_node
+        if o.prompt_id in wanted and o.prompt_id not in seen and good_source:
+            seen.add(o.prompt_id)
+            out.append(o)
+        else:
+            ignored += 1
+    return out, ignored
 
 
 def refused_record_entry(offer: Offer) -> ReportEntry:

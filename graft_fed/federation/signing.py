@@ -98,9 +98,11 @@ def verify_signature(cert: x509.Certificate, producer: str, digest: str, signatu
 
 def load_certificate_der(data: bytes) -> x509.Certificate:
     try:
-        return x509.load_der_x509_certificate(data)
+        cert = x509.load_der_x509_certificate(data)
+        _ = (cert.subject, cert.issuer)  # names are parsed at first use: a malformed one raises ValueError here, not later
+        return cert
     except ValueError as exc:
-        raise ProvenanceError(f"the signer's certificate is not a DER X.509 certificate ({exc})") from None
+        raise ProvenanceError(f"the signer's certificate is not a DER X.509 certificate ({str(exc)[:200]})") from None
 
 
 def pem_to_der(pem: bytes) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 
 from graft_fed.federation.errors import BY_STATUS, FederationError
+from graft_fed.federation.limits import printable
 
 #: What a caller is told about an error the broker did not raise on purpose.
 INTERNAL_MESSAGE = "internal broker error (see the broker's log)"
@@ -23,9 +24,10 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def from_rpc_error(exc: grpc.RpcError, rpc: str = "") -> FederationError:
-    """The domain error for a failed call; its message is the broker's, prefixed by the RPC."""
+    """The domain error for a failed call; its message is the broker's, prefixed by the RPC
+    (printable: a hostile broker's message ends up in the node's log and on a terminal)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if hasattr(exc, "details") else "") or ""
+    details = printable(str((exc.details() if hasattr(exc, "details") else "") or ""))
     name = code.name if code is not None else "UNKNOWN"
     cls = BY_STATUS.get(name)
     if cls is None:

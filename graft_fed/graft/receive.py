@@ -41,12 +41,30 @@ class Receiver:
     graft: GraftSection
     scale_rewards: str = "group"  # how the receiver computes advantages (the pooled ablation)
     std: str = "sample"
+    #: The most tokens (the receiver's own) of one peer response it trains on, and the most
+    #: prompt + response tokens its model takes (its context); None = no bound. A peer group
+    #: with a longer response is refused before any model sees it: a hostile peer could
+    #: otherwise send responses of 256 Ki characters that crash the scoring pass (out of
+    #: memory, or positions past the model's context).
+    max_response_tokens: int | None = None
+    context_tokens: int | None = None
+
+    def response_limit(self, prompt_tokens: int) -> int | None:
+        """The most tokens a peer response to a prompt of `prompt_tokens` tokens may have."""
+        limits = [x for x in (self.max_response_tokens,
+                              None if self.context_tokens is None else self.context_tokens - prompt_tokens)
+                  if x is not None]
+        return min(limits) if limits else None
 
 
 def retokenise(tokenizer: Any, text: str, finish_reason: str, eos_id: int) -> list[int]:
     """The receiver's own token ids for a peer response string (never the peer's ids).
-    A response that stopped gets the receiver's EOS so the receiver learns to stop."""
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    A response that stopped gets the receiver's EOS so the receiver learns to stop.
+    Special-token strings in the text ("<|im_end|>", "<|endoftext|>", the pad token) are
+    read as the plain text they are, never as those tokens: responses are decoded without
+    special tokens, so only a hostile peer's text makes them, and it would otherwise put
+    end-of-turn, role or pad tokens inside what the receiver trains on."""
+    ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
     if finish_reason == "stop" or not ids:
         ids.append(eos_id)
     return ids
@@ -108,12 +126,24 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
     if g.reverify and accepted:
         texts = [t for _, rec in accepted for t in rec.texts]
         answers = [own[i].prompt.answer for i, rec in accepted for _ in rec.texts]
-        scored = rx.verifier.score(texts, answers).rewards
+        result = rx.verifier.score(texts, answers)
+        scored = result.rewards
+        statuses = list(getattr(result, "statuses", None) or ())
         counts["reverified"] += len(accepted)
         kept, pos = [], 0
         for i, rec in accepted:
             mine = scored[pos:pos + rec.n]
+            unverified = sum(1 for st in statuses[pos:pos + rec.n] if st in ("timeout", "error"))
             pos += rec.n
+            if unverified:
+                # a response this verifier could not finish is not verified, whatever was
+                # claimed (a hostile peer's "9^{9^{9^9}}" claimed 0 costs the verifier's whole
+                # timeout and passed): not trained on, reported as unusable (s 0), not as a
+                # lie, so the source stops being the most compatible one for this receiver
+                counts["rejected_unverifiable"] += 1
+                per_source[rec.model_id]["rejected_unverifiable"] += 1
+                reports.append(GroupReport(rec.prompt_id, rec.model_id, 0.0, 0.0, False))
+                continue
             if [float(r) for r in mine] != [float(r) for r in rec.rewards]:
                 counts["rejected_reverify"] += 1
                 per_source[rec.model_id]["rejected_reverify"] += 1
@@ -125,17 +155,30 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
     # Re-tokenise and score compatibility in one batched likelihood pass of pi_old^R.
     eos = rx.eos_id
     plans, prompt_ids, resp_ids, owners = [], [], [], []
+    kept = []
     for i, rec in accepted:
         plan = plan_transfer(rec.rewards, advantages[own[i].prompt.id], g.transfer,  # type: ignore[arg-type]
                              own_rewards=own[i].rewards.tolist() if g.transfer == "pooled" else (),
                              scale=rx.scale_rewards, std=rx.std)
+        ids = {j: retokenise(rx.tokenizer, rec.texts[j], rec.finish_reasons[j], eos)
+               for j in plan.peer_index if j is not None}
+        limit = rx.response_limit(len(own[i].prompt_ids))
+        if limit is not None and any(len(r) > limit for r in ids.values()):
+            # not trained on; reported as unusable (s 0), not as a lie: an honest peer with a
+            # longer response cap than this receiver's sends such groups too
+            counts["rejected_too_long"] += 1
+            per_source[rec.model_id]["rejected_too_long"] += 1
+            reports.append(GroupReport(rec.prompt_id, rec.model_id, 0.0, 0.0, False))
+            continue
+        kept.append((i, rec))
         plans.append(plan)
         for j in plan.peer_index:
             if j is None:
                 continue
             prompt_ids.append(own[i].prompt_ids)
-            resp_ids.append(retokenise(rx.tokenizer, rec.texts[j], rec.finish_reasons[j], eos))
+            resp_ids.append(ids[j])
             owners.append((len(plans) - 1, j))
+    accepted = kept
     lbar_r = torch.empty(0)
     token_lps: list[list[float]] = []
     if resp_ids:

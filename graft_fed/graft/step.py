@@ -48,11 +48,29 @@ class Peers(Protocol):
         """Tell the peers how compatible each received group was; returns metrics."""
 
 
+#: graft.max_peer_tokens 0: a peer response may have this many times the receiver's own cap
+PEER_TOKENS_FACTOR = 4
+
+
+def model_context(model: Any) -> int | None:
+    """The most positions (prompt + response tokens) `model` takes; None when its config does
+    not say."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def receiver_of(learner: GRPOTrainer) -> Receiver:
-    """What receiving needs from a learner: its tokenizer, EOS, verifier and old policy."""
+    """What receiving needs from a learner: its tokenizer, EOS, verifier and old policy, and
+    the longest peer response it takes (graft.max_peer_tokens, within its model's context)."""
     a = learner.cfg.algorithm
+    cap = learner.cfg.graft.max_peer_tokens or PEER_TOKENS_FACTOR * learner.sampling.max_new_tokens
     return Receiver(tokenizer=learner.tokenizer, eos_id=learner.engine.eos_ids[0], verifier=learner.verifier,
-                    score=learner.score_responses, graft=learner.cfg.graft, scale_rewards=a.scale_rewards, std=a.std)
+                    score=learner.score_responses, graft=learner.cfg.graft, scale_rewards=a.scale_rewards, std=a.std,
+                    max_response_tokens=cap, context_tokens=model_context(learner.model))
 
 
 @dataclass

@@ -76,6 +76,11 @@ class FederationSection:
     #: Reconnection backoff: first delay and cap, seconds (full jitter).
     reconnect_min_s: float = 1.0
     reconnect_max_s: float = 60.0
+    #: matched_only: the most rounds back an asynchronous broker may ask this node to upload
+    #: one of its groups from. The broker's staleness_rounds decides the window; one above
+    #: this is capped to it (logged at join), so a hostile broker cannot widen the window to
+    #: every round the node ever recorded.
+    max_staleness_rounds: int = 16
 
     def __post_init__(self) -> None:
         require_address(self.broker, "federation.broker", port_zero=False)
@@ -86,6 +91,10 @@ class FederationSection:
         require(0 <= self.fetch_timeout_s <= 86400,
                 f"federation.fetch_timeout_s must be seconds >= 0 and at most a day, got {self.fetch_timeout_s}")
         require(self.reconnect_min_s <= self.reconnect_max_s, "need reconnect_min_s <= reconnect_max_s")
+        require(isinstance(self.max_staleness_rounds, int) and not isinstance(self.max_staleness_rounds, bool)
+                and 0 <= self.max_staleness_rounds < 2**31,
+                f"federation.max_staleness_rounds must be a whole number of rounds >= 0, got "
+                f"{self.max_staleness_rounds!r}")
         require(1 <= self.max_message_mib <= 1024,
                 f"federation.max_message_mib must be in [1, 1024] (keep it equal to the broker's), "
                 f"got {self.max_message_mib}")
@@ -146,7 +155,7 @@ class Node:
                                  federation_id=f.federation_id, match_wait_s=f.match_wait_s,
                                  round_timeout_s=f.round_timeout_s, fetch_timeout_s=f.fetch_timeout_s,
                                  rpc_timeout_s=f.rpc_timeout_s, reconnect_min_s=f.reconnect_min_s,
-                                 reconnect_max_s=f.reconnect_max_s)
+                                 reconnect_max_s=f.reconnect_max_s, max_staleness_rounds=f.max_staleness_rounds)
 
     # the connection's state lives in the peers; these name it for operators and tests
     @property

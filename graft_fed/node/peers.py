@@ -30,10 +30,11 @@ from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
 from graft_fed.federation.errors import PERMANENT, FailedPrecondition, FederationError, InvalidArgument, \
     ResourceExhausted
+from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow, summarise
-from graft_fed.federation.policy import fetch_failure_is_per_offer, refused_record_entry, undelivered_entries, \
-    uploads_to_serve
+from graft_fed.federation.policy import fetch_failure_is_per_offer, offers_to_fetch, refused_record_entry, \
+    undelivered_entries, uploads_to_serve
 from graft_fed.federation.signing import ProvenanceError
 from graft_fed.graft.receive import GroupReport, offer_metrics
 from graft_fed.graft.step import Offers
@@ -78,9 +79,10 @@ class FetchedOffers:
                 "federation/fetch_refused": float(self.refused), "federation/undelivered": float(self.undelivered)}
 
 
-def fetch_offers(client: BrokerClient, offers: Sequence[Offer]) -> FetchedOffers:
+def fetch_offers(client: BrokerClient, offers: Sequence[Offer], n: int | None = None) -> FetchedOffers:
     """Download and check every offered bundle: digest, record, and who produced it (the
-    signature must be the offered source's, see graft_fed/federation/signing.py). A bundle
+    signature must be the offered source's, see graft_fed/federation/signing.py); with `n`
+    (the federation's group size), a record of another size is refused too. A bundle
     that fails is skipped, never trained on, and reported as a rejected group of that
     source; a fetch the broker refuses skips that offer only (the step goes on); only a lost
     broker raises."""
@@ -109,7 +111,10 @@ def fetch_offers(client: BrokerClient, offers: Sequence[Offer]) -> FetchedOffers
             out.bad += 1
             out.refused += 1
             continue
-        if got.record.prompt_id != o.prompt_id:
+        if got.record.prompt_id != o.prompt_id or (n is not None and got.record.n != n):
+            log.warning("bundle from %s rejected: it holds %d responses for prompt %r, offered as prompt %r (a "
+                        "federation's groups have %s)", o.source_node, got.record.n, got.record.prompt_id[:64],
+                        o.prompt_id[:64], n)
             out.bad += 1
             out.rejections.append(refused_record_entry(o))
             continue
@@ -140,7 +145,7 @@ class BrokerPeers:
     def __init__(self, client: BrokerClient, node_id: str, privacy: str, manifest: Manifest,
                  broker: str, federation_id: str | None, match_wait_s: float, round_timeout_s: float,
                  fetch_timeout_s: float, rpc_timeout_s: float, reconnect_min_s: float,
-                 reconnect_max_s: float) -> None:
+                 reconnect_max_s: float, max_staleness_rounds: int = 16) -> None:
         self.client = client
         self.node_id = node_id
         self.privacy = Privacy(privacy)
@@ -149,6 +154,7 @@ class BrokerPeers:
         self.federation_id = federation_id
         self.match_wait_s, self.round_timeout_s, self.fetch_timeout_s = match_wait_s, round_timeout_s, fetch_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
+        self.max_staleness_rounds = max_staleness_rounds  # matched_only: the widest upload window taken
         self.connected = False
         self.backoff = Backoff(reconnect_min_s, reconnect_max_s)
         self.broker_manifest: Manifest | None = None
@@ -176,6 +182,12 @@ class BrokerPeers:
         if self.federation_id and manifest.federation_id != self.federation_id:
             raise ConfigError(f"broker {self.broker} serves federation {manifest.federation_id!r}, "
                               f"not {self.federation_id!r}")
+        if (self.privacy is Privacy.MATCHED_ONLY and manifest.mode == "async"
+                and manifest.staleness_rounds > self.max_staleness_rounds):
+            log.warning("node %s: the broker runs asynchronous rounds with staleness_rounds %d; this node uploads "
+                        "(matched_only) groups at most %d rounds old (federation.max_staleness_rounds) and refuses "
+                        "requests for older ones", self.node_id, manifest.staleness_rounds,
+                        self.max_staleness_rounds)
         self.broker_manifest = manifest
         self.connected = True
         self.backoff.succeeded()
@@ -276,7 +288,12 @@ class BrokerPeers:
                 # the broker answers as soon as every offered bundle is there (or the wait ends)
                 resp = self.client.get_matches(cur.round, self.fetch_timeout_s, wait_for_bundles=True)
                 uploads += self._serve_uploads(learner, resp, cur.groups)
-            fetched = fetch_offers(self.client, resp.offers)
+            # only offers for this round's all-fail prompts, one each, whatever the broker sends
+            offers, ignored = offers_to_fetch(resp.offers, {pid for pid, g in cur.groups.items() if g.k == 0})
+            if ignored:
+                log.warning("node %s: ignored %d offers of round %d for prompts it did not ask for (not all-fail "
+                            "here, unknown, or offered twice)", self.node_id, ignored, cur.round)
+            fetched = fetch_offers(self.client, offers, n=self.manifest.n)
         except FederationError as exc:
             cur.live = False
             self._lost(exc)
@@ -284,10 +301,11 @@ class BrokerPeers:
                                    "federation/backlog_rounds": float(len(self.backlog)),
                                    "time/federation": time.perf_counter() - t0})
         cur.rejections = fetched.rejections
-        metrics: dict[str, Any] = offer_metrics(groups, resp.candidates, resp.solved_by_peers, len(resp.offers))
+        metrics: dict[str, Any] = offer_metrics(groups, resp.candidates, resp.solved_by_peers, len(offers))
         metrics.update(fetched.metrics())
         metrics.update({"federation/connected": 1.0, "federation/skipped": 0.0,
-                        "federation/offers": float(len(resp.offers)), "federation/bad_bundles": float(fetched.bad),
+                        "federation/offers": float(len(offers)), "federation/offers_ignored": float(ignored),
+                        "federation/bad_bundles": float(fetched.bad),
                         "federation/uploads": float(uploads), "federation/uploads_refused": float(self.uploads_refused),
                         "time/federation": time.perf_counter() - t0})
         return Offers(records=fetched.records, metrics=metrics)
@@ -311,22 +329,43 @@ class BrokerPeers:
             # upload only what this node can see was matched in the current window, whatever
             # the broker asks (docs/security.md)
             m = self.broker_manifest
-            window = m.staleness_rounds if m is not None and m.mode == "async" else 0
+            # the broker's window, never wider than this node takes (a hostile broker could
+            # otherwise ask for every round the node ever recorded)
+            window = min(m.staleness_rounds, self.max_staleness_rounds) if m is not None and m.mode == "async" else 0
             informative = {learner.step: {pid for pid, g in current.items() if 0 < g.k < g.n}}
             if window and learner.store is not None:
-                for rnd in range(max(0, learner.step - window), learner.step):
-                    found = learner.store.lookup([p for p, r in requests if r == rnd], step=rnd, run_id=learner.run_id)
+                asked: dict[int, list[str]] = {}
+                for p, r in requests:
+                    if learner.step - window <= r < learner.step:
+                        asked.setdefault(r, []).append(p)
+                for rnd, pids in sorted(asked.items()):
+                    found = learner.store.lookup(pids, step=rnd, run_id=learner.run_id)
                     informative[rnd] = {pid for pid, rec in found.items() if rec.kind == "informative"}
             requests, refused = uploads_to_serve(requests, learner.step, window, informative)
             if refused:
                 log.warning("node %s: refused %d upload requests outside the current window or for groups it "
                             "never published as informative (matched_only)", self.node_id, len(refused))
                 self.uploads_refused += len(refused)
-        records = []
+        # whatever the privacy: only informative groups (the only ones ever matched as a
+        # source), each once, of rounds the node has reached, and no more than one HasBundles
+        # call may name; a hostile broker could otherwise ask for the node's all-fail and
+        # all-pass groups, or for millions of lookups
+        records, seen, skipped = [], set(), 0
         for prompt_id, rnd in requests:
+            if (prompt_id, rnd) in seen or rnd > learner.step or len(seen) >= MAX_DIGESTS_PER_CALL:
+                skipped += 1
+                continue
+            seen.add((prompt_id, rnd))
             rec = self._own_record(learner, prompt_id, rnd, current)
-            if rec is not None:
+            if rec is not None and rec.kind == "informative":
                 records.append((rec, rnd))
+            elif rec is not None:
+                skipped += 1
+        if skipped:
+            log.warning("node %s: refused %d upload requests for groups that are not informative, repeated, of a "
+                        "round it has not reached, or beyond %d in one answer", self.node_id, skipped,
+                        MAX_DIGESTS_PER_CALL)
+            self.uploads_refused += skipped
         return self.client.upload_missing(records)
 
     def _defer(self, rnd: int, summaries: list[SummaryRow]) -> None:

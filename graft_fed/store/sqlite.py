@@ -17,7 +17,7 @@ import sqlite3
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from graft_fed.core.records import GroupRecord, RecordError
+from graft_fed.core.records import GroupRecord
 from graft_fed.errors import DataError, StorageError
 
 SCHEMA_VERSION = 1
@@ -65,8 +65,8 @@ class TrajectoryStore:
             raise DataError(f"{self.path} is not a readable trajectory store ({exc}). Restore it from a backup, "
                             "or move it (and its -wal file) aside: a run then records into a new file, and "
                             "the groups in the damaged one are lost to stored-peer training") from None
-        if row is None or int(row[0]) != SCHEMA_VERSION:
-            raise DataError(f"{self.path}: trajectory store schema {row[0] if row else '?'} is not "
+        if row is None or str(row[0]) != str(SCHEMA_VERSION):
+            raise DataError(f"{self.path}: trajectory store schema {str(row[0])[:40] if row else '?'} is not "
                             f"{SCHEMA_VERSION}; re-export it with this graft-fed version")
 
     def close(self) -> None:
@@ -109,12 +109,21 @@ class TrajectoryStore:
         return [tuple(r) for r in self.db.execute(
             "SELECT run_id, model_id, COUNT(*) FROM groups GROUP BY run_id, model_id ORDER BY run_id")]
 
-    @staticmethod
-    def _decode(payload: str) -> GroupRecord:
+    def _decode(self, payload: str, prompt_id: str | None = None) -> GroupRecord:
+        """A stored group; `prompt_id`: the prompt its row is filed under, which it must be for.
+        A store may come from another site (stored peers): whatever its rows hold (JSON nested
+        thousands deep, integers of thousands of digits, a group filed under another prompt)
+        is a DataError naming the file, never a traceback or a group for the wrong prompt."""
         try:
-            return GroupRecord.from_dict(json.loads(payload))
-        except (json.JSONDecodeError, RecordError) as exc:
-            raise DataError(f"corrupt group in trajectory store: {exc}") from None
+            rec = GroupRecord.from_dict(json.loads(payload))
+        except (ValueError, RecursionError, TypeError) as exc:  # JSONDecodeError and RecordError are ValueErrors
+            raise DataError(f"corrupt group in trajectory store {self.path}: {type(exc).__name__}: "
+                            f"{str(exc)[:200]}; re-export it from the run that recorded it") from None
+        if prompt_id is not None and rec.prompt_id != prompt_id:
+            raise DataError(f"corrupt group in trajectory store {self.path}: the row of prompt {prompt_id[:64]!r} "
+                            f"holds a group for prompt {rec.prompt_id[:64]!r}; re-export it from the run that "
+                            "recorded it")
+        return rec
 
     def lookup(self, prompt_ids: Sequence[str], step: int | None = None, run_id: str | None = None,
                match: str = "same_step") -> dict[str, GroupRecord]:
@@ -142,7 +151,7 @@ class TrajectoryStore:
                 args.append(run_id)
             row = self.db.execute(sql + run_clause + " ORDER BY step DESC LIMIT 1", args).fetchone()
             if row is not None:
-                out[pid] = self._decode(row[0])
+                out[pid] = self._decode(row[0], pid)
         return out
 
     def iter_records(self, run_id: str | None = None) -> Iterator[GroupRecord]:
@@ -176,12 +185,18 @@ class TrajectoryStore:
     def import_jsonl(path: str | Path, store_path: str | Path) -> int:
         """Load an exported JSONL into a store (validating every record)."""
         recs = []
-        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"cannot read {path} ({exc}); give a JSONL file that `graft-fed store export` "
+                            "wrote") from None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 recs.append(GroupRecord.from_dict(json.loads(line)))
-            except (json.JSONDecodeError, RecordError) as exc:
-                raise DataError(f"{path}:{n}: {exc}") from None
+            except (ValueError, RecursionError, TypeError) as exc:  # JSONDecodeError and RecordError are ValueErrors
+                raise DataError(f"{path}:{n}: not a group record ({type(exc).__name__}: {str(exc)[:200]}); nothing "
+                                "was imported") from None
         with TrajectoryStore(store_path) as store:
             return store.record(recs)

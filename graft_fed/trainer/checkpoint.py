@@ -142,10 +142,17 @@ def verify_checkpoint(path: str | Path, fingerprint: str | None = None, config: 
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
         files = manifest["files"]
         step = int(manifest["step"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{mpath} is unreadable ({exc}); the checkpoint is corrupt") from None
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        raise CheckpointError(f"{mpath} is unreadable ({type(exc).__name__}: {str(exc)[:200]}); the checkpoint is "
+                              "corrupt: delete it and resume from an earlier one") from None
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise CheckpointError(f"{mpath}: 'files' is not a map of file names to sha256 digests; the checkpoint is "
+                              "corrupt: delete it and resume from an earlier one")
     for rel, digest in files.items():
         fpath = path / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise CheckpointError(f"{mpath} lists {rel[:200]!r}, a file outside the checkpoint; the checkpoint is "
+                                  "corrupt: delete it and resume from an earlier one")
         if not fpath.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {rel}; it is incomplete: delete it and "
                                   "resume from an earlier one")
@@ -213,6 +220,55 @@ def set_aside_after(root: str | Path, step: int) -> list[Path]:
         os.replace(d, dest / d.name)
         moved.append(dest / d.name)
     return moved
+
+
+#: What a distributed checkpoint's metadata (torch.distributed.checkpoint's `.metadata`, a
+#: pickle) may name: its own dataclasses, tensor sizes, dtypes and layouts, paths. Anything
+#: else (os.system, builtins.eval, ...) would run when dcp.load unpickles it.
+_DCP_METADATA_GLOBALS = frozenset(
+    [("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")]
+    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+       ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")]
+    + [("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")])
+
+
+def check_dcp_metadata(path: str | Path) -> None:
+    """Refuse a distributed checkpoint (the `dcp` folder of a torchrun checkpoint) whose
+    metadata names anything but what torch.distributed.checkpoint writes: dcp.load unpickles
+    it with plain pickle, so a checkpoint from elsewhere could run any code at resume. Call
+    before dcp.load; raises CheckpointError."""
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) in _DCP_METADATA_GLOBALS or (
+                    module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"it names {module[:80]}.{name[:80]}, which a checkpoint's metadata never "
+                                         "holds")
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        files = sorted(p for p in Path(path).iterdir() if p.name.endswith(".metadata") and p.is_file())
+    except OSError:
+        files = []
+    if not files:
+        raise CheckpointError(f"{path} holds no .metadata: the checkpoint is incomplete; delete it and resume from "
+                              "an earlier one")
+    for meta in files:
+        try:
+            with meta.open("rb") as fh:
+                value = Restricted(fh).load()
+        except Exception as exc:  # noqa: BLE001 - any failure to unpickle means the same thing here
+            raise CheckpointError(f"checkpoint metadata {meta} refused ({type(exc).__name__}: {str(exc)[:200]}); "
+                                  "the checkpoint is corrupt or not one graft-fed wrote: delete it and resume from "
+                                  "an earlier one") from None
+        if meta.name == ".metadata" and not isinstance(value, Metadata):
+            raise CheckpointError(f"checkpoint metadata {meta} holds a {type(value).__name__}, not a checkpoint's "
+                                  "metadata; delete it and resume from an earlier one")
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

@@ -360,9 +360,17 @@ class GraftSection:
     #: keyed by the schedule seed, step, receiver and prompt; the prompt moves only if that peer
     #: has an informative group for it, as swarm systems that share with random peers).
     source_choice: str = "compatibility"
+    #: The most tokens (this model's own) of one peer response this receiver trains on; a peer
+    #: group with a longer response is refused (graft/rejected_too_long) and reported as
+    #: unusable. 0 = 4 x rollout.max_new_tokens. Never more than the model's context takes.
+    max_peer_tokens: int = 0
 
     def __post_init__(self) -> None:
         require(0 <= self.delta < 1, f"graft.delta must be in [0, 1), got {self.delta}")
+        require(isinstance(self.max_peer_tokens, int) and not isinstance(self.max_peer_tokens, bool)
+                and self.max_peer_tokens >= 0,
+                f"graft.max_peer_tokens must be a whole number of tokens >= 0 (0 = 4 x rollout.max_new_tokens), "
+                f"got {self.max_peer_tokens!r}")
         require(self.balance in ("pairwise", "none"), "graft.balance must be 'pairwise' or 'none'")
         require(self.order in ("peer_last", "peer_first", "shuffled"),
                 "graft.order must be peer_last, peer_first or shuffled")
@@ -443,6 +451,8 @@ class TrainConfig:
             d["rollout"].pop("seeding")  # the default: keeps earlier runs' fingerprints
         if self.run.schedule_seed is None:
             d["run"].pop("schedule_seed")  # the default: keeps earlier runs' fingerprints
+        if not self.graft.max_peer_tokens:
+            d["graft"].pop("max_peer_tokens")  # the default: keeps earlier runs' fingerprints
         return d
 
     def fingerprint(self) -> str:

@@ -478,6 +478,7 @@ class DistributedGRPOTrainer(GRPOTrainer):
                                                              set_model_state_dict, set_optimizer_state_dict)
 
         state = ckpt.load_trainer_state(path)
+        ckpt.check_dcp_metadata(path / "dcp")  # dcp.load unpickles it: nothing but checkpoint metadata
         try:
             sharded = {"model": get_model_state_dict(self.model),
                        "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}

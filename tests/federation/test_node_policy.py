@@ -5,8 +5,8 @@ uploads only what the node can see was matched in the current window."""
 from graft_fed.federation.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
                                          PermissionDenied, ResourceExhausted, Unavailable)
 from graft_fed.federation.messages import Offer, ReportEntry
-from graft_fed.federation.policy import (fetch_failure_is_per_offer, refused_record_entry, undelivered_entries,
-                                         uploads_to_serve)
+from graft_fed.federation.policy import (fetch_failure_is_per_offer, offers_to_fetch, refused_record_entry,
+                                         undelivered_entries, uploads_to_serve)
 
 
 def offer(pid, source="s", digest="d" * 64):
@@ -75,3 +75,132 @@ def test_a_node_fetching_offers_skips_a_refused_one_reports_it_and_keeps_the_res
         ReportEntry("s", "p4", 0.0, 0.0, False)]
     with pytest.raises(Unavailable):
         fetch_offers(Client(lost=True), offers)
+
+
+def test_a_node_fetches_only_one_offer_per_all_fail_prompt_of_its_round():
+    """A hostile broker offering groups for prompts the receiver solved or never had, several
+    for one prompt, or thousands, cannot make it download, decode and report them."""
+    offers = [offer("p1"), offer("p1", source="t"), offer("solved"), offer("p2", digest=""), offer("nowhere")]
+    offers += [offer(f"x{i}") for i in range(10_000)]
+    got, ignored = offers_to_fetch(offers, wanted={"p1", "p2", "p3"})
+    assert got == [offer("p1"), offer("p2", digest="")] and ignored == 10_003
+    # a source name that would go raw into the node's log (ANSI escapes, a forged line) or is no id at all
+    bad = [offer("p3", source="s\x1b[2J\nINFO forged"), offer("p3", source=""), offer("p3", source="s" * 257)]
+    assert offers_to_fetch(bad + [offer("p3", source="t")], wanted={"p3"}) == ([offer("p3", source="t")], 3)
+
+
+def test_a_fetched_group_of_another_size_than_the_federations_is_rejected():
+    """The broker checks a source's n against the manifest; a hostile broker relays a group of
+    4,096 responses (4,096 re-verifications and scoring rows at the receiver): refused."""
+    from graft_fed.core.records import GroupRecord
+    from graft_fed.node.client import FetchedBundle
+    from graft_fed.node.peers import fetch_offers
+
+    def rec(pid, n):
+        return GroupRecord(prompt_id=pid, step=0, model_id="m", tokenizer_id="t", problem="q", answer="1",
+                           rewards=(1.0,) + (0.0,) * (n - 1), advantages=(0.7071,) + (-0.7071,) * (n - 1),
+                           texts=("1",) * n, finish_reasons=("stop",) * n, lengths=(1,) * n,
+                           mean_logprobs=(-0.5,) * n)
+
+    class Client:
+        def fetch_bundle(self, digest, source=None):
+            return FetchedBundle(record=rec("p1", 2 if digest == "a" * 64 else 4096), signer="")
+
+    got = fetch_offers(Client(), [offer("p1", digest="b" * 64)], n=2)
+    assert got.records == {} and got.bad == 1
+    assert got.rejections == [ReportEntry("s", "p1", 0.0, 0.0, True)]
+    assert set(fetch_offers(Client(), [offer("p1", digest="a" * 64)], n=2).records) == {"p1"}
+
+
+def test_matched_only_a_broker_cannot_widen_the_upload_window_past_the_nodes_cap(caplog):
+    """The window is the broker's staleness_rounds in asynchronous mode: a hostile broker
+    announcing staleness 10^9 got a matched_only node at round 500 to upload its groups of
+    every round since 0 (when it records them). The node takes at most
+    federation.max_staleness_rounds (16 by default)."""
+    from types import SimpleNamespace
+
+    from graft_fed.core.records import GroupRecord
+    from graft_fed.federation.manifest import Manifest
+    from graft_fed.federation.messages import MatchResult
+    from graft_fed.node.peers import BrokerPeers
+
+    def rec(pid, step):
+        return GroupRecord(prompt_id=pid, step=step, model_id="m", tokenizer_id="t", problem="q", answer="1",
+                           rewards=(1.0, 0.0), advantages=(0.7071, -0.7071), texts=("a", "b"),
+                           finish_reasons=("stop", "stop"), lengths=(1, 1), mean_logprobs=(-0.5, -0.25))
+
+    class Store:
+        def lookup(self, pids, step=None, run_id=None, match="same_step"):
+            return {p: rec(p, step) for p in pids}
+
+    class Client:
+        def __init__(self):
+            self.uploaded = []
+
+        def upload_missing(self, records):
+            records = list(records)
+            self.uploaded += records
+            return len(records)
+
+    learner = SimpleNamespace(step=500, store=Store(), run_id="r", model_id="m", tok_id="t")
+    asks = MatchResult(ready=True, offers=[], upload_requests=[(f"p{r}", r) for r in range(500)])
+    for staleness, cap, first in ((10**9, 16, 484), (4, 16, 496), (10**9, 0, None)):
+        hostile = Manifest("f", 1, "d", "h", 0, 2, 4, "async", "v", "1", staleness, "group/sample")
+        client = Client()
+        peers = BrokerPeers(client, "me", "matched_only", hostile, "b", None, 1, 1, 1, 1, 1, 1,
+                            max_staleness_rounds=cap)
+        peers.broker_manifest = hostile
+        peers._serve_uploads(learner, asks, {})
+        rounds = [r for _, r in client.uploaded]
+        assert rounds == ([] if first is None else list(range(first, 500))), (staleness, cap)
+        assert peers.uploads_refused == 500 - len(rounds)
+
+
+def test_share_all_uploads_only_informative_groups_each_once_whatever_the_broker_asks():
+    """share_all shares every informative group; a hostile broker asking for the node's
+    all-pass or all-fail groups, one group a thousand times, rounds it has not reached or
+    millions of groups got them uploaded (or looked up one by one)."""
+    from types import SimpleNamespace
+
+    from graft_fed.core.records import GroupRecord
+    from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL
+    from graft_fed.federation.manifest import Manifest
+    from graft_fed.federation.messages import MatchResult
+    from graft_fed.node.peers import BrokerPeers
+
+    def rec(pid, step):
+        k = {"pass": 2, "fail": 0}.get(pid[:4], 1)
+        rewards = (1.0,) * k + (0.0,) * (2 - k)
+        adv = (0.7071, -0.7071) if k == 1 else (0.0, 0.0)
+        return GroupRecord(prompt_id=pid, step=step, model_id="m", tokenizer_id="t", problem="q", answer="1",
+                           rewards=rewards, advantages=adv, texts=("a", "b"), finish_reasons=("stop", "stop"),
+                           lengths=(1, 1), mean_logprobs=(-0.5, -0.25))
+
+    class Store:
+        def __init__(self):
+            self.lookups = 0
+
+        def lookup(self, pids, step=None, run_id=None, match="same_step"):
+            self.lookups += 1
+            return {p: rec(p, step) for p in pids}
+
+    class Client:
+        def __init__(self):
+            self.uploaded = []
+
+        def upload_missing(self, records):
+            records = list(records)
+            self.uploaded += records
+            return len(records)
+
+    m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
+    client = Client()
+    peers = BrokerPeers(client, "me", "share_all", m, "b", None, 1, 1, 1, 1, 1, 1)
+    peers.broker_manifest = m
+    learner = SimpleNamespace(step=5, store=Store(), run_id="r", model_id="m", tok_id="t")
+    asks = [("pass-1", 4), ("fail-1", 3), ("p1", 4), ("p9", 6)] + [("p2", 3)] * 1000
+    asks += [(f"x{i}", 1) for i in range(100_000)]
+    peers._serve_uploads(learner, MatchResult(ready=True, offers=[], upload_requests=asks), {})
+    assert [(r.prompt_id, rnd) for r, rnd in client.uploaded][:2] == [("p1", 4), ("p2", 3)]
+    assert len(client.uploaded) == MAX_DIGESTS_PER_CALL - 2 and learner.store.lookups == MAX_DIGESTS_PER_CALL
+    assert all(r.kind == "informative" for r, _ in client.uploaded)

@@ -312,3 +312,16 @@ def test_a_node_with_the_revocation_list_refuses_and_reports_the_bundle(mtls_bro
         FederationSection(revoked_certs=str(listing))
     with pytest.raises(ConfigError, match="needs federation.tls_ca"):
         BrokerClient("127.0.0.1:1", "x", revoked_certs=str(listing))
+
+
+def test_a_relayed_certificate_with_a_malformed_name_is_a_provenance_error(pki):
+    """A hostile broker relays a certificate whose subject does not parse (an invalid UTF-8
+    common name): the cryptography library parses names lazily, and the ValueError it raised
+    at first use escaped the receiver's checks and ended the node's step."""
+    d, _ = pki
+    v = ProvenanceVerifier(d / "ca.pem")
+    digest = "ab" * 32
+    bad = der(d / "mallory.pem").replace(b"mallory", b"\xff\xfe\xfd\xfcory")
+    for producer in ("mallory", "alice"):
+        with pytest.raises(ProvenanceError, match="not a DER X.509 certificate"):
+            v.verify(producer, digest, b"sig", bad)
