@@ -152,8 +152,9 @@ def cmd_broker_nodes(args: argparse.Namespace) -> int:
 def _reexec_without_tcache() -> None:
     """Run this command again in this process (same pid, same arguments) with glibc's
     per-thread caches off (`broker.malloc_tcache: false`, broker/heap.py): glibc reads that
-    only from the environment at start. Nothing happens off glibc or where GLIBC_TUNABLES
-    already sets tcache_count (as it does in the re-executed process)."""
+    only from the environment at start. Only where the process is the command itself (a
+    program that calls main() keeps its process); nothing happens off glibc or where
+    GLIBC_TUNABLES already sets tcache_count (as it does in the re-executed process)."""
     from graft_fed.broker.heap import without_tcache
 
     env = without_tcache(os.environ)
@@ -179,7 +180,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from graft_fed.broker.server import start_broker
 
     cfg = load_broker_config(args.config, parse_overrides(args.set))
-    if not cfg.malloc_tcache:
+    if not cfg.malloc_tcache and args.as_command:
         _reexec_without_tcache()
     try:
         server = start_broker(cfg)  # heap, then serving, then the collector (broker/server.py)
@@ -625,6 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # this process is the command (`graft-fed ...`, `python -m graft_fed.cli ...`), not a
+    # program calling main(): only then may `graft-fed broker` run the process again
+    args.as_command = argv is None
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     code = _run(args)

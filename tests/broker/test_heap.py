@@ -154,3 +154,26 @@ def test_graft_fed_broker_runs_itself_again_with_glibcs_caches_off(prompt_file, 
         finally:
             proc.terminate()
             assert proc.wait(60) == 0, log.read_text()
+
+
+def test_a_program_calling_main_keeps_its_process(tmp_path, monkeypatch, capsys):
+    """graft_fed.cli.main(["broker", ...]) from a program (a test, a notebook) never runs the
+    caller's process again: only the command itself re-executes (a pytest process that
+    called it was replaced by a second pytest, whose report went into a capture file)."""
+    from graft_fed import cli
+
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda *a: calls.append(a))
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    (tmp_path / "pf").write_text("a file, not a folder: the broker refuses to start")
+    assert cli.main(["broker", "--set", "listen=127.0.0.1:0", "--set", "http=127.0.0.1:0",
+                     "--set", f"db={tmp_path / 'pf' / 'b.sqlite'}"]) == 2
+    assert calls == []
+    # the command itself (argv from the command line) does, where glibc is
+    monkeypatch.setattr(sys, "argv", ["graft-fed", "broker", "--set", "listen=127.0.0.1:0", "--set", "http=127.0.0.1:0",
+                                      "--set", f"db={tmp_path / 'pf' / 'b.sqlite'}"])
+    assert cli.main() == 2
+    assert len(calls) == (1 if GLIBC else 0)
+    if calls:
+        assert calls[0][2]["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0"
+    capsys.readouterr()
