@@ -37,7 +37,26 @@ def _load_cert(path: str, what: str):
     try:
         return x509.load_pem_x509_certificate(data)
     except ValueError:
+        if b"PRIVATE KEY-----" in data:
+            raise ConfigError(f"{what} {path} is a private key, not a certificate: are the certificate and key "
+                              "swapped? (the certificate is the .pem, its key the .key)") from None
         raise ConfigError(f"{what} {path} is not a PEM certificate") from None
+
+
+def _load_key(path: str, what: str):
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+    try:
+        return serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        if b"BEGIN CERTIFICATE" in data:
+            raise ConfigError(f"{what} {path} is a certificate, not a private key: are the certificate and key "
+                              "swapped? (the certificate is the .pem, its key the .key)") from None
+        raise ConfigError(f"{what} {path} is not an unencrypted PEM private key") from None
 
 
 def _cn(cert) -> str | None:
@@ -93,17 +112,30 @@ def check_node_certificate(node_id: str, tls_ca: str | None, tls_cert: str | Non
             raise ConfigError(f"{where} carries the federation CA's name but not its signature (a CA of the same "
                               f"name, re-created?): the broker would refuse the handshake; ask for a certificate "
                               f"from the CA in {tls_ca}") from None
-    try:
-        from cryptography.hazmat.primitives import serialization
-
-        key = serialization.load_pem_private_key(Path(tls_key).read_bytes(), password=None)
-    except OSError as exc:
-        raise ConfigError(f"federation.tls_key {tls_key}: cannot read it ({exc.strerror})") from None
-    except (ValueError, TypeError):
-        raise ConfigError(f"federation.tls_key {tls_key} is not an unencrypted PEM private key") from None
+    key = _load_key(tls_key, "federation.tls_key")
     if key.public_key().public_numbers() != cert.public_key().public_numbers():
         raise ConfigError(f"federation.tls_key {tls_key} is not the key of {tls_cert}: give the pair that "
                           "`graft-fed certs issue` wrote together")
+
+
+def check_broker_certificate(tls_cert: str, tls_key: str, client_ca: str | None,
+                             now: dt.datetime | None = None) -> None:
+    """Raise ConfigError (one line) when the broker's own TLS files cannot serve: a file that
+    is missing or not what its key says (certificate and key swapped), a key that is not the
+    certificate's, an expired certificate (every node would fail its handshake). gRPC itself
+    only fails to "bind" the port for the first two, which reads as a port in use."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    cert = _load_cert(tls_cert, "broker.tls_cert")
+    key = _load_key(tls_key, "broker.tls_key")
+    if key.public_key().public_numbers() != cert.public_key().public_numbers():
+        raise ConfigError(f"broker.tls_key {tls_key} is not the key of broker.tls_cert {tls_cert}: give the pair "
+                          "that `graft-fed certs issue --name broker` wrote together")
+    if cert.not_valid_after_utc < now:
+        raise ConfigError(f"broker.tls_cert {tls_cert} expired {_age(now - cert.not_valid_after_utc)} ago "
+                          f"({cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC): nodes would refuse every handshake; "
+                          "issue a new one (`graft-fed certs issue --name broker --hosts ...`)")
+    if client_ca is not None:
+        _load_cert(client_ca, "broker.client_ca")
 
 
 def explain_connect_failure(address: str, detail: str, tls: bool, client_cert: bool) -> str:

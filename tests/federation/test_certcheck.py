@@ -5,6 +5,7 @@ never joins told apart from one that did."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 import pytest
 
@@ -12,8 +13,8 @@ from graft_fed.broker.config import load_broker_config
 from graft_fed.broker.server import BrokerServer
 from graft_fed.errors import ConfigError
 from graft_fed.federation import certs
-from graft_fed.federation.certcheck import (JoinTracker, NeverJoinedError, check_node_certificate,
-                                            explain_connect_failure, wait_for_first_join)
+from graft_fed.federation.certcheck import (JoinTracker, NeverJoinedError, check_broker_certificate,
+                                            check_node_certificate, explain_connect_failure, wait_for_first_join)
 from graft_fed.federation.errors import FederationError
 from graft_fed.node.client import BrokerClient
 
@@ -89,6 +90,50 @@ def test_each_certificate_problem_is_one_line(pki, case, fragment):
     with pytest.raises(ConfigError, match=fragment) as err:
         check_node_certificate(node_id, ca, cert, key)
     assert "\n" not in str(err.value)
+
+
+def test_swapped_certificate_and_key_are_named_as_swapped(pki):
+    a, _, _ = pki
+    with pytest.raises(ConfigError, match=r"n1.key is a private key, not a certificate: are the certificate and key "
+                                          r"swapped\?"):
+        check_node_certificate("n1", str(a / "ca.pem"), str(a / "n1.key"), str(a / "n1.pem"))
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("swapped", r"broker.tls_cert .*broker.key is a private key, not a certificate: are the certificate and key "
+                r"swapped\?"),
+    ("key_swapped_in", r"broker.tls_key .*broker.pem is a certificate, not a private key"),
+    ("wrong_key", r"broker.tls_key .*n1.key is not the key of broker.tls_cert .*broker.pem"),
+    ("expired", r"broker.tls_cert .* expired 3 days ago"),
+    ("missing_ca", r"broker.client_ca .*nope.pem: cannot read it"),
+])
+def test_a_broker_whose_tls_files_cannot_serve_says_which_and_is_not_blamed_on_the_port(pki, tmp_path, capsys, case,
+                                                                                          fragment):
+    """gRPC only failed to bind the port, which the broker command read as a port in use
+    ("is another broker running?")."""
+    from graft_fed.cli import main
+
+    a, _, _ = pki
+    cert, key, ca = str(a / "broker.pem"), str(a / "broker.key"), str(a / "ca.pem")
+    if case == "swapped":
+        cert, key = key, cert
+    elif case == "key_swapped_in":
+        key = cert
+    elif case == "wrong_key":
+        key = str(a / "n1.key")
+    elif case == "expired":
+        cert, key = _cert(a, "broker", days_from=-10, days_to=-3)
+    elif case == "missing_ca":
+        ca = str(a / "nope.pem")
+    with pytest.raises(ConfigError, match=fragment):
+        check_broker_certificate(cert, key, ca)
+    check_broker_certificate(str(a / "broker.pem"), str(a / "broker.key"), str(a / "ca.pem"))
+    db = tmp_path / "b.sqlite"
+    assert main(["broker", "--set", "listen=127.0.0.1:0", "--set", "http=127.0.0.1:0", "--set", f"db={db}", "--set",
+                 f"tls_cert={cert}", "--set", f"tls_key={key}", "--set", f"client_ca={ca}"]) == 2
+    assert not db.exists()  # refused before the state was opened
+    err = capsys.readouterr().err
+    assert re.search(fragment, err) and "another broker" not in err and "cannot listen" not in err, err
 
 
 @pytest.fixture(scope="module")
