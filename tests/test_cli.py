@@ -341,3 +341,29 @@ def test_status_pointed_at_the_http_port_says_so(capsys):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_status_and_a_node_over_tls_pointed_at_the_http_port_say_so(tmp_path, capsys):
+    """Over TLS the HTTP port answers like a plaintext broker ("wrong version number"); the
+    advice was to drop TLS ("it runs without tls_cert; drop federation.tls_*")."""
+    from graft_fed.broker.web import serve_http
+    from graft_fed.federation import certs
+    from graft_fed.federation.certcheck import JoinTracker
+
+    certs.init_ca(tmp_path, "fed")
+    certs.issue(tmp_path, "operator")
+    tls = ["--tls-ca", str(tmp_path / "ca.pem"), "--tls-cert", str(tmp_path / "operator.pem"),
+           "--tls-key", str(tmp_path / "operator.key")]
+    server = serve_http("127.0.0.1:0", {"/healthz": lambda: (b"ok\n", "text/plain")})
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        assert main(["status", "--broker", address, *tls]) == 2
+        err = capsys.readouterr().err
+        assert "answers plain HTTP/1, not gRPC: is it the broker's HTTP port" in err and "drop" not in err, err
+        tracker = JoinTracker(address, "n1", tls=True, client_cert=True)
+        tracker.failed(Exception("UNAVAILABLE Join: Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: "
+                                 "error:100000f7:SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER"))
+        assert "is it the broker's HTTP port" in str(tracker.error())
+    finally:
+        server.shutdown()
+        server.server_close()

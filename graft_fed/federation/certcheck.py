@@ -16,6 +16,7 @@ documented degraded mode).
 from __future__ import annotations
 
 import datetime as dt
+import socket
 import time
 from pathlib import Path
 from typing import Callable
@@ -153,6 +154,8 @@ def explain_connect_failure(address: str, detail: str, tls: bool, client_cert: b
         return (f"the broker's certificate does not name {host!r}: dial it by a name it was issued for, or "
                 f"reissue it with `graft-fed certs issue --name broker --hosts {host}`")
     if "wrong_version_number" in d or "wrong version number" in d:
+        if _answers_http1(address):  # what the HTTP port answers to TLS, too
+            return _HTTP_PORT.format(address=address)
         return (f"the broker at {address} answered in plaintext to TLS: it runs without tls_cert; drop "
                 "federation.tls_* here (with insecure: true off loopback) or enable TLS on the broker")
     if "socket closed" in d or "connection reset" in d or "handshake" in d or "ssl" in d or "tls" in d:
@@ -166,11 +169,28 @@ def explain_connect_failure(address: str, detail: str, tls: bool, client_cert: b
         return (f"the broker at {address} closed the TLS handshake: it most likely requires a client certificate "
                 "(mutual TLS): set federation.tls_cert and tls_key (--tls-cert and --tls-key for `status`)")
     if "failed parsing http/2" in d or "http1" in d or "http/1" in d:
-        return (f"{address} answers plain HTTP/1, not gRPC: is it the broker's HTTP port (`http`, /metrics and "
-                "the live page; 9464 by default) rather than its gRPC port (`listen`, 50551 by default)?")
+        return _HTTP_PORT.format(address=address)
     if "deadline" in d or "timeout" in d or "timed out" in d:
         return f"no answer from {address} in time: a firewall, a wrong address, or a broker too busy to answer"
     return "see the broker's log for the cause"
+
+
+_HTTP_PORT = ("{address} answers plain HTTP/1, not gRPC: is it the broker's HTTP port (`http`, /metrics and the "
+              "live page; 9464 by default) rather than its gRPC port (`listen`, 50551 by default)?")
+
+
+def _answers_http1(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether `address` answers an HTTP/1 request (the broker's HTTP port does; its gRPC port,
+    plaintext or TLS, does not). A TLS client sees both the HTTP port and a plaintext broker
+    as "wrong version number"; this tells them apart."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+            conn.settimeout(timeout_s)
+            conn.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            return conn.recv(5) == b"HTTP/"
+    except (OSError, ValueError):
+        return False
 
 
 class JoinTracker:
