@@ -144,6 +144,10 @@ def explain_connect_failure(address: str, detail: str, tls: bool, client_cert: b
     d = detail.lower()
     if "connection refused" in d:
         return f"nothing listens at {address}: is the broker running, and is the port right?"
+    if "not on this federation's allowlist" in d:
+        return ("the broker's allowlist does not admit this certificate's name (every call, status included, needs "
+                "a name on it): the operator adds it with `graft-fed broker nodes add --allowlist FILE NAME`, or "
+                "use a certificate whose name is on it; a revoked name stays refused")
     if "name or service not known" in d or "dns resolution failed" in d or "could not resolve" in d:
         return f"the host of {address} cannot be resolved: check federation.broker"
     if "certificate_verify_failed" in d or "certificate verify failed" in d:

@@ -236,3 +236,27 @@ def test_a_node_that_never_joins_exits_non_zero_with_the_cause(tiny_llama, promp
     err = capsys.readouterr().err
     assert "never joined the broker at 127.0.0.1:1" in err and "nothing listens at 127.0.0.1:1" in err
     assert not (tmp_path / "n1" / "summary.json").exists(), "it must not have trained alone"
+
+
+def test_status_with_a_certificate_off_the_allowlist_says_how_to_admit_it(pki, tmp_path, capsys):
+    """It said "see the broker's log for the cause" beside the broker's own answer (deploy.md
+    told the operator to keep its status certificate off the allowlist, which refuses it)."""
+    from graft_fed.broker.auth import Allowlist
+    from graft_fed.cli import main
+
+    a, _, _ = pki
+    allow = tmp_path / "allow.yaml"
+    Allowlist.edit(allow, "add", "someone-else")
+    broker = BrokerServer(load_broker_config(None, {
+        "listen": "127.0.0.1:0", "http": "", "db": str(tmp_path / "t.sqlite"), "tls_cert": str(a / "broker.pem"),
+        "tls_key": str(a / "broker.key"), "client_ca": str(a / "ca.pem"), "allowlist": str(allow)})).start()
+    try:
+        tls = ["--tls-ca", str(a / "ca.pem"), "--tls-cert", str(a / "n1.pem"), "--tls-key", str(a / "n1.key")]
+        assert main(["status", "--broker", broker.address, *tls]) == 2
+        err = capsys.readouterr().err
+        assert "allowlist does not admit this certificate's name" in err and "broker nodes add" in err, err
+        assert "see the broker's log" not in err
+        Allowlist.edit(allow, "add", "n1")
+        assert main(["status", "--broker", broker.address, *tls]) == 0
+    finally:
+        broker.stop()
