@@ -260,3 +260,25 @@ def test_status_with_a_certificate_off_the_allowlist_says_how_to_admit_it(pki, t
         assert main(["status", "--broker", broker.address, *tls]) == 0
     finally:
         broker.stop()
+
+
+def test_a_tls_broker_across_a_slow_link_is_reached_at_the_first_call(pki, brokers):
+    """gRPC's shortest connection attempt was set to 200 ms (`grpc.min_reconnect_backoff_ms`
+    is also its minimum connect timeout), shorter than a TLS handshake over a link of 100 ms
+    each way (another continent): status failed at once, "it most likely refused this node's
+    certificate", and a node joined only once gRPC's backoff had grown."""
+    from tests.federation.faultproxy import FaultProxy
+
+    a, _, _ = pki
+    tls, _ = brokers
+    proxy = FaultProxy(tls.address).start()
+    try:
+        proxy.set("delay", delay_s=0.1)
+        client = BrokerClient(proxy.address, "n1", rpc_timeout_s=20, tls_ca=str(a / "ca.pem"),
+                              tls_cert=str(a / "n1.pem"), tls_key=str(a / "n1.key"))
+        try:
+            assert client.status().manifest.n >= 2
+        finally:
+            client.close()
+    finally:
+        proxy.close()
