@@ -603,8 +603,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return dist_module.end_process(code) if dist_module is not None else code
 
 
+def _quiet_libraries() -> None:
+    """`--quiet`: no progress bars from the libraries either (transformers draws one for every
+    model it loads and every checkpoint it writes: a line each in a node's log)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
+        if getattr(args, "quiet", False):
+            _quiet_libraries()
         if args.command not in ("train", "cotrain", "node") and "WORLD_SIZE" in os.environ:
             from graft_fed.trainer.distributed import launched_by_torchrun
 

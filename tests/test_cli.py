@@ -367,3 +367,17 @@ def test_status_and_a_node_over_tls_pointed_at_the_http_port_say_so(tmp_path, ca
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_quiet_leaves_out_the_libraries_progress_bars_too(tiny_llama, prompt_file, tmp_path, capsys):
+    """transformers drew a bar for every model load and checkpoint write, under --quiet too:
+    a line each in a node's log."""
+    from transformers.utils import logging as hf_logging
+
+    cfg = _train_cfg(tmp_path, tiny_llama, prompt_file, steps=1)
+    try:
+        assert main(["train", "--config", str(cfg), "--quiet", "--no-eval"]) == 0
+        err = capsys.readouterr().err
+        assert "Loading weights" not in err and "Writing model shards" not in err and "it/s" not in err, err
+    finally:
+        hf_logging.enable_progress_bar()
