@@ -285,6 +285,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise GraftFedError(f"--watch {args.watch}: give the seconds between refreshes, more than 0")
     client = BrokerClient(args.broker, node_id="status", tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                           tls_key=args.tls_key, insecure=args.insecure)
+    shown = False
     try:
         while True:
             try:
@@ -294,7 +295,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
                 cause = explain_connect_failure(args.broker, f"{exc.status} {exc}", bool(args.tls_ca),
                                                 bool(args.tls_cert))
-                raise GraftFedError(f"cannot reach the broker at {args.broker}: {cause} [{exc.status} {exc}]") from None
+                message = f"cannot reach the broker at {args.broker}: {cause} [{exc.status} {exc}]"
+                if args.watch is None or not shown:  # never reached: a wrong address or certificate
+                    raise GraftFedError(message) from None
+                # a broker that answered before and is restarting: keep watching until Ctrl-C
+                print(f"graft-fed status: {message}; trying again in {args.watch:g} s", file=sys.stderr, flush=True)
+                time.sleep(args.watch)
+                continue
+            shown = True
             if args.json:
                 print(json.dumps(d), flush=True)  # one object per refresh: JSON Lines under --watch
             else:

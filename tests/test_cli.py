@@ -381,3 +381,43 @@ def test_quiet_leaves_out_the_libraries_progress_bars_too(tiny_llama, prompt_fil
         assert "Loading weights" not in err and "Writing model shards" not in err and "it/s" not in err, err
     finally:
         hf_logging.enable_progress_bar()
+
+
+def test_status_watch_goes_on_across_a_broker_restart(tmp_path):
+    """`--watch` refreshes "until Ctrl-C" (deploy.md); it exited at the first refresh a
+    restarting broker did not answer. One never reached still exits (a wrong address)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from graft_fed.broker.config import load_broker_config
+    from graft_fed.broker.server import BrokerServer
+
+    def broker(listen):
+        return BrokerServer(load_broker_config(None, {"listen": listen, "http": "127.0.0.1:0",
+                                                      "db": str(tmp_path / "b.sqlite")})).start()
+
+    first = broker("127.0.0.1:0")
+    address = first.address
+    proc = subprocess.Popen([sys.executable, "-m", "graft_fed.cli", "status", "--broker", address, "--json",
+                             "--watch", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = None
+    try:
+        assert json.loads(proc.stdout.readline())["federation_id"]
+        first.stop()
+        time.sleep(2)
+        assert proc.poll() is None, proc.stderr.read()
+        second = broker(address)
+        while True:  # refreshes resume once the broker is back
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            if line.startswith("{"):
+                break
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        if second is not None:
+            second.stop()
+    assert "nothing listens at" in err and "trying again in 0.3 s" in err and proc.returncode == 130
+    assert main(["status", "--broker", address, "--watch", "0.3"]) == 2  # never reached: exits at once
