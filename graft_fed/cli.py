@@ -317,6 +317,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise GraftFedError(f"--watch {args.watch}: give the seconds between refreshes, more than 0")
     client = BrokerClient(args.broker, node_id="status", tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                           tls_key=args.tls_key, insecure=args.insecure)
+    shown = False
     try:
         while True:
             try:
@@ -326,7 +327,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
                 cause = explain_connect_failure(args.broker, f"{exc.status} {exc}", bool(args.tls_ca),
                                                 bool(args.tls_cert))
-                raise GraftFedError(f"cannot reach the broker at {args.broker}: {cause} [{exc.status} {exc}]") from None
+                message = f"cannot reach the broker at {args.broker}: {cause} [{exc.status} {exc}]"
+                if args.watch is None or not shown:  # never reached: a wrong address or certificate
+                    raise GraftFedError(message) from None
+                # a broker that answered before and is restarting: keep watching until Ctrl-C
+                print(f"graft-fed status: {message}; trying again in {args.watch:g} s", file=sys.stderr, flush=True)
+                time.sleep(args.watch)
+                continue
+            shown = True
             if args.json:
                 print(json.dumps(d), flush=True)  # one object per refresh: JSON Lines under --watch
             else:
@@ -638,8 +646,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return dist_module.end_process(code) if dist_module is not None else code
 
 
+def _quiet_libraries() -> None:
+    """`--quiet`: no progress bars from the libraries either (transformers draws one for every
+    model it loads and every checkpoint it writes: a line each in a node's log)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
+        if getattr(args, "quiet", False):
+            _quiet_libraries()
         if args.command not in ("train", "cotrain", "node") and "WORLD_SIZE" in os.environ:
             from graft_fed.trainer.distributed import launched_by_torchrun
 

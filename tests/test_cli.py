@@ -341,3 +341,83 @@ def test_status_pointed_at_the_http_port_says_so(capsys):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_status_and_a_node_over_tls_pointed_at_the_http_port_say_so(tmp_path, capsys):
+    """Over TLS the HTTP port answers like a plaintext broker ("wrong version number"); the
+    advice was to drop TLS ("it runs without tls_cert; drop federation.tls_*")."""
+    from graft_fed.broker.web import serve_http
+    from graft_fed.federation import certs
+    from graft_fed.federation.certcheck import JoinTracker
+
+    certs.init_ca(tmp_path, "fed")
+    certs.issue(tmp_path, "operator")
+    tls = ["--tls-ca", str(tmp_path / "ca.pem"), "--tls-cert", str(tmp_path / "operator.pem"),
+           "--tls-key", str(tmp_path / "operator.key")]
+    server = serve_http("127.0.0.1:0", {"/healthz": lambda: (b"ok\n", "text/plain")})
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        assert main(["status", "--broker", address, *tls]) == 2
+        err = capsys.readouterr().err
+        assert "answers plain HTTP/1, not gRPC: is it the broker's HTTP port" in err and "drop" not in err, err
+        tracker = JoinTracker(address, "n1", tls=True, client_cert=True)
+        tracker.failed(Exception("UNAVAILABLE Join: Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: "
+                                 "error:100000f7:SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER"))
+        assert "is it the broker's HTTP port" in str(tracker.error())
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_quiet_leaves_out_the_libraries_progress_bars_too(tiny_llama, prompt_file, tmp_path, capsys):
+    """transformers drew a bar for every model load and checkpoint write, under --quiet too:
+    a line each in a node's log."""
+    from transformers.utils import logging as hf_logging
+
+    cfg = _train_cfg(tmp_path, tiny_llama, prompt_file, steps=1)
+    try:
+        assert main(["train", "--config", str(cfg), "--quiet", "--no-eval"]) == 0
+        err = capsys.readouterr().err
+        assert "Loading weights" not in err and "Writing model shards" not in err and "it/s" not in err, err
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def test_status_watch_goes_on_across_a_broker_restart(tmp_path):
+    """`--watch` refreshes "until Ctrl-C" (deploy.md); it exited at the first refresh a
+    restarting broker did not answer. One never reached still exits (a wrong address)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from graft_fed.broker.config import load_broker_config
+    from graft_fed.broker.server import BrokerServer
+
+    def broker(listen):
+        return BrokerServer(load_broker_config(None, {"listen": listen, "http": "127.0.0.1:0",
+                                                      "db": str(tmp_path / "b.sqlite")})).start()
+
+    first = broker("127.0.0.1:0")
+    address = first.address
+    proc = subprocess.Popen([sys.executable, "-m", "graft_fed.cli", "status", "--broker", address, "--json",
+                             "--watch", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = None
+    try:
+        assert json.loads(proc.stdout.readline())["federation_id"]
+        first.stop()
+        time.sleep(2)
+        assert proc.poll() is None, proc.stderr.read()
+        second = broker(address)
+        while True:  # refreshes resume once the broker is back
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            if line.startswith("{"):
+                break
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        if second is not None:
+            second.stop()
+    assert "nothing listens at" in err and "trying again in 0.3 s" in err and proc.returncode == 130
+    assert main(["status", "--broker", address, "--watch", "0.3"]) == 2  # never reached: exits at once

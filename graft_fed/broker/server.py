@@ -29,6 +29,7 @@ from graft_fed.broker.state import BrokerState
 from graft_fed.broker.web import serve_http
 from graft_fed.broker.workers import Workers
 from graft_fed.errors import GraftFedError
+from graft_fed.federation.certcheck import check_broker_certificate
 from graft_fed.federation.transport import check_plaintext, grpc_options, server_credentials
 
 log = logging.getLogger("graft_fed.broker")
@@ -184,6 +185,8 @@ class BrokerServer:
         self.cfg = cfg
         if not (cfg.tls_cert and cfg.tls_key):  # before anything is opened
             check_plaintext(cfg.listen, cfg.insecure, "broker")
+        else:  # gRPC would only say it cannot bind the port
+            check_broker_certificate(cfg.tls_cert, cfg.tls_key, cfg.client_ca)
         self.state = state or open_state(cfg.db)
         try:  # a bad allowlist, a state of another federation, prompts that do not load
             allowlist = Allowlist(cfg.allowlist) if cfg.allowlist else None

@@ -16,6 +16,7 @@ documented degraded mode).
 from __future__ import annotations
 
 import datetime as dt
+import socket
 import time
 from pathlib import Path
 from typing import Callable
@@ -37,7 +38,26 @@ def _load_cert(path: str, what: str):
     try:
         return x509.load_pem_x509_certificate(data)
     except ValueError:
+        if b"PRIVATE KEY-----" in data:
+            raise ConfigError(f"{what} {path} is a private key, not a certificate: are the certificate and key "
+                              "swapped? (the certificate is the .pem, its key the .key)") from None
         raise ConfigError(f"{what} {path} is not a PEM certificate") from None
+
+
+def _load_key(path: str, what: str):
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+    try:
+        return serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        if b"BEGIN CERTIFICATE" in data:
+            raise ConfigError(f"{what} {path} is a certificate, not a private key: are the certificate and key "
+                              "swapped? (the certificate is the .pem, its key the .key)") from None
+        raise ConfigError(f"{what} {path} is not an unencrypted PEM private key") from None
 
 
 def _cn(cert) -> str | None:
@@ -93,17 +113,30 @@ def check_node_certificate(node_id: str, tls_ca: str | None, tls_cert: str | Non
             raise ConfigError(f"{where} carries the federation CA's name but not its signature (a CA of the same "
                               f"name, re-created?): the broker would refuse the handshake; ask for a certificate "
                               f"from the CA in {tls_ca}") from None
-    try:
-        from cryptography.hazmat.primitives import serialization
-
-        key = serialization.load_pem_private_key(Path(tls_key).read_bytes(), password=None)
-    except OSError as exc:
-        raise ConfigError(f"federation.tls_key {tls_key}: cannot read it ({exc.strerror})") from None
-    except (ValueError, TypeError):
-        raise ConfigError(f"federation.tls_key {tls_key} is not an unencrypted PEM private key") from None
+    key = _load_key(tls_key, "federation.tls_key")
     if key.public_key().public_numbers() != cert.public_key().public_numbers():
         raise ConfigError(f"federation.tls_key {tls_key} is not the key of {tls_cert}: give the pair that "
                           "`graft-fed certs issue` wrote together")
+
+
+def check_broker_certificate(tls_cert: str, tls_key: str, client_ca: str | None,
+                             now: dt.datetime | None = None) -> None:
+    """Raise ConfigError (one line) when the broker's own TLS files cannot serve: a file that
+    is missing or not what its key says (certificate and key swapped), a key that is not the
+    certificate's, an expired certificate (every node would fail its handshake). gRPC itself
+    only fails to "bind" the port for the first two, which reads as a port in use."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    cert = _load_cert(tls_cert, "broker.tls_cert")
+    key = _load_key(tls_key, "broker.tls_key")
+    if key.public_key().public_numbers() != cert.public_key().public_numbers():
+        raise ConfigError(f"broker.tls_key {tls_key} is not the key of broker.tls_cert {tls_cert}: give the pair "
+                          "that `graft-fed certs issue --name broker` wrote together")
+    if cert.not_valid_after_utc < now:
+        raise ConfigError(f"broker.tls_cert {tls_cert} expired {_age(now - cert.not_valid_after_utc)} ago "
+                          f"({cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC): nodes would refuse every handshake; "
+                          "issue a new one (`graft-fed certs issue --name broker --hosts ...`)")
+    if client_ca is not None:
+        _load_cert(client_ca, "broker.client_ca")
 
 
 def explain_connect_failure(address: str, detail: str, tls: bool, client_cert: bool) -> str:
@@ -111,6 +144,10 @@ def explain_connect_failure(address: str, detail: str, tls: bool, client_cert: b
     d = detail.lower()
     if "connection refused" in d:
         return f"nothing listens at {address}: is the broker running, and is the port right?"
+    if "not on this federation's allowlist" in d:
+        return ("the broker's allowlist does not admit this certificate's name (every call, status included, needs "
+                "a name on it): the operator adds it with `graft-fed broker nodes add --allowlist FILE NAME`, or "
+                "use a certificate whose name is on it; a revoked name stays refused")
     if "name or service not known" in d or "dns resolution failed" in d or "could not resolve" in d:
         return f"the host of {address} cannot be resolved: check federation.broker"
     if "certificate_verify_failed" in d or "certificate verify failed" in d:
@@ -121,6 +158,8 @@ def explain_connect_failure(address: str, detail: str, tls: bool, client_cert: b
         return (f"the broker's certificate does not name {host!r}: dial it by a name it was issued for, or "
                 f"reissue it with `graft-fed certs issue --name broker --hosts {host}`")
     if "wrong_version_number" in d or "wrong version number" in d:
+        if _answers_http1(address):  # what the HTTP port answers to TLS, too
+            return _HTTP_PORT.format(address=address)
         return (f"the broker at {address} answered in plaintext to TLS: it runs without tls_cert; drop "
                 "federation.tls_* here (with insecure: true off loopback) or enable TLS on the broker")
     if "socket closed" in d or "connection reset" in d or "handshake" in d or "ssl" in d or "tls" in d:
@@ -134,11 +173,28 @@ def explain_connect_failure(address: str, detail: str, tls: bool, client_cert: b
         return (f"the broker at {address} closed the TLS handshake: it most likely requires a client certificate "
                 "(mutual TLS): set federation.tls_cert and tls_key (--tls-cert and --tls-key for `status`)")
     if "failed parsing http/2" in d or "http1" in d or "http/1" in d:
-        return (f"{address} answers plain HTTP/1, not gRPC: is it the broker's HTTP port (`http`, /metrics and "
-                "the live page; 9464 by default) rather than its gRPC port (`listen`, 50551 by default)?")
+        return _HTTP_PORT.format(address=address)
     if "deadline" in d or "timeout" in d or "timed out" in d:
         return f"no answer from {address} in time: a firewall, a wrong address, or a broker too busy to answer"
     return "see the broker's log for the cause"
+
+
+_HTTP_PORT = ("{address} answers plain HTTP/1, not gRPC: is it the broker's HTTP port (`http`, /metrics and the "
+              "live page; 9464 by default) rather than its gRPC port (`listen`, 50551 by default)?")
+
+
+def _answers_http1(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether `address` answers an HTTP/1 request (the broker's HTTP port does; its gRPC port,
+    plaintext or TLS, does not). A TLS client sees both the HTTP port and a plaintext broker
+    as "wrong version number"; this tells them apart."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+            conn.settimeout(timeout_s)
+            conn.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            return conn.recv(5) == b"HTTP/"
+    except (OSError, ValueError):
+        return False
 
 
 class JoinTracker:

@@ -118,14 +118,17 @@ class BrokerClient:
         self.chunk = chunk_kib * 1024
         self.max_bundle = max_bundle_mib * 2**20  # the largest bundle a fetch may announce
         # The node paces its own reconnection attempts (Backoff below); keep gRPC's channel-level
-        # backoff short so a broker that is back is seen at the node's next attempt. The
+        # backoff short so a broker that is back is seen at the node's next attempt. Not
+        # `grpc.min_reconnect_backoff_ms`: gRPC also takes it as the shortest time a connection
+        # attempt may take (20 s by default), and at 200 ms a TLS handshake over a link of 100 ms
+        # each way never completed (the first call failed: "Handshake read failed"). The
         # channel keeps its own connections: by default gRPC shares them between every channel
         # of the process to the same address, so a new client of a broker that just started
         # where an unreachable one was (a restart; a port the kernel handed out again) got
         # the old connection's backoff and failed its first call at once with that
         # connection's last error ("Connection refused").
         options = grpc_options(max_message_mib) + [
-            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.initial_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.use_local_subchannel_pool", 1)]
         if tls_ca is not None:
             self.channel = grpc.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key),

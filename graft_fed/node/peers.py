@@ -231,6 +231,16 @@ class BrokerPeers:
         if self.privacy is Privacy.SHARE_ALL:
             try:
                 self.client.upload_missing((self._record(learner, g), rnd) for g in data.groups if 0 < g.k < g.n)
+            except InvalidArgument as exc:
+                # not a lost broker: it refused these bundles, e.g. because it keeps the summaries
+                # this node id published first for the round and these groups are others
+                self._round.live = False
+                log.warning("node %s: the broker refused round %d's bundles (%s); this step trains plain GRPO. If it "
+                            "says they do not match their summaries, the broker holds other summaries of node %r for "
+                            "this round, published before: by an earlier run under this node id (a new run needs a "
+                            "federation.node_id of its own, or a broker state of its own), or before a resume that "
+                            "sampled the round differently (only that round is affected)", self.node_id, rnd, exc,
+                            self.node_id)
             except FederationError as exc:
                 self._round.live = False
                 self._lost(exc)

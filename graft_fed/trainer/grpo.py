@@ -8,9 +8,12 @@ optimisation without touching either.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -174,24 +177,32 @@ class GRPOTrainer:
         self.model_id = cfg.run.name
         self.run_id = f"{cfg.run.name}-seed{cfg.run.seed}"
         self.tok_id = tokenizer_id(self.tokenizer)
-        self.store = (TrajectoryStore(self.out_dir / "trajectories.sqlite")
-                      if cfg.run.record_groups and self.is_main else None)
-        if self.store is not None:
-            self.store.set_run_advantage(self.run_id, advantage_id(cfg.algorithm.scale_rewards, cfg.algorithm.std))
-        if resume_dir is not None:
-            self._restore(resume_dir, manifest)
-            if self.is_main:
-                moved = ckpt.set_aside_after(self.out_dir / "checkpoints", self.step)
-                if moved:
-                    log.warning("resumed from %s (step %d): the later checkpoints %s are set aside in %s, "
-                                "so that neither --resume nor pruning takes them for this run's",
-                                resume_dir, self.step, ", ".join(p.name for p in moved), moved[0].parent)
+        self._lock_output_dir()  # before anything is written there
+        self.store: TrajectoryStore | None = None
         self.metrics: MetricsWriter | NullMetrics = NullMetrics()
-        if self.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2), encoding="utf-8")
-            self.metrics = MetricsWriter(self.out_dir, tensorboard=cfg.run.tensorboard,
-                                         resume_step=self.step if resume_dir else -1)
+        try:
+            self.store = (TrajectoryStore(self.out_dir / "trajectories.sqlite")
+                          if cfg.run.record_groups and self.is_main else None)
+            if self.store is not None:
+                self.store.set_run_advantage(self.run_id,
+                                             advantage_id(cfg.algorithm.scale_rewards, cfg.algorithm.std))
+            if resume_dir is not None:
+                self._restore(resume_dir, manifest)
+                if self.is_main:
+                    moved = ckpt.set_aside_after(self.out_dir / "checkpoints", self.step)
+                    if moved:
+                        log.warning("resumed from %s (step %d): the later checkpoints %s are set aside in %s, so that "
+                                    "neither --resume nor pruning takes them for this run's", resume_dir, self.step,
+                                    ", ".join(p.name for p in moved), moved[0].parent)
+            if self.is_main:
+                (self.out_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2), encoding="utf-8")
+                self.metrics = MetricsWriter(self.out_dir, tensorboard=cfg.run.tensorboard,
+                                             resume_step=self.step if resume_dir else -1)
+        except BaseException:
+            if self.store is not None:
+                self.store.close()
+            self._unlock_output_dir()
+            raise
 
     # ----- setup helpers ---------------------------------------------------------------
     # A torchrun run (graft_fed/trainer/distributed.py) overrides the hooks marked "hook".
@@ -234,6 +245,39 @@ class GRPOTrainer:
                 f"run.output_dir {self.out_dir} already holds another run ({found}): resume it with --resume, "
                 "or choose another run.output_dir (--set run.output_dir=...), or remove the folder")
 
+    def _lock_output_dir(self) -> None:
+        """Hold an exclusive lock on run.output_dir while this run lives (released by `close`,
+        or by the kernel when the process dies). Two runs started into one folder at once (two
+        nodes given the same output_dir, or a node started again while it still runs) both
+        found it empty: their checkpoints replaced each other's and their metrics interleaved.
+        The lock is the folder's own (flock on the directory): nothing is left in it."""
+        self._output_dir_fd: int | None = None
+        refusal = None
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.out_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._output_dir_fd = fd
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    refusal = (f"run.output_dir {self.out_dir} is in use by another run that is still running (a "
+                               "node or train process has it locked); two runs in one folder would replace each "
+                               "other's checkpoints and mix their metrics. Give this run its own run.output_dir "
+                               "(--set run.output_dir=...), or stop the other one first")
+                else:  # a filesystem without flock: go on as before, unlocked
+                    log.warning("cannot lock run.output_dir %s (%s); nothing stops a second run from writing there",
+                                self.out_dir, exc.strerror or exc)
+        refusal = self.from_main(refusal)
+        if refusal:
+            raise CheckpointError(refusal)
+
+    def _unlock_output_dir(self) -> None:
+        fd, self._output_dir_fd = getattr(self, "_output_dir_fd", None), None
+        if fd is not None:
+            os.close(fd)  # and with it the lock
+
     def _find_resume(self, resume: str | None) -> Path | None:
         if resume is None:
             return None
@@ -252,6 +296,7 @@ class GRPOTrainer:
         self.verifier.close()
         if self.store is not None:
             self.store.close()
+        self._unlock_output_dir()
 
     def __enter__(self) -> "GRPOTrainer":
         return self

@@ -5,6 +5,7 @@ never joins told apart from one that did."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 import pytest
 
@@ -12,8 +13,8 @@ from graft_fed.broker.config import load_broker_config
 from graft_fed.broker.server import BrokerServer
 from graft_fed.errors import ConfigError
 from graft_fed.federation import certs
-from graft_fed.federation.certcheck import (JoinTracker, NeverJoinedError, check_node_certificate,
-                                            explain_connect_failure, wait_for_first_join)
+from graft_fed.federation.certcheck import (JoinTracker, NeverJoinedError, check_broker_certificate,
+                                            check_node_certificate, explain_connect_failure, wait_for_first_join)
 from graft_fed.federation.errors import FederationError
 from graft_fed.node.client import BrokerClient
 
@@ -89,6 +90,50 @@ def test_each_certificate_problem_is_one_line(pki, case, fragment):
     with pytest.raises(ConfigError, match=fragment) as err:
         check_node_certificate(node_id, ca, cert, key)
     assert "\n" not in str(err.value)
+
+
+def test_swapped_certificate_and_key_are_named_as_swapped(pki):
+    a, _, _ = pki
+    with pytest.raises(ConfigError, match=r"n1.key is a private key, not a certificate: are the certificate and key "
+                                          r"swapped\?"):
+        check_node_certificate("n1", str(a / "ca.pem"), str(a / "n1.key"), str(a / "n1.pem"))
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("swapped", r"broker.tls_cert .*broker.key is a private key, not a certificate: are the certificate and key "
+                r"swapped\?"),
+    ("key_swapped_in", r"broker.tls_key .*broker.pem is a certificate, not a private key"),
+    ("wrong_key", r"broker.tls_key .*n1.key is not the key of broker.tls_cert .*broker.pem"),
+    ("expired", r"broker.tls_cert .* expired 3 days ago"),
+    ("missing_ca", r"broker.client_ca .*nope.pem: cannot read it"),
+])
+def test_a_broker_whose_tls_files_cannot_serve_says_which_and_is_not_blamed_on_the_port(pki, tmp_path, capsys, case,
+                                                                                          fragment):
+    """gRPC only failed to bind the port, which the broker command read as a port in use
+    ("is another broker running?")."""
+    from graft_fed.cli import main
+
+    a, _, _ = pki
+    cert, key, ca = str(a / "broker.pem"), str(a / "broker.key"), str(a / "ca.pem")
+    if case == "swapped":
+        cert, key = key, cert
+    elif case == "key_swapped_in":
+        key = cert
+    elif case == "wrong_key":
+        key = str(a / "n1.key")
+    elif case == "expired":
+        cert, key = _cert(a, "broker", days_from=-10, days_to=-3)
+    elif case == "missing_ca":
+        ca = str(a / "nope.pem")
+    with pytest.raises(ConfigError, match=fragment):
+        check_broker_certificate(cert, key, ca)
+    check_broker_certificate(str(a / "broker.pem"), str(a / "broker.key"), str(a / "ca.pem"))
+    db = tmp_path / "b.sqlite"
+    assert main(["broker", "--set", "listen=127.0.0.1:0", "--set", "http=127.0.0.1:0", "--set", f"db={db}", "--set",
+                 f"tls_cert={cert}", "--set", f"tls_key={key}", "--set", f"client_ca={ca}"]) == 2
+    assert not db.exists()  # refused before the state was opened
+    err = capsys.readouterr().err
+    assert re.search(fragment, err) and "another broker" not in err and "cannot listen" not in err, err
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +236,49 @@ def test_a_node_that_never_joins_exits_non_zero_with_the_cause(tiny_llama, promp
     err = capsys.readouterr().err
     assert "never joined the broker at 127.0.0.1:1" in err and "nothing listens at 127.0.0.1:1" in err
     assert not (tmp_path / "n1" / "summary.json").exists(), "it must not have trained alone"
+
+
+def test_status_with_a_certificate_off_the_allowlist_says_how_to_admit_it(pki, tmp_path, capsys):
+    """It said "see the broker's log for the cause" beside the broker's own answer (deploy.md
+    told the operator to keep its status certificate off the allowlist, which refuses it)."""
+    from graft_fed.broker.auth import Allowlist
+    from graft_fed.cli import main
+
+    a, _, _ = pki
+    allow = tmp_path / "allow.yaml"
+    Allowlist.edit(allow, "add", "someone-else")
+    broker = BrokerServer(load_broker_config(None, {
+        "listen": "127.0.0.1:0", "http": "", "db": str(tmp_path / "t.sqlite"), "tls_cert": str(a / "broker.pem"),
+        "tls_key": str(a / "broker.key"), "client_ca": str(a / "ca.pem"), "allowlist": str(allow)})).start()
+    try:
+        tls = ["--tls-ca", str(a / "ca.pem"), "--tls-cert", str(a / "n1.pem"), "--tls-key", str(a / "n1.key")]
+        assert main(["status", "--broker", broker.address, *tls]) == 2
+        err = capsys.readouterr().err
+        assert "allowlist does not admit this certificate's name" in err and "broker nodes add" in err, err
+        assert "see the broker's log" not in err
+        Allowlist.edit(allow, "add", "n1")
+        assert main(["status", "--broker", broker.address, *tls]) == 0
+    finally:
+        broker.stop()
+
+
+def test_a_tls_broker_across_a_slow_link_is_reached_at_the_first_call(pki, brokers):
+    """gRPC's shortest connection attempt was set to 200 ms (`grpc.min_reconnect_backoff_ms`
+    is also its minimum connect timeout), shorter than a TLS handshake over a link of 100 ms
+    each way (another continent): status failed at once, "it most likely refused this node's
+    certificate", and a node joined only once gRPC's backoff had grown."""
+    from tests.federation.faultproxy import FaultProxy
+
+    a, _, _ = pki
+    tls, _ = brokers
+    proxy = FaultProxy(tls.address).start()
+    try:
+        proxy.set("delay", delay_s=0.1)
+        client = BrokerClient(proxy.address, "n1", rpc_timeout_s=20, tls_ca=str(a / "ca.pem"),
+                              tls_cert=str(a / "n1.pem"), tls_key=str(a / "n1.key"))
+        try:
+            assert client.status().manifest.n >= 2
+        finally:
+            client.close()
+    finally:
+        proxy.close()

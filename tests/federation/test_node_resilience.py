@@ -69,3 +69,29 @@ def test_a_node_that_normalises_advantages_otherwise_is_refused_naming_its_setti
         assert broker.state.get_node("dr") is None  # nothing of the refused node was kept
     finally:
         broker.stop()
+
+
+def test_a_new_run_under_a_node_id_the_broker_knows_is_told_why_it_cannot_exchange(tiny_llama, prompt_file, tmp_path,
+                                                                                  caplog):
+    """The broker keeps the summaries a node id published first for each round, so a new run
+    under that id has every bundle refused as not matching them. The node took that for a
+    lost broker ("exchange with broker failed ... training plain GRPO"), joined again every
+    step, and never said why."""
+    import logging
+
+    broker = start_broker(broker_config(prompt_file))
+    try:
+        first = node_config("n1", tiny_llama, prompt_file, tmp_path / "a", broker.address, steps=2)
+        with Node(first, quiet=True) as node:
+            node.train(evaluate_before_after=False)
+        again = dataclasses.replace(first, run=dataclasses.replace(first.run, seed=first.run.seed + 1,
+                                                                  output_dir=str(tmp_path / "b" / "n1")))
+        with caplog.at_level(logging.WARNING, logger="graft_fed.node"), Node(again, quiet=True) as node:
+            node.train(evaluate_before_after=False)
+        said = [r.getMessage() for r in caplog.records if "refused round" in r.getMessage()]
+        assert said and "an earlier run under this node id" in said[0] and "federation.node_id" in said[0]
+        assert not [r for r in caplog.records if "exchange with broker" in r.getMessage()]
+        rows = [r for r in read_metrics(tmp_path / "b" / "n1" / "metrics.jsonl") if "reward" in r]
+        assert all(r["federation/connected"] == 1.0 for r in rows)  # it never lost the broker
+    finally:
+        broker.stop()

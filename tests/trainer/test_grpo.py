@@ -278,6 +278,28 @@ def test_resuming_from_an_earlier_checkpoint_sets_the_later_ones_aside(tiny_llam
     assert len(list((root / "abandoned").iterdir())) == 2 and ckpt.set_aside_after(root, 2) == []
 
 
+def test_a_second_run_into_a_folder_another_run_is_using_is_refused(tiny_llama, prompt_file, tmp_path):
+    """Two runs started into one empty folder at once (two nodes given one output_dir, or a
+    node started again while it runs) both passed the check above: their checkpoints
+    replaced each other's and their metrics interleaved. The folder is locked while a run
+    lives, with or without --resume."""
+    cfg = make_cfg(tiny_llama, prompt_file, tmp_path / "run", **{"run.steps": 1})
+    first = GRPOTrainer(cfg, quiet=True)
+    try:
+        other = make_cfg(tiny_llama, prompt_file, tmp_path / "run", **{"run.steps": 1, "run.seed": 8})
+        for resume in (None, "auto"):
+            with pytest.raises(CheckpointError, match=r"run.output_dir .*run is in use by another run that is still "
+                                                      r"running.*its own run.output_dir"):
+                GRPOTrainer(other, resume=resume, quiet=True)
+        first.train(evaluate_before_after=False)
+    finally:
+        first.close()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "reward" in r] == [1]  # the first run's rows alone
+    with GRPOTrainer(cfg, resume="auto", quiet=True) as tr:  # closed: the folder is free again
+        assert tr.step == 1
+
+
 def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     from graft_fed.trainer import checkpoint as ckpt
 
