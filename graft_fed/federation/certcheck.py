@@ -28,13 +28,17 @@ class NeverJoinedError(ConfigError):
     """The node could not join its broker at all; the message says the likely cause."""
 
 
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+
+
 def _load_cert(path: str, what: str):
     from cryptography import x509
 
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+    data = _read(path, what)
     try:
         return x509.load_pem_x509_certificate(data)
     except ValueError:
@@ -47,10 +51,7 @@ def _load_cert(path: str, what: str):
 def _load_key(path: str, what: str):
     from cryptography.hazmat.primitives import serialization
 
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+    data = _read(path, what)
     try:
         return serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError):
