@@ -236,7 +236,7 @@ class Experiment:
             raise ConfigError(f"{run} has no periodic validation evaluation (run.eval_every) to select from")
         best_step = max(curve, key=lambda row: (row["pass@1"], -row["step"]))["step"]
         final_step = curve[-1]["step"]
-        by_step = {ckpt_step(d): d for d in ckpt.checkpoint_dirs(run / "checkpoints")}
+        by_step = {ckpt.checkpoint_step(d): d for d in ckpt.checkpoint_dirs(run / "checkpoints")}
         result: dict[str, Any] = {"eval_config": to_dict(want), "validation": curve}
         for name, step in (("final", final_step), ("best_val", best_step)):
             if step == 0:
@@ -395,11 +395,6 @@ def run_paths(cfg: ExperimentConfig, arms: tuple[str, ...] | None = None
             if arm in wanted:
                 out += [((m, "all", arm), seed, root / arm / s / "all" / m) for m in sorted(cfg.models)]
     return out
-
-
-def ckpt_step(path: Path) -> int:
-    """The step of a checkpoint folder (`step_000040` -> 40)."""
-    return int(path.name.rsplit("_", 1)[-1])
 
 
 def validation_curve(run: Path) -> list[dict[str, Any]]:

@@ -99,6 +99,13 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
     accepted: list[tuple[int, GroupRecord]] = []
     advantages: dict[str, tuple[float, ...]] = {}  # prompt id -> what the receiver trains on
     screen = ScreenSettings(scale=rx.scale_rewards, std=rx.std)
+
+    def refuse(rec: GroupRecord, reason: str, lied: bool, source_key: str = "") -> None:
+        """A peer group not trained on: counted, and reported as a lie (s NaN) or as unusable (s 0)."""
+        counts[f"rejected_{reason}"] += 1
+        per_source[rec.model_id][source_key or f"rejected_{reason}"] += 1
+        reports.append(GroupReport(rec.prompt_id, rec.model_id, math.nan if lied else 0.0, 0.0, lied))
+
     # in the order of the receiver's own groups, whatever order the peers delivered them in
     for pid, rec in sorted(offers.items(), key=lambda kv: (index.get(kv[0], len(own)), kv[0])):
         counts["offered"] += 1
@@ -113,9 +120,7 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
             # receiver trains on its own recomputation, never on the claim.
             advantages[pid] = screen_record(rec, screen)
         except ScreeningError as exc:
-            counts[f"rejected_{exc.reason}"] += 1
-            per_source[rec.model_id]["rejected"] += 1
-            reports.append(GroupReport(rec.prompt_id, rec.model_id, math.nan, 0.0, True))
+            refuse(rec, exc.reason, lied=True, source_key="rejected")
             continue
         if rec.kind != "informative" and g.transfer != "pooled":
             counts["rejected_uninformative"] += 1
@@ -140,14 +145,10 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
                 # claimed (a hostile peer's "9^{9^{9^9}}" claimed 0 costs the verifier's whole
                 # timeout and passed): not trained on, reported as unusable (s 0), not as a
                 # lie, so the source stops being the most compatible one for this receiver
-                counts["rejected_unverifiable"] += 1
-                per_source[rec.model_id]["rejected_unverifiable"] += 1
-                reports.append(GroupReport(rec.prompt_id, rec.model_id, 0.0, 0.0, False))
+                refuse(rec, "unverifiable", lied=False)
                 continue
             if [float(r) for r in mine] != [float(r) for r in rec.rewards]:
-                counts["rejected_reverify"] += 1
-                per_source[rec.model_id]["rejected_reverify"] += 1
-                reports.append(GroupReport(rec.prompt_id, rec.model_id, math.nan, 0.0, True))
+                refuse(rec, "reverify", lied=True)
                 continue
             kept.append((i, rec))
         accepted = kept
@@ -166,9 +167,7 @@ def receive(rx: Receiver, own: Sequence[Group], offers: Mapping[str, GroupRecord
         if limit is not None and any(len(r) > limit for r in ids.values()):
             # not trained on; reported as unusable (s 0), not as a lie: an honest peer with a
             # longer response cap than this receiver's sends such groups too
-            counts["rejected_too_long"] += 1
-            per_source[rec.model_id]["rejected_too_long"] += 1
-            reports.append(GroupReport(rec.prompt_id, rec.model_id, 0.0, 0.0, False))
+            refuse(rec, "too_long", lied=False)
             continue
         kept.append((i, rec))
         plans.append(plan)

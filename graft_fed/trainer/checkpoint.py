@@ -37,6 +37,11 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint folder from `checkpoint_dirs` (`step_000040` -> 40)."""
+    return int(path.name[len("step_"):])
+
+
 def checkpoint_dirs(root: str | Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
     root = Path(root)
@@ -205,7 +210,7 @@ def set_aside_after(root: str | Path, step: int) -> list[Path]:
     --resume would continue the abandoned line, and pruning would keep it over the new one.
     Nothing is deleted."""
     root = Path(root)
-    later = [d for d in checkpoint_dirs(root) if int(d.name[len("step_"):]) > step]
+    later = [d for d in checkpoint_dirs(root) if checkpoint_step(d) > step]
     if not later:
         return []
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
