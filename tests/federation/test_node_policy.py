@@ -112,6 +112,18 @@ def test_a_fetched_group_of_another_size_than_the_federations_is_rejected():
     assert set(fetch_offers(Client(), [offer("p1", digest="a" * 64)], n=2).records) == {"p1"}
 
 
+class UploadsClient:
+    """A broker client that records what the node uploads."""
+
+    def __init__(self):
+        self.uploaded = []
+
+    def upload_missing(self, records):
+        records = list(records)
+        self.uploaded += records
+        return len(records)
+
+
 def test_matched_only_a_broker_cannot_widen_the_upload_window_past_the_nodes_cap(caplog):
     """The window is the broker's staleness_rounds in asynchronous mode: a hostile broker
     announcing staleness 10^9 got a matched_only node at round 500 to upload its groups of
@@ -133,20 +145,11 @@ def test_matched_only_a_broker_cannot_widen_the_upload_window_past_the_nodes_cap
         def lookup(self, pids, step=None, run_id=None, match="same_step"):
             return {p: rec(p, step) for p in pids}
 
-    class Client:
-        def __init__(self):
-            self.uploaded = []
-
-        def upload_missing(self, records):
-            records = list(records)
-            self.uploaded += records
-            return len(records)
-
     learner = SimpleNamespace(step=500, store=Store(), run_id="r", model_id="m", tok_id="t")
     asks = MatchResult(ready=True, offers=[], upload_requests=[(f"p{r}", r) for r in range(500)])
     for staleness, cap, first in ((10**9, 16, 484), (4, 16, 496), (10**9, 0, None)):
         hostile = Manifest("f", 1, "d", "h", 0, 2, 4, "async", "v", "1", staleness, "group/sample")
-        client = Client()
+        client = UploadsClient()
         peers = BrokerPeers(client, "me", "matched_only", hostile, "b", None, 1, 1, 1, 1, 1, 1,
                             max_staleness_rounds=cap)
         peers.broker_manifest = hostile
@@ -184,17 +187,8 @@ def test_share_all_uploads_only_informative_groups_each_once_whatever_the_broker
             self.lookups += 1
             return {p: rec(p, step) for p in pids}
 
-    class Client:
-        def __init__(self):
-            self.uploaded = []
-
-        def upload_missing(self, records):
-            records = list(records)
-            self.uploaded += records
-            return len(records)
-
     m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
-    client = Client()
+    client = UploadsClient()
     peers = BrokerPeers(client, "me", "share_all", m, "b", None, 1, 1, 1, 1, 1, 1)
     peers.broker_manifest = m
     learner = SimpleNamespace(step=5, store=Store(), run_id="r", model_id="m", tok_id="t")
