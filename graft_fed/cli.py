@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from typing import Sequence
 
@@ -173,7 +174,6 @@ def _reexec_without_tcache() -> None:
 def cmd_broker(args: argparse.Namespace) -> int:
     if getattr(args, "nodes_command", None):
         return cmd_broker_nodes(args)
-    import signal
     import threading
 
     from graft_fed.broker.config import load_broker_config
@@ -654,7 +654,35 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`docker stop`, a Kubernetes pod's end, `systemctl stop`, torchrun ending its
+    workers): the command unwinds as it does on Ctrl-C, so a node leaves the federation at
+    once (peers stop waiting for it) and its reward workers and run-folder lock are let go.
+    A second SIGTERM ends the process at once."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated()
+
+
+def _unwind_on_sigterm():  # noqa: ANN202 - the handler it replaced, to put back; None off the main thread
+    try:
+        return signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # main() called from another thread: signals go to the main one
+        return None
+
+
 def _run(args: argparse.Namespace) -> int:
+    before = _unwind_on_sigterm()
+    try:
+        return _command(args)
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _command(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "quiet", False):
             _quiet_libraries()
@@ -668,6 +696,9 @@ def _run(args: argparse.Namespace) -> int:
     except GraftFedError as exc:
         print(f"graft-fed {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"graft-fed {args.command}: stopped by SIGTERM", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print(f"graft-fed {args.command}: interrupted", file=sys.stderr)
         return 130

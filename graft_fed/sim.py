@@ -260,14 +260,17 @@ class Simulation:
             time.sleep(1.0)
 
     def stop(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        # the nodes first: a node stopped by SIGTERM leaves the federation, which needs the broker
+        nodes = [proc for name, proc in self.procs.items() if name != "broker"]
+        for group in (nodes, [self.procs["broker"]] if "broker" in self.procs else []):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in group:
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
     def earlier_run(self) -> list[str]:
         """What an earlier sim left in the output folder: its broker state and node runs. A

@@ -421,3 +421,49 @@ def test_status_watch_goes_on_across_a_broker_restart(tmp_path):
             second.stop()
     assert "nothing listens at" in err and "trying again in 0.3 s" in err and proc.returncode == 130
     assert main(["status", "--broker", address, "--watch", "0.3"]) == 2  # never reached: exits at once
+
+
+def test_a_node_stopped_by_sigterm_leaves_the_federation(tiny_llama, prompt_file, tmp_path):
+    """`docker stop`, a pod's end and `systemctl stop` send SIGTERM: the node left at once only
+    on Ctrl-C, and on SIGTERM simply died, so its peers waited `offline_after_s` for it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from graft_fed.configbase import to_dict
+    from tests.federation.helpers import broker_config, node_config, start_broker
+
+    broker = start_broker(broker_config(prompt_file, offline_after_s=600.0))
+    try:
+        cfg = node_config("a", tiny_llama, prompt_file, tmp_path, broker.address, steps=10_000)
+        cfg = to_dict(cfg)
+        path = tmp_path / "node.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        proc = subprocess.Popen([sys.executable, "-m", "graft_fed.cli", "node", "--config", str(path), "--quiet",
+                                 "--no-eval"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while (node := broker.state.get_node("a")) is None or node.state != "online":
+                assert proc.poll() is None, proc.stderr.read()
+                assert time.monotonic() < deadline, "the node never joined"
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 143, err
+        assert "stopped by SIGTERM" in err
+        assert broker.state.get_node("a").state == "left", err  # told the broker, not merely gone quiet
+    finally:
+        broker.stop()
+
+
+def test_sigterm_handling_is_put_back_when_main_returns():
+    """main() called by a program (as the suite does) leaves its SIGTERM handler as it was."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["zoo", "list"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before

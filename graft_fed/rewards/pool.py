@@ -95,8 +95,10 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(conn: Connection, target: str) -> None:
-    # Ctrl-C reaches the whole process group; only the parent should react to it.
+    # Ctrl-C, and a SIGTERM sent to the group (`tini -g` in the node image), reach every
+    # process; only the parent reacts (it stops the pool; a dead parent takes workers along).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     try:
         fn = resolve_function(target)
