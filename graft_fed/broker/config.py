@@ -140,6 +140,13 @@ class BrokerConfig:
     #: GLIBC_TUNABLES=glibc.malloc.tcache_count=0 added; a GLIBC_TUNABLES that sets
     #: tcache_count already is left alone.
     malloc_tcache: bool = False
+    #: Let protobuf's upb extension call malloc_trim(0) on every 10,000th block its message
+    #: arenas free. Off by default: in the broker that handed 15-25 MiB of the heap's free
+    #: pages back to the kernel every 10-25 s, for the next round to fault in again, so
+    #: RSS sawed by that much (docs/performance.md, issue 13, "forty-fourth pass"); upstream
+    #: protobuf has since compiled the call out. Off, the extension's entry for it is pointed
+    #: at a function that returns at once (broker/heap.py); `malloc_trim_s` still trims.
+    protobuf_malloc_trim: bool = False
     #: Seconds between the housekeeping's malloc_trim(0) (glibc), which hands the free pages
     #: inside the C heap back to the kernel (0: never). Freed memory otherwise stays in the
     #: process, counted in its RSS, until a later allocation reuses it: set it (e.g. 60) where

@@ -34,6 +34,18 @@ the size of a freed mmap'd block, up to 32 MiB); an upload stored a chunk at a t
 longer does. `keep_chunk_buffers` sets them outright: buffers of a few chunks come from the
 heap and free memory of up to 16 chunks stays at a heap's top for the next one.
 
+`decline_protobuf_trims`: protobuf's upb runtime for Python (up to 7.36 at least) calls
+malloc_trim(0) on every 10,000th block its message arenas free, from whichever thread frees
+it. In the broker that is every 10-25 s under 256 nodes x 256 prompts: each call hands 15-25
+MiB of free pages inside the heap back to the kernel (hundreds of madvise calls, the heap's
+lock held) and the next round faults them in again, so RSS saws up and down by that much
+(perf: the madvise calls' stack ends in upb_trim_allocfunc; issue 13, docs/performance.md,
+"forty-fourth pass"). upstream protobuf has since compiled the call out ("find out whether
+this is still needed"). `broker.protobuf_malloc_trim: false` (the default) points the
+extension's own entry for malloc_trim (its GOT slot, found from the ELF file's relocations)
+at the C library's abs(), which returns at once (upb ignores the result); every other
+caller, `broker.malloc_trim_s` included, still reaches glibc's malloc_trim.
+
 `memory_usage`: where the process's memory is, for /metrics (`graft_fed_broker_memory_bytes`)
 and the load bench: resident anonymous and file pages (/proc), the C heap's bytes in use,
 free and mapped whole (glibc's mallinfo2), what SQLite holds (sqlite3_memory_used), and
@@ -47,6 +59,7 @@ import ctypes
 import logging
 import os
 import platform
+import struct
 import sys
 
 log = logging.getLogger("graft_fed.broker")
@@ -67,6 +80,123 @@ def _libc(name: str):  # noqa: ANN202 - a glibc function, or None off glibc
         return getattr(ctypes.CDLL(None), name)  # CDLL: the GIL is released during the call
     except (OSError, AttributeError):
         return None
+
+
+#: ELF relocation types that fill a GOT slot with a symbol's address (elf.h), per machine
+_GOT_RELOCATIONS = {62: (6, 7),        # x86-64: R_X86_64_GLOB_DAT, R_X86_64_JUMP_SLOT
+                    183: (1025, 1026)}  # AArch64: R_AARCH64_GLOB_DAT, R_AARCH64_JUMP_SLOT
+
+
+def got_slots(path: str, symbol: str) -> list[int]:
+    """Offsets (from the load address) of the GOT slots through which the 64-bit
+    little-endian ELF shared object at `path` calls `symbol`: the r_offset of each
+    GLOB_DAT or JUMP_SLOT relocation against it. Empty when it does not import `symbol`,
+    or for another kind of file or machine."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:  # ELFCLASS64, ELFDATA2LSB
+        return []
+    machine, = struct.unpack_from("<H", data, 18)
+    kinds = _GOT_RELOCATIONS.get(machine)
+    shoff, = struct.unpack_from("<Q", data, 40)
+    shentsize, shnum = struct.unpack_from("<HH", data, 58)
+    if kinds is None or not shoff or shentsize < 64:
+        return []
+    # (type, offset, size, link, entsize) of each section (Elf64_Shdr)
+    sections = [struct.unpack_from("<4xI16xQQI4x8xQ", data, shoff + i * shentsize) for i in range(shnum)]
+    slots = []
+    for kind, offset, size, link, entsize in sections:
+        if kind != 4 or entsize != 24 or link >= shnum:  # SHT_RELA against a symbol table
+            continue
+        _, symoff, _, strtab, symentsize = sections[link]
+        if symentsize != 24 or strtab >= shnum:
+            continue
+        stroff = sections[strtab][1]
+        for at in range(offset, offset + size - 23, 24):
+            r_offset, r_info = struct.unpack_from("<QQ", data, at)
+            if r_info & 0xFFFFFFFF not in kinds:
+                continue
+            name_at, = struct.unpack_from("<I", data, symoff + (r_info >> 32) * 24)
+            end = data.find(b"\0", stroff + name_at)
+            if data[stroff + name_at:end].split(b"@")[0] == symbol.encode():
+                slots.append(r_offset)
+    return slots
+
+
+def _load_bias(path: str) -> int | None:
+    """Where the loaded shared object `path` is mapped (its link map's l_addr); None when
+    it is not loaded in this process."""
+    dlinfo = _libc("dlinfo")
+    if dlinfo is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None
+    link_map = ctypes.c_void_p()
+    rtld_di_linkmap = 2
+    if dlinfo(ctypes.c_void_p(lib._handle), rtld_di_linkmap, ctypes.byref(link_map)) != 0 or not link_map.value:
+        return None
+    return ctypes.c_size_t.from_address(link_map.value).value  # struct link_map's first field, l_addr
+
+
+def _writable(address: int) -> bool | None:
+    """Whether the page holding `address` is mapped writable (/proc/self/maps); None when
+    no mapping holds it."""
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return perms[1] == "w"
+    return None
+
+
+def _write_pointer(address: int, value: int) -> bool:
+    """Store `value` at `address`, a GOT slot: made writable for the store if full RELRO
+    left it read-only, and read-only again after."""
+    writable = _writable(address)
+    if writable is None:
+        return False
+    page = address & ~(os.sysconf("SC_PAGE_SIZE") - 1)
+    mprotect = _libc("mprotect")
+    prot_read, prot_write = 1, 2
+    if not writable and (mprotect is None or mprotect(ctypes.c_void_p(page), os.sysconf("SC_PAGE_SIZE"),
+                                                      prot_read | prot_write) != 0):
+        return False
+    ctypes.c_void_p.from_address(address).value = value
+    if not writable:
+        mprotect(ctypes.c_void_p(page), os.sysconf("SC_PAGE_SIZE"), prot_read)
+    return True
+
+
+def decline_protobuf_trims() -> str:
+    """Make protobuf's upb extension call abs() where it calls malloc_trim (above). Returns
+    what was done, for the broker's log: "declined", "nothing to decline" (this protobuf
+    does not call it), or why it could not be done (then nothing was changed)."""
+    try:
+        from google._upb import _message
+    except ImportError:
+        return "nothing to decline (protobuf's upb extension is not in use)"
+    path = os.path.realpath(_message.__file__)
+    abs_fn = _libc("abs")
+    if abs_fn is None:
+        return "not declined (not glibc)"
+    try:
+        slots = got_slots(path, "malloc_trim")
+    except (OSError, struct.error) as exc:
+        return f"not declined ({path} unreadable: {exc})"
+    if not slots:
+        return "nothing to decline (this protobuf does not call malloc_trim)"
+    bias = _load_bias(path)
+    if bias is None:
+        return "not declined (the extension's load address is unknown)"
+    target = ctypes.cast(abs_fn, ctypes.c_void_p).value
+    done = [_write_pointer(bias + slot, target) for slot in slots]
+    if all(done):
+        return "declined"
+    return "partly declined (a GOT slot is not mapped as expected)" if any(done) else \
+        "not declined (its GOT slot is not mapped as expected)"
 
 
 def trim_heap() -> bool:

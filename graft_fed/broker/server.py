@@ -20,8 +20,8 @@ from graft_fed.broker.blas import one_blas_thread
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.handlers import Federation
 from graft_fed.broker.front import FrontLink
-from graft_fed.broker.heap import (keep_chunk_buffers, limit_malloc_arenas, memory_usage, process_memory, tcache_off,
-                                   trim_heap)
+from graft_fed.broker.heap import (decline_protobuf_trims, keep_chunk_buffers, limit_malloc_arenas, memory_usage,
+                                   process_memory, tcache_off, trim_heap)
 from graft_fed.broker.live import RefusalLog, ScalarLog, node_metrics, status_view
 from graft_fed.broker.servicer import (METHODS, SERVICE, BrokerServicer, TimingInterceptor, add_to_server,
                                        method_handlers)
@@ -359,8 +359,9 @@ def start_broker(cfg: BrokerConfig, state: BrokerState | None = None) -> BrokerS
     switch interval set (`switch_interval_ms`). Not for a process that starts several
     brokers (the tests): the freeze and the interval are for the process's whole life."""
     limit_malloc_arenas(cfg.malloc_arena_max)
-    log.info("C heap: %s malloc arena(s), glibc's per-thread caches %s", cfg.malloc_arena_max or "glibc's default",
-             "off" if tcache_off() else "on")
+    log.info("C heap: %s malloc arena(s), glibc's per-thread caches %s, protobuf's malloc_trim calls %s",
+             cfg.malloc_arena_max or "glibc's default", "off" if tcache_off() else "on",
+             "let through" if cfg.protobuf_malloc_trim else decline_protobuf_trims())
     # numpy 2.x imports numpy.ma on the first np.unique (it asks np.ma.is_masked): 7-9 ms of
     # imports with the GIL held alone, more among the broker's threads, in the middle of the
     # first round that called it (issue 13, docs/performance.md, fortieth pass); imported

@@ -1,4 +1,5 @@
-"""broker/heap.py: the C heap's arenas and its thresholds for chunk-sized buffers."""
+"""broker/heap.py: the C heap's arenas, its thresholds for chunk-sized buffers, the caches,
+and protobuf's malloc_trim calls."""
 
 import json
 import os
@@ -151,6 +152,7 @@ def test_graft_fed_broker_runs_itself_again_with_glibcs_caches_off(prompt_file, 
                 time.sleep(0.05)
             assert environ(proc.pid).get("GLIBC_TUNABLES") == tunables  # the same process, run again
             assert f"glibc's per-thread caches {said}" in log.read_text()
+            assert "protobuf's malloc_trim calls declined" in log.read_text()
         finally:
             proc.terminate()
             assert proc.wait(60) == 0, log.read_text()
@@ -177,3 +179,75 @@ def test_a_program_calling_main_keeps_its_process(tmp_path, monkeypatch, capsys)
     if calls:
         assert calls[0][2]["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0"
     capsys.readouterr()
+
+
+_PROTOBUF_TRIMS = """
+import ctypes, json, os, sys
+from graft_fed.broker.heap import _libc, _load_bias, decline_protobuf_trims, got_slots
+from graft_fed.proto import broker_pb2 as pb
+from google._upb import _message
+
+
+def churn(count):  # each message's arena gives its blocks back through upb's allocator
+    for i in range(count):
+        pb.HeartbeatRequest.FromString(pb.HeartbeatRequest(node_id="n" * (i % 40), round=i).SerializeToString())
+
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+churn(20_000)  # protobuf has called malloc_trim by now, so its GOT slot holds glibc's
+path = os.path.realpath(_message.__file__)
+slots = got_slots(path, "malloc_trim")
+address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value
+held_before = [ctypes.c_void_p.from_address(_load_bias(path) + s).value for s in slots]
+said = decline_protobuf_trims() if sys.argv[1] == "decline" else "let through"
+held_after = [ctypes.c_void_p.from_address(_load_bias(path) + s).value for s in slots]
+malloc, free = _libc("malloc"), _libc("free")
+malloc.restype = ctypes.c_void_p
+blocks = [malloc(16384) for _ in range(8000)]  # 125 MiB of the C heap, touched
+for b in blocks:
+    ctypes.memset(b, 1, 16384)
+for b in blocks[::2]:  # half of it free between live blocks: pages malloc_trim would hand back
+    free(ctypes.c_void_p(b))
+before = rss()
+churn(20_000)
+print(json.dumps({"said": said, "slots": len(slots), "held_before": [h == address(_libc("malloc_trim")) for h in held_before],
+                  "held_after": [h == address(_libc("abs")) for h in held_after], "rss_fell_mib": (before - rss()) / 2**20}))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc_trim")
+def test_protobufs_malloc_trim_calls_are_declined():
+    """broker.protobuf_malloc_trim: false. Let through, protobuf's upb extension hands the
+    free pages inside the heap back every 10,000 arena blocks it frees (RSS falls by the
+    whole pages of the 62 MiB freed between live blocks, about 47 MiB); declined, its GOT slot for malloc_trim, which held
+    glibc's malloc_trim (so the slot and the load address were read right), holds abs()
+    and RSS stays."""
+    runs = {}
+    for mode in ("let", "decline"):
+        out = subprocess.run([sys.executable, "-c", _PROTOBUF_TRIMS, mode], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    let, declined = runs["let"], runs["decline"]
+    if let["slots"] == 0:  # a protobuf that no longer calls it: nothing to decline
+        assert declined["said"].startswith("nothing to decline")
+        return
+    assert let["held_before"] == [True] * let["slots"] and let["held_after"] == [False] * let["slots"]
+    assert let["rss_fell_mib"] > 30, let
+    assert declined["said"] == "declined" and declined["held_after"] == [True] * declined["slots"]
+    assert abs(declined["rss_fell_mib"]) < 5, declined
+
+
+def test_got_slots_reads_only_64_bit_elf(tmp_path):
+    import struct
+
+    from graft_fed.broker.heap import got_slots
+
+    (tmp_path / "x.so").write_bytes(b"#!/bin/sh\n" * 10)
+    assert got_slots(str(tmp_path / "x.so"), "malloc_trim") == []
+    (tmp_path / "short.so").write_bytes(b"\x7fELF\x02\x01" + bytes(40))  # a header cut short
+    with pytest.raises(struct.error):  # decline_protobuf_trims says so and changes nothing
+        got_slots(str(tmp_path / "short.so"), "malloc_trim")
