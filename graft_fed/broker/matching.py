@@ -21,8 +21,10 @@ candidate it meets first. The broker maps NaN to -inf before either.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Hashable, Mapping, Sequence
+import threading
+from typing import Hashable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -54,6 +56,44 @@ MASK_BYTES = 2 << 20
 PRODUCT_BYTES = 32 << 20  # and their float32 products (N x N) at once, at most (one at least)
 
 
+class _Scratch:
+    """The masks, their float32 copies and products that _thresholds makes every round, in
+    buffers kept from one round to the next. Made afresh each round, these few-MiB arrays
+    were the only allocations that grew the broker's heap after its warm-up: other
+    threads' small allocations settle in the holes they leave, so the next round's no
+    longer fit and glibc extends the heap (perf on brk: every extension under 256 nodes x
+    256 prompts was one of them; RSS rose about 1 MiB/min; issue 13, docs/performance.md,
+    "forty-fourth pass"). A set is taken for one call and given back; as many sets exist
+    as calls ever ran at once (the broker's work slots: 2)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        """A C-contiguous array of `shape` over this set's `name` buffer, grown (never
+        shrunk) to fit; its values are whatever the last call left."""
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        buf = self.buffers.get(name)
+        if buf is None or buf.size < size:
+            buf = self.buffers[name] = np.empty(size, dtype=np.uint8)
+        return buf[:size].view(dtype).reshape(shape)
+
+
+_scratch_free: list[_Scratch] = []
+_scratch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[_Scratch]:
+    with _scratch_lock:
+        taken = _scratch_free.pop() if _scratch_free else _Scratch()
+    try:
+        yield taken
+    finally:
+        with _scratch_lock:
+            _scratch_free.append(taken)
+
+
 def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndarray, balance: bool) -> np.ndarray:
     """t[a, b]: the smallest k_S of a's groups that SelectWithTies keeps in direction a -> b
     (every candidate with k_S >= t is kept); kmax + 1 when the pair exchanges nothing."""
@@ -77,14 +117,23 @@ def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndar
     per = max(1, min(MASK_BYTES // max(4 * k.size, 1), PRODUCT_BYTES // max(4 * n_nodes * n_nodes, 1)))
     t = np.zeros((n_nodes, n_nodes), dtype=np.int32)
     m: np.ndarray | None = None  # how many each direction keeps before ties: set by the first chunk (kmax >= 1)
-    for lo in range(1, kmax + 1, per):
-        js = np.arange(lo, min(lo + per, kmax + 1), dtype=j_dtype)
-        at_least = (k_inf[None] >= js[:, None, None]).astype(np.float32).reshape(js.size * n_nodes, k.shape[1])
-        ranked = (at_least @ failT).reshape(js.size, n_nodes, n_nodes)
-        if m is None:  # ranked_1: the totals
-            m = np.minimum(ranked[0], ranked[0].T) if balance else ranked[0]
-        for r in ranked:
-            t += r >= m
+    with _scratch() as scratch:
+        full = min(per, kmax)
+        ge = scratch.array("ge", (full, n_nodes, k.shape[1]), np.bool_)
+        masks = scratch.array("masks", (full * n_nodes, k.shape[1]), np.float32)
+        products = scratch.array("products", (full * n_nodes, n_nodes), np.float32)
+        kept = scratch.array("kept", (n_nodes, n_nodes), np.bool_)
+        for lo in range(1, kmax + 1, per):
+            js = np.arange(lo, min(lo + per, kmax + 1), dtype=j_dtype)
+            rows = js.size * n_nodes
+            np.greater_equal(k_inf[None], js[:, None, None], out=ge[:js.size])
+            at_least = masks[:rows]
+            np.copyto(at_least, ge[:js.size].reshape(rows, k.shape[1]))
+            ranked = np.matmul(at_least, failT, out=products[:rows]).reshape(js.size, n_nodes, n_nodes)
+            if m is None:  # ranked_1: the totals (copied: the buffer is the next chunk's)
+                m = np.minimum(ranked[0], ranked[0].T) if balance else ranked[0].copy()
+            for r in ranked:
+                t += np.greater_equal(r, m, out=kept)
     assert m is not None
     t[m <= 0] = kmax + 1
     return t

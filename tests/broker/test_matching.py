@@ -378,3 +378,24 @@ def test_a_damaged_match_set_is_a_match_set_error(mangle, why) -> None:
     raw = json.dumps(head).encode()
     with pytest.raises(MatchSetError, match=why):
         MatchSet.from_bytes(b"GFM2" + len(raw).to_bytes(4, "little") + raw + body)
+
+
+def test_the_thresholds_masks_live_in_buffers_kept_between_rounds():
+    """_thresholds' masks and products are made in buffers kept from one call to the next
+    (made afresh each round they grew the broker's heap, broker/matching.py::_Scratch): a
+    second round of the same size, or a smaller one, allocates none; a larger one grows them."""
+    from graft_fed.broker import matching
+
+    rng = np.random.default_rng(3)
+    matching._scratch_free.clear()
+
+    def run(nodes: int, prompts: int) -> dict[str, int]:
+        k = rng.integers(0, 5, size=(nodes, prompts)).astype(np.int16)
+        matching.select_sources_arrays(k, 4, True, np.full((nodes, nodes), np.inf))
+        (kept,) = matching._scratch_free  # one set: one call at a time
+        return {name: buf.ctypes.data for name, buf in kept.buffers.items()}
+
+    first = run(16, 64)
+    assert set(first) == {"ge", "masks", "products", "kept"}
+    assert run(16, 64) == first and run(8, 32) == first
+    assert run(32, 128) != first
