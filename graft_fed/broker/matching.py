@@ -57,14 +57,15 @@ PRODUCT_BYTES = 32 << 20  # and their float32 products (N x N) at once, at most 
 
 
 class _Scratch:
-    """The masks, their float32 copies and products that _thresholds makes every round, in
-    buffers kept from one round to the next. Made afresh each round, these few-MiB arrays
-    were the only allocations that grew the broker's heap after its warm-up: other
-    threads' small allocations settle in the holes they leave, so the next round's no
-    longer fit and glibc extends the heap (perf on brk: every extension under 256 nodes x
-    256 prompts was one of them; RSS rose about 1 MiB/min; issue 13, docs/performance.md,
-    "forty-fourth pass"). A set is taken for one call and given back; as many sets exist
-    as calls ever ran at once (the broker's work slots: 2)."""
+    """A round's (N, P) and (N, N) arrays (the masks, their float32 copies and products that
+    _thresholds makes, the thresholds, the offers' k_S by prompt), in buffers kept from
+    one round to the next. Made afresh each round, these arrays of 0.1-2 MiB were the
+    allocations that grew the broker's heap after its warm-up: other threads' small
+    allocations settle in the holes they leave, so the next round's no longer fit and
+    glibc extends the heap (perf on brk: every extension under 256 nodes x 256 prompts
+    after the first minutes was one of the matcher's arrays; RSS rose about 1 MiB/min;
+    issue 13, docs/performance.md, "forty-fourth pass"). A set is taken for one call and
+    given back; as many sets exist as calls ever ran at once (the broker's work slots: 2)."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, np.ndarray] = {}
@@ -94,9 +95,11 @@ def _scratch() -> Iterator[_Scratch]:
             _scratch_free.append(taken)
 
 
-def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndarray, balance: bool) -> np.ndarray:
+def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndarray, balance: bool,
+                scratch: _Scratch) -> np.ndarray:
     """t[a, b]: the smallest k_S of a's groups that SelectWithTies keeps in direction a -> b
-    (every candidate with k_S >= t is kept); kmax + 1 when the pair exchanges nothing."""
+    (every candidate with k_S >= t is kept); kmax + 1 when the pair exchanges nothing. In
+    `scratch`'s buffers, t included."""
     n_nodes = k.shape[0]
     if not inf_src.any():
         kmax = 1
@@ -109,33 +112,37 @@ def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndar
     # (N x P) and PRODUCT_BYTES of J products (N x N) allow. ranked_j falls as j rises and
     # ranked_1 = total >= m, so the largest j with ranked_j >= m is the count of those j
     # (where m > 0).
-    k_inf = k * inf_src
+    k_inf = np.multiply(k, inf_src, out=scratch.array("k_inf", k.shape, k.dtype))
     # the j compared with k in k's dtype (the matcher's int16: 3x faster than int64) where
     # kmax fits in it
     j_dtype = k.dtype if kmax <= np.iinfo(k.dtype).max else np.int64
-    failT = fail.T.astype(np.float32)
+    failT = scratch.array("failT", fail.shape[::-1], np.float32)
+    np.copyto(failT, fail.T)
     per = max(1, min(MASK_BYTES // max(4 * k.size, 1), PRODUCT_BYTES // max(4 * n_nodes * n_nodes, 1)))
-    t = np.zeros((n_nodes, n_nodes), dtype=np.int32)
-    m: np.ndarray | None = None  # how many each direction keeps before ties: set by the first chunk (kmax >= 1)
-    with _scratch() as scratch:
-        full = min(per, kmax)
-        ge = scratch.array("ge", (full, n_nodes, k.shape[1]), np.bool_)
-        masks = scratch.array("masks", (full * n_nodes, k.shape[1]), np.float32)
-        products = scratch.array("products", (full * n_nodes, n_nodes), np.float32)
-        kept = scratch.array("kept", (n_nodes, n_nodes), np.bool_)
-        for lo in range(1, kmax + 1, per):
-            js = np.arange(lo, min(lo + per, kmax + 1), dtype=j_dtype)
-            rows = js.size * n_nodes
-            np.greater_equal(k_inf[None], js[:, None, None], out=ge[:js.size])
-            at_least = masks[:rows]
-            np.copyto(at_least, ge[:js.size].reshape(rows, k.shape[1]))
-            ranked = np.matmul(at_least, failT, out=products[:rows]).reshape(js.size, n_nodes, n_nodes)
-            if m is None:  # ranked_1: the totals (copied: the buffer is the next chunk's)
-                m = np.minimum(ranked[0], ranked[0].T) if balance else ranked[0].copy()
-            for r in ranked:
-                t += np.greater_equal(r, m, out=kept)
-    assert m is not None
-    t[m <= 0] = kmax + 1
+    t = scratch.array("t", (n_nodes, n_nodes), np.int32)
+    t.fill(0)
+    m = scratch.array("m", (n_nodes, n_nodes), np.float32)  # how many each direction keeps before ties
+    assert kmax >= 1  # the first chunk sets m
+    full = min(per, kmax)
+    ge = scratch.array("ge", (full, n_nodes, k.shape[1]), np.bool_)
+    masks = scratch.array("masks", (full * n_nodes, k.shape[1]), np.float32)
+    products = scratch.array("products", (full * n_nodes, n_nodes), np.float32)
+    kept = scratch.array("kept", (n_nodes, n_nodes), np.bool_)
+    for lo in range(1, kmax + 1, per):
+        js = np.arange(lo, min(lo + per, kmax + 1), dtype=j_dtype)
+        rows = js.size * n_nodes
+        np.greater_equal(k_inf[None], js[:, None, None], out=ge[:js.size])
+        at_least = masks[:rows]
+        np.copyto(at_least, ge[:js.size].reshape(rows, k.shape[1]))
+        ranked = np.matmul(at_least, failT, out=products[:rows]).reshape(js.size, n_nodes, n_nodes)
+        if lo == 1:  # ranked_1: the totals
+            if balance:
+                np.minimum(ranked[0], ranked[0].T, out=m)
+            else:
+                np.copyto(m, ranked[0])
+        for r in ranked:
+            t += np.greater_equal(r, m, out=kept)
+    np.copyto(t, kmax + 1, where=np.less_equal(m, 0, out=kept))
     return t
 
 
@@ -152,14 +159,24 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     # column-major too, and copied on each reshape and ravel (twice the time of the
     # selection at 64 x 4,096)
     k = np.ascontiguousarray(k)
+    with _scratch() as scratch:
+        return _select(k, np.broadcast_to(np.asarray(n), k.shape), balance, compat, can_source, cap, scratch)
+
+
+def _select(k: np.ndarray, n: np.ndarray, balance: bool, compat: Mapping[tuple[int, int], float] | np.ndarray,
+            can_source: Sequence[bool] | None, cap: int | None, scratch: _Scratch) -> list[tuple[np.ndarray, np.ndarray]]:
+    """select_sources_arrays with the round's (N, P) and (N, N) arrays in `scratch`'s buffers."""
     n_nodes = k.shape[0]
-    n = np.broadcast_to(np.asarray(n), k.shape)
-    published = k != MISSING
-    fail = published & (k == 0)
-    inf = published & (k > 0) & (k < n)
+    published = np.not_equal(k, MISSING, out=scratch.array("published", k.shape, np.bool_))
+    fail = np.equal(k, 0, out=scratch.array("fail", k.shape, np.bool_))
+    fail &= published
+    inf = np.greater(k, 0, out=scratch.array("inf", k.shape, np.bool_))
+    inf &= published
+    inf &= np.less(k, n, out=scratch.array("below_n", k.shape, np.bool_))
     ok = np.ones(n_nodes, dtype=bool) if can_source is None else np.asarray(can_source, dtype=bool)
-    inf_src = inf & ok[:, None]  # a node that may not share offers nothing, in either pair direction's count
-    t = _thresholds(k, n, fail, inf_src, balance)
+    inf_src = inf  # a node that may not share offers nothing, in either pair direction's count
+    inf_src &= ok[:, None]
+    t = _thresholds(k, n, fail, inf_src, balance, scratch)
     # est[s, r]: source_rank's first key (an unexplored pair counts as +inf; NaN never wins a
     # comparison in max(), so it ranks below everything)
     if isinstance(compat, np.ndarray):  # already est_all (broker/compat.py's estimates)
@@ -178,7 +195,9 @@ def select_sources_arrays(k: np.ndarray, n: np.ndarray | int, balance: bool,
     # Prompt-major (P, N): per (prompt, source), k_S where the source offers an informative
     # group, else -1. A receiver's failed prompts are then whole rows (a gather of rows is a
     # copy of contiguous memory; one of columns was most of the time at 64 x 4,096).
-    kkT = np.ascontiguousarray(np.where(inf_src, k, -1).T, dtype=np.int32)
+    kkT = scratch.array("kkT", k.shape[::-1], np.int32)
+    kkT.fill(-1)
+    np.copyto(kkT, k.T, where=inf_src.T)
     kspan = int(kkT.max()) + 2 if kkT.size else 1  # k_S + 1 in [0, kspan)
     if uniform:  # every pair unexplored: one rank, the receiver's own pair below it
         ranks = np.ones((n_nodes, n_nodes), dtype=np.int32)

@@ -43,6 +43,7 @@ import contextlib
 import datetime
 import logging
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -493,13 +494,19 @@ class DistributedGRPOTrainer(GRPOTrainer):
         saved = int(manifest.get("world_size", 0)) if manifest else 0
         rng_file = path / "rng" / f"rank_{self.ctx.rank:05d}.pt"
         if rng_file.is_file():
-            rng = torch.load(rng_file, map_location="cpu", weights_only=True)
-            random.setstate(rng["python"])
-            np.random.set_state(_numpy_state_from_plain(rng["numpy"]))
-            torch.set_rng_state(rng["torch"])
-            if rng["cuda"] is not None and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.device)
-            self.engine.set_rng_state(rng["rollout"])
+            try:
+                rng = torch.load(rng_file, map_location="cpu", weights_only=True)
+                random.setstate(rng["python"])
+                np.random.set_state(_numpy_state_from_plain(rng["numpy"]))
+                torch.set_rng_state(rng["torch"])
+                if rng["cuda"] is not None and self.device.type == "cuda":
+                    torch.cuda.set_rng_state(rng["cuda"], self.device)
+                self.engine.set_rng_state(rng["rollout"])
+            except (KeyError, IndexError, ValueError, RuntimeError, TypeError, EOFError, pickle.UnpicklingError,
+                    OSError) as exc:
+                raise CheckpointError(f"checkpoint {path}: process {self.ctx.rank}'s RNG states ({rng_file}) "
+                                      f"cannot be restored ({type(exc).__name__}: {exc}); resume from another "
+                                      "checkpoint") from None
         if saved != self.ctx.world_size and self.is_main:
             # Samples are keyed by prompt, so they do not depend on the process count; the
             # model and optimiser shards were resharded by DCP.

@@ -338,3 +338,25 @@ def test_a_process_that_joined_a_group_ends_with_its_code_and_everything_written
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert (res.returncode, res.stdout, res.stderr) == (3, "to stdout", "to stderr")
     assert "logged" in log.read_text()
+
+
+def test_rng_states_that_do_not_fit_are_a_checkpoint_error(two_processes):
+    """A process's RNG file that passes its digest but holds other states (a checkpoint of
+    another version, edited with its manifest) is refused by name, not a KeyError traceback."""
+    import hashlib
+
+    tmp, two = two_processes
+    path = tmp / "odd_rng_step_2"
+    shutil.copytree(two / "checkpoints" / "step_000002", path)
+    rng = path / "rng" / "rank_00000.pt"
+    torch.save({"python": None}, rng)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["rng/rank_00000.pt"] = hashlib.sha256(rng.read_bytes()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    cfg = write_cfg(tmp, "odd_rng")
+    res = torchrun("graft_fed.cli", "train", "--config", str(cfg), "--no-eval", "--quiet", "--resume", str(path),
+                   nproc=1)
+    assert res.returncode != 0  # torchrun reports its worker's exit 2 with a traceback of its own
+    assert "graft-fed train: error: checkpoint" in res.stderr and "process 0's RNG states" in res.stderr
+    assert "rank_00000.pt" in res.stderr and "resume from another checkpoint" in res.stderr, res.stderr[-3000:]
+    assert 'File "' + str(ROOT / "graft_fed") not in res.stderr  # no traceback through graft_fed's code
