@@ -116,8 +116,9 @@ def _thresholds(k: np.ndarray, n: np.ndarray, fail: np.ndarray, inf_src: np.ndar
     # the j compared with k in k's dtype (the matcher's int16: 3x faster than int64) where
     # kmax fits in it
     j_dtype = k.dtype if kmax <= np.iinfo(k.dtype).max else np.int64
-    failT = scratch.array("failT", fail.shape[::-1], np.float32)
-    np.copyto(failT, fail.T)
+    failT = scratch.array("fail32", fail.shape, np.float32)  # (P, N) column-major: a copy without a transpose
+    np.copyto(failT, fail)
+    failT = failT.T
     per = max(1, min(MASK_BYTES // max(4 * k.size, 1), PRODUCT_BYTES // max(4 * n_nodes * n_nodes, 1)))
     t = scratch.array("t", (n_nodes, n_nodes), np.int32)
     t.fill(0)
