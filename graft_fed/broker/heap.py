@@ -158,15 +158,15 @@ def _write_pointer(address: int, value: int) -> bool:
     writable = _writable(address)
     if writable is None:
         return False
-    page = address & ~(os.sysconf("SC_PAGE_SIZE") - 1)
+    size = os.sysconf("SC_PAGE_SIZE")
+    page = ctypes.c_void_p(address & ~(size - 1))
     mprotect = _libc("mprotect")
     prot_read, prot_write = 1, 2
-    if not writable and (mprotect is None or mprotect(ctypes.c_void_p(page), os.sysconf("SC_PAGE_SIZE"),
-                                                      prot_read | prot_write) != 0):
+    if not writable and (mprotect is None or mprotect(page, size, prot_read | prot_write) != 0):
         return False
     ctypes.c_void_p.from_address(address).value = value
     if not writable:
-        mprotect(ctypes.c_void_p(page), os.sysconf("SC_PAGE_SIZE"), prot_read)
+        mprotect(page, size, prot_read)
     return True
 
 

@@ -171,12 +171,13 @@ def _select(k: np.ndarray, n: np.ndarray, balance: bool, compat: Mapping[tuple[i
     published = np.not_equal(k, MISSING, out=scratch.array("published", k.shape, np.bool_))
     fail = np.equal(k, 0, out=scratch.array("fail", k.shape, np.bool_))
     fail &= published
-    inf = np.greater(k, 0, out=scratch.array("inf", k.shape, np.bool_))
-    inf &= published
-    inf &= np.less(k, n, out=scratch.array("below_n", k.shape, np.bool_))
-    ok = np.ones(n_nodes, dtype=bool) if can_source is None else np.asarray(can_source, dtype=bool)
-    inf_src = inf  # a node that may not share offers nothing, in either pair direction's count
-    inf_src &= ok[:, None]
+    # informative groups (0 < k < n) of the nodes that may share: a node that may not offers
+    # nothing, in either pair direction's count
+    inf_src = np.greater(k, 0, out=scratch.array("inf_src", k.shape, np.bool_))
+    inf_src &= published
+    inf_src &= np.less(k, n, out=scratch.array("below_n", k.shape, np.bool_))
+    if can_source is not None:
+        inf_src &= np.asarray(can_source, dtype=bool)[:, None]
     t = _thresholds(k, n, fail, inf_src, balance, scratch)
     # est[s, r]: source_rank's first key (an unexplored pair counts as +inf; NaN never wins a
     # comparison in max(), so it ranks below everything)
