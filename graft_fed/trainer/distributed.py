@@ -58,7 +58,7 @@ from graft_fed.errors import CheckpointError, ConfigError, GraftFedError
 from graft_fed.trainer import checkpoint as ckpt
 from graft_fed.trainer.config import TrainConfig
 from graft_fed.trainer.group import Group
-from graft_fed.trainer.grpo import GRPOTrainer, SampleStats, _numpy_state_from_plain, _numpy_state_to_plain
+from graft_fed.trainer.grpo import GRPOTrainer, SampleStats, _numpy_state_to_plain
 from graft_fed.trainer.packing import balance_shards, token_budget_batches
 
 log = logging.getLogger("graft_fed.distributed")
@@ -496,12 +496,9 @@ class DistributedGRPOTrainer(GRPOTrainer):
         if rng_file.is_file():
             try:
                 rng = torch.load(rng_file, map_location="cpu", weights_only=True)
-                random.setstate(rng["python"])
-                np.random.set_state(_numpy_state_from_plain(rng["numpy"]))
-                torch.set_rng_state(rng["torch"])
+                self._restore_rng(rng)
                 if rng["cuda"] is not None and self.device.type == "cuda":
                     torch.cuda.set_rng_state(rng["cuda"], self.device)
-                self.engine.set_rng_state(rng["rollout"])
             except (KeyError, IndexError, ValueError, RuntimeError, TypeError, EOFError, pickle.UnpicklingError,
                     OSError) as exc:
                 raise CheckpointError(f"checkpoint {path}: process {self.ctx.rank}'s RNG states ({rng_file}) "

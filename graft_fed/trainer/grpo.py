@@ -334,17 +334,23 @@ class GRPOTrainer:
             self.step = int(state["step"])
             self.schedule.cursor = int(state["schedule_cursor"])
             rng = state["rng"]
-            random.setstate(rng["python"])
-            np.random.set_state(_numpy_state_from_plain(rng["numpy"]))
-            torch.set_rng_state(rng["torch"])
+            self._restore_rng(rng)
             if rng["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
-            self.engine.set_rng_state(rng["rollout"])
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {exc}") from None
         if manifest is not None and manifest["step"] != self.step:
             raise CheckpointError(f"checkpoint {path}: manifest step {manifest['step']} != state step {self.step}")
         log.info("resumed from %s at step %d", path, self.step)
+
+    def _restore_rng(self, rng: dict[str, Any]) -> None:
+        """Python's, numpy's, torch's CPU and the rollout engine's RNG streams from a
+        checkpoint's `rng` states (CUDA's is each layout's own: every device here, one per
+        process under torchrun)."""
+        random.setstate(rng["python"])
+        np.random.set_state(_numpy_state_from_plain(rng["numpy"]))
+        torch.set_rng_state(rng["torch"])
+        self.engine.set_rng_state(rng["rollout"])
 
     # ----- one step --------------------------------------------------------------------------
 
