@@ -21,6 +21,7 @@ from graft_fed.federation.errors import FederationError
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
 from graft_fed.federation.codec import (PRIVACY_CODES, chunk_bytes, columns_to_pb, manifest_from_pb, manifest_to_pb,
                                         match_result_from_pb, report_entries_to_pb, summary_to_pb, wire_bytes)
+from graft_fed.federation.limits import MIN_CHUNK_BYTES
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, ReportEntry, SummaryRow
 from graft_fed.federation.signing import BundleSigner, ProvenanceVerifier, common_name, load_certificate_der
@@ -384,6 +385,14 @@ class BrokerClient:
                     call.cancel()
                     raise RecordError(f"bundle {digest[:12]} arrived with inconsistent chunks (offset "
                                       f"{chunk.offset}, {received} bytes so far, total {size})")
+                # a broker sends chunks of broker.chunk_kib (>= 16 KiB) and a shorter last one:
+                # a stream of empty or tiny chunks would hold this node in the fetch until its deadline
+                short = len(parts[-1]) if parts and len(parts[-1]) < MIN_CHUNK_BYTES else None
+                if not piece or short is not None:
+                    call.cancel()
+                    what = "an empty chunk" if not piece else f"a chunk of {short} bytes that was not the last"
+                    raise RecordError(f"bundle {digest[:12]} arrived with {what} (at {received} of {size} bytes); "
+                                      f"a broker sends at least {MIN_CHUNK_BYTES} bytes in every chunk but the last")
                 received += len(piece)
                 parts.append(piece)
         except grpc.RpcError as exc:

@@ -588,5 +588,41 @@ def test_a_node_refuses_a_fetched_bundle_that_is_too_big_or_inconsistent(broker,
     a.stub.FetchBundle = lying
     with pytest.raises(RecordError, match="inconsistent"):
         a.fetch(digest)
+
+    class Reshaped(Lying):  # the same bytes, cut into other chunks by `cut(data)`
+        cut = staticmethod(lambda data: [data])
+
+        def __init__(self, request, timeout=None):
+            first = next(iter(real(request, timeout=timeout)))
+            assert first.offset == 0 and len(first.data) == first.total_size  # one chunk: a small bundle
+            self.chunks, off = [], 0
+            for piece in self.cut(first.data):
+                chunk = type(first)()
+                chunk.CopyFrom(first)
+                chunk.offset, chunk.data = off, piece
+                self.chunks.append(chunk)
+                off += len(piece)
+
+    class Trickle(Reshaped):  # every byte in a chunk of its own: a whole fetch of tiny messages
+        cut = staticmethod(lambda data: [data[i:i + 1] for i in range(len(data))])
+
+    class Empties(Reshaped):  # empty chunks for as long as the node listens, then the bytes
+        cut = staticmethod(lambda data: [*([b""] * 100_000), data])
+
+        def __iter__(self):
+            sent = []
+            for chunk in self.chunks:
+                sent.append(chunk)
+                yield chunk
+            assert False, f"the node read all {len(sent)} chunks"  # noqa: B011 - it must stop at the first empty one
+
+    a.stub.FetchBundle = Reshaped  # the real bytes, reassembled: still fetched
+    assert a.fetch(digest) == record(prompts[0], 1, "b")
+    a.stub.FetchBundle = Trickle
+    with pytest.raises(RecordError, match="a chunk of 1 bytes that was not the last"):
+        a.fetch(digest)
+    a.stub.FetchBundle = Empties
+    with pytest.raises(RecordError, match="an empty chunk"):
+        a.fetch(digest)
     a.close()
     b.close()
