@@ -180,12 +180,17 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     """`--set` arguments (`section.key=value`, the value read as YAML) as `load_config`'s
-    dotted overrides."""
+    dotted overrides. Nothing after the `=` is the empty string, not YAML's null: that is
+    what `--set http=''` reaches the program as once a shell has taken its quotes (null is
+    `--set key=null`)."""
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set run.steps=20")
         key, value = item.split("=", 1)
+        if not value.strip():
+            out[key.strip()] = ""
+            continue
         try:
             out[key.strip()] = yaml.safe_load(value)
         except yaml.YAMLError:

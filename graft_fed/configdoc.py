@@ -98,7 +98,8 @@ def render() -> str:
            "Every run reads one YAML file whose sections are below. Unknown keys are errors; so are values",
            "out of range and impossible combinations, with a message saying how to fix them. `train`,",
            "`cotrain`, `node`, `broker` and `sim` override any field on the command line with",
-           "`--set section.key=value` (repeatable; the value is read as YAML); `experiment` takes its",
+           "`--set section.key=value` (repeatable; the value is read as YAML, nothing after the `=` is",
+           "the empty string, e.g. `--set http=''`, and `key=null` is null); `experiment` takes its",
            "config as written.", ""]
     section_markdown(TrainConfig, "", out)
     from graft_fed.experiment import ExperimentConfig

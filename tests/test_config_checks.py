@@ -89,8 +89,23 @@ def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
 
 
 def test_a_set_value_that_is_not_yaml_is_taken_as_written():
-    assert parse_overrides(["listen=[::1]:0", "n=4", "http="]) == {"listen": "[::1]:0", "n": 4, "http": None}
+    assert parse_overrides(["listen=[::1]:0", "n=4", "client_ca=null"]) == {"listen": "[::1]:0", "n": 4,
+                                                                             "client_ca": None}
     assert load_broker_config(None, parse_overrides(["listen=[::1]:0"])).listen == "[::1]:0"
+
+
+def test_an_empty_set_value_is_the_empty_string_as_the_brokers_advice_gives_it():
+    """web.py says "turn it off with --set http=''"; a shell passes that as `http=`, which
+    was YAML's null and then refused ("null is not allowed here")."""
+    import shlex
+
+    from graft_fed.cli import build_parser
+
+    argv = ["broker", *shlex.split("--set http='' --set listen=127.0.0.1:0")]
+    args = build_parser().parse_args(argv)
+    assert load_broker_config(None, parse_overrides(args.set)).http == ""
+    with pytest.raises(ConfigError, match="seed"):  # still a clear error where a number is wanted
+        load_broker_config(None, parse_overrides(["seed="]))
 
 
 def test_merge_keys_still_share_sections_and_duplicates_on_one_line_are_caught(tmp_path):
