@@ -10,7 +10,6 @@ included, so a revoked node cannot be revived by a late heartbeat.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import stat
@@ -28,6 +27,7 @@ from graft_fed.errors import ConfigError
 from graft_fed.federation.errors import FederationError, PermissionDenied, ResourceExhausted, Unauthenticated
 from graft_fed.federation.limits import clip
 from graft_fed.federation.status import to_status
+from graft_fed.fslock import LockUnsupported, hold_exclusive
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -252,14 +252,18 @@ class Allowlist:
         # so without a lock one could write over the other's revocation. The lock is the
         # folder's (flock on the directory): nothing is left beside the file
         try:
-            folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            folder: int | None = hold_exclusive(path.parent, wait=True)
+        except LockUnsupported as exc:  # a network share without flock: edit as before, unlocked
+            log.warning("cannot lock the folder of allowlist %s (%s): run one `broker nodes` command at a time there",
+                        path, exc.strerror or exc)
+            folder = None
         except OSError as exc:
             raise ConfigError(f"cannot open the folder of allowlist {path} ({exc.strerror or exc})") from None
         try:
-            fcntl.flock(folder, fcntl.LOCK_EX)
             return Allowlist._edit_locked(path, action, name)
         finally:
-            os.close(folder)  # and with it the lock
+            if folder is not None:
+                os.close(folder)  # and with it the lock
 
     @staticmethod
     def _edit_locked(path: Path, action: str, name: str | None) -> dict[str, list[str]]:

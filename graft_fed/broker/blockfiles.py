@@ -40,7 +40,6 @@ with a DataError instead.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import re
@@ -53,6 +52,7 @@ from typing import Sequence
 from graft_fed.broker.bundlefiles import sync_dir, storage_error
 from graft_fed.errors import DataError
 from graft_fed.federation.summaryblock import SummaryBlockError
+from graft_fed.fslock import LockHeld, LockUnsupported, hold_exclusive
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -98,23 +98,18 @@ class BlockFiles:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
             os.close(fd)
             os.unlink(probe)
-            lock_fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
-                              0o600)
+            self._lock_fd = hold_exclusive(os.path.join(path, LOCK_NAME), lock_file=True)
+        except LockHeld:
+            raise DataError(f"broker block files {path!r}: another broker process has this state open (its "
+                            f"{LOCK_NAME} is locked). Run one broker per state file: stop the other one, or "
+                            "point this one at another state file") from None
+        except LockUnsupported as exc:
+            raise DataError(f"broker block files {path!r}: cannot lock {LOCK_NAME} ({exc.strerror}); the directory "
+                            "must be on a filesystem with flock (a local disk, not every network share)") from None
         except OSError as exc:
             raise DataError(f"broker block files {path!r}: cannot write there ({exc}); check that the directory "
                             "and its parent exist, belong to the broker's user and are writable (and that the disk "
                             "has space), or point the broker at another state file") from None
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(lock_fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise DataError(f"broker block files {path!r}: another broker process has this state open (its "
-                                f"{LOCK_NAME} is locked). Run one broker per state file: stop the other one, or "
-                                "point this one at another state file") from None
-            raise DataError(f"broker block files {path!r}: cannot lock {LOCK_NAME} ({exc}); the directory must be "
-                            "on a filesystem with flock (a local disk, not every network share)") from None
-        self._lock_fd = lock_fd
 
     def file(self, round: int) -> str:
         return os.path.join(self.path, file_name(round))

@@ -8,8 +8,6 @@ optimisation without touching either.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import math
@@ -33,6 +31,7 @@ from graft_fed.data.prompts import Prompt
 from graft_fed.data.templates import render_prompt
 from graft_fed.errors import CheckpointError
 from graft_fed.evaluation import EvalResult, evaluate, write_eval
+from graft_fed.fslock import LockHeld, LockUnsupported, hold_exclusive
 from graft_fed.modeling import load_model_and_tokenizer, pack, resolve_device, response_forward, tokenizer_id
 from graft_fed.rewards import build_verifier
 from graft_fed.rollout.base import Completion
@@ -255,20 +254,16 @@ class GRPOTrainer:
         refusal = None
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.out_dir, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self._output_dir_fd = fd
-            except OSError as exc:
-                os.close(fd)
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    refusal = (f"run.output_dir {self.out_dir} is in use by another run that is still running (a "
-                               "node or train process has it locked); two runs in one folder would replace each "
-                               "other's checkpoints and mix their metrics. Give this run its own run.output_dir "
-                               "(--set run.output_dir=...), or stop the other one first")
-                else:  # a filesystem without flock: go on as before, unlocked
-                    log.warning("cannot lock run.output_dir %s (%s); nothing stops a second run from writing there",
-                                self.out_dir, exc.strerror or exc)
+                self._output_dir_fd = hold_exclusive(self.out_dir)
+            except LockHeld:
+                refusal = (f"run.output_dir {self.out_dir} is in use by another run that is still running (a "
+                           "node or train process has it locked); two runs in one folder would replace each "
+                           "other's checkpoints and mix their metrics. Give this run its own run.output_dir "
+                           "(--set run.output_dir=...), or stop the other one first")
+            except LockUnsupported as exc:  # a filesystem without flock: go on as before, unlocked
+                log.warning("cannot lock run.output_dir %s (%s); nothing stops a second run from writing there",
+                            self.out_dir, exc.strerror or exc)
         refusal = self.from_main(refusal)
         if refusal:
             raise CheckpointError(refusal)
