@@ -63,5 +63,11 @@ def differences(expected: Manifest, got: Manifest) -> list[str]:
     for name in CHECKED_FIELDS:
         a, b = getattr(expected, name), getattr(got, name)
         if a != b:  # the node's value quoted by a prefix only: it may be anything a client sent
-            out.append(f"{name}: broker has {a!r}, node has {clip(b)}")
+            out.append(f"{name}: broker has {a!r}, node has {clip(b)}" + _HINTS.get(name, ""))
     return out
+
+
+#: what a difference in a field that is only a digest means, and where to look
+_HINTS = {"dataset_hash": " (the digest of the sorted prompt ids: the two sides loaded different problems. Give "
+                          "the node the broker's data settings: data.source, split, families, per_family, "
+                          "max_prompts, problem_field and answer_field, and the same file)"}

@@ -68,6 +68,11 @@ def test_join_refuses_a_different_manifest_naming_the_fields(broker, prompts):
     code, details = code_of(lambda: c.join("x", "tok", manifest(prompts, advantage="none/sample"), "share_all", 0))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "advantage: broker has 'group/sample', node has 'none/sample'" in details
+    # other problems (one prompt fewer): the digests alone would not say what to change
+    code, details = code_of(lambda: c.join("x", "tok", manifest(prompts[:-1]), "share_all", 0))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dataset_hash: broker has" in details and "loaded different problems" in details
+    assert "data.source, split" in details and len(details) < 1024
     # a client written before the field existed sends none: taken as the paper's group/sample
     old = manifest_to_pb(manifest(prompts))
     old.ClearField("advantage")
