@@ -385,14 +385,16 @@ class BrokerClient:
                     call.cancel()
                     raise RecordError(f"bundle {digest[:12]} arrived with inconsistent chunks (offset "
                                       f"{chunk.offset}, {received} bytes so far, total {size})")
-                # a broker sends chunks of broker.chunk_kib (>= 16 KiB) and a shorter last one:
-                # a stream of empty or tiny chunks would hold this node in the fetch until its deadline
-                short = len(parts[-1]) if parts and len(parts[-1]) < MIN_CHUNK_BYTES else None
-                if not piece or short is not None:
+                # a broker sends chunks of broker.chunk_kib (>= 16 KiB); a bundle it holds as the
+                # upload's pieces (each >= 16 KiB but the last) may add one shorter chunk per
+                # piece. So before each chunk there are at most 2 per 16 KiB received: more, or an
+                # empty one, is a trickle that would hold this node in the fetch until its deadline
+                if not piece or len(parts) > 2 * (received // MIN_CHUNK_BYTES):
                     call.cancel()
-                    what = "an empty chunk" if not piece else f"a chunk of {short} bytes that was not the last"
-                    raise RecordError(f"bundle {digest[:12]} arrived with {what} (at {received} of {size} bytes); "
-                                      f"a broker sends at least {MIN_CHUNK_BYTES} bytes in every chunk but the last")
+                    what = ("an empty chunk" if not piece else
+                            f"more chunks than its bytes need ({len(parts) + 1} for {received + len(piece)} bytes)")
+                    raise RecordError(f"bundle {digest[:12]} arrived in {what}, at {received} of {size} bytes; a "
+                                      f"broker sends at most 2 chunks per {MIN_CHUNK_BYTES // 1024} KiB, none empty")
                 received += len(piece)
                 parts.append(piece)
         except grpc.RpcError as exc:

@@ -21,6 +21,7 @@ from graft_fed.data.config import DataConfig, load_prompts
 from graft_fed.federation import certs
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
 from graft_fed.federation.codec import manifest_to_pb
+from graft_fed.node import client as client_module
 from graft_fed.node.client import BrokerClient, new_tag
 from graft_fed.proto import broker_pb2 as pb
 from tests.federation.helpers import broker_config, start_broker, tls_client
@@ -561,7 +562,7 @@ def test_one_node_publishing_far_ahead_does_not_make_retention_drop_the_others(p
         broker.stop()
 
 
-def test_a_node_refuses_a_fetched_bundle_that_is_too_big_or_inconsistent(broker, prompts):
+def test_a_node_refuses_a_fetched_bundle_that_is_too_big_or_inconsistent(broker, prompts, monkeypatch):
     """What a hostile broker sends back is bounded too: the node does not buffer without end."""
     a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
     a.publish(0, [summary(prompts[0], 0), summary(prompts[1], 1)])
@@ -619,7 +620,27 @@ def test_a_node_refuses_a_fetched_bundle_that_is_too_big_or_inconsistent(broker,
     a.stub.FetchBundle = Reshaped  # the real bytes, reassembled: still fetched
     assert a.fetch(digest) == record(prompts[0], 1, "b")
     a.stub.FetchBundle = Trickle
-    with pytest.raises(RecordError, match="a chunk of 1 bytes that was not the last"):
+    with pytest.raises(RecordError, match=r"more chunks than its bytes need \(2 for 2 bytes\)"):
+        a.fetch(digest)
+    # an honest broker's stream of a bundle held as an upload's pieces (each at least the
+    # minimum chunk) read in chunks smaller than a piece: a full chunk and a short rest per
+    # piece. The rule scaled down (a 64-byte minimum) so that this small bundle has pieces.
+    monkeypatch.setattr(client_module, "MIN_CHUNK_BYTES", 64)
+
+    def pieces(*sizes):  # 96-byte pieces, each cut into chunks of `sizes`
+        return staticmethod(lambda data: [data[j + sum(sizes[:i]):j + sum(sizes[:i + 1])] for j in range(0, len(data), 96)
+                                          for i in range(len(sizes)) if j + sum(sizes[:i]) < len(data)])
+
+    class Pieces(Reshaped):
+        cut = pieces(64, 32)
+
+    class ThreePerPiece(Reshaped):
+        cut = pieces(64, 16, 16)
+    a.stub.FetchBundle = Pieces
+    assert len(Pieces(pb.FetchBundleRequest(node_id="a", session_id=a.session, digest=digest)).chunks) >= 6
+    assert a.fetch(digest) == record(prompts[0], 1, "b")
+    a.stub.FetchBundle = ThreePerPiece
+    with pytest.raises(RecordError, match=r"more chunks than its bytes need \(4 for 160 bytes\)"):
         a.fetch(digest)
     a.stub.FetchBundle = Empties
     with pytest.raises(RecordError, match="an empty chunk"):
