@@ -422,12 +422,17 @@ def scrape_memory(http: str) -> dict[str, float] | None:
         if line.startswith("graft_fed_broker_memory_bytes{"):
             out[line.split('"')[1]] = float(line.split()[-1])
         elif line.startswith(("graft_fed_process_threads ", "graft_fed_python_allocated_blocks ",
-                              "graft_fed_replay_request_ids ", "graft_fed_pairs ")):
+                              "graft_fed_replay_request_ids ", "graft_fed_pairs ",
+                              "graft_fed_publish_queue_waiting ")):
             out[line.split()[0].removeprefix("graft_fed_")] = float(line.split()[-1])
+        elif line.startswith("graft_fed_calls_waiting{"):  # every pool's, together
+            out["calls_waiting"] = out.get("calls_waiting", 0.0) + float(line.split()[-1])
     return out
 
 
-COUNTS = ("process_threads", "python_allocated_blocks", "replay_request_ids", "pairs")  # counts, not bytes
+#: counts, not bytes (calls and publishes waiting: what the broker is behind by when sampled)
+COUNTS = ("process_threads", "python_allocated_blocks", "replay_request_ids", "pairs", "calls_waiting",
+          "publish_queue_waiting")
 
 
 def windows_of(late: list[tuple[float, float]], warmup_s: float, window_s: float) -> list[dict]:

@@ -278,6 +278,11 @@ class FrontLink:
             lane_of.update({name: lane for name in names})
         self._pool_of = [lane_of.get(name, self.pool) for name, _ in methods]
 
+    @property
+    def pools(self) -> list[Workers]:
+        """The worker pools the broker runs the front's calls on: the main one, then the lanes."""
+        return list(self._pools)
+
     def start(self, listen: str, options: list, tls: tuple[str, str, str | None] | None,
               max_concurrent_rpcs: int, budget_bytes: int, timeout_s: float = 120.0) -> int:
         """Start the front serving `listen`; returns its port. RuntimeError when it cannot

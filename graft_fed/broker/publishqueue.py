@@ -66,6 +66,11 @@ class PublishQueue:
         self.batches = 0  # batches run (for benches and tests)
         self.items = 0  # works run
 
+    def waiting(self) -> int:
+        """Works submitted and not yet taken into a batch, for /metrics."""
+        with self._cv:
+            return len(self._items)
+
     def submit(self, key: Hashable, work: Any) -> Any:
         item = _Pending(key, work)
         with self._cv:

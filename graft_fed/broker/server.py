@@ -12,6 +12,7 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import Sequence
 
 import grpc
 
@@ -51,7 +52,7 @@ def open_state(db: str) -> BrokerState:
 
 
 def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalLog | None = None,
-                   front_pid: int | None = None) -> str:
+                   front_pid: int | None = None, pools: Sequence[Workers] = ()) -> str:
     lines = []
 
     def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -90,6 +91,16 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
                        ("long_polls_refused", "GetMatches refused: too many already waiting (per node or in all).")]:
         metric(f"{key}_total", "counter", help_, [("", c.get(key, 0))])
     queue = fed.publishing.queue
+    # how far behind the broker is: calls that hold a worker thread, calls that wait for one,
+    # publishes that wait for the publish queue (each holds its request's bytes meanwhile)
+    loads = [(w.name, *w.load()) for w in pools]
+    metric("worker_threads_busy", "gauge", "Worker threads running a call, by pool (front_process: the main pool "
+           "and its lanes).", [(f'{{pool="{name}"}}', busy) for name, busy, _ in loads])
+    metric("calls_waiting", "gauge", "Calls waiting for a worker thread, by pool: above 0 for long, the broker is "
+           "behind its callers (docs/deploy.md, Monitoring).", [(f'{{pool="{name}"}}', waiting)
+                                                                 for name, _, waiting in loads])
+    metric("publish_queue_waiting", "gauge", "Publishes waiting to be stored by the publish queue.",
+           [("", queue.waiting())])
     metric("publish_batches_total", "counter", "Batches the publish queue ran (each decoded, checked and stored "
            "together: docs/architecture.md).", [("", queue.batches)])
     metric("publish_batched_total", "counter", "Publishes the publish queue ran; over publish_batches_total, the "
@@ -264,8 +275,9 @@ class BrokerServer:
             return
         fed, servicer, refusals = self.fed, self.servicer, self.refusals
         front_pid = self.front.proc.pid if self.front is not None and self.front.proc is not None else None
+        pools = self.front.pools if self.front is not None else [self.pool] if self.pool is not None else []
         routes = {
-            "/metrics": lambda: (render_metrics(fed, servicer, refusals, front_pid).encode(),
+            "/metrics": lambda: (render_metrics(fed, servicer, refusals, front_pid, pools).encode(),
                                  "text/plain; version=0.0.4"),
             "/healthz": lambda: (b"ok\n", "text/plain"),
             "/api/status": lambda: (json.dumps(_finite(status_view(fed, servicer.scalars, refusals))).encode(),

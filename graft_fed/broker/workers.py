@@ -42,6 +42,7 @@ class Workers(futures.Executor):
     def __init__(self, threads: int, name: str = "worker") -> None:
         if threads < 1:
             raise ValueError("a worker pool needs at least one thread")
+        self.name = name
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []  # a stack: the last one to go idle is at the end
         self._backlog: deque[_Item] = deque()
@@ -57,6 +58,11 @@ class Workers(futures.Executor):
     @property
     def size(self) -> int:
         return len(self._threads)
+
+    def load(self) -> tuple[int, int]:
+        """(threads running a call, calls waiting for a thread), for /metrics."""
+        with self._lock:
+            return len(self._threads) - len(self._idle), len(self._backlog)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future:
         future: futures.Future = futures.Future()

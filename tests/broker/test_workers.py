@@ -154,3 +154,53 @@ def test_a_stopped_broker_leaves_none_of_its_threads(tmp_path) -> None:
     for t in workers:
         t.join(5)
     assert not any(t.is_alive() for t in workers)
+
+
+def test_metrics_say_how_far_behind_the_broker_is(prompt_file):
+    """/metrics: worker threads running a call and calls waiting for one, per pool, and the
+    publishes waiting for the publish queue: an operator's sign that the broker is behind."""
+    from graft_fed.broker.handlers import Federation
+    from graft_fed.broker.server import render_metrics
+    from graft_fed.broker.servicer import BrokerServicer
+    from graft_fed.broker.state_memory import InMemoryState
+    from tests.federation.helpers import broker_config
+
+    fed = Federation(broker_config(prompt_file), InMemoryState())
+    servicer = BrokerServicer(fed)
+    pool = Workers(2, "gauge")
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def held(works: list) -> list:  # the publish queue's batch (stand-in works), held until released
+        started.release()
+        release.wait(10)
+        return [(0, 0)] * len(works)
+
+    fed.publishing.queue._run = held
+
+    def values() -> dict[str, float]:
+        text = render_metrics(fed, servicer, pools=[pool])
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith(("graft_fed_worker_threads_busy", "graft_fed_calls_waiting",
+                                    "graft_fed_publish_queue_waiting"))}
+    try:
+        assert values() == {'graft_fed_worker_threads_busy{pool="gauge"}': 0,
+                            'graft_fed_calls_waiting{pool="gauge"}': 0, "graft_fed_publish_queue_waiting": 0}
+        # three publishes: the first taken into a batch and held, the other two waiting for it;
+        # five calls on two threads: two running, three waiting
+        publishers = [threading.Thread(target=lambda k=k: fed.publishing.queue.submit(k, []), daemon=True)
+                      for k in ("a", "b", "c")]
+        publishers[0].start()
+        assert started.acquire(timeout=5)
+        for t in publishers[1:]:
+            t.start()
+        calls = [pool.submit(release.wait, 10) for _ in range(5)]
+        deadline = time.monotonic() + 5
+        while values()["graft_fed_publish_queue_waiting"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert values() == {'graft_fed_worker_threads_busy{pool="gauge"}': 2,
+                            'graft_fed_calls_waiting{pool="gauge"}': 3, "graft_fed_publish_queue_waiting": 2}
+    finally:
+        release.set()
+        for f in locals().get("calls", []):
+            f.result(10)
+        pool.shutdown()
