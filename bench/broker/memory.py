@@ -82,7 +82,7 @@ def structure_sizes(fed, servicer) -> dict:
         books = list(idx._books.values())
     return {
         "grants (digests)": len(fed.grants),
-        "grants (receiver entries)": sum(len(v) for v in list(fed.grants._granted.values())),
+        "grants (receiver entries)": fed.grants.entries(),
         "replay ids": fed.replay.remembered(),
         "answers cache": len(fed.answers._answers),
         "match sets": len(fed.matcher._sets),
