@@ -182,6 +182,7 @@ def test_metrics_say_how_far_behind_the_broker_is(prompt_file):
         return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                 if line.startswith(("graft_fed_worker_threads_busy", "graft_fed_calls_waiting",
                                     "graft_fed_publish_queue_waiting"))}
+    calls: list = []
     try:
         assert values() == {'graft_fed_worker_threads_busy{pool="gauge"}': 0,
                             'graft_fed_calls_waiting{pool="gauge"}': 0, "graft_fed_publish_queue_waiting": 0}
@@ -193,7 +194,7 @@ def test_metrics_say_how_far_behind_the_broker_is(prompt_file):
         assert started.acquire(timeout=5)
         for t in publishers[1:]:
             t.start()
-        calls = [pool.submit(release.wait, 10) for _ in range(5)]
+        calls += [pool.submit(release.wait, 10) for _ in range(5)]
         deadline = time.monotonic() + 5
         while values()["graft_fed_publish_queue_waiting"] < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -201,6 +202,7 @@ def test_metrics_say_how_far_behind_the_broker_is(prompt_file):
                             'graft_fed_calls_waiting{pool="gauge"}': 3, "graft_fed_publish_queue_waiting": 2}
     finally:
         release.set()
-        for f in locals().get("calls", []):
+        for f in calls:
             f.result(10)
         pool.shutdown()
+        fed.publishing.queue.stop(10)
