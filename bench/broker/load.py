@@ -427,6 +427,48 @@ def scrape_memory(http: str) -> dict[str, float] | None:
             out[line.split()[0].removeprefix("graft_fed_")] = float(line.split()[-1])
         elif line.startswith("graft_fed_calls_waiting{"):  # every pool's, together
             out["calls_waiting"] = out.get("calls_waiting", 0.0) + float(line.split()[-1])
+        elif line.startswith(QUEUE_COUNTERS):
+            out[line.split()[0].removeprefix("graft_fed_")] = float(line.split()[-1])
+        elif line.startswith(('graft_fed_rpc_seconds_sum{method="PublishSummaries"}',
+                              'graft_fed_rpc_seconds_count{method="PublishSummaries"}')):
+            out["publish_rpc_" + line.split("{")[0].rsplit("_", 1)[-1]] = float(line.split()[-1])
+    return out
+
+
+#: the publish queue's counters (cumulative; `queue_windows` turns them into rates)
+QUEUE_COUNTERS = ("graft_fed_publish_batches_total ", "graft_fed_publish_batched_total ",
+                  "graft_fed_publish_busy_seconds_total ", "graft_fed_publish_waited_seconds_total ")
+CUMULATIVE = tuple(c.strip().removeprefix("graft_fed_") for c in QUEUE_COUNTERS) + ("publish_rpc_sum",
+                                                                                    "publish_rpc_count")
+
+
+def queue_windows(samples: list[dict], n_lives: int, window_s: float) -> list[list[dict]]:
+    """Per broker life, the publish queue in successive windows of `window_s` of its age
+    (from the counters' differences between a window's first and last sample): publishes
+    run, the mean batch, how busy its thread was, its work and the wait per publish, and the
+    broker's whole PublishSummaries time per call. Does the broker slow as a life goes on?"""
+    out = []
+    for life in range(n_lives):
+        mine = [s for s in samples if s["life"] == life and all(k in s["memory"] for k in CUMULATIVE)]
+        rows, start = [], 0.0
+        while mine and start < mine[-1]["age"]:
+            pts = [s for s in mine if start <= s["age"] < start + window_s]
+            if len(pts) >= 2:
+                a, b = pts[0], pts[-1]
+                d = {k: b["memory"][k] - a["memory"][k] for k in CUMULATIVE}
+                dt = b["age"] - a["age"]
+                n = d["publish_batched_total"]
+                rows.append({"from_s": a["age"], "to_s": b["age"], "publishes": n,
+                             "per_s": n / dt if dt > 0 else NAN,
+                             "mean_batch": n / d["publish_batches_total"] if d["publish_batches_total"] else NAN,
+                             "busy": d["publish_busy_seconds_total"] / dt if dt > 0 else NAN,
+                             "work_ms": 1e3 * d["publish_busy_seconds_total"] / n if n else NAN,
+                             "wait_ms": 1e3 * d["publish_waited_seconds_total"] / n if n else NAN,
+                             "rpc_ms": 1e3 * d["publish_rpc_sum"] / d["publish_rpc_count"]
+                             if d["publish_rpc_count"] else NAN,
+                             "waiting_mean": sum(s["memory"].get("publish_queue_waiting", 0.0) for s in pts) / len(pts)})
+            start += window_s
+        out.append(rows)
     return out
 
 
@@ -461,7 +503,7 @@ def memory_lives(samples: list[dict], n_lives: int, warmup_s: float, window_s: f
         if not mine:
             continue
         kinds = {}
-        for kind in sorted({k for s in mine for k in s["memory"]}):
+        for kind in sorted({k for s in mine for k in s["memory"]} - set(CUMULATIVE)):
             scale = 1 if kind in COUNTS else 2**20
             pts = [(s["age"], s["memory"][kind] / scale) for s in mine if kind in s["memory"]]
             late = [p for p in pts if p[0] >= warmup_s]
@@ -516,6 +558,7 @@ def decided(k: float, se: float, limit: float) -> bool:
 
 FLAT_MIN_SPAN_S = 120.0
 WINDOW_S = 120.0  # the default of --window-s
+QUEUE_WINDOW_S = 60.0  # the publish queue's windows (queue_windows)
 FLAT_SLOPE = 0.0025
 WINDOW_KINDS = ("malloc_in_use", "malloc_free", "sqlite", "process_threads", "python_allocated_blocks")
 
@@ -632,6 +675,19 @@ def markdown(payload: dict) -> str:
                 ws = life[k]["windows"]
                 cells.append(f"{ws[j]['last']:.1f} ({ws[j]['slope_per_min']:+.2f})" if j < len(ws) else "-")
             lines.append(f"| {w['from_s']:.0f}-{w['to_s']:.0f} | " + " | ".join(cells) + " |")
+    for i, rows in enumerate(payload.get("publish_queue_per_life") or []):
+        if not rows:
+            continue
+        lines += ["", f"The publish queue, life {i}, in windows of {QUEUE_WINDOW_S:.0f} s of its age (from the "
+                      "broker's /metrics counters): publishes run, the mean batch, the share of the wall time its "
+                      "thread spent running batches, its work and the mean wait per publish, the broker's whole "
+                      "PublishSummaries time per call, and the publishes waiting when sampled:", "",
+                  "| age s | publishes | per s | mean batch | thread busy | work ms / publish | wait ms | "
+                  "PublishSummaries ms | waiting (mean) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['from_s']:.0f}-{r['to_s']:.0f} | {r['publishes']:.0f} | {r['per_s']:.1f} | "
+                         f"{r['mean_batch']:.1f} | {r['busy']:.2f} | {r['work_ms']:.2f} | {r['wait_ms']:.1f} | "
+                         f"{r['rpc_ms']:.1f} | {r['waiting_mean']:.1f} |")
     lines += ["", "**RSS flat after warm-up: " + ("not shown (no life lasted long enough past its warm-up)"
                                                   if flat is None else verdict(flat, payload["rss_verdict_decided"]))
               + "**", ""]
@@ -689,6 +745,7 @@ def per_life(payload: dict, n_lives: int, warmup_s: float, window_s: float) -> N
         w["decided"] and not w["flat"] for w in judged)) if judged else None
     payload["memory_per_life"] = memory_lives(payload.get("memory", []), n_lives, warmup_s,
                                               window_s if window_s != WINDOW_S else 0.0)
+    payload["publish_queue_per_life"] = queue_windows(payload.get("memory", []), n_lives, QUEUE_WINDOW_S)
 
 
 def render(path: Path, window_s: float | None = None, out: Path | None = None) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import copy
 import threading
+import time
 from typing import Any, Callable, Hashable, Sequence
 
 from graft_fed.federation.errors import Unavailable
@@ -40,10 +41,11 @@ def _own_copy(exc: BaseException) -> BaseException:
 
 
 class _Pending:
-    __slots__ = ("key", "work", "done", "result", "error")
+    __slots__ = ("key", "work", "done", "result", "error", "since")
 
     def __init__(self, key: Hashable, work: Any) -> None:
         self.key, self.work = key, work
+        self.since = time.perf_counter()
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -65,6 +67,8 @@ class PublishQueue:
         self._stopping = False
         self.batches = 0  # batches run (for benches and tests)
         self.items = 0  # works run
+        self.busy_s = 0.0  # seconds spent running batches (over the wall time: how busy its thread is)
+        self.waited_s = 0.0  # seconds the works waited to be taken, summed (over `items`: the mean wait)
 
     def waiting(self) -> int:
         """Works submitted and not yet taken into a batch, for /metrics."""
@@ -119,6 +123,7 @@ class PublishQueue:
             batch = self._take()
             if batch is None:
                 return
+            began = time.perf_counter()
             try:
                 results = list(self._run([item.work for item in batch]))
                 if len(results) != len(batch):
@@ -126,6 +131,8 @@ class PublishQueue:
                                        "works")
             except BaseException as exc:  # noqa: BLE001 - the thread must outlive a failed batch
                 results = [exc] * len(batch)
+            self.busy_s += time.perf_counter() - began
+            self.waited_s += sum(began - item.since for item in batch)
             self.batches += 1
             self.items += len(batch)
             given: set[int] = set()

@@ -105,6 +105,10 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
            "together: docs/architecture.md).", [("", queue.batches)])
     metric("publish_batched_total", "counter", "Publishes the publish queue ran; over publish_batches_total, the "
            "mean batch.", [("", queue.items)])
+    metric("publish_busy_seconds_total", "counter", "Seconds the publish queue's thread spent running batches: its "
+           "rate near 1, the thread is saturated and publishes queue behind it.", [("", queue.busy_s)])
+    metric("publish_waited_seconds_total", "counter", "Seconds publishes waited for the publish queue to take them, "
+           "summed; over publish_batched_total, the mean wait.", [("", queue.waited_s)])
     stats = servicer.stats
     replay = fed.replay.counters
     metric("replay_refused_total", "counter", "State-changing requests refused by replay protection, by reason.",

@@ -66,6 +66,7 @@ def test_waiting_works_run_as_one_batch_and_each_caller_gets_its_own_answer():
     bad = InvalidArgument("b's publish is malformed")
     rest, threads = submit_all(q, [("b", bad), ("c", 3), ("d", 4)])
     wait_queued(q, 3)
+    time.sleep(0.2)  # the three wait at least this long behind the first batch
     run.release.set()
     for t in t0 + threads:
         t.join(10)
@@ -73,6 +74,9 @@ def test_waiting_works_run_as_one_batch_and_each_caller_gets_its_own_answer():
     assert rest[0] is bad and rest[1] == 30 and rest[2] == 40  # the error goes to its caller only
     assert [sorted(map(str, b)) for b in run.batches] == [["1"], sorted(map(str, [bad, 3, 4]))]
     assert (q.batches, q.items) == (2, 4)
+    # the time its thread ran batches and the works' waits, for /metrics (the first batch was
+    # held over 0.2 s; each of the three waited that long, a's work hardly at all)
+    assert 0.2 <= q.busy_s < 10 and 0.6 <= q.waited_s < 30
     q.stop()
 
 

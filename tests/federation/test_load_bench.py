@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -47,6 +49,12 @@ def test_load_bench_survives_a_broker_restart_with_nothing_lost(tmp_path):
     assert {m["life"] for m in res["memory"]} == {0, 1}
     last = res["memory"][-1]["memory"]
     assert last["sqlite"] > 0 and last["replay_request_ids"] > 0 and last["resident_anon"] > 0
+    # the publish queue's counters, read with it, and its table per window of a life's age
+    assert last["publish_batched_total"] > 0 and last["publish_rpc_count"] >= last["publish_batched_total"]
+    assert last["publish_busy_seconds_total"] > 0 and last["publish_waited_seconds_total"] >= 0
+    rows = res["publish_queue_per_life"][-1]  # the second life: the first lasts too short for two samples
+    assert rows and rows[0]["publishes"] > 0 and rows[0]["busy"] > 0
+    assert "The publish queue, life 1, in windows of 60 s" in (tmp_path / "tiny.md").read_text()
     # --render recomputes the summaries from the samples and writes the same report
     md = (tmp_path / "tiny.md").read_text()
     (tmp_path / "tiny.md").unlink()
@@ -78,6 +86,33 @@ def test_windows_report_each_kinds_slope_per_window_of_age():
     assert [round(w["slope_per_min"], 6) for w in life["malloc_in_use"]["windows"]] == [2.0, 2.0, 0.0, 0.0]
     assert life["process_threads"]["windows"][-1]["last"] == 300.0
     assert "windows" not in load.memory_lives(samples, 1, 300)[0]["malloc_in_use"]  # only when asked
+
+
+def test_queue_windows_turn_the_counters_into_rates_per_window_of_age():
+    load = _load_module()
+    # 3 minutes of samples every 10 s: 100 publishes/s in batches of 4, the thread busy half
+    # the time until age 60, then fully, each publish waiting 20 ms, a whole call 30 ms
+    samples, busy = [], 0.0
+    for i in range(19):
+        age = 10.0 * i
+        busy += 0 if i == 0 else (5.0 if age <= 60 else 10.0)
+        n = 1000.0 * i
+        samples.append({"life": 0, "age": age, "memory": {
+            "publish_batches_total": n / 4, "publish_batched_total": n, "publish_busy_seconds_total": busy,
+            "publish_waited_seconds_total": 0.02 * n, "publish_rpc_sum": 0.03 * n, "publish_rpc_count": n,
+            "publish_queue_waiting": 3.0}})
+    samples.append({"life": 1, "age": 5.0, "memory": {"malloc_in_use": 1.0}})  # no counters: no rows
+    rows = load.queue_windows(samples, 2, 60.0)
+    assert rows[1] == []
+    assert [(r["from_s"], r["to_s"]) for r in rows[0]] == [(0, 50), (60, 110), (120, 170)]
+    first, second = rows[0][0], rows[0][1]
+    assert first["publishes"] == 5000 and first["per_s"] == 100 and first["mean_batch"] == 4
+    assert first["busy"] == 0.5 and first["work_ms"] == pytest.approx(5.0)
+    assert second["busy"] == pytest.approx(1.0) and second["work_ms"] == pytest.approx(10.0)
+    assert first["wait_ms"] == pytest.approx(20) and first["rpc_ms"] == pytest.approx(30)
+    assert first["waiting_mean"] == 3.0
+    # counters are no memory: the per-life kinds leave them out
+    assert set(load.memory_lives(samples, 1, 0)[0]) == {"publish_queue_waiting"}
 
 
 def test_the_rss_verdict_says_when_the_slope_is_too_uncertain_to_tell():
