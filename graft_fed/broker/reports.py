@@ -56,6 +56,9 @@ class Reports(Part):
         # entries' checks in every reporting thread at once, outside any slot, had heartbeats
         # wait 400-700 ms while 64 nodes reported 1,229 groups each (issue 13,
         # docs/performance.md, thirty-seventh and thirty-eighth passes)
+        # the session first (read only; `touch` below checks it again under the lock): a
+        # caller without one is told to join, whatever else is wrong with its report
+        self.registry.check(node_id, session_id)
         with self.work:
             limit = self.manifest.prompts_per_round * MAX_PER_ROUND_FACTOR
             entries = list(itertools.islice(entries, limit + 1))  # no more read than refused

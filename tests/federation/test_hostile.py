@@ -274,6 +274,21 @@ def test_a_huge_report_is_refused_at_once_and_heartbeats_go_on(broker, prompts):
     b.close()
 
 
+def test_a_report_without_a_live_session_is_told_to_join_whatever_else_is_wrong(broker, prompts):
+    a = client(broker, prompts, "a")
+    bad = [pb.CompatibilityReport.Entry(source_node_id="b", prompt_id=prompts[0].id, mean_s=float("nan"),
+                                        admitted_fraction=2.0)] * 2  # out of range, and twice
+    for session in ("", "not-" + a.session):
+        code, details = code_of(lambda: a.stub.ReportCompatibility(pb.CompatibilityReport(
+            node_id="a", session_id=session, round=0, entries=bad, tag=new_tag()), timeout=5))
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "Join" in details, details
+    # with its session, the same report is refused for its content
+    code, details = code_of(lambda: a.report(0, bad))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert broker.state.reports() == []
+    a.close()
+
+
 # ------------------------------------------------------------------ 4. stalling the federation
 
 def test_a_node_claiming_a_far_round_does_not_stall_synchronous_rounds(prompt_file, prompts):
