@@ -492,6 +492,20 @@ def windows_of(late: list[tuple[float, float]], warmup_s: float, window_s: float
     return windows
 
 
+def with_derived(mem: dict[str, float]) -> dict[str, float]:
+    """`mem` with two kinds derived from the others, where they are there: `heap_size`, what
+    glibc's heap holds from the kernel (bytes in use + free: it rises in steps when a request
+    finds no free chunk large enough, and never falls without a trim), and
+    `anon_outside_heap`, the resident anonymous memory that is not the heap's nor a block it
+    mapped whole (Python's object arenas, thread stacks, gRPC's and OpenSSL's own maps)."""
+    if "malloc_in_use" not in mem or "malloc_free" not in mem:
+        return mem
+    out = {**mem, "heap_size": mem["malloc_in_use"] + mem["malloc_free"]}
+    if "resident_anon" in mem:
+        out["anon_outside_heap"] = mem["resident_anon"] - out["heap_size"] - mem.get("malloc_mmapped", 0.0)
+    return out
+
+
 def memory_lives(samples: list[dict], n_lives: int, warmup_s: float, window_s: float = 0.0) -> list[dict]:
     """Per broker life and kind of memory (graft_fed_broker_memory_bytes): first and last
     value and the slope after the warm-up (MiB/min; counts per minute for threads and
@@ -499,7 +513,7 @@ def memory_lives(samples: list[dict], n_lives: int, warmup_s: float, window_s: f
     `window_s`, the same per window of age (`windows_of`)."""
     out = []
     for life in range(n_lives):
-        mine = [s for s in samples if s["life"] == life]
+        mine = [{**s, "memory": with_derived(s["memory"])} for s in samples if s["life"] == life]
         if not mine:
             continue
         kinds = {}
@@ -560,7 +574,8 @@ FLAT_MIN_SPAN_S = 120.0
 WINDOW_S = 120.0  # the default of --window-s
 QUEUE_WINDOW_S = 60.0  # the publish queue's windows (queue_windows)
 FLAT_SLOPE = 0.0025
-WINDOW_KINDS = ("malloc_in_use", "malloc_free", "sqlite", "process_threads", "python_allocated_blocks")
+WINDOW_KINDS = ("malloc_in_use", "malloc_free", "heap_size", "anon_outside_heap", "sqlite", "process_threads",
+                "python_allocated_blocks")
 
 
 def markdown(payload: dict) -> str:

@@ -115,6 +115,22 @@ def test_queue_windows_turn_the_counters_into_rates_per_window_of_age():
     assert set(load.memory_lives(samples, 1, 0)[0]) == {"publish_queue_waiting"}
 
 
+def test_the_heap_size_and_the_anonymous_memory_outside_it_are_derived():
+    load = _load_module()
+    mib = 2**20
+    samples = [{"life": 0, "age": a, "memory": {"malloc_in_use": (80 + a % 20) * mib, "malloc_free": (20 - a % 20) * mib,
+                                                 "malloc_mmapped": 4 * mib, "resident_anon": (150 + a / 60) * mib}}
+               for a in range(0, 600, 10)]
+    life = load.memory_lives(samples, 1, 300)[0]
+    # in use and free swing against each other: the heap holds 100 MiB throughout
+    assert life["heap_size"]["first"] == life["heap_size"]["last"] == 100
+    assert life["heap_size"]["slope_per_min_after_warmup"] == pytest.approx(0, abs=1e-9)
+    # what is resident beyond the heap and its mapped blocks grows 1 MiB/min
+    assert life["anon_outside_heap"]["first"] == pytest.approx(46)
+    assert life["anon_outside_heap"]["slope_per_min_after_warmup"] == pytest.approx(1.0)
+    assert "heap_size" not in load.with_derived({"resident_anon": 1.0})  # nothing to derive it from
+
+
 def test_the_rss_verdict_says_when_the_slope_is_too_uncertain_to_tell():
     import random
 
