@@ -17,6 +17,9 @@ this directory is on the broker's PYTHONPATH (nothing happens without the variab
   stderr, so that is pointed at the file for the call: broker log lines written in that
   instant land there too.
 
+The probe caps glibc's arenas at MEMPROBE_ARENA_MAX (default 1, as the broker does) before
+its threads start, so that the probed broker's heap is laid out as an unprobed one's.
+
 Issue 13, docs/performance.md "thirteenth pass".
 """
 
@@ -108,8 +111,30 @@ def _ages(name: str) -> list[float]:
     return [float(x) for x in os.environ.get(name, "").split(",") if x.strip()]
 
 
+def _cap_arenas() -> None:
+    """glibc's arena cap, set before the probe's threads start. The broker sets its own
+    (`broker.malloc_arena_max`, 1 by default) only once its command runs; threads started
+    before that may each open an arena of their own, and the threads after them share those:
+    a probed broker with three arenas ended 40 MiB above the same run without the probe
+    (docs/performance.md, issue 13, forty-sixth pass). MEMPROBE_ARENA_MAX (default 1, the
+    broker's default; 0 leaves glibc's own) should match the broker's setting."""
+    import ctypes
+    import ctypes.util
+
+    cap = int(os.environ.get("MEMPROBE_ARENA_MAX", "1"))
+    name = ctypes.util.find_library("c")
+    if cap <= 0 or not name:
+        return
+    try:
+        ctypes.CDLL(name).mallopt(-8, cap)  # M_ARENA_MAX (malloc.h); not glibc: no mallopt, nothing done
+    except (OSError, AttributeError):
+        pass
+
+
 _out = os.environ.get("MEMPROBE_OUT", "/tmp/memprobe")
 _t0 = time.monotonic()
+if _ages("MEMPROBE_SMAPS") or len(_ages("MEMPROBE_TRACE")) == 3 or _ages("MEMPROBE_PYMALLOC"):
+    _cap_arenas()
 if _ages("MEMPROBE_SMAPS"):
     threading.Thread(target=_smaps_probe, args=(_t0, _ages("MEMPROBE_SMAPS"), _out), daemon=True).start()
 if len(_ages("MEMPROBE_TRACE")) == 3:
