@@ -50,15 +50,15 @@ class Reports(Part):
         once however often it is sent: a retried or replayed report changes nothing, and a
         receiver cannot inflate a source's rejections by repeating one. A rejection of a
         group the broker holds and re-verifies as correct is not counted (`recheck_rejections`)."""
+        # the session first (read only; `touch` below checks it again under the lock): a
+        # caller without one is told to join, whatever else is wrong with its report
+        self.registry.check(node_id, session_id)
         # a work slot, like publishes and answers, so that a few report threads at a time
         # want the interpreter; `entries` may be lazy (the servicer's are made as they are
         # read, and checked against the uniform bounds), so they are read in here too: the
         # entries' checks in every reporting thread at once, outside any slot, had heartbeats
         # wait 400-700 ms while 64 nodes reported 1,229 groups each (issue 13,
         # docs/performance.md, thirty-seventh and thirty-eighth passes)
-        # the session first (read only; `touch` below checks it again under the lock): a
-        # caller without one is told to join, whatever else is wrong with its report
-        self.registry.check(node_id, session_id)
         with self.work:
             limit = self.manifest.prompts_per_round * MAX_PER_ROUND_FACTOR
             entries = list(itertools.islice(entries, limit + 1))  # no more read than refused
