@@ -423,12 +423,10 @@ def scrape_memory(http: str) -> dict[str, float] | None:
             out[line.split('"')[1]] = float(line.split()[-1])
         elif line.startswith(("graft_fed_process_threads ", "graft_fed_python_allocated_blocks ",
                               "graft_fed_replay_request_ids ", "graft_fed_pairs ",
-                              "graft_fed_publish_queue_waiting ")):
+                              "graft_fed_publish_queue_waiting ", *QUEUE_COUNTERS)):
             out[line.split()[0].removeprefix("graft_fed_")] = float(line.split()[-1])
         elif line.startswith("graft_fed_calls_waiting{"):  # every pool's, together
             out["calls_waiting"] = out.get("calls_waiting", 0.0) + float(line.split()[-1])
-        elif line.startswith(QUEUE_COUNTERS):
-            out[line.split()[0].removeprefix("graft_fed_")] = float(line.split()[-1])
         elif line.startswith(('graft_fed_rpc_seconds_sum{method="PublishSummaries"}',
                               'graft_fed_rpc_seconds_count{method="PublishSummaries"}')):
             out["publish_rpc_" + line.split("{")[0].rsplit("_", 1)[-1]] = float(line.split()[-1])

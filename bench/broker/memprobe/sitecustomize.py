@@ -118,26 +118,22 @@ def _cap_arenas() -> None:
     a probed broker with three arenas ended 40 MiB above the same run without the probe
     (docs/performance.md, issue 13, forty-sixth pass). MEMPROBE_ARENA_MAX (default 1, the
     broker's default; 0 leaves glibc's own) should match the broker's setting."""
-    import ctypes
-    import ctypes.util
-
-    cap = int(os.environ.get("MEMPROBE_ARENA_MAX", "1"))
-    name = ctypes.util.find_library("c")
-    if cap <= 0 or not name:
-        return
     try:
-        ctypes.CDLL(name).mallopt(-8, cap)  # M_ARENA_MAX (malloc.h); not glibc: no mallopt, nothing done
-    except (OSError, AttributeError):
-        pass
+        from graft_fed.broker.heap import limit_malloc_arenas  # the broker's own cap
+    except ImportError:  # graft_fed not on the path: the broker cannot run either
+        return
+    limit_malloc_arenas(int(os.environ.get("MEMPROBE_ARENA_MAX", "1")))
 
 
 _out = os.environ.get("MEMPROBE_OUT", "/tmp/memprobe")
 _t0 = time.monotonic()
-if _ages("MEMPROBE_SMAPS") or len(_ages("MEMPROBE_TRACE")) == 3 or _ages("MEMPROBE_PYMALLOC"):
+_smaps_at, _trace_at, _pymalloc_at = _ages("MEMPROBE_SMAPS"), _ages("MEMPROBE_TRACE"), _ages("MEMPROBE_PYMALLOC")
+_trace_at = _trace_at if len(_trace_at) == 3 else []  # tracing needs its three ages
+if _smaps_at or _trace_at or _pymalloc_at:
     _cap_arenas()
-if _ages("MEMPROBE_SMAPS"):
-    threading.Thread(target=_smaps_probe, args=(_t0, _ages("MEMPROBE_SMAPS"), _out), daemon=True).start()
-if len(_ages("MEMPROBE_TRACE")) == 3:
-    threading.Thread(target=_trace_probe, args=(_t0, _ages("MEMPROBE_TRACE"), _out), daemon=True).start()
-if _ages("MEMPROBE_PYMALLOC"):
-    threading.Thread(target=_pymalloc_probe, args=(_t0, _ages("MEMPROBE_PYMALLOC"), _out), daemon=True).start()
+if _smaps_at:
+    threading.Thread(target=_smaps_probe, args=(_t0, _smaps_at, _out), daemon=True).start()
+if _trace_at:
+    threading.Thread(target=_trace_probe, args=(_t0, _trace_at, _out), daemon=True).start()
+if _pymalloc_at:
+    threading.Thread(target=_pymalloc_probe, args=(_t0, _pymalloc_at, _out), daemon=True).start()
