@@ -16,7 +16,7 @@ from graft_fed.broker.context import Context, Part
 from graft_fed.broker.matcher import Matcher
 from graft_fed.broker.matchset import MatchSet
 from graft_fed.broker.state import NodeRow
-from graft_fed.broker.wakeups import bundles_key
+from graft_fed.broker.wakeups import Parked, Wake, bundles_key
 from graft_fed.federation.errors import FailedPrecondition, ResourceExhausted
 from graft_fed.federation.limits import MAX_LONG_POLLS_PER_NODE, clip
 from graft_fed.federation.messages import MatchResult, Offer
@@ -54,7 +54,8 @@ class Answers(Part):
             self._answers.clear()
 
     def get_matches(self, node_id: str, session_id: str, round: int, wait_s: float,
-                    wait_for_bundles: bool = False, encode: Encoders | None = None) -> MatchResult:
+                    wait_for_bundles: bool = False, encode: Encoders | None = None,
+                    park: bool = False) -> MatchResult:
         """The round's matches for a node, waiting up to `wait_s` (at most 60 s) for the round
         to be matched and, with `wait_for_bundles`, then for every offered bundle to be
         uploaded (a receiver waiting for its sources: woken by each upload, never polling).
@@ -63,7 +64,10 @@ class Answers(Part):
         every worker thread and heartbeats are always served. With `encode` (the codec's
         writers of MatchResponse.offers and .upload_requests, passed by the servicer) the
         answer carries them encoded (`offers_wire`, `uploads_wire`), the offers from a cache
-        kept per round and receiver."""
+        kept per round and receiver. With `park` (a caller that can wait without a thread:
+        the front's link, broker/front.py) a wait raises Parked (wakeups.py) instead of
+        blocking: its `resume` goes on from the start of the checks, and the call keeps its
+        place among the long-polls until it answers or its `release` runs."""
         self.registry.touch(node_id, session_id)
         with self._polls_lock:
             if self._polls[node_id] >= MAX_LONG_POLLS_PER_NODE:
@@ -74,18 +78,42 @@ class Answers(Part):
                 self.counters["long_polls_refused"] += 1
                 raise ResourceExhausted("the broker has too many GetMatches calls waiting; retry shortly")
             self._polls[node_id] += 1
-        try:
-            return self._get_matches(node_id, session_id, round, wait_s, wait_for_bundles, encode)
-        finally:
-            with self._polls_lock:
-                self._polls[node_id] -= 1
-                if not self._polls[node_id]:
-                    del self._polls[node_id]
-
-    def _get_matches(self, node_id: str, session_id: str, round: int, wait_s: float,
-                     wait_for_bundles: bool, encode: Encoders | None = None) -> MatchResult:
         deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
-        if not self._wait_matched(node_id, session_id, round, deadline, encode):
+        return self._poll(node_id, session_id, round, deadline, wait_for_bundles, encode, park)
+
+    def _poll(self, node_id: str, session_id: str, round: int, deadline: float, wait_for_bundles: bool,
+              encode: Encoders | None, park: bool) -> MatchResult:
+        """One go at a long-poll's answer; its place among the long-polls given back when it
+        ends, but not when it parks (the call waits on)."""
+        ended = True
+        try:
+            return self._get_matches(node_id, session_id, round, deadline, wait_for_bundles, encode, park)
+        except Parked as parked:
+            ended = False
+            parked.resume = lambda: self._poll(node_id, session_id, round, deadline, wait_for_bundles, encode, park)
+            parked.release = lambda: self._end_poll(node_id)
+            raise
+        finally:
+            if ended:
+                self._end_poll(node_id)
+
+    def _end_poll(self, node_id: str) -> None:
+        with self._polls_lock:
+            self._polls[node_id] -= 1
+            if not self._polls[node_id]:
+                del self._polls[node_id]
+
+    @staticmethod
+    def _wait(wake: Wake, timeout_s: float, park: bool) -> None:
+        """Wait for `wake` at most `timeout_s` on this thread, or (`park`) raise Parked for
+        the caller to do the waiting."""
+        if park:
+            raise Parked(wake, timeout_s)
+        wake.wait(timeout=timeout_s)
+
+    def _get_matches(self, node_id: str, session_id: str, round: int, deadline: float,
+                     wait_for_bundles: bool, encode: Encoders | None = None, park: bool = False) -> MatchResult:
+        if not self._wait_matched(node_id, session_id, round, deadline, encode, park):
             return MatchResult(ready=False, offers=[], upload_requests=[])
         # The answer only reads what matching has written, so it is built outside the lock:
         # with many nodes, publishes and heartbeats no longer queue behind every waiting
@@ -100,7 +128,7 @@ class Answers(Part):
                 remaining = deadline - time.monotonic()
                 if not missing or remaining <= 0:
                     break
-                event.wait(timeout=remaining)
+                self._wait(event, remaining, park)
         lo = round - self.cfg.staleness_rounds if self.cfg.mode == "async" else round
         with self.work:
             cands, solved = self._complementarity(node_id, round, lo)
@@ -112,7 +140,7 @@ class Answers(Part):
                                offers_wire=offers_wire, uploads_wire=self._uploads_wire(node_id, encode[1]))
 
     def _wait_matched(self, node_id: str, session_id: str, round: int, deadline: float,
-                      encode: Encoders | None = None) -> bool:
+                      encode: Encoders | None = None, park: bool = False) -> bool:
         """Wait until the round is matched for this node, matching it when this call finds it
         ready; False when the deadline passed first. The wait is on the round's wake-up event
         (wakeups.py), never holding the broker's lock; it ends when a publish completes the
@@ -145,7 +173,7 @@ class Answers(Part):
                 return False
             rnd = self.rounds.get(round)
             until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
-            event.wait(timeout=max(0.01, min(remaining, until_deadline)))
+            self._wait(event, max(0.01, min(remaining, until_deadline)), park)
         if action is None:
             return True
         # Whoever comes second finds the work done, and takes a work slot only to do some: a

@@ -160,7 +160,10 @@ class BrokerConfig:
     #: beyond; each node may have at most 2 waiting). Keep it below max_workers so that
     #: heartbeats and the other short calls always find a thread, and at or above the
     #: number of nodes (each graft-fed node has one waiting at a time). It also sizes gRPC
-    #: core's queue of calls that arrived before the server took them: 4 per long-poll.
+    #: core's queue of calls that arrived before the server took them: 4 per long-poll. With
+    #: `front_process`, a waiting long-poll holds no thread (parked until its round or its
+    #: bundles wake it): the long-polls' lane then has max_workers - max_long_polls threads
+    #: (at least 8), as the other calls' lanes, which only build answers.
     max_long_polls: int = 96
     #: Calls doing heavy CPU work at once (decoding, validating and writing a publish;
     #: matching a round and building a GetMatches answer); the others wait for a slot,

@@ -40,12 +40,19 @@ in a private directory (mode 0700) and is the broker's only listener besides HTT
 front accepts no other connection to it. If the front exits, the broker stops (the
 `graft-fed broker` command exits non-zero, for its supervisor to restart it); if the broker
 exits, the front sees the socket close and exits too.
+
+A long-poll (GetMatches) waits here without a thread: its handler answers Parked
+(broker/wakeups.py) instead of sleeping, and the link holds the call until the round's or
+the bundles' wake-up, the poll's deadline (one timer thread for all) or a CANCEL, then runs
+it on a thread of its lane again. The front is told nothing of it: to the front the call
+is simply not answered yet.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import json
 import logging
 import os
@@ -66,6 +73,7 @@ from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import grpc
 
+from graft_fed.broker.wakeups import Parked
 from graft_fed.broker.workers import Workers
 from graft_fed.errors import GraftFedError
 from graft_fed.federation.protowire import varint
@@ -172,16 +180,24 @@ class _Call:
         self.credit = threading.Semaphore(WINDOW)  # answer messages the front may still take
         self.cancelled = threading.Event()
         self.trailing: tuple = ()
+        self.serialize: Callable[[Any], bytes] = bytes  # the handler's, kept for a parked call's answer
+        self.on_cancel: Callable[[], None] | None = None  # a parked call's wake-up (FrontLink._park)
 
     def cancel(self) -> None:
         self.cancelled.set()
         self.inbox.put(None)
         self.credit.release(WINDOW)
+        on_cancel = self.on_cancel
+        if on_cancel is not None:
+            on_cancel()
 
 
 class _Context:
     """What the handlers and interceptors use of a grpc.ServicerContext, for a call the
     front handed over."""
+
+    #: a long-poll may answer Parked instead of waiting on its thread (FrontLink._park)
+    parks = True
 
     def __init__(self, call: _Call) -> None:
         self._call = call
@@ -219,6 +235,70 @@ def _intercepted(handler: Any, interceptors: Sequence[Any], details: _Details) -
             return lambda _details: handler
         return lambda d: interceptors[i].intercept_service(step(i + 1), d)
     return step(0)(details)
+
+
+class _Timers:
+    """Callbacks due at given times, run by one thread: the deadlines of parked calls. Most
+    are woken before theirs, so a cancelled entry is only marked, and the heap is rebuilt
+    without the marked ones once they outnumber the live ones."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[list] = []  # [when, seq, callback or None when cancelled]
+        self._seq = 0
+        self._dead = 0
+        self._stopped = False
+        self._thread: threading.Thread | None = None  # started by the first add
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._heap) - self._dead
+
+    def add(self, delay_s: float, callback: Callable[[], None]) -> list:
+        """Run `callback` in `delay_s` seconds (on the timers' thread); the entry, to cancel."""
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="broker-front-timers", daemon=True)
+                self._thread.start()
+            self._seq += 1
+            entry = [time.monotonic() + delay_s, self._seq, callback]
+            heapq.heappush(self._heap, entry)
+            if self._heap[0] is entry:
+                self._cv.notify()
+            return entry
+
+    def cancel(self, entry: list) -> None:
+        with self._cv:
+            if entry[2] is None:
+                return
+            entry[2] = None
+            self._dead += 1
+            if self._dead > 1024 and self._dead * 2 > len(self._heap):
+                self._heap = [e for e in self._heap if e[2] is not None]
+                heapq.heapify(self._heap)
+                self._dead = 0
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cv.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                if self._stopped:
+                    return
+                entry = heapq.heappop(self._heap)
+                callback, entry[2] = entry[2], None
+                if callback is None:
+                    self._dead -= 1
+                    continue
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one call's trouble must not stop every deadline
+                log.exception("a parked call's deadline failed")
 
 
 class FrontError(GraftFedError):
@@ -261,6 +341,7 @@ class FrontLink:
         self._calls: dict[int, _Call] = {}
         self._stopping = False
         self._reader: threading.Thread | None = None
+        self._timers = _Timers()  # parked long-polls' deadlines (its thread starts with the first)
         self.proc: subprocess.Popen | None = None
         self.port = 0
         # grpcio's own server takes calls one at a time, which paces how many handlers run at
@@ -382,6 +463,7 @@ class FrontLink:
         self._listener.close()
         for pool in self._pools:
             pool.shutdown(wait=False, cancel_futures=True)
+        self._timers.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _send(self, cid: int, kind: int, payload: bytes, more: bytes = b"") -> None:
@@ -442,19 +524,26 @@ class FrontLink:
         metadata = tuple((str(k), str(v)) for k, v in json.loads(parts[3])) if parts[3] else ()
         return _Call(cid, payload[0], parts[0], parts[1], parts[2], metadata, payload[at:])
 
-    def _run(self, call: _Call) -> None:
+    def _run(self, call: _Call, parked: Parked | None = None) -> None:
+        """Run a call's handler, or go on with a parked one (`parked`: its wake-up or its
+        deadline came, or the call was cancelled meanwhile)."""
+        park: Parked | None = None
         try:
             if call.cancelled.is_set():
+                if parked is not None:
+                    parked.release()  # ended at the client while parked: nobody wants its answer
                 return  # ended at the client before a thread took it (grpcio skips these too)
+            if parked is not None:
+                park = self._unary_answer(call, parked.resume())
+                return
             name, _kind = self.methods[call.method]
             ctx = _Context(call)
             handler = _intercepted(self.handlers[name], self.interceptors,
                                    _Details(f"/{self.service}/{name}", call.metadata))
-            ser = handler.response_serializer or (lambda m: m)
+            ser = call.serialize = handler.response_serializer or (lambda m: m)
             de = handler.request_deserializer or (lambda b: b)
             if handler.unary_unary:
-                out = ser(handler.unary_unary(de(call.request), ctx))
-                self._end(call, grpc.StatusCode.OK, "", out)
+                park = self._unary_answer(call, handler.unary_unary(de(call.request), ctx))
             elif handler.unary_stream:
                 answers = handler.unary_stream(de(call.request), ctx)
                 try:
@@ -485,7 +574,43 @@ class FrontLink:
             log.exception("a call handed over by the front failed")
             self._end(call, grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
         finally:
-            self._calls.pop(call.cid, None)
+            if park is not None:
+                self._park(call, park)
+            else:
+                self._calls.pop(call.cid, None)
+
+    def _unary_answer(self, call: _Call, out: Any) -> Parked | None:
+        """Send a unary handler's answer; a Parked one is returned instead, to park."""
+        if isinstance(out, Parked):
+            return out
+        self._end(call, grpc.StatusCode.OK, "", call.serialize(out))
+        return None
+
+    def _park(self, call: _Call, parked: Parked) -> None:
+        """Hold a long-poll without a thread: it goes back to its pool when its wake-up
+        comes, when its deadline passes or when it is cancelled, whichever is first."""
+        once = threading.Lock()
+        entry: list = []
+
+        def go_on() -> None:
+            if not once.acquire(blocking=False):
+                return
+            call.on_cancel = None
+            parked.wake.forget(go_on)
+            if entry:
+                self._timers.cancel(entry[0])
+            pools = self._pool_of
+            try:
+                (pools[call.method] if call.method < len(pools) else self.pool).submit(self._run, call, parked)
+            except RuntimeError:  # the link is stopping: its pools take nothing more
+                parked.release()
+                self._calls.pop(call.cid, None)
+
+        call.on_cancel = go_on
+        entry.append(self._timers.add(parked.timeout_s, go_on))
+        parked.wake.when_set(go_on)  # at once, if it has come already
+        if call.cancelled.is_set():  # cancelled before on_cancel was set: nobody else calls it
+            go_on()
 
     def _send_file(self, call: _Call, stream: FileStream) -> bool:
         """Have the front send `stream`'s messages from the file; wait for what came of it

@@ -172,8 +172,9 @@ class Federation:
         return self.ctx.quarantined()
 
     def get_matches(self, node_id: str, session_id: str, round: int, wait_s: float,
-                    wait_for_bundles: bool = False, encode: Encoders | None = None) -> MatchResult:
-        return self.answers.get_matches(node_id, session_id, round, wait_s, wait_for_bundles, encode)
+                    wait_for_bundles: bool = False, encode: Encoders | None = None,
+                    park: bool = False) -> MatchResult:
+        return self.answers.get_matches(node_id, session_id, round, wait_s, wait_for_bundles, encode, park)
 
     # ----- bundles (bundles.py) -----------------------------------------------------------------
 

@@ -232,13 +232,15 @@ class BrokerServer:
             try:
                 if tls:
                     server_credentials(*tls)  # a missing or unreadable file: its ConfigError here, not the front's
-                # the broker's threads in lanes that cannot take each other's: long-polls up to
-                # max_workers; bundle streams (which wait on slow clients) and every other call
-                # max_workers - max_long_polls each; heartbeats 8 of their own, never behind a publish
+                # the broker's threads in lanes that cannot take each other's: long-polls, bundle
+                # streams (which wait on slow clients) and every other call max_workers -
+                # max_long_polls each; heartbeats 8 of their own, never behind a publish. A
+                # waiting long-poll holds no thread here (parked: FrontLink._park), so its lane
+                # only builds answers
                 rest = max(8, cfg.max_workers - cfg.max_long_polls)
                 self.front = FrontLink(SERVICE, [(name, kind) for name, (kind, _, _) in METHODS.items()],
                                        method_handlers(self.servicer, front=True), interceptors, rest, self._front_lost,
-                                       lanes=[(("GetMatches",), cfg.max_workers),
+                                       lanes=[(("GetMatches",), rest),
                                               (("UploadBundle", "FetchBundle"), rest), (("Heartbeat",), 8)])
                 # requests handed over and not answered: at most 8 of the largest message (128 MiB)
                 self.port = self.front.start(cfg.listen, options, tls,

@@ -22,6 +22,7 @@ import grpc
 from graft_fed.broker.front import FileStream
 from graft_fed.broker.handlers import Federation
 from graft_fed.broker.publishing import Received
+from graft_fed.broker.wakeups import Parked
 from graft_fed.federation.codec import (ColumnsOnWire, OfferEncoder, chunk_bytes, manifest_from_pb, manifest_to_pb,
                                         match_result_to_wire, offers_wire, parse_chunk, parse_publish, privacy_from_pb,
                                         report_entries_from_pb, summaries_from_columns, summaries_from_pb,
@@ -218,6 +219,8 @@ def _mapped(stats: "RpcStats", name: str, context: grpc.ServicerContext, t0: flo
     sanitised INTERNAL (the call aborted, the failure counted in `stats`)."""
     try:
         return step()
+    except Parked:
+        raise  # not an error: the call waits on without a thread (_resumable)
     except FederationError as exc:
         code, message = to_status(exc)
         stats.observe(name, code, time.perf_counter() - t0)
@@ -247,11 +250,44 @@ def _rpc(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self: "BrokerServicer", request: Any, context: grpc.ServicerContext) -> Any:
         t0 = time.perf_counter()
-        answer = _mapped(self.stats, name, context, t0, lambda: method(
-            self, request if isinstance(request, abc.Iterator) else parsed(request), context))
+        try:
+            answer = _mapped(self.stats, name, context, t0, lambda: method(
+                self, request if isinstance(request, abc.Iterator) else parsed(request), context))
+        except Parked as parked:
+            return _resumable(self.stats, name, context, t0, parked)
         self.stats.observe(name, grpc.StatusCode.OK, time.perf_counter() - t0)
         return answer
     return wrapper
+
+
+def _resumable(stats: RpcStats, name: str, context: grpc.ServicerContext, t0: float, parked: Parked) -> Parked:
+    """A parked call as its handler's answer (for the front's link to hold, broker/front.py):
+    its `resume` answers as the handler would have, errors mapped and the call counted once
+    it ends, or gives the call parked again."""
+    inner = parked.resume
+
+    def resume() -> Any:
+        try:
+            answer = _mapped(stats, name, context, t0, inner)
+        except Parked as again:
+            return _resumable(stats, name, context, t0, again)
+        stats.observe(name, grpc.StatusCode.OK, time.perf_counter() - t0)
+        return answer
+    parked.resume = resume
+    return parked
+
+
+def _then(parked: Parked, finish: Callable[[Any], Any]) -> Parked:
+    """`parked` with its answer passed through `finish` when it comes, however often it parks."""
+    inner = parked.resume
+
+    def resume() -> Any:
+        try:
+            return finish(inner())
+        except Parked as again:
+            raise _then(again, finish) from None
+    parked.resume = resume
+    return parked
 
 
 class BrokerServicer(pb_grpc.BrokerServicer):
@@ -341,10 +377,16 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     @_rpc
     def GetMatches(self, request: pb.MatchRequest, context: Any) -> bytes:
-        # the answer leaves as bytes: its offers were encoded once per round (see the codec)
-        res = self.fed.get_matches(request.node_id, request.session_id, request.round, request.wait_ms / 1000.0,
-                                   wait_for_bundles=request.wait_for_bundles,
-                                   encode=(OfferEncoder, upload_requests_wire, offers_wire))
+        # the answer leaves as bytes: its offers were encoded once per round (see the codec).
+        # A call the front handed over waits without a thread (`parks`): parked, then resumed
+        # by the front's link (broker/front.py) when its round or bundles wake it
+        try:
+            res = self.fed.get_matches(request.node_id, request.session_id, request.round, request.wait_ms / 1000.0,
+                                       wait_for_bundles=request.wait_for_bundles,
+                                       encode=(OfferEncoder, upload_requests_wire, offers_wire),
+                                       park=getattr(context, "parks", False))
+        except Parked as parked:
+            raise _then(parked, match_result_to_wire) from None
         return match_result_to_wire(res)
 
     @_rpc

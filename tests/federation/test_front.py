@@ -560,3 +560,116 @@ def test_metrics_show_the_fronts_memory(fronted, prompt_file):
         assert "graft_fed_front_" not in body
     finally:
         plain.stop()
+
+
+# ----- long-polls parked: waiting without a thread --------------------------------------------------
+
+@pytest.fixture()
+def parking_link():
+    """A link of two threads whose "Poll" parks until its wake-up (answering b"woken") or its
+    deadline (b"late"), and whose "Note" answers at once."""
+    from graft_fed.broker.front import FrontLink
+    from graft_fed.broker.wakeups import Parked, Wake
+
+    made = {"wake": Wake(), "released": [], "resumed": 0}
+
+    def poll(request, context):
+        assert context.parks  # the link's context says a long-poll may park
+        timeout = float(request.decode())
+        wake = made["wake"]
+
+        def go_on():
+            made["resumed"] += 1
+            return b"woken" if wake.is_set() else b"late"
+        parked = Parked(wake, timeout)
+        parked.resume, parked.release = go_on, lambda: made["released"].append(request)
+        return parked
+
+    handlers = {"Poll": grpc.unary_unary_rpc_method_handler(poll),
+                "Note": grpc.unary_unary_rpc_method_handler(lambda request, context: b"noted " + request)}
+    fl = FrontLink("t.Svc", [("Poll", "unary_unary"), ("Note", "unary_unary")], handlers, [], 2, lambda _: None)
+    frames = _Frames(fl)
+    yield fl, frames, made
+    fl._stopping = True
+    frames.sock.close()
+    fl.stop(0)
+
+
+def _answers(frames, n, timeout=5.0):
+    """The next `n` answers' (call id, message) pairs."""
+    got = {}
+    end = time.monotonic() + timeout
+    while len([c for c, k in got if k == END]) < n and time.monotonic() < end:
+        frame = frames.read(end - time.monotonic())
+        if frame is None:
+            break
+        cid, kind, payload = frame
+        got[(cid, kind)] = payload
+    return {cid: payload for (cid, kind), payload in got.items() if kind == MSG}
+
+
+def test_parked_long_polls_hold_no_thread_and_answer_when_woken(parking_link):
+    fl, frames, made = parking_link
+    for cid in range(100, 120):  # twenty long-polls on a link of two threads
+        frames.start(cid, 0, b"30")
+    assert _wait(lambda: len(fl._calls) == 20 and fl.pool.load() == (0, 0))  # parked: no thread busy
+    frames.start(7, 1, b"x")  # so another call is served at once
+    assert _answers(frames, 1) == {7: b"noted x"}
+    assert made["resumed"] == 0
+    made["wake"].set()
+    assert _answers(frames, 20) == {cid: b"woken" for cid in range(100, 120)}
+    assert _wait(lambda: fl._calls == {}) and len(fl._timers) == 0  # their deadlines cancelled
+    assert made["released"] == []  # each ended by its own answer
+
+
+def test_a_parked_call_answers_at_its_deadline_and_one_cancelled_is_released(parking_link):
+    fl, frames, made = parking_link
+    frames.start(1, 0, b"0.3")
+    frames.start(2, 0, b"30")
+    assert _wait(lambda: len(fl._calls) == 2)
+    t0 = time.monotonic()
+    assert _answers(frames, 1) == {1: b"late"}
+    assert 0.2 <= time.monotonic() - t0 < 3
+    frames.send(2, CANCEL)  # the client gave up while it waited: its hold on the broker goes
+    assert _wait(lambda: made["released"] == [b"30"] and fl._calls == {})
+    assert made["resumed"] == 1 and len(fl._timers) == 0
+    assert frames.read(0.3) is None  # nobody waits for an answer to the cancelled call
+
+
+def test_the_timers_rebuild_their_heap_once_cancelled_entries_outnumber_the_live():
+    from graft_fed.broker.front import _Timers
+
+    timers, fired = _Timers(), []
+    entries = [timers.add(60, lambda: None) for _ in range(3000)]
+    for e in entries[:2500]:
+        timers.cancel(e)
+    assert len(timers) == 500 and len(timers._heap) < 3000  # rebuilt without the cancelled
+    timers.add(0.05, lambda: fired.append(1))
+    assert _wait(lambda: fired == [1], 5)
+    timers.stop()
+
+
+def test_a_brokers_waiting_long_polls_hold_none_of_its_threads(prompt_file, prompts):
+    """Eleven GetMatches waiting for a round on a broker with 8 threads for them: all parked
+    (no thread of the lane busy), and all answered once the last node publishes."""
+    from concurrent import futures
+
+    server = start_broker(broker_config(prompt_file, front_process=True, max_workers=16, max_long_polls=12))
+    names = [f"n{i}" for i in range(12)]
+    clients = [client(server, prompts, name) for name in names]
+    lane = server.front.pools[1]
+    assert lane.size == 8  # what server.py gives the GetMatches lane here
+    try:
+        for i, c in enumerate(clients[:-1]):
+            c.publish(0, [summary(prompts[0], i % 3)])
+        with futures.ThreadPoolExecutor(11) as ex:
+            waiting = [ex.submit(c.get_matches, 0, 20.0) for c in clients[:-1]]
+            assert _wait(lambda: server.fed.answers._polls.total() == 11)
+            assert lane.load() == (0, 0)  # eleven waiting, no thread held, none queued
+            clients[-1].publish(0, [summary(prompts[0], 2)])
+            assert all(f.result(20).ready for f in waiting)
+        assert _wait(lambda: server.front._calls == {}) and server.fed.answers._polls.total() == 0
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
