@@ -73,6 +73,7 @@ from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import grpc
 
+from graft_fed.broker.heap import keep_chunk_buffers, limit_malloc_arenas
 from graft_fed.broker.wakeups import Parked
 from graft_fed.broker.workers import Workers
 from graft_fed.errors import GraftFedError
@@ -365,12 +366,16 @@ class FrontLink:
         return list(self._pools)
 
     def start(self, listen: str, options: list, tls: tuple[str, str, str | None] | None,
-              max_concurrent_rpcs: int, budget_bytes: int, timeout_s: float = 120.0) -> int:
+              max_concurrent_rpcs: int, budget_bytes: int, timeout_s: float = 120.0,
+              malloc_arena_max: int = 0, chunk_bytes: int = 0) -> int:
         """Start the front serving `listen`; returns its port. RuntimeError when it cannot
-        listen there (what grpcio's own server raises), FrontError when it does not start."""
+        listen there (what grpcio's own server raises), FrontError when it does not start.
+        `malloc_arena_max` and `chunk_bytes`: the C heap's settings the broker has
+        (broker/heap.py), for the front's own heap, where gRPC core's memory is."""
         spec = json.dumps({"listen": listen, "socket": self.path, "service": self.service, "methods": self.methods,
                            "options": options, "tls": list(tls) if tls else None,
-                           "max_concurrent_rpcs": max_concurrent_rpcs, "budget_bytes": budget_bytes})
+                           "max_concurrent_rpcs": max_concurrent_rpcs, "budget_bytes": budget_bytes,
+                           "malloc_arena_max": malloc_arena_max, "chunk_bytes": chunk_bytes})
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         # a session of its own: a Ctrl-C or a group's SIGTERM meant for the broker does not
         # reach it; the broker stops it (a STOP frame), and it exits when the broker is gone
@@ -918,7 +923,13 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the broker stops the front, nobody else
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="front: %(levelname)s %(message)s")
-    asyncio.run(_serve(json.loads(argv[0])))
+    spec = json.loads(argv[0])
+    # the broker's C heap settings, before gRPC core starts its threads (GLIBC_TUNABLES, with
+    # the per-thread caches off, came in the environment)
+    limit_malloc_arenas(spec.get("malloc_arena_max", 0))
+    if spec.get("chunk_bytes"):
+        keep_chunk_buffers(spec["chunk_bytes"])
+    asyncio.run(_serve(spec))
     return 0
 
 

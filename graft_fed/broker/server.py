@@ -245,7 +245,8 @@ class BrokerServer:
                 # requests handed over and not answered: at most 8 of the largest message (128 MiB)
                 self.port = self.front.start(cfg.listen, options, tls,
                                              cfg.max_workers + pending_calls(cfg.max_long_polls),
-                                             budget_bytes=8 * cfg.max_message_mib * 2**20)
+                                             budget_bytes=8 * cfg.max_message_mib * 2**20,
+                                             malloc_arena_max=cfg.malloc_arena_max, chunk_bytes=cfg.chunk_kib * 1024)
             except BaseException:
                 if self.front is not None:
                     self.front.stop(0)
