@@ -74,7 +74,7 @@ class Answers(Part):
                 self.counters["long_polls_refused"] += 1
                 raise ResourceExhausted(f"node {clip(node_id)} already has {MAX_LONG_POLLS_PER_NODE} GetMatches "
                                         "calls waiting; wait for their answers")
-            if sum(self._polls.values()) >= self.cfg.max_long_polls:
+            if self._polls.total() >= self.cfg.max_long_polls:
                 self.counters["long_polls_refused"] += 1
                 raise ResourceExhausted("the broker has too many GetMatches calls waiting; retry shortly")
             self._polls[node_id] += 1
@@ -96,6 +96,11 @@ class Answers(Part):
         finally:
             if ended:
                 self._end_poll(node_id)
+
+    def long_polls(self) -> int:
+        """GetMatches calls open now (waiting, parked or being answered): what `max_long_polls` bounds."""
+        with self._polls_lock:
+            return self._polls.total()
 
     def _end_poll(self, node_id: str) -> None:
         with self._polls_lock:

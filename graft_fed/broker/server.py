@@ -99,6 +99,9 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
     metric("calls_waiting", "gauge", "Calls waiting for a worker thread, by pool: above 0 for long, the broker is "
            "behind its callers (docs/deploy.md, Monitoring).", [(f'{{pool="{name}"}}', waiting)
                                                                  for name, _, waiting in loads])
+    metric("long_polls", "gauge", "GetMatches calls open now (waiting for their round or bundles, or being "
+           "answered), against broker.max_long_polls; with front_process: true, waiting ones hold no thread.",
+           [("", fed.answers.long_polls())])
     metric("publish_queue_waiting", "gauge", "Publishes waiting to be stored by the publish queue.",
            [("", queue.waiting())])
     metric("publish_batches_total", "counter", "Batches the publish queue ran (each decoded, checked and stored "

@@ -32,6 +32,22 @@ def test_an_event_taken_before_a_wake_is_set_and_the_next_waiters_get_a_fresh_on
     assert not second.is_set()
 
 
+def test_a_wake_runs_its_callbacks_once_when_set_and_at_once_when_already_set():
+    from graft_fed.broker.wakeups import Wake
+
+    wake, ran = Wake(), []
+    wake.when_set(lambda: ran.append("a"))
+    dropped = lambda: ran.append("dropped")  # noqa: E731 - a waiter that gave up first
+    wake.when_set(dropped)
+    wake.forget(dropped)
+    assert ran == [] and not wake.wait(0.01)
+    wake.set()
+    assert ran == ["a"] and wake.is_set() and wake.wait(0)
+    wake.set()  # a second wake-up runs nothing twice
+    wake.when_set(lambda: ran.append("late"))  # came after: runs at once
+    assert ran == ["a", "late"]
+
+
 class Clock:
     def __init__(self) -> None:
         self.t = 1000.0
@@ -101,6 +117,40 @@ def test_a_waiting_get_matches_returns_when_the_last_node_publishes(three):
     waiter.join(timeout=60)  # woken by the publish; without the wake-up it would wait 120 s
     assert not waiter.is_alive() and got["r"].ready
     assert [o.prompt_id for o in got["r"].offers] == [prompts[0].id]  # a failed only p0
+
+
+def test_a_parked_get_matches_resumes_where_it_waited_and_keeps_its_place_until_it_ends(three):
+    """With `park` (the front's link) a wait raises Parked instead of sleeping: for the
+    round, then for its bundles; each resume goes on, and the call counts against
+    max_long_polls until it answers or is released."""
+    from graft_fed.broker.wakeups import Parked
+
+    fed, _, prompts, sessions = three
+    _publish(fed, sessions, prompts, "a", [0, 1])
+    _publish(fed, sessions, prompts, "b", [1, 0])
+    with pytest.raises(Parked) as parked:
+        fed.get_matches("a", sessions["a"], 0, 30.0, wait_for_bundles=True, park=True)
+    assert 0 < parked.value.timeout_s <= 30 and fed.answers.long_polls() == 1
+    with pytest.raises(Parked) as again:  # not woken: it parks again on the same wake-up
+        parked.value.resume()
+    assert again.value.wake is parked.value.wake and fed.answers.long_polls() == 1
+    _publish(fed, sessions, prompts, "c", [1, 1])
+    assert again.value.wake.is_set()
+    with pytest.raises(Parked) as bundles:  # matched; now b's bundle for p0 is awaited
+        again.value.resume()
+    assert bundles.value.wake is not again.value.wake and fed.answers.long_polls() == 1
+    data = encode_bundle(record(prompts[0], 1, model="b"))
+    fed.put_bundle("b", sessions["b"], prompts[0].id, 0, digest_of(data), data)
+    assert bundles.value.wake.is_set()
+    answer = bundles.value.resume()
+    assert answer.ready and [o.prompt_id for o in answer.offers] == [prompts[0].id]
+    assert fed.answers.long_polls() == 0
+    # one released (its client went) gives its place back without an answer
+    with pytest.raises(Parked) as dropped:  # b failed p1: it waits for a's bundle, never uploaded
+        fed.get_matches("b", sessions["b"], 0, 30.0, wait_for_bundles=True, park=True)
+    assert fed.answers.long_polls() == 1
+    dropped.value.release()
+    assert fed.answers.long_polls() == 0
 
 
 def test_an_upload_wakes_the_receivers_waiting_for_the_rounds_bundles(three):

@@ -18,6 +18,7 @@ import time
 import grpc
 import pytest
 
+from graft_fed.broker.server import render_metrics
 from graft_fed.broker.front import CANCEL, CLOSE, CREDIT, END, FILE, HEAD, MSG, SENT, START, WINDOW, FileStream
 from graft_fed.federation.bundles import digest_of, encode_bundle
 from graft_fed.proto import broker_pb2 as pb
@@ -664,11 +665,13 @@ def test_a_brokers_waiting_long_polls_hold_none_of_its_threads(prompt_file, prom
             c.publish(0, [summary(prompts[0], i % 3)])
         with futures.ThreadPoolExecutor(11) as ex:
             waiting = [ex.submit(c.get_matches, 0, 20.0) for c in clients[:-1]]
-            assert _wait(lambda: server.fed.answers._polls.total() == 11)
+            assert _wait(lambda: server.fed.answers.long_polls() == 11)
             assert lane.load() == (0, 0)  # eleven waiting, no thread held, none queued
+            page = render_metrics(server.fed, server.servicer, pools=server.front.pools)
+            assert "\ngraft_fed_long_polls 11\n" in page and 'graft_fed_worker_threads_busy{pool="broker-lane0"} 0' in page
             clients[-1].publish(0, [summary(prompts[0], 2)])
             assert all(f.result(20).ready for f in waiting)
-        assert _wait(lambda: server.front._calls == {}) and server.fed.answers._polls.total() == 0
+        assert _wait(lambda: server.front._calls == {}) and server.fed.answers.long_polls() == 0
     finally:
         for c in clients:
             c.close()
