@@ -146,14 +146,19 @@ def test_calls_that_end_at_the_client_end_at_the_broker(fronted, prompts):
     next(stream)
     stream.cancel()
     assert _wait(lambda: fronted.front._calls == {})
-    # a long-poll whose deadline passes at the client: the broker's call is told
+    # a long-poll whose deadline passes at the client: the broker's call is told, and, parked
+    # (it held no thread), it ends then rather than when its 10 s wait would have
     a.publish(1, [summary(prompts[1], 1, round=1)])  # b has not: a's GetMatches waits for it
-    code, _ = code_of(lambda: a.stub.GetMatches(pb.MatchRequest(node_id="a", session_id=a.session, round=1,
-                                                                wait_ms=3000), timeout=0.5))
+    t0 = time.monotonic()
+    waiting = a.stub.GetMatches.future(pb.MatchRequest(node_id="a", session_id=a.session, round=1, wait_ms=10000),
+                                       timeout=1.5)
+    assert _wait(lambda: len(fronted.front._calls) == 1 and fronted.fed.answers.long_polls() == 1, 1.4)
+    call = next(iter(fronted.front._calls.values()))
+    code, _ = code_of(waiting.result)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    calls = list(fronted.front._calls.values())
-    assert calls and _wait(lambda: all(c.cancelled.is_set() for c in calls))
-    assert _wait(lambda: fronted.front._calls == {})  # it returns when its wait ends
+    assert _wait(lambda: call.cancelled.is_set() and fronted.front._calls == {}
+                 and fronted.fed.answers.long_polls() == 0, 5.0)
+    assert time.monotonic() - t0 < 8.0
     assert b.publish(1, [summary(prompts[1], 0, round=1)]) == (1, 0)  # and the broker serves on
     assert a.get_matches(1, 5.0).ready
     a.close()
