@@ -495,8 +495,7 @@ class FrontLink:
                 if kind == START:
                     call = self._start_call(cid, payload)
                     self._calls[cid] = call
-                    pools = self._pool_of
-                    (pools[call.method] if call.method < len(pools) else self.pool).submit(self._run, call)
+                    self._pool_for(call).submit(self._run, call)
                     continue
                 call = self._calls.get(cid)
                 if call is None:
@@ -522,6 +521,11 @@ class FrontLink:
                 self.on_lost(f"the front process (gRPC on port {self.port}) exited"
                              + (f" with status {code}" if code is not None else "") + "; the broker stops")
 
+    def _pool_for(self, call: _Call) -> Workers:
+        """The pool of the call's lane (the main one for a method without a lane)."""
+        pools = self._pool_of
+        return pools[call.method] if call.method < len(pools) else self.pool
+
     @staticmethod
     def _start_call(cid: int, payload: bytes) -> _Call:
         raw, at = _unblobs(payload, 1, 4)
@@ -539,7 +543,11 @@ class FrontLink:
                     parked.release()  # ended at the client while parked: nobody wants its answer
                 return  # ended at the client before a thread took it (grpcio skips these too)
             if parked is not None:
-                park = self._unary_answer(call, parked.resume())
+                try:
+                    out = parked.resume()
+                except Parked as again:  # not answered yet (its bundles still awaited, say): it waits on
+                    out = again
+                park = self._unary_answer(call, out)
                 return
             name, _kind = self.methods[call.method]
             ctx = _Context(call)
@@ -604,9 +612,8 @@ class FrontLink:
             parked.wake.forget(go_on)
             if entry:
                 self._timers.cancel(entry[0])
-            pools = self._pool_of
             try:
-                (pools[call.method] if call.method < len(pools) else self.pool).submit(self._run, call, parked)
+                self._pool_for(call).submit(self._run, call, parked)
             except RuntimeError:  # the link is stopping: its pools take nothing more
                 parked.release()
                 self._calls.pop(call.cid, None)

@@ -220,7 +220,7 @@ def _mapped(stats: "RpcStats", name: str, context: grpc.ServicerContext, t0: flo
     try:
         return step()
     except Parked:
-        raise  # not an error: the call waits on without a thread (_resumable)
+        raise  # not an error: the call waits on without a thread (_continued)
     except FederationError as exc:
         code, message = to_status(exc)
         stats.observe(name, code, time.perf_counter() - t0)
@@ -251,41 +251,31 @@ def _rpc(method: Callable) -> Callable:
     def wrapper(self: "BrokerServicer", request: Any, context: grpc.ServicerContext) -> Any:
         t0 = time.perf_counter()
         try:
-            answer = _mapped(self.stats, name, context, t0, lambda: method(
+            return _counted(self.stats, name, context, t0, lambda: method(
                 self, request if isinstance(request, abc.Iterator) else parsed(request), context))
-        except Parked as parked:
-            return _resumable(self.stats, name, context, t0, parked)
-        self.stats.observe(name, grpc.StatusCode.OK, time.perf_counter() - t0)
-        return answer
+        except Parked as parked:  # the answer the front's link holds and resumes (broker/front.py)
+            return _continued(parked, lambda resume: _counted(self.stats, name, context, t0, resume))
     return wrapper
 
 
-def _resumable(stats: RpcStats, name: str, context: grpc.ServicerContext, t0: float, parked: Parked) -> Parked:
-    """A parked call as its handler's answer (for the front's link to hold, broker/front.py):
-    its `resume` answers as the handler would have, errors mapped and the call counted once
-    it ends, or gives the call parked again."""
+def _counted(stats: RpcStats, name: str, context: grpc.ServicerContext, t0: float, step: Callable[[], Any]) -> Any:
+    """step()'s answer, its errors mapped (_mapped) and the call counted once it has one; a
+    Parked step is not counted yet."""
+    answer = _mapped(stats, name, context, t0, step)
+    stats.observe(name, grpc.StatusCode.OK, time.perf_counter() - t0)
+    return answer
+
+
+def _continued(parked: Parked, then: Callable[[Callable[[], Any]], Any]) -> Parked:
+    """`parked` whose answer, when it comes, is `then(resume)` with its own resume, however
+    often it parks again on the way (each time raised, as wakeups.Parked says)."""
     inner = parked.resume
 
     def resume() -> Any:
         try:
-            answer = _mapped(stats, name, context, t0, inner)
+            return then(inner)
         except Parked as again:
-            return _resumable(stats, name, context, t0, again)
-        stats.observe(name, grpc.StatusCode.OK, time.perf_counter() - t0)
-        return answer
-    parked.resume = resume
-    return parked
-
-
-def _then(parked: Parked, finish: Callable[[Any], Any]) -> Parked:
-    """`parked` with its answer passed through `finish` when it comes, however often it parks."""
-    inner = parked.resume
-
-    def resume() -> Any:
-        try:
-            return finish(inner())
-        except Parked as again:
-            raise _then(again, finish) from None
+            raise _continued(again, then) from None
     parked.resume = resume
     return parked
 
@@ -386,7 +376,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                                        encode=(OfferEncoder, upload_requests_wire, offers_wire),
                                        park=getattr(context, "parks", False))
         except Parked as parked:
-            raise _then(parked, match_result_to_wire) from None
+            raise _continued(parked, lambda resume: match_result_to_wire(resume())) from None
         return match_result_to_wire(res)
 
     @_rpc

@@ -681,3 +681,28 @@ def test_a_brokers_waiting_long_polls_hold_none_of_its_threads(prompt_file, prom
         for c in clients:
             c.close()
         server.stop()
+
+
+def test_a_long_poll_parks_again_for_its_bundles_and_answers_when_they_come(fronted, prompts):
+    """Woken when its round is matched, a GetMatches that also waits for its bundles parks
+    again (its resume raises Parked through the servicer to the link) and answers at the
+    upload."""
+    from concurrent import futures
+
+    a, b, c = (client(fronted, prompts, name) for name in "abc")
+    try:
+        a.publish(0, [summary(prompts[0], 1)])
+        b.publish(0, [summary(prompts[0], 0)])
+        with futures.ThreadPoolExecutor(1) as ex:
+            waiting = ex.submit(b.get_matches, 0, 20.0, True)  # c has not published: parked for the round
+            assert _wait(lambda: fronted.fed.answers.long_polls() == 1)
+            c.publish(0, [summary(prompts[0], 2)])  # the round is matched: b is offered a's group of p0 (c's passed)
+            time.sleep(0.3)
+            assert not waiting.done() and fronted.fed.answers.long_polls() == 1  # parked again, for the bundle
+            assert fronted.front.pools[1].load() == (0, 0)
+            digest, stored = a.upload(record(prompts[0], 1), 0)
+            assert stored and [o.digest for o in waiting.result(20).offers] == [digest]
+        assert _wait(lambda: fronted.front._calls == {}) and fronted.fed.answers.long_polls() == 0
+    finally:
+        for x in (a, b, c):
+            x.close()
