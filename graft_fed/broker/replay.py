@@ -83,6 +83,9 @@ class RequestIds:
     into three columns sorted by the fingerprint's high half (uint64 high, uint64 low,
     uint32 expiry in whole seconds from `epoch`, rounded up) plus the node as an index into
     a list of names, dropping what expired. Lookups are a dict probe and a binary search.
+    The columns live in buffers kept from merge to merge (grown or shrunk only when the ids
+    held change by a quarter or more), so a busy broker does not place a new set of
+    long-lived arrays in its heap every few seconds (issue 13's RSS run).
 
     An id is remembered at least until its expiry and at most `merge_s` seconds longer
     (harmless: a request sent that long ago is refused by its timestamp first). Not
@@ -96,10 +99,11 @@ class RequestIds:
         self.merge_at = merge_at
         self._key = os.urandom(32)
         self._recent: dict[int, tuple[float, str]] = {}  # fingerprint -> (expires, node)
-        self._hi = np.empty(0, np.uint64)
-        self._lo = np.empty(0, np.uint64)
-        self._exp = np.empty(0, np.uint32)
-        self._node = np.empty(0, np.int32)
+        # the columns' buffers, kept from merge to merge (their capacity grows and shrinks by
+        # a quarter or more at a time); _hi, _lo, _exp and _node are views of their first n
+        self._buf = {"hi": np.empty(0, np.uint64), "lo": np.empty(0, np.uint64),
+                     "exp": np.empty(0, np.uint32), "node": np.empty(0, np.int32)}
+        self._view(0)
         self._names: list[str] = []
         self._count: dict[str, int] = {}  # ids held per node, expired ones not yet dropped included
         self._next_expiry = math.inf  # the earliest expiry held (recent or columns)
@@ -160,26 +164,78 @@ class RequestIds:
                 i = index[node_id] = len(names)
                 names.append(node_id)
             node[k] = i
-        hi = np.concatenate([self._hi, hi])
-        lo = np.concatenate([self._lo, lo])
-        exp = np.concatenate([self._exp, exp])
-        node = np.concatenate([self._node, node])
-        live = exp >= keep_until
-        dropped = int(len(live) - np.count_nonzero(live))
-        if dropped:
-            for i, c in enumerate(np.bincount(node[~live], minlength=len(names)).tolist()):
+        old_live, new_live = self._exp >= keep_until, exp >= keep_until
+        dropped = 0
+        for nodes, live in ((self._node, old_live), (node, new_live)):
+            gone = nodes[~live]
+            dropped += len(gone)
+            for i, c in enumerate(np.bincount(gone, minlength=len(names)).tolist() if len(gone) else ()):
                 if c:
                     self._uncount(names[i], c)
-            hi, lo, exp, node = hi[live], lo[live], exp[live], node[live]
-        used, node = np.unique(node, return_inverse=True)  # names of nodes that still hold ids only
-        order = np.argsort(hi, kind="stable")
-        self._hi, self._lo, self._exp = hi[order], lo[order], exp[order]
-        self._node = node.astype(np.int32, copy=False)[order]
-        self._names = [names[i] for i in used.tolist()]
+        if not old_live.all():
+            self._compact(old_live)
+        order = np.argsort(hi[new_live], kind="stable")
+        recent = {"hi": hi[new_live][order], "lo": lo[new_live][order], "exp": exp[new_live][order],
+                  "node": node[new_live][order]}
+        self._insert(recent)
+        if len(names) - len(self._count) > len(self._count):  # most names hold no id any more
+            self._forget_names()
         self._recent = {}
         self._next_expiry = self.epoch + float(self._exp.min()) if len(self._exp) else math.inf
         self._merged_at = now
         return dropped
+
+    def _view(self, n: int) -> None:
+        self._hi, self._lo, self._exp, self._node = (self._buf[c][:n] for c in ("hi", "lo", "exp", "node"))
+
+    def _fit(self, n: int) -> None:
+        """Give the buffers room for n ids (the first len(self) kept): grown to n and a
+        quarter when short, shrunk to twice n when n fills less than a quarter of them."""
+        cap = len(self._buf["hi"])
+        if cap >= n and not (n < cap // 4 and cap > 1024):
+            return
+        new_cap = max(1024, n + n // 4) if cap < n else max(1024, 2 * n)
+        held = len(self._hi)
+        for c, old in self._buf.items():
+            buf = np.empty(new_cap, old.dtype)
+            buf[:held] = old[:held]
+            self._buf[c] = buf
+        self._view(held)
+
+    def _compact(self, keep: np.ndarray) -> None:
+        """Keep only the ids where `keep` is true, in their order, in the same buffers."""
+        n = int(np.count_nonzero(keep))
+        for c in ("hi", "lo", "exp", "node"):
+            col = self._buf[c]
+            col[:n] = col[:len(keep)][keep]  # the right side is a copy: no overlap
+        self._view(n)
+        self._fit(n)
+
+    def _insert(self, recent: dict[str, np.ndarray]) -> None:
+        """Merge ids sorted by their high half into the columns (sorted by it too)."""
+        r = len(recent["hi"])
+        if not r:
+            return
+        n = len(self._hi)
+        total = n + r
+        at = np.searchsorted(self._hi, recent["hi"], side="right") + np.arange(r)  # where each new id lands
+        old_at = np.ones(total, bool)
+        old_at[at] = False
+        self._fit(total)
+        for c, new in recent.items():
+            col = self._buf[c]
+            old = col[:n].copy()
+            col[:total][old_at] = old
+            col[at] = new
+        self._view(total)
+
+    def _forget_names(self) -> None:
+        """Drop the names of nodes that hold no id, renumbering the columns' node index."""
+        keep = np.zeros(len(self._names), bool)
+        keep[[i for i, name in enumerate(self._names) if name in self._count]] = True
+        renumber = np.cumsum(keep, dtype=np.int32) - 1
+        self._node[:] = renumber[self._node]
+        self._names = [name for name, k in zip(self._names, keep.tolist()) if k]
 
     def _uncount(self, node_id: str, c: int) -> None:
         left = self._count[node_id] - c
@@ -201,8 +257,7 @@ class RequestIds:
         oldest = mine[np.argsort(self._exp[mine], kind="stable")[:excess]]
         keep = np.ones(len(self._hi), bool)
         keep[oldest] = False
-        self._hi, self._lo, self._exp, self._node = (self._hi[keep], self._lo[keep], self._exp[keep],
-                                                     self._node[keep])
+        self._compact(keep)
         self._uncount(node_id, excess)
         self.evicted += excess
         return excess

@@ -4,9 +4,11 @@ tags are required (INVALID_ARGUMENT); a node retrying after a lost reply still s
 a replay that reaches a restarted broker (which has forgotten its request ids) changes
 nothing, because every state change those RPCs make is idempotent."""
 
+import math
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from graft_fed.broker.state import MatchRow
@@ -353,3 +355,46 @@ def test_a_replay_after_a_broker_restart_changes_nothing(prompt_file, prompts, t
         replayer.close()
     finally:
         broker.stop()
+
+
+def test_request_ids_match_a_plain_set_through_merges_expiry_eviction_and_keep_their_buffers():
+    """Random adds, merges, expiries and evictions against a dict of what must be held; the
+    columns' buffers are kept from merge to merge once their size is steady (no new arrays
+    for the long-lived ids every few seconds: issue 13's RSS run)."""
+    rng = np.random.default_rng(7)
+    ids = RequestIds(max_per_node=40, epoch=0.0, merge_s=1.0, merge_at=64)
+    held: dict[int, tuple[float, str]] = {}  # fingerprint -> (expiry, node)
+    now, buffers = 0.0, set()
+    for step in range(6000):
+        now += 0.05
+        node = f"n{int(rng.integers(0, 12))}"
+        fp = ids.fingerprint(node, f"req-{step:016d}")
+        expires = now + float(rng.uniform(20.0, 40.0))
+        merged = ids._merged_at
+        evicted = ids.add(fp, node, expires=expires, now=now)
+        held[fp] = (expires, node)
+        if ids.due(now):
+            ids.merge(now)
+        if ids._merged_at != merged:  # what went: the expired, and the node's oldest if it was over the cap
+            gone = [f for f in held if f not in ids]
+            expired = [f for f in gone if math.ceil(held[f][0]) < math.ceil(now)]
+            oldest = [f for f in gone if f not in expired]
+            assert len(oldest) == evicted and all(held[f][1] == node for f in oldest)
+            if oldest:
+                assert max(math.ceil(held[f][0]) for f in oldest) <= min(  # expiries in whole seconds
+                    math.ceil(e) for f, (e, n) in held.items() if n == node and f not in gone)
+            for f in gone:
+                del held[f]
+        if step % 97 == 0:
+            assert all(f in ids for f in held)
+            assert sum(ids._count.values()) >= len(held)
+            assert ids.fingerprint(node, f"absent-{step:010d}") not in ids
+            assert np.all(np.diff(ids._hi.astype(np.float64)) >= 0)  # sorted by the high half
+        if step >= 3000:  # steady: about 30 s of ids held
+            buffers.add(id(ids._buf["hi"]))
+    ids.merge(now)
+    held = {f: v for f, v in held.items() if math.ceil(v[0]) >= math.ceil(now)}
+    assert len(ids) == len(held) and all(f in ids for f in held)
+    assert set(ids._names) == set(ids._count) == {n for _, n in held.values()}
+    assert len(buffers) <= 2, "the columns were reallocated at nearly every merge"
+    assert ids.evicted > 100, ids.evicted  # nodes over the cap were exercised
