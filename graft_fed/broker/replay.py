@@ -174,10 +174,9 @@ class RequestIds:
                     self._uncount(names[i], c)
         if not old_live.all():
             self._compact(old_live)
-        order = np.argsort(hi[new_live], kind="stable")
-        recent = {"hi": hi[new_live][order], "lo": lo[new_live][order], "exp": exp[new_live][order],
-                  "node": node[new_live][order]}
-        self._insert(recent)
+        pick = np.flatnonzero(new_live)
+        pick = pick[np.argsort(hi[pick], kind="stable")]  # the live new ids, by their high half
+        self._insert({"hi": hi[pick], "lo": lo[pick], "exp": exp[pick], "node": node[pick]})
         if len(names) - len(self._count) > len(self._count):  # most names hold no id any more
             self._forget_names()
         self._recent = {}
@@ -189,7 +188,7 @@ class RequestIds:
         self._hi, self._lo, self._exp, self._node = (self._buf[c][:n] for c in ("hi", "lo", "exp", "node"))
 
     def _fit(self, n: int) -> None:
-        """Give the buffers room for n ids (the first len(self) kept): grown to n and a
+        """Give the buffers room for n ids (the columns' ids kept): grown to n and a
         quarter when short, shrunk to twice n when n fills less than a quarter of them."""
         cap = len(self._buf["hi"])
         if cap >= n and not (n < cap // 4 and cap > 1024):
@@ -205,8 +204,7 @@ class RequestIds:
     def _compact(self, keep: np.ndarray) -> None:
         """Keep only the ids where `keep` is true, in their order, in the same buffers."""
         n = int(np.count_nonzero(keep))
-        for c in ("hi", "lo", "exp", "node"):
-            col = self._buf[c]
+        for col in self._buf.values():
             col[:n] = col[:len(keep)][keep]  # the right side is a copy: no overlap
         self._view(n)
         self._fit(n)
