@@ -51,8 +51,9 @@ def test_load_bench_survives_a_broker_restart_with_nothing_lost(tmp_path):
     assert last["sqlite"] > 0 and last["replay_request_ids"] > 0 and last["resident_anon"] > 0
     # the publish queue's counters, read with it, and its table per window of a life's age
     # the queue counts a publish when it has run it, the RPC histogram when its answer has gone:
-    # a sample taken between the two sees at most one publish per node (4) not yet in the histogram
-    assert last["publish_batched_total"] > 0 and last["publish_rpc_count"] >= last["publish_batched_total"] - 4
+    # a sample taken between the two sees at most one publish per node not yet in the histogram
+    in_flight = res["nodes_reporting"]
+    assert last["publish_batched_total"] > 0 and last["publish_rpc_count"] >= last["publish_batched_total"] - in_flight
     assert last["publish_busy_seconds_total"] > 0 and last["publish_waited_seconds_total"] >= 0
     rows = res["publish_queue_per_life"][-1]  # the second life: the first lasts too short for two samples
     assert rows and rows[0]["publishes"] > 0 and rows[0]["busy"] > 0
