@@ -38,6 +38,7 @@ from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
 from graft_fed.errors import DataError
 from graft_fed.federation.errors import StorageFull, Unavailable
+from tests.fds import open_under
 from graft_fed.federation.summaryblock import SummaryBlock
 from tests.broker.test_matching import gfm1_bytes
 
@@ -1688,9 +1689,7 @@ def test_sqlite_bundle_reads_close_their_files(tmp_path):
     s = SqliteState(tmp_path / "b.db")
     try:
         assert s.put_bundle("a" * 64, bytes(10_000))
-        fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
-        gc.collect()  # (earlier tests' objects, whose descriptors a collection would close below)
-        before = fds()
+        before = open_under(tmp_path)  # the database's own files
         for _ in range(20):
             s.get_bundle("a" * 64)
             s.read_bundle("a" * 64, 5, 100)
@@ -1700,7 +1699,7 @@ def test_sqlite_bundle_reads_close_their_files(tmp_path):
             half.close()
             s.iter_bundle("a" * 64, 3000)  # never started, dropped
         gc.collect()
-        assert fds() == before
+        assert open_under(tmp_path) == before
     finally:
         s.close()
 
