@@ -15,7 +15,7 @@ from graft_fed.cli import main
 from graft_fed.data.config import DataConfig, load_prompts
 from graft_fed.federation.errors import FederationError, InvalidArgument
 from graft_fed.node.client import BrokerClient
-from tests.federation.helpers import broker_config, start_broker
+from tests.federation.helpers import broker_config, start_broker, stop_heartbeats
 from tests.federation.test_broker_rpc import manifest, summary
 
 
@@ -45,7 +45,7 @@ def test_revoked_nodes_show_as_revoked_and_refusals_are_counted_and_logged(fed, 
     server, clients, prompts, allow = fed
     # gone's heartbeat thread stops first: a heartbeat due between the revocation and the
     # scrape below (a slow machine) would be a second refused call from it
-    clients["gone"]._stop_heartbeats()  # noqa: SLF001 - the test counts gone's calls exactly
+    stop_heartbeats(clients["gone"])  # the test counts gone's calls exactly
     allow.write_text(yaml.safe_dump({"allowed": ["a", "b"], "revoked": ["gone"]}))
     with pytest.raises(FederationError):
         clients["gone"].publish(0, [summary(prompts[0], 1)])

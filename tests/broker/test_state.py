@@ -1820,7 +1820,10 @@ def test_sqlite_checkpoints_run_in_a_thread_not_in_commits(tmp_path):
         looks, runs = s.checkpointer.looks, s.checkpointer.runs
         t = threading.Thread(target=writer)
         t.start()
-        time.sleep(1.0)
+        # at least a second, and until two checkpoints ran (a slow disk writes 30 MB later)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30 and (time.monotonic() - t0 < 1.0 or s.checkpointer.runs - runs < 2):
+            time.sleep(0.05)
         stop.set()
         t.join()
         looks, runs = s.checkpointer.looks - looks, s.checkpointer.runs - runs

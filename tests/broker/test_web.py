@@ -5,7 +5,6 @@ HEAD is answered without a body, and an address that cannot be had is a clear er
 from __future__ import annotations
 
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -46,16 +45,23 @@ def _idle(port):
 
 
 def test_connections_beyond_the_cap_get_503_at_once_and_a_freed_slot_serves_again(http):
-    _, port = http(max_connections=2, timeout_s=30)
+    server, port = http(max_connections=2, timeout_s=30)
+    # this server's connection threads, counted as each starts (the process's thread count
+    # would also move with other tests' threads ending meanwhile)
+    started: list[int] = []
+    serve_one = server.process_request_thread
+    server.process_request_thread = lambda *a: (started.append(1), serve_one(*a))
     idle = [_idle(port), _idle(port)]
     try:
-        time.sleep(0.2)  # both taken by their threads
-        threads = threading.active_count()
+        deadline = time.monotonic() + 10
+        while len(started) < 2 and time.monotonic() < deadline:  # both taken by their threads
+            time.sleep(0.01)
+        assert len(started) == 2
         t0 = time.monotonic()
         with pytest.raises(urllib.error.HTTPError) as busy:
             _get(port)
         assert busy.value.code == 503 and time.monotonic() - t0 < 2
-        assert threading.active_count() == threads  # refused without a thread of its own
+        assert len(started) == 2  # refused without a thread of its own (one would count before answering)
         idle[0].close()
         _served_again(port)
     finally:

@@ -71,6 +71,16 @@ def start_broker(cfg: BrokerConfig) -> BrokerServer:
     return BrokerServer(cfg).start()
 
 
+def stop_heartbeats(client: BrokerClient) -> None:
+    """Stop a client's heartbeat thread and wait for it to end, however long its last beat
+    takes (the client's own stop waits 2 s at most): a test that counts the client's calls
+    exactly then sees no beat arrive later."""
+    thread = client._hb_thread  # noqa: SLF001
+    client._stop_heartbeats()  # noqa: SLF001
+    if thread is not None:
+        thread.join()
+
+
 def tls_client(pki: Path, address: str, cert_name: str | None, node_id: str | None = None) -> BrokerClient:
     """A client over TLS to a broker whose CA is PKI/ca.pem, presenting PKI/CERT_NAME.pem
     (mutual TLS), or no certificate when cert_name is None; as node_id (default: the

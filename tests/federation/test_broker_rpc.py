@@ -583,12 +583,12 @@ def test_a_receiver_waiting_for_bundles_is_woken_by_the_upload_not_by_polling(pr
     assert not a.get_matches(0, 0.5, wait_for_bundles=True).offers[0].digest  # the wait ends empty-handed
     assert time.monotonic() - t0 >= 0.45
     uploader = threading.Timer(0.5, lambda: b.upload(record(p0, 1, model="b"), 0))
+    t0 = time.monotonic()  # before the timer starts: the upload cannot come sooner than 0.5 s after
     uploader.start()
-    t0 = time.monotonic()
     got = a.get_matches(0, 20.0, wait_for_bundles=True)
     waited = time.monotonic() - t0
     uploader.join()
-    assert got.offers[0].digest and 0.4 <= waited < 10.0  # woken by the upload, long before 20 s
+    assert got.offers[0].digest and 0.49 <= waited < 10.0  # woken by the upload, long before 20 s
     assert a.fetch(got.offers[0].digest).prompt_id == p0.id
     a.close()
     b.close()

@@ -147,18 +147,18 @@ def test_calls_that_end_at_the_client_end_at_the_broker(fronted, prompts):
     stream.cancel()
     assert _wait(lambda: fronted.front._calls == {})
     # a long-poll whose deadline passes at the client: the broker's call is told, and, parked
-    # (it held no thread), it ends then rather than when its 10 s wait would have
+    # (it held no thread), it ends then rather than when its 30 s wait would have
     a.publish(1, [summary(prompts[1], 1, round=1)])  # b has not: a's GetMatches waits for it
     t0 = time.monotonic()
-    waiting = a.stub.GetMatches.future(pb.MatchRequest(node_id="a", session_id=a.session, round=1, wait_ms=10000),
-                                       timeout=1.5)
-    assert _wait(lambda: len(fronted.front._calls) == 1 and fronted.fed.answers.long_polls() == 1, 1.4)
+    waiting = a.stub.GetMatches.future(pb.MatchRequest(node_id="a", session_id=a.session, round=1, wait_ms=30000),
+                                       timeout=5)
+    assert _wait(lambda: len(fronted.front._calls) == 1 and fronted.fed.answers.long_polls() == 1, 4.5)
     call = next(iter(fronted.front._calls.values()))
     code, _ = code_of(waiting.result)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert _wait(lambda: call.cancelled.is_set() and fronted.front._calls == {}
                  and fronted.fed.answers.long_polls() == 0, 5.0)
-    assert time.monotonic() - t0 < 8.0
+    assert time.monotonic() - t0 < 20.0
     assert b.publish(1, [summary(prompts[1], 0, round=1)]) == (1, 0)  # and the broker serves on
     assert a.get_matches(1, 5.0).ready
     a.close()
@@ -630,12 +630,12 @@ def test_parked_long_polls_hold_no_thread_and_answer_when_woken(parking_link):
 
 def test_a_parked_call_answers_at_its_deadline_and_one_cancelled_is_released(parking_link):
     fl, frames, made = parking_link
+    t0 = time.monotonic()  # before the call: its 0.3 s wait cannot end sooner than that after
     frames.start(1, 0, b"0.3")
     frames.start(2, 0, b"30")
     assert _wait(lambda: len(fl._calls) == 2)
-    t0 = time.monotonic()
     assert _answers(frames, 1) == {1: b"late"}
-    assert 0.2 <= time.monotonic() - t0 < 3
+    assert 0.29 <= time.monotonic() - t0 < 3
     frames.send(2, CANCEL)  # the client gave up while it waited: its hold on the broker goes
     assert _wait(lambda: made["released"] == [b"30"] and fl._calls == {})
     assert made["resumed"] == 1 and len(fl._timers) == 0

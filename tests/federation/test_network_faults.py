@@ -128,7 +128,7 @@ def test_proxy_reset_and_schedule(echo_address):
         s = connect(proxy.address)
         s.sendall(b"a")
         assert recv_exactly(s, 1) == b"a"
-        proxy.schedule([("reset", 0.5), ("pass", None)])
+        proxy.schedule([("reset", 3.0), ("pass", None)])  # long enough for the checks below on a loaded machine
         with pytest.raises(ConnectionResetError):
             for _ in range(100):  # the open connection is reset (RST, not FIN)
                 s.sendall(b"b")
@@ -138,7 +138,7 @@ def test_proxy_reset_and_schedule(echo_address):
             fresh = connect(proxy.address)  # may already fail here: the proxy resets right after accepting
             fresh.sendall(b"c")
             recv_exactly(fresh, 1)  # and so is a new one while the schedule says reset
-        eventually(lambda: proxy.mode == "pass")  # the schedule recovers on its own
+        eventually(lambda: proxy.mode == "pass", 10.0)  # the schedule recovers on its own
         ok = connect(proxy.address)
         ok.sendall(b"d")
         assert recv_exactly(ok, 1) == b"d"
@@ -180,16 +180,20 @@ def _check_broker_has_every_round_once(broker, node_id, acked, rounds):
 def test_node_trains_through_a_network_fault_and_catches_up(fault, direction, tiny_llama, prompt_file, tmp_path):
     broker = start_broker(broker_config(prompt_file))
     proxy = FaultProxy(broker.address).start()
-    cfg = node_config("n1", tiny_llama, prompt_file, tmp_path, proxy.address, steps=10, rpc_timeout_s=1.0,
+    # calls given 5 s while the link is sound (a loaded machine may take over 1 s to answer),
+    # 1 s while it is faulty, so that the steps it fails are quick
+    cfg = node_config("n1", tiny_llama, prompt_file, tmp_path, proxy.address, steps=10, rpc_timeout_s=5.0,
                       match_wait_s=0.5)
     try:
         with Node(cfg, quiet=True) as node:
             acked = _watch_acks(node)
             assert node.ensure_joined()
             rows = [node.train_step()]
+            node.client.timeout = 1.0
             proxy.set(fault, direction=direction)
             rows += [node.train_step() for _ in range(2)]
             proxy.set("pass")
+            node.client.timeout = 5.0
             node.backoff.succeeded()  # the next attempt is due now rather than after the jittered delay
             while rows[-1]["federation/connected"] != 1.0 or node.backlog:
                 assert len(rows) < 8, f"no recovery: {[r['federation/connected'] for r in rows]}"

@@ -102,19 +102,23 @@ def test_reports_waiting_for_their_commit_hold_no_object_per_group(matched, prom
     from graft_fed.broker.state import ReportRow
     from graft_fed.federation.messages import ReportEntry
 
-    def per_group() -> int:
-        return sum(1 for o in gc.get_objects() if type(o) in (ReportRow, ReportEntry))
+    def per_group(old: frozenset = frozenset()) -> int:
+        # (not those from before: an earlier test's stopped broker may still hold some, until a
+        # collection that could run meanwhile frees them)
+        return sum(1 for o in gc.get_objects() if type(o) in (ReportRow, ReportEntry) and id(o) not in old)
 
     broker, receivers = matched
     state = broker.fed.state
     real = state.put_report_batches
     seen = []
-    before = per_group()
+    gc.collect()
+    baseline = [o for o in gc.get_objects() if type(o) in (ReportRow, ReportEntry)]  # kept alive: ids stay theirs
+    old = frozenset(map(id, baseline))
 
     def slow(batches):  # while the first commit runs, the other reports queue behind it
         if not seen:
             time.sleep(0.5)
-            seen.append((per_group() - before, len(broker.fed.reports._queue)))
+            seen.append((per_group(old), len(broker.fed.reports._queue)))
         return real(batches)
     state.put_report_batches = slow
     answers: dict = {}
@@ -189,10 +193,15 @@ def _shared_commit(fed, good, bad):
     inner = fed.state.put_report_batches
     calls = []
 
+    first_running = threading.Event()
+
     def slow_first(batches):
         calls.append(len(batches))
         if len(calls) == 1:
-            time.sleep(0.3)
+            first_running.set()
+            deadline = time.monotonic() + 10  # until the other four wait behind it
+            while len(fed.reports._queue) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
         return inner(batches)
     fed.state.put_report_batches = slow_first
     out: dict = {}
@@ -205,7 +214,7 @@ def _shared_commit(fed, good, bad):
     threads = [threading.Thread(target=one, args=(f"r{i}", rows)) for i, rows in enumerate(good)]
     threads.insert(2, threading.Thread(target=one, args=("r9", bad)))
     threads[0].start()
-    time.sleep(0.1)  # the first commit is under way: the others queue behind it and share the next
+    assert first_running.wait(10)  # the first commit is under way: the others queue behind it and share the next
     for t in threads[1:]:
         t.start()
     for t in threads:

@@ -71,7 +71,7 @@ def test_sim_stops_when_a_node_exits_and_says_why_from_its_log(tiny_llama, promp
     t0 = time.monotonic()
     with pytest.raises(GraftFedError) as err:
         Simulation(load_sim_config(path), 2, quiet=True).run()
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 100  # at once: not at its 120 s timeout nor a 300 s round deadline
     msg = str(err.value)
     assert "node broken exited with code 2" in msg and "does not exist" in msg and "broken.log" in msg
 
