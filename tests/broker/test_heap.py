@@ -131,7 +131,8 @@ def test_graft_fed_broker_runs_itself_again_with_glibcs_caches_off(prompt_file, 
              ({"malloc_tcache": True}, base, None, "on"),
              ({}, {**base, "GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}, "glibc.malloc.tcache_count=3", "on")]
     for i, (extra, env, tunables, said) in enumerate(cases):
-        cfg = {"listen": "127.0.0.1:0", "http": "",  # the port it got is written to --port-file "db": str(tmp_path / f"b{i}.sqlite"),
+        # port 0: the port it got is written to --port-file
+        cfg = {"listen": "127.0.0.1:0", "http": "", "db": str(tmp_path / f"b{i}.sqlite"),
                "data": {"source": str(prompt_file)}, "verifier": {"name": "tests.plugins:odd_char_sum"},
                "n": 2, "prompts_per_round": 4, **extra}
         (tmp_path / f"b{i}.yaml").write_text(yaml.safe_dump(cfg))
@@ -146,6 +147,7 @@ def test_graft_fed_broker_runs_itself_again_with_glibcs_caches_off(prompt_file, 
                 assert proc.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, "the broker did not start"
                 time.sleep(0.05)
+            assert (tmp_path / f"b{i}.sqlite").exists()  # its state where the config says, not in the checkout
             assert environ(proc.pid).get("GLIBC_TUNABLES") == tunables  # the same process, run again
             assert f"glibc's per-thread caches {said}" in log.read_text()
             assert "protobuf's malloc_trim calls declined" in log.read_text()

@@ -38,9 +38,9 @@ from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
 from graft_fed.errors import DataError
 from graft_fed.federation.errors import StorageFull, Unavailable
-from tests.fds import open_under
 from graft_fed.federation.summaryblock import SummaryBlock
 from tests.broker.test_matching import gfm1_bytes
+from tests.fds import open_under
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -102,7 +102,7 @@ def test_reports_waiting_for_their_commit_hold_no_object_per_group(matched, prom
     from graft_fed.broker.state import ReportRow
     from graft_fed.federation.messages import ReportEntry
 
-    def per_group(old: frozenset = frozenset()) -> int:
+    def per_group(old: frozenset) -> int:
         # (not those from before: an earlier test's stopped broker may still hold some, until a
         # collection that could run meanwhile frees them)
         return sum(1 for o in gc.get_objects() if type(o) in (ReportRow, ReportEntry) and id(o) not in old)
