@@ -65,6 +65,8 @@ def test_broker_values_that_failed_at_run_time_are_refused_at_load(key, value, m
     ("max_message_mib", 0, r"max_message_mib must be in \[1, 1024\]"),
     ("max_message_mib", -5, r"max_message_mib must be in \[1, 1024\]"),
     ("chunk_kib", 16 * 1024, "chunk_kib must be >= 16 .* at most half of max_message_mib"),
+    ("max_bundle_mib", 0, r"max_bundle_mib must be a whole number of MiB in \[1, 65536\], got 0"),
+    ("max_bundle_mib", 10**6, r"max_bundle_mib must be a whole number of MiB in \[1, 65536\], got 1000000"),
 ])
 def test_node_federation_values_that_failed_every_call_are_refused_at_load(key, value, message):
     with pytest.raises(ConfigError, match=message):

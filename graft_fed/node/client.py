@@ -17,7 +17,7 @@ import grpc
 
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
-from graft_fed.federation.errors import FederationError
+from graft_fed.federation.errors import FederationError, InvalidArgument
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
 from graft_fed.federation.codec import (PRIVACY_CODES, chunk_bytes, columns_to_pb, manifest_from_pb, manifest_to_pb,
                                         match_result_from_pb, report_entries_to_pb, summary_to_pb, wire_bytes)
@@ -71,6 +71,22 @@ class Backoff:
     def succeeded(self) -> None:
         self.failures = 0
         self.next_at = 0.0
+
+
+class DeliveryError(RecordError):
+    """A fetched bundle's bytes did not arrive as its digest names them (too big for this
+    node, chunks that do not add up, cut short, another digest). The broker hashed them at
+    upload: not the source's doing, so reported as undelivered, not as rejected."""
+
+
+class BundlesRefused(InvalidArgument):
+    """upload_missing: the broker refused some of the bundles (each INVALID_ARGUMENT); the
+    others were uploaded."""
+
+    def __init__(self, message: str, sent: int, refused: int) -> None:
+        super().__init__(message)
+        self.sent = sent
+        self.refused = refused
 
 
 @dataclass(frozen=True)
@@ -343,17 +359,28 @@ class BrokerClient:
 
     def upload_missing(self, records: Iterable[tuple[GroupRecord, int]]) -> int:
         """Upload the bundles the broker does not hold yet; returns the number sent. Each
-        record is encoded once, for its digest and, if needed, for the upload."""
+        record is encoded once, for its digest and, if needed, for the upload. A bundle the
+        broker refuses (INVALID_ARGUMENT: say, it does not match the summary this node
+        published for its prompt) does not stop the others: once every one was tried,
+        BundlesRefused says how many were refused and how many went. PERMISSION_DENIED (this
+        node may not upload at all: quarantined) is raised at once."""
         items = []
         for rec, rnd in records:
             data = encode_bundle(rec)
             items.append((rec.prompt_id, rnd, data, digest_of(data)))
         present = self.has_bundles([d for *_, d in items])
-        sent = 0
+        sent, refused = 0, []
         for prompt_id, rnd, data, digest in items:
             if digest not in present:
-                self._upload_bytes(data, digest, prompt_id, rnd)
+                try:
+                    self._upload_bytes(data, digest, prompt_id, rnd)
+                except InvalidArgument as exc:  # that bundle only
+                    refused.append(exc)
+                    continue
                 sent += 1
+        if refused:
+            raise BundlesRefused(f"the broker refused {len(refused)} of the {len(refused) + sent} bundles uploaded; "
+                                 f"the first: {refused[0]}", sent=sent, refused=len(refused))
         return sent
 
     def fetch(self, digest: str, source: str | None = None) -> GroupRecord:
@@ -378,13 +405,13 @@ class BrokerClient:
                     size = chunk.total_size
                     if size > self.max_bundle:  # a hostile broker must not make the node buffer without end
                         call.cancel()
-                        raise RecordError(f"bundle {digest[:12]} announced as {size} bytes, more than this node "
-                                          f"accepts ({self.max_bundle})")
+                        raise DeliveryError(f"bundle {digest[:12]} announced as {size} bytes, more than this node "
+                                            f"accepts ({self.max_bundle}; federation.max_bundle_mib sets it)")
                 piece = chunk.data  # read once: protobuf copies a bytes field at each access
                 if chunk.total_size != size or chunk.offset != received or received + len(piece) > size:
                     call.cancel()
-                    raise RecordError(f"bundle {digest[:12]} arrived with inconsistent chunks (offset "
-                                      f"{chunk.offset}, {received} bytes so far, total {size})")
+                    raise DeliveryError(f"bundle {digest[:12]} arrived with inconsistent chunks (offset "
+                                        f"{chunk.offset}, {received} bytes so far, total {size})")
                 # a broker sends chunks of broker.chunk_kib (>= 16 KiB); a bundle it holds as the
                 # upload's pieces (each >= 16 KiB but the last) may add one shorter chunk per
                 # piece. So before each chunk there are at most 2 per 16 KiB received: more, or an
@@ -393,17 +420,17 @@ class BrokerClient:
                     call.cancel()
                     what = ("an empty chunk" if not piece else
                             f"more chunks than its bytes need ({len(parts) + 1} for {received + len(piece)} bytes)")
-                    raise RecordError(f"bundle {digest[:12]} arrived in {what}, at {received} of {size} bytes; a "
-                                      f"broker sends at most 2 chunks per {MIN_CHUNK_BYTES // 1024} KiB, none empty")
+                    raise DeliveryError(f"bundle {digest[:12]} arrived in {what}, at {received} of {size} bytes; a "
+                                        f"broker sends at most 2 chunks per {MIN_CHUNK_BYTES // 1024} KiB, none empty")
                 received += len(piece)
                 parts.append(piece)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, "FetchBundle") from None
         data = b"".join(parts)
         if size is None or len(data) != size:
-            raise RecordError(f"bundle {digest[:12]} arrived truncated ({len(data)} of {size} bytes)")
+            raise DeliveryError(f"bundle {digest[:12]} arrived truncated ({len(data)} of {size} bytes)")
         if digest_of(data) != digest:
-            raise RecordError(f"bundle digest mismatch: expected {digest}, got {digest_of(data)}")
+            raise DeliveryError(f"bundle digest mismatch: expected {digest}, got {digest_of(data)}")
         signer = ""
         if self.verifier is not None and (signature or cert or self.require_signatures):
             # present signatures are always checked; absent ones are refused when required

@@ -73,6 +73,11 @@ class FederationSection:
     max_message_mib: int = 16
     #: Bundle chunk size, KiB (at most the broker's).
     chunk_kib: int = 1024
+    #: Largest peer bundle this node fetches, MiB (a fetch announced larger is cut off before
+    #: it is buffered, so a hostile broker cannot make the node hold without end). Keep it at
+    #: or above the broker's max_bundle_mib: a larger bundle is skipped and reported as
+    #: undelivered (not as a rejection of its source).
+    max_bundle_mib: int = 64
     #: Reconnection backoff: first delay and cap, seconds (full jitter).
     reconnect_min_s: float = 1.0
     reconnect_max_s: float = 60.0
@@ -101,6 +106,9 @@ class FederationSection:
         require(16 <= self.chunk_kib <= 1024 * self.max_message_mib // 2,
                 "federation.chunk_kib must be >= 16 (the broker refuses smaller non-final upload chunks) and at "
                 f"most half of max_message_mib, got {self.chunk_kib}")
+        require(isinstance(self.max_bundle_mib, int) and not isinstance(self.max_bundle_mib, bool)
+                and 1 <= self.max_bundle_mib <= 65536,
+                f"federation.max_bundle_mib must be a whole number of MiB in [1, 65536], got {self.max_bundle_mib!r}")
         require((self.tls_cert is None) == (self.tls_key is None), "federation: give both tls_cert and tls_key")
         require(self.tls_cert is None or self.tls_ca is not None,
                 "federation.tls_cert needs federation.tls_ca (the CA that signed the broker's certificate)")
@@ -143,8 +151,8 @@ class Node:
         self.client = BrokerClient(f.broker, cfg.node_id, max_message_mib=f.max_message_mib,
                                    rpc_timeout_s=f.rpc_timeout_s, chunk_kib=f.chunk_kib, tls_ca=f.tls_ca,
                                    tls_cert=f.tls_cert, tls_key=f.tls_key, insecure=f.insecure,
-                                   require_signatures=f.require_signatures,
-                                   revoked_certs=f.revoked_certs) if t.is_main else None
+                                   require_signatures=f.require_signatures, revoked_certs=f.revoked_certs,
+                                   max_bundle_mib=f.max_bundle_mib) if t.is_main else None
         manifest = Manifest(
             federation_id=f.federation_id or "", protocol_version=PROTOCOL_VERSION,
             dataset_id=t.schedule.prompts[0].dataset, dataset_hash=dataset_hash(t.schedule.prompts),

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
 from graft_fed.federation.errors import PERMANENT, FailedPrecondition, FederationError, InvalidArgument, \
-    ResourceExhausted
+    PermissionDenied, ResourceExhausted
 from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow, summarise
@@ -38,7 +38,7 @@ from graft_fed.federation.policy import fetch_failure_is_per_offer, offers_to_fe
 from graft_fed.federation.signing import ProvenanceError
 from graft_fed.graft.receive import GroupReport, offer_metrics
 from graft_fed.graft.step import Offers
-from graft_fed.node.client import Backoff, BrokerClient
+from graft_fed.node.client import Backoff, BrokerClient, BundlesRefused, DeliveryError
 from graft_fed.trainer.group import Group, StepData
 from graft_fed.trainer.grpo import GRPOTrainer
 
@@ -65,7 +65,7 @@ class FetchedOffers:
     bad: int = 0  # bundles refused, for any reason
     bad_signatures: int = 0  # ... because their producer could not be established
     unsigned: int = 0  # accepted without a signature (signatures not required)
-    refused: int = 0  # fetches the broker refused (NOT_FOUND, PERMISSION_DENIED, ...): that offer only
+    refused: int = 0  # fetches the broker refused (NOT_FOUND, ...) or whose bytes did not arrive whole: that offer only
     undelivered: int = 0  # offers whose bundle never arrived
     #: Groups refused for their provenance or content (reported as rejected, so that the
     #: broker's quarantine sees a source whose bundles do not check out) and offers never
@@ -84,8 +84,9 @@ def fetch_offers(client: BrokerClient, offers: Sequence[Offer], n: int | None = 
     signature must be the offered source's, see graft_fed/federation/signing.py); with `n`
     (the federation's group size), a record of another size is refused too. A bundle
     that fails is skipped, never trained on, and reported as a rejected group of that
-    source; a fetch the broker refuses skips that offer only (the step goes on); only a lost
-    broker raises."""
+    source; a fetch the broker refuses, or whose bytes do not arrive as the digest names them
+    (DeliveryError), skips that offer only (reported as undelivered); only a lost broker
+    raises."""
     out = FetchedOffers()
     for o in offers:
         if not o.digest:
@@ -97,6 +98,13 @@ def fetch_offers(client: BrokerClient, offers: Sequence[Offer], n: int | None = 
             out.bad += 1
             out.bad_signatures += 1
             out.rejections.append(refused_record_entry(o))
+            continue
+        except DeliveryError as exc:
+            # the bytes did not arrive as the broker hashed them at upload: not the source's
+            # doing, so reported as undelivered (s 0), never as a rejected group of the source
+            log.warning("bundle %s... offered as %s's not delivered: %s", o.digest[:12], o.source_node, exc)
+            out.bad += 1
+            out.refused += 1
             continue
         except RecordError as exc:
             log.warning("bundle from %s rejected: %s", o.source_node, exc)
@@ -162,6 +170,7 @@ class BrokerPeers:
         self.backlog: OrderedDict[int, list[SummaryRow]] = OrderedDict()
         self.backlog_dropped = 0
         self.uploads_refused = 0  # upload requests refused under matched_only
+        self.uploads_refused_by_broker = 0  # bundles uploaded that the broker refused
         self._round: _Round | None = None
 
     # ----- connection -----------------------------------------------------------------------------
@@ -235,12 +244,13 @@ class BrokerPeers:
                 # not a lost broker: it refused these bundles, e.g. because it keeps the summaries
                 # this node id published first for the round and these groups are others
                 self._round.live = False
-                log.warning("node %s: the broker refused round %d's bundles (%s); this step trains plain GRPO. If it "
-                            "says they do not match their summaries, the broker holds other summaries of node %r for "
-                            "this round, published before: by an earlier run under this node id (a new run needs a "
-                            "federation.node_id of its own, or a broker state of its own), or before a resume that "
-                            "sampled the round differently (only that round is affected)", self.node_id, rnd, exc,
-                            self.node_id)
+                self._uploads_refused(rnd, exc, (
+                    f"; this step trains plain GRPO. If it says they do not match their summaries, the broker holds "
+                    f"other summaries of node {self.node_id!r} for this round, published before: by an earlier run "
+                    f"under this node id (a new run needs a federation.node_id of its own, or a broker state of its "
+                    f"own), or before a resume that sampled the round differently (only that round is affected)"))
+            except PermissionDenied as exc:
+                self._uploads_refused(rnd, exc)  # quarantined as a source: it still receives
             except FederationError as exc:
                 self._round.live = False
                 self._lost(exc)
@@ -317,6 +327,7 @@ class BrokerPeers:
                         "federation/offers": float(len(offers)), "federation/offers_ignored": float(ignored),
                         "federation/bad_bundles": float(fetched.bad),
                         "federation/uploads": float(uploads), "federation/uploads_refused": float(self.uploads_refused),
+                        "federation/uploads_refused_by_broker": float(self.uploads_refused_by_broker),
                         "time/federation": time.perf_counter() - t0})
         return Offers(records=fetched.records, metrics=metrics)
 
@@ -376,7 +387,21 @@ class BrokerPeers:
                         "round it has not reached, or beyond %d in one answer", self.node_id, skipped,
                         MAX_DIGESTS_PER_CALL)
             self.uploads_refused += skipped
-        return self.client.upload_missing(records)
+        try:
+            return self.client.upload_missing(records)
+        except (BundlesRefused, PermissionDenied) as exc:
+            # refusals of these bundles, not a lost broker: the offers to this node still come
+            self._uploads_refused(learner.step, exc)
+            return exc.sent if isinstance(exc, BundlesRefused) else 0
+
+    def _uploads_refused(self, rnd: int, exc: FederationError, then: str = "") -> None:
+        """Count and say why the broker refused bundles this node uploaded (some, each for
+        itself: BundlesRefused; or all: PERMISSION_DENIED, say while it is quarantined);
+        `then`: what the node does about it, added to the warning."""
+        self.uploads_refused_by_broker += exc.refused if isinstance(exc, BundlesRefused) else 1
+        if isinstance(exc, PermissionDenied):
+            then = then or "; peers are not offered its groups meanwhile, but it still receives theirs"
+        log.warning("node %s: the broker refused round %d's bundles (%s)%s", self.node_id, rnd, exc, then)
 
     def _defer(self, rnd: int, summaries: list[SummaryRow]) -> None:
         """Keep a round's summaries for publishing once the broker is back."""

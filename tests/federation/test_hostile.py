@@ -417,6 +417,57 @@ def test_the_broker_rechecks_a_rejection_of_a_bundle_it_holds(prompt_file, promp
         broker.stop()
 
 
+def test_a_bundle_too_big_for_the_receiver_is_undelivered_not_a_rejection_of_its_source(prompt_file, prompts):
+    """A broker that takes bundles larger than a receiver fetches (broker.max_bundle_mib above
+    the node's federation.max_bundle_mib; here 2 and 1 MiB): an honest group the receiver
+    cannot take is undelivered (s 0), not a rejection that quarantine counts against its
+    source (here without the broker's recheck, which would dispute it)."""
+    from graft_fed.federation.messages import ReportEntry
+    from graft_fed.node.peers import fetch_offers
+
+    broker = start_broker(broker_config(prompt_file, balance="none", max_bundle_mib=2, recheck_rejections=False,
+                                        quarantine_min_receivers=1, quarantine_min_reports=1))
+    try:
+        source = client(broker, prompts, "source")
+        receiver = BrokerClient(broker.address, "receiver", max_bundle_mib=1)
+        receiver.join("receiver", "tok", manifest(prompts), "share_all", 0)
+        source.publish(0, [summary(prompts[0], 1)])
+        receiver.publish(0, [summary(prompts[0], 0)])
+        # an honest group of 1.2 MiB: odd_char_sum scores the first response 1, the second 0
+        big = dataclasses.replace(_verified_record(prompts[0], "source"), texts=("a" * 600_001, "a" * 600_000))
+        digest, stored = source.upload(big, 0)
+        assert stored
+        offers = receiver.get_matches(0, 5.0).offers
+        assert [(o.source_node, o.digest) for o in offers] == [("source", digest)]
+        got = fetch_offers(receiver, offers, n=2)
+        assert got.records == {} and got.bad == 1
+        assert got.rejections == [ReportEntry("source", prompts[0].id, 0.0, 0.0, False)]
+        receiver.report(0, got.rejections)
+        assert "source" not in broker.fed.quarantined()
+        for c in (source, receiver):
+            c.close()
+    finally:
+        broker.stop()
+
+
+def test_a_refused_bundle_does_not_stop_the_nodes_other_uploads(broker, prompts):
+    """The broker refuses a bundle that does not match the summary the node published for its
+    prompt (say, a resume that sampled the round again): that bundle only. The others still
+    go, and the node learns how many of each (BundlesRefused, an INVALID_ARGUMENT)."""
+    from graft_fed.node.client import BundlesRefused
+
+    a = client(broker, prompts, "a")
+    a.publish(0, [summary(prompts[0], 1), summary(prompts[1], 1)])
+    other = dataclasses.replace(record(prompts[0], 1), lengths=(5, 6))  # not the published summary
+    good = record(prompts[1], 1)
+    with pytest.raises(BundlesRefused, match="refused 1 of the 2 bundles") as info:
+        a.upload_missing([(other, 0), (good, 0)])
+    assert (info.value.sent, info.value.refused) == (1, 1)
+    assert a.has_bundles([digest_of(encode_bundle(good)), digest_of(encode_bundle(other))]) == {
+        digest_of(encode_bundle(good))}
+    a.close()
+
+
 def test_quarantine_weighs_each_receiver_the_same(prompt_file, prompts):
     from graft_fed.broker.handlers import Federation
     from graft_fed.broker.state import ReportRow

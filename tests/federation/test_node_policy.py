@@ -38,13 +38,15 @@ def test_matched_only_uploads_only_informative_groups_of_the_current_window():
 
 
 def test_a_node_fetching_offers_skips_a_refused_one_reports_it_and_keeps_the_rest():
-    """node/peers.py::fetch_offers with the policy wired in: NOT_FOUND for one bundle is that
-    offer's problem (counted, reported as undelivered), a malformed record is the source's
-    (reported as rejected), and a lost broker still ends the exchange."""
+    """node/peers.py::fetch_offers with the policy wired in: NOT_FOUND for one bundle, or bytes
+    that did not arrive as the broker hashed them (DeliveryError: too big for this node, cut
+    short, another digest), is that offer's problem (counted, reported as undelivered, never
+    against the source), a malformed record is the source's (reported as rejected), and a
+    lost broker still ends the exchange."""
     import pytest
 
     from graft_fed.core.records import GroupRecord, RecordError
-    from graft_fed.node.client import FetchedBundle
+    from graft_fed.node.client import DeliveryError, FetchedBundle
     from graft_fed.node.peers import fetch_offers
 
     def rec(pid):
@@ -63,16 +65,18 @@ def test_a_node_fetching_offers_skips_a_refused_one_reports_it_and_keeps_the_res
                 raise NotFound("no bundle")
             if digest == "b" * 64:
                 raise RecordError("malformed group record")
+            if digest == "d" * 64:
+                raise DeliveryError("bundle digest mismatch")
             return FetchedBundle(record=rec("p3"), signer="")
 
     offers = [offer("p1", digest="a" * 64), offer("p2", source="t", digest="b" * 64), offer("p3", digest="c" * 64),
-              offer("p4", digest="")]
+              offer("p4", digest=""), offer("p5", source="u", digest="d" * 64)]
     got = fetch_offers(Client(), offers)
     assert set(got.records) == {"p3"} and got.records["p3"].model_id == "s"
-    assert got.refused == 1 and got.bad == 2 and got.undelivered == 2
+    assert got.refused == 2 and got.bad == 3 and got.undelivered == 3
     assert sorted(got.rejections, key=lambda e: e.prompt_id) == [
         ReportEntry("s", "p1", 0.0, 0.0, False), ReportEntry("t", "p2", 0.0, 0.0, True),
-        ReportEntry("s", "p4", 0.0, 0.0, False)]
+        ReportEntry("s", "p4", 0.0, 0.0, False), ReportEntry("u", "p5", 0.0, 0.0, False)]
     with pytest.raises(Unavailable):
         fetch_offers(Client(lost=True), offers)
 
@@ -198,3 +202,50 @@ def test_share_all_uploads_only_informative_groups_each_once_whatever_the_broker
     assert [(r.prompt_id, rnd) for r, rnd in client.uploaded][:2] == [("p1", 4), ("p2", 3)]
     assert len(client.uploaded) == MAX_DIGESTS_PER_CALL - 2 and learner.store.lookups == MAX_DIGESTS_PER_CALL
     assert all(r.kind == "informative" for r, _ in client.uploaded)
+
+
+def test_bundles_the_broker_refuses_are_counted_and_do_not_end_the_exchange(caplog):
+    """Upload requests served (node/peers.py::_serve_uploads) that the broker then refuses,
+    some (BundlesRefused: they do not match the summaries it holds) or all (PERMISSION_DENIED:
+    the node is quarantined as a source), are counted and logged; they are not a lost
+    broker, so the node still fetches the offers made to it (it was re-joining instead)."""
+    from types import SimpleNamespace
+
+    from graft_fed.core.records import GroupRecord
+    from graft_fed.federation.errors import PermissionDenied
+    from graft_fed.federation.manifest import Manifest
+    from graft_fed.federation.messages import MatchResult
+    from graft_fed.node.client import BundlesRefused
+    from graft_fed.node.peers import BrokerPeers
+
+    def rec(pid, step):
+        return GroupRecord(prompt_id=pid, step=step, model_id="m", tokenizer_id="t", problem="q", answer="1",
+                           rewards=(1.0, 0.0), advantages=(0.7071, -0.7071), texts=("a", "b"),
+                           finish_reasons=("stop", "stop"), lengths=(1, 1), mean_logprobs=(-0.5, -0.25))
+
+    class Store:
+        def lookup(self, pids, step=None, run_id=None, match="same_step"):
+            return {p: rec(p, step) for p in pids}
+
+    class Refusing(UploadsClient):
+        def __init__(self, exc):
+            super().__init__()
+            self.exc = exc
+
+        def upload_missing(self, records):
+            super().upload_missing(records)
+            raise self.exc
+
+    m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
+    learner = SimpleNamespace(step=5, store=Store(), run_id="r", model_id="m", tok_id="t")
+    asks = MatchResult(ready=True, offers=[], upload_requests=[("p1", 4), ("p2", 4), ("p3", 5)])
+    for exc, sent, counted in ((BundlesRefused("refused 2 of the 3", sent=1, refused=2), 1, 2),
+                               (PermissionDenied("node me is quarantined"), 0, 1)):
+        client = Refusing(exc)
+        peers = BrokerPeers(client, "me", "share_all", m, "b", None, 1, 1, 1, 1, 1, 1)
+        peers.broker_manifest, peers.connected = m, True
+        with caplog.at_level("WARNING", logger="graft_fed.node"):
+            assert peers._serve_uploads(learner, asks, {}) == sent
+        assert len(client.uploaded) == 3 and peers.uploads_refused_by_broker == counted
+        assert peers.connected, "a refused upload is not a lost broker"
+    assert "still receives theirs" in caplog.text
