@@ -299,7 +299,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                                              manifest_from_pb(request.manifest), privacy_from_pb(request.privacy),
                                              request.resume_round)
         return pb.JoinResponse(session_id=session, manifest=manifest_to_pb(self.fed.manifest), current_round=current,
-                               heartbeat_interval_ms=self._heartbeat_ms())
+                               heartbeat_interval_ms=self._heartbeat_ms(), max_bundle_mib=self.fed.cfg.max_bundle_mib)
 
     @_rpc
     def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:

@@ -17,11 +17,11 @@ import grpc
 
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
-from graft_fed.federation.errors import FederationError, InvalidArgument
+from graft_fed.federation.errors import FederationError, InvalidArgument, NotFound, PermissionDenied
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
 from graft_fed.federation.codec import (PRIVACY_CODES, chunk_bytes, columns_to_pb, manifest_from_pb, manifest_to_pb,
                                         match_result_from_pb, report_entries_to_pb, summary_to_pb, wire_bytes)
-from graft_fed.federation.limits import MIN_CHUNK_BYTES
+from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL, MIN_CHUNK_BYTES
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, ReportEntry, SummaryRow
 from graft_fed.federation.signing import BundleSigner, ProvenanceVerifier, common_name, load_certificate_der
@@ -79,9 +79,13 @@ class DeliveryError(RecordError):
     upload: not the source's doing, so reported as undelivered, not as rejected."""
 
 
+#: upload_missing stops after this many refusals before the first bundle taken
+REFUSED_BEFORE_GIVING_UP = 16
+
+
 class BundlesRefused(InvalidArgument):
-    """upload_missing: the broker refused some of the bundles (each INVALID_ARGUMENT); the
-    others were uploaded."""
+    """upload_missing: the broker refused some of the bundles, each for itself
+    (INVALID_ARGUMENT, NOT_FOUND); the others were uploaded."""
 
     def __init__(self, message: str, sent: int, refused: int) -> None:
         super().__init__(message)
@@ -123,7 +127,7 @@ class BrokerClient:
         `retries`: how often a publish, upload, report or leave is sent again, with the same
         request tag, after UNAVAILABLE or ABORTED (short jittered backoff).
         `max_bundle_mib`: a fetched bundle announced larger, or whose chunks do not add up, is
-        refused (RecordError) before it is buffered."""
+        refused (DeliveryError) before it is buffered."""
         self.address = address
         self.retries = retries
         self._rows_only = False  # set when the broker predates summary columns
@@ -134,6 +138,7 @@ class BrokerClient:
         self.timeout = rpc_timeout_s
         self.chunk = chunk_kib * 1024
         self.max_bundle = max_bundle_mib * 2**20  # the largest bundle a fetch may announce
+        self._told_bundle_limit = False  # said at join that the broker stores larger ones
         # The node paces its own reconnection attempts (Backoff below); keep gRPC's channel-level
         # backoff short so a broker that is back is seen at the node's next attempt. Not
         # `grpc.min_reconnect_backoff_ms`: gRPC also takes it as the shortest time a connection
@@ -197,6 +202,11 @@ class BrokerClient:
         self.session = resp.session_id
         self.session_lost.clear()
         self.heartbeat_interval_s = _interval_s(resp.heartbeat_interval_ms)
+        if resp.max_bundle_mib * 2**20 > self.max_bundle and not self._told_bundle_limit:
+            self._told_bundle_limit = True
+            log.warning("node %s: the broker stores bundles of up to %d MiB and this node fetches at most %d "
+                        "(federation.max_bundle_mib): peers' larger groups will be skipped, reported as undelivered",
+                        self.node_id, resp.max_bundle_mib, self.max_bundle // 2**20)
         self._start_heartbeats()
         return manifest_from_pb(resp.manifest), resp.current_round, self.heartbeat_interval_s
 
@@ -331,11 +341,16 @@ class BrokerClient:
 
     # ----- bundles ------------------------------------------------------------------------------
     def has_bundles(self, digests: Sequence[str]) -> set[str]:
-        if not digests:
-            return set()
-        resp = self._once("HasBundles", pb.HasBundlesRequest(node_id=self.node_id, session_id=self.session,
-                                                             digests=list(digests)), self.timeout)
-        return set(resp.present)
+        """The digests the broker holds, asked MAX_DIGESTS_PER_CALL at a time (what one call
+        may name; a round of more informative groups was refused whole)."""
+        present: set[str] = set()
+        digests = list(digests)
+        for lo in range(0, len(digests), MAX_DIGESTS_PER_CALL):
+            resp = self._once("HasBundles", pb.HasBundlesRequest(
+                node_id=self.node_id, session_id=self.session, digests=digests[lo:lo + MAX_DIGESTS_PER_CALL]),
+                self.timeout)
+            present.update(resp.present)
+        return present
 
     def upload(self, record: GroupRecord, round: int) -> tuple[str, bool]:
         data = encode_bundle(record)
@@ -360,27 +375,37 @@ class BrokerClient:
     def upload_missing(self, records: Iterable[tuple[GroupRecord, int]]) -> int:
         """Upload the bundles the broker does not hold yet; returns the number sent. Each
         record is encoded once, for its digest and, if needed, for the upload. A bundle the
-        broker refuses (INVALID_ARGUMENT: say, it does not match the summary this node
-        published for its prompt) does not stop the others: once every one was tried,
-        BundlesRefused says how many were refused and how many went. PERMISSION_DENIED (this
-        node may not upload at all: quarantined) is raised at once."""
+        broker refuses for itself (INVALID_ARGUMENT: say, it does not match the summary this
+        node published for its prompt; NOT_FOUND: that summary is pruned) does not stop the
+        others, unless the first REFUSED_BEFORE_GIVING_UP are all refused (then the rest
+        would most likely be too, for a reason that is not theirs: a setting that differs).
+        Then BundlesRefused says how many were not taken and how many went. PERMISSION_DENIED
+        (this node may upload nothing now: quarantined) is raised at once, with the same two
+        counts as `sent` and `refused`."""
         items = []
         for rec, rnd in records:
             data = encode_bundle(rec)
             items.append((rec.prompt_id, rnd, data, digest_of(data)))
         present = self.has_bundles([d for *_, d in items])
+        missing = [item for item in items if item[3] not in present]
         sent, refused = 0, []
-        for prompt_id, rnd, data, digest in items:
-            if digest not in present:
-                try:
-                    self._upload_bytes(data, digest, prompt_id, rnd)
-                except InvalidArgument as exc:  # that bundle only
-                    refused.append(exc)
-                    continue
-                sent += 1
+        for prompt_id, rnd, data, digest in missing:
+            if not sent and len(refused) >= REFUSED_BEFORE_GIVING_UP:
+                break
+            try:
+                self._upload_bytes(data, digest, prompt_id, rnd)
+            except (InvalidArgument, NotFound) as exc:  # that bundle only
+                refused.append(exc)
+                continue
+            except PermissionDenied as exc:  # every other would be refused the same
+                exc.sent, exc.refused = sent, len(missing) - sent
+                raise
+            sent += 1
         if refused:
-            raise BundlesRefused(f"the broker refused {len(refused)} of the {len(refused) + sent} bundles uploaded; "
-                                 f"the first: {refused[0]}", sent=sent, refused=len(refused))
+            raise BundlesRefused(f"the broker refused {len(refused)} of the {len(refused) + sent} bundles uploaded"
+                                 + (f" ({len(missing) - sent - len(refused)} more not tried)"
+                                    if len(refused) + sent < len(missing) else "")
+                                 + f"; the first: {refused[0]}", sent=sent, refused=len(missing) - sent)
         return sent
 
     def fetch(self, digest: str, source: str | None = None) -> GroupRecord:
@@ -389,9 +414,10 @@ class BrokerClient:
     def fetch_bundle(self, digest: str, source: str | None = None) -> "FetchedBundle":
         """Download a bundle and check it: size, digest, record, and its producer's signature
         (`source`: the node the broker names as the producer; None = whoever signed it).
-        Raises RecordError, or its subclass ProvenanceError for a signature that fails, a
-        certificate not issued by this node's CA or naming another node, or an unsigned
-        bundle where signatures are required."""
+        Raises DeliveryError (a RecordError) for bytes that do not arrive as the digest names
+        them, ProvenanceError (another) for a signature that fails, a certificate not issued
+        by this node's CA or naming another node, or an unsigned bundle where signatures are
+        required, and RecordError for a record that does not decode."""
         parts, size, signature, cert = [], None, b"", b""
         received = 0
         sent = time.monotonic()

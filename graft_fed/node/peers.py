@@ -66,6 +66,7 @@ class FetchedOffers:
     bad_signatures: int = 0  # ... because their producer could not be established
     unsigned: int = 0  # accepted without a signature (signatures not required)
     refused: int = 0  # fetches the broker refused (NOT_FOUND, ...) or whose bytes did not arrive whole: that offer only
+    delivery_failed: int = 0  # ... of which: bytes that did not arrive as the digest names them (DeliveryError)
     undelivered: int = 0  # offers whose bundle never arrived
     #: Groups refused for their provenance or content (reported as rejected, so that the
     #: broker's quarantine sees a source whose bundles do not check out) and offers never
@@ -76,7 +77,8 @@ class FetchedOffers:
     def metrics(self) -> dict[str, float]:
         return {"federation/bad_signatures": float(self.bad_signatures),
                 "federation/unsigned_bundles": float(self.unsigned),
-                "federation/fetch_refused": float(self.refused), "federation/undelivered": float(self.undelivered)}
+                "federation/fetch_refused": float(self.refused), "federation/undelivered": float(self.undelivered),
+                "federation/delivery_failed": float(self.delivery_failed)}
 
 
 def fetch_offers(client: BrokerClient, offers: Sequence[Offer], n: int | None = None) -> FetchedOffers:
@@ -105,6 +107,7 @@ def fetch_offers(client: BrokerClient, offers: Sequence[Offer], n: int | None = 
             log.warning("bundle %s... offered as %s's not delivered: %s", o.digest[:12], o.source_node, exc)
             out.bad += 1
             out.refused += 1
+            out.delivery_failed += 1
             continue
         except RecordError as exc:
             log.warning("bundle from %s rejected: %s", o.source_node, exc)
@@ -240,17 +243,16 @@ class BrokerPeers:
         if self.privacy is Privacy.SHARE_ALL:
             try:
                 self.client.upload_missing((self._record(learner, g), rnd) for g in data.groups if 0 < g.k < g.n)
-            except InvalidArgument as exc:
-                # not a lost broker: it refused these bundles, e.g. because it keeps the summaries
-                # this node id published first for the round and these groups are others
-                self._round.live = False
-                self._uploads_refused(rnd, exc, (
-                    f"; this step trains plain GRPO. If it says they do not match their summaries, the broker holds "
-                    f"other summaries of node {self.node_id!r} for this round, published before: by an earlier run "
-                    f"under this node id (a new run needs a federation.node_id of its own, or a broker state of its "
-                    f"own), or before a resume that sampled the round differently (only that round is affected)"))
-            except PermissionDenied as exc:
-                self._uploads_refused(rnd, exc)  # quarantined as a source: it still receives
+            except (InvalidArgument, PermissionDenied) as exc:
+                # not a lost broker: it refused these bundles (e.g. it keeps the summaries this
+                # node id published first for the round and these groups are others, or the
+                # node is quarantined as a source); the groups offered to it still come
+                self._uploads_refused(rnd, exc, "" if isinstance(exc, PermissionDenied) else (
+                    f"; the groups offered to it still come. If it says they do not match their summaries, the "
+                    f"broker holds other summaries of node {self.node_id!r} for this round, published before: by an "
+                    f"earlier run under this node id (a new run needs a federation.node_id of its own, or a broker "
+                    f"state of its own), or before a resume that sampled the round differently (only that round is "
+                    f"affected)"))
             except FederationError as exc:
                 self._round.live = False
                 self._lost(exc)
@@ -392,13 +394,13 @@ class BrokerPeers:
         except (BundlesRefused, PermissionDenied) as exc:
             # refusals of these bundles, not a lost broker: the offers to this node still come
             self._uploads_refused(learner.step, exc)
-            return exc.sent if isinstance(exc, BundlesRefused) else 0
+            return getattr(exc, "sent", 0)
 
     def _uploads_refused(self, rnd: int, exc: FederationError, then: str = "") -> None:
         """Count and say why the broker refused bundles this node uploaded (some, each for
         itself: BundlesRefused; or all: PERMISSION_DENIED, say while it is quarantined);
         `then`: what the node does about it, added to the warning."""
-        self.uploads_refused_by_broker += exc.refused if isinstance(exc, BundlesRefused) else 1
+        self.uploads_refused_by_broker += getattr(exc, "refused", 1)
         if isinstance(exc, PermissionDenied):
             then = then or "; peers are not offered its groups meanwhile, but it still receives theirs"
         log.warning("node %s: the broker refused round %d's bundles (%s)%s", self.node_id, rnd, exc, then)
@@ -437,6 +439,8 @@ class BrokerPeers:
                 recs = store.lookup(informative, step=rnd, run_id=learner.run_id)
                 try:
                     self.client.upload_missing((rec, rnd) for rec in recs.values())
+                except (BundlesRefused, PermissionDenied) as exc:
+                    self._uploads_refused(rnd, exc)
                 except (*PERMANENT, ResourceExhausted) as exc:
                     log.warning("node %s: bundles of backlog round %d refused (%s: %s)", self.node_id, rnd,
                                 exc.status, exc)

@@ -82,16 +82,18 @@ class JoinRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., model_id: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., privacy: _Optional[_Union[Privacy, str]] = ..., resume_round: _Optional[int] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session_id", "manifest", "current_round", "heartbeat_interval_ms")
+    __slots__ = ("session_id", "manifest", "current_round", "heartbeat_interval_ms", "max_bundle_mib")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUNDLE_MIB_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     manifest: Manifest
     current_round: int
     heartbeat_interval_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., current_round: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    max_bundle_mib: int
+    def __init__(self, session_id: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., current_round: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., max_bundle_mib: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node_id", "session_id", "tag")

@@ -417,7 +417,8 @@ def test_the_broker_rechecks_a_rejection_of_a_bundle_it_holds(prompt_file, promp
         broker.stop()
 
 
-def test_a_bundle_too_big_for_the_receiver_is_undelivered_not_a_rejection_of_its_source(prompt_file, prompts):
+def test_a_bundle_too_big_for_the_receiver_is_undelivered_not_a_rejection_of_its_source(prompt_file, prompts,
+                                                                                       caplog):
     """A broker that takes bundles larger than a receiver fetches (broker.max_bundle_mib above
     the node's federation.max_bundle_mib; here 2 and 1 MiB): an honest group the receiver
     cannot take is undelivered (s 0), not a rejection that quarantine counts against its
@@ -430,7 +431,10 @@ def test_a_bundle_too_big_for_the_receiver_is_undelivered_not_a_rejection_of_its
     try:
         source = client(broker, prompts, "source")
         receiver = BrokerClient(broker.address, "receiver", max_bundle_mib=1)
-        receiver.join("receiver", "tok", manifest(prompts), "share_all", 0)
+        with caplog.at_level("WARNING", logger="graft_fed.node"):
+            receiver.join("receiver", "tok", manifest(prompts), "share_all", 0)
+        # the node says at join that it fetches less than the broker stores
+        assert "stores bundles of up to 2 MiB and this node fetches at most 1" in caplog.text
         source.publish(0, [summary(prompts[0], 1)])
         receiver.publish(0, [summary(prompts[0], 0)])
         # an honest group of 1.2 MiB: odd_char_sum scores the first response 1, the second 0
@@ -450,10 +454,11 @@ def test_a_bundle_too_big_for_the_receiver_is_undelivered_not_a_rejection_of_its
         broker.stop()
 
 
-def test_a_refused_bundle_does_not_stop_the_nodes_other_uploads(broker, prompts):
+def test_a_refused_bundle_does_not_stop_the_nodes_other_uploads(broker, prompts, monkeypatch):
     """The broker refuses a bundle that does not match the summary the node published for its
     prompt (say, a resume that sampled the round again): that bundle only. The others still
     go, and the node learns how many of each (BundlesRefused, an INVALID_ARGUMENT)."""
+    from graft_fed.federation.errors import PermissionDenied
     from graft_fed.node.client import BundlesRefused
 
     a = client(broker, prompts, "a")
@@ -465,6 +470,48 @@ def test_a_refused_bundle_does_not_stop_the_nodes_other_uploads(broker, prompts)
     assert (info.value.sent, info.value.refused) == (1, 1)
     assert a.has_bundles([digest_of(encode_bundle(good)), digest_of(encode_bundle(other))]) == {
         digest_of(encode_bundle(good))}
+    # quarantined meanwhile (the broker's answer, stood in for): PERMISSION_DENIED at once, with
+    # what went and what was held back
+    more = [record(prompts[i], 1) for i in (2, 3, 4)]
+    a.publish(0, [summary(prompts[i], 1) for i in (2, 3, 4)])
+    real = a._upload_bytes
+    calls = []
+
+    def upload_then_quarantined(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise PermissionDenied("node a is quarantined")
+        return real(*args)
+
+    a._upload_bytes = upload_then_quarantined
+    with pytest.raises(PermissionDenied) as denied:
+        a.upload_missing([(r, 0) for r in more])
+    assert (denied.value.sent, denied.value.refused, len(calls)) == (1, 2, 2)
+    # every bundle refused (a setting, not the bundles): it stops trying after the first few
+    # (REFUSED_BEFORE_GIVING_UP, 16; 3 here)
+    monkeypatch.setattr(client_module, "REFUSED_BEFORE_GIVING_UP", 3)
+    tried = []
+    a._upload_bytes = lambda *args: (tried.append(args), real(*args))[1]
+    wrong = [(dataclasses.replace(record(p, 1), lengths=(5, 6)), 0) for p in prompts[5:12]]
+    assert len(wrong) == 7
+    a.publish(0, [summary(p, 1) for p in prompts[5:12]])
+    with pytest.raises(BundlesRefused, match=r"refused 3 of the 3 bundles uploaded \(4 more not tried\)") as info:
+        a.upload_missing(wrong)
+    assert (info.value.sent, info.value.refused, len(tried)) == (0, 7, 3)
+    a.close()
+
+
+def test_a_node_asks_which_bundles_the_broker_holds_in_calls_it_takes(broker, prompts):
+    """HasBundles may name at most MAX_DIGESTS_PER_CALL digests; a share_all node with more
+    informative groups in a round asked for all at once, was refused (INVALID_ARGUMENT) and
+    uploaded none of them."""
+    from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL
+
+    a = client(broker, prompts, "a")
+    a.publish(0, [summary(prompts[0], 1)])
+    digest, _ = a.upload(record(prompts[0], 1), 0)
+    others = [f"{i:064x}" for i in range(MAX_DIGESTS_PER_CALL + 10)]
+    assert a.has_bundles(others + [digest]) == {digest}
     a.close()
 
 

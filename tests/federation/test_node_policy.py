@@ -116,6 +116,18 @@ def test_a_fetched_group_of_another_size_than_the_federations_is_rejected():
     assert set(fetch_offers(Client(), [offer("p1", digest="a" * 64)], n=2).records) == {"p1"}
 
 
+class InformativeStore:
+    """A trajectory store that holds an informative group (n 2) for every prompt and round."""
+
+    def lookup(self, pids, step=None, run_id=None, match="same_step"):
+        from graft_fed.core.records import GroupRecord
+
+        return {p: GroupRecord(prompt_id=p, step=step, model_id="m", tokenizer_id="t", problem="q", answer="1",
+                               rewards=(1.0, 0.0), advantages=(0.7071, -0.7071), texts=("a", "b"),
+                               finish_reasons=("stop", "stop"), lengths=(1, 1), mean_logprobs=(-0.5, -0.25))
+                for p in pids}
+
+
 class UploadsClient:
     """A broker client that records what the node uploads."""
 
@@ -135,21 +147,11 @@ def test_matched_only_a_broker_cannot_widen_the_upload_window_past_the_nodes_cap
     federation.max_staleness_rounds (16 by default)."""
     from types import SimpleNamespace
 
-    from graft_fed.core.records import GroupRecord
     from graft_fed.federation.manifest import Manifest
     from graft_fed.federation.messages import MatchResult
     from graft_fed.node.peers import BrokerPeers
 
-    def rec(pid, step):
-        return GroupRecord(prompt_id=pid, step=step, model_id="m", tokenizer_id="t", problem="q", answer="1",
-                           rewards=(1.0, 0.0), advantages=(0.7071, -0.7071), texts=("a", "b"),
-                           finish_reasons=("stop", "stop"), lengths=(1, 1), mean_logprobs=(-0.5, -0.25))
-
-    class Store:
-        def lookup(self, pids, step=None, run_id=None, match="same_step"):
-            return {p: rec(p, step) for p in pids}
-
-    learner = SimpleNamespace(step=500, store=Store(), run_id="r", model_id="m", tok_id="t")
+    learner = SimpleNamespace(step=500, store=InformativeStore(), run_id="r", model_id="m", tok_id="t")
     asks = MatchResult(ready=True, offers=[], upload_requests=[(f"p{r}", r) for r in range(500)])
     for staleness, cap, first in ((10**9, 16, 484), (4, 16, 496), (10**9, 0, None)):
         hostile = Manifest("f", 1, "d", "h", 0, 2, 4, "async", "v", "1", staleness, "group/sample")
@@ -211,21 +213,11 @@ def test_bundles_the_broker_refuses_are_counted_and_do_not_end_the_exchange(capl
     broker, so the node still fetches the offers made to it (it was re-joining instead)."""
     from types import SimpleNamespace
 
-    from graft_fed.core.records import GroupRecord
     from graft_fed.federation.errors import PermissionDenied
     from graft_fed.federation.manifest import Manifest
     from graft_fed.federation.messages import MatchResult
     from graft_fed.node.client import BundlesRefused
     from graft_fed.node.peers import BrokerPeers
-
-    def rec(pid, step):
-        return GroupRecord(prompt_id=pid, step=step, model_id="m", tokenizer_id="t", problem="q", answer="1",
-                           rewards=(1.0, 0.0), advantages=(0.7071, -0.7071), texts=("a", "b"),
-                           finish_reasons=("stop", "stop"), lengths=(1, 1), mean_logprobs=(-0.5, -0.25))
-
-    class Store:
-        def lookup(self, pids, step=None, run_id=None, match="same_step"):
-            return {p: rec(p, step) for p in pids}
 
     class Refusing(UploadsClient):
         def __init__(self, exc):
@@ -237,9 +229,11 @@ def test_bundles_the_broker_refuses_are_counted_and_do_not_end_the_exchange(capl
             raise self.exc
 
     m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
-    learner = SimpleNamespace(step=5, store=Store(), run_id="r", model_id="m", tok_id="t")
+    learner = SimpleNamespace(step=5, store=InformativeStore(), run_id="r", model_id="m", tok_id="t")
     asks = MatchResult(ready=True, offers=[], upload_requests=[("p1", 4), ("p2", 4), ("p3", 5)])
-    for exc, sent, counted in ((BundlesRefused("refused 2 of the 3", sent=1, refused=2), 1, 2),
+    denied = PermissionDenied("node me is quarantined")
+    denied.sent, denied.refused = 1, 2  # as upload_missing sets them
+    for exc, sent, counted in ((BundlesRefused("refused 2 of the 3", sent=1, refused=2), 1, 2), (denied, 1, 2),
                                (PermissionDenied("node me is quarantined"), 0, 1)):
         client = Refusing(exc)
         peers = BrokerPeers(client, "me", "share_all", m, "b", None, 1, 1, 1, 1, 1, 1)

@@ -76,7 +76,8 @@ def test_a_new_run_under_a_node_id_the_broker_knows_is_told_why_it_cannot_exchan
     """The broker keeps the summaries a node id published first for each round, so a new run
     under that id has every bundle refused as not matching them. The node took that for a
     lost broker ("exchange with broker failed ... training plain GRPO"), joined again every
-    step, and never said why."""
+    step, and never said why; then it dropped the step's exchange. Now it says why, counts
+    the refusals and still takes the groups offered to it."""
     import logging
 
     broker = start_broker(broker_config(prompt_file))
@@ -93,5 +94,8 @@ def test_a_new_run_under_a_node_id_the_broker_knows_is_told_why_it_cannot_exchan
         assert not [r for r in caplog.records if "exchange with broker" in r.getMessage()]
         rows = [r for r in read_metrics(tmp_path / "b" / "n1" / "metrics.jsonl") if "reward" in r]
         assert all(r["federation/connected"] == 1.0 for r in rows)  # it never lost the broker
+        # nor dropped its step's exchange: the groups offered to it still come
+        assert rows and all(r["federation/skipped"] == 0.0 for r in rows)
+        assert rows[-1]["federation/uploads_refused_by_broker"] > 0
     finally:
         broker.stop()

@@ -115,7 +115,8 @@ def test_signed_round_trip_over_mutual_tls(mtls_broker, pki, prompts):
     got = fetch_offers(bob, offers)
     assert got.records == {rec.prompt_id: rec} and got.bad == 0 and got.rejections == []
     assert got.metrics() == {"federation/bad_signatures": 0.0, "federation/unsigned_bundles": 0.0,
-                             "federation/fetch_refused": 0.0, "federation/undelivered": 0.0}
+                             "federation/fetch_refused": 0.0, "federation/undelivered": 0.0,
+                             "federation/delivery_failed": 0.0}
     assert bob.fetch_bundle(digest, "alice").signer == "alice"
     assert bob.require_signatures and alice.signer is not None  # the default under mutual TLS
     for c in (alice, bob):
