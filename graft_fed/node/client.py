@@ -139,6 +139,7 @@ class BrokerClient:
         self.chunk = chunk_kib * 1024
         self.max_bundle = max_bundle_mib * 2**20  # the largest bundle a fetch may announce
         self._told_bundle_limit = False  # said at join that the broker stores larger ones
+        self.broker_max_bundle = 0  # the largest bundle the broker stores, from Join (0: not said)
         # The node paces its own reconnection attempts (Backoff below); keep gRPC's channel-level
         # backoff short so a broker that is back is seen at the node's next attempt. Not
         # `grpc.min_reconnect_backoff_ms`: gRPC also takes it as the shortest time a connection
@@ -202,7 +203,8 @@ class BrokerClient:
         self.session = resp.session_id
         self.session_lost.clear()
         self.heartbeat_interval_s = _interval_s(resp.heartbeat_interval_ms)
-        if resp.max_bundle_mib * 2**20 > self.max_bundle and not self._told_bundle_limit:
+        self.broker_max_bundle = resp.max_bundle_mib * 2**20
+        if self.broker_max_bundle > self.max_bundle and not self._told_bundle_limit:
             self._told_bundle_limit = True
             log.warning("node %s: the broker stores bundles of up to %d MiB and this node fetches at most %d "
                         "(federation.max_bundle_mib): peers' larger groups will be skipped, reported as undelivered",
@@ -379,6 +381,7 @@ class BrokerClient:
         node published for its prompt; NOT_FOUND: that summary is pruned) does not stop the
         others, unless the first REFUSED_BEFORE_GIVING_UP are all refused (then the rest
         would most likely be too, for a reason that is not theirs: a setting that differs).
+        One larger than the broker stores (JoinResponse.max_bundle_mib) is not sent: refused.
         Then BundlesRefused says how many were not taken and how many went. PERMISSION_DENIED
         (this node may upload nothing now: quarantined) is raised at once, with the same two
         counts as `sent` and `refused`."""
@@ -392,6 +395,11 @@ class BrokerClient:
         for prompt_id, rnd, data, digest in missing:
             if not sent and len(refused) >= REFUSED_BEFORE_GIVING_UP:
                 break
+            if self.broker_max_bundle and len(data) > self.broker_max_bundle:  # not sent: it would be refused
+                refused.append(InvalidArgument(f"the bundle for prompt {prompt_id[:40]!r} is {len(data)} bytes, more "
+                                               f"than the broker stores ({self.broker_max_bundle // 2**20} MiB, its "
+                                               f"max_bundle_mib)"))
+                continue
             try:
                 self._upload_bytes(data, digest, prompt_id, rnd)
             except (InvalidArgument, NotFound) as exc:  # that bundle only

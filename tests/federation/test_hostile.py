@@ -501,6 +501,29 @@ def test_a_refused_bundle_does_not_stop_the_nodes_other_uploads(broker, prompts,
     a.close()
 
 
+def test_a_bundle_larger_than_the_broker_stores_is_not_sent(prompt_file, prompts):
+    """Join says how large a bundle the broker stores: a larger one is refused by the node
+    itself (BundlesRefused) without the upload, which the broker would refuse as
+    RESOURCE_EXHAUSTED, and which stopped the node's other uploads."""
+    from graft_fed.node.client import BundlesRefused
+
+    broker = start_broker(broker_config(prompt_file, max_bundle_mib=1))
+    try:
+        a = client(broker, prompts, "a")
+        assert a.broker_max_bundle == 2**20
+        a.publish(0, [summary(prompts[0], 1), summary(prompts[1], 1)])
+        big = dataclasses.replace(_verified_record(prompts[0], "a"), texts=("a" * 600_001, "a" * 600_000))
+        sent = []
+        real = a._upload_bytes
+        a._upload_bytes = lambda *args: (sent.append(args[2]), real(*args))[1]
+        with pytest.raises(BundlesRefused, match="more than the broker stores") as info:
+            a.upload_missing([(big, 0), (record(prompts[1], 1), 0)])
+        assert (info.value.sent, info.value.refused) == (1, 1) and sent == [prompts[1].id]
+        a.close()
+    finally:
+        broker.stop()
+
+
 def test_a_node_asks_which_bundles_the_broker_holds_in_calls_it_takes(broker, prompts):
     """HasBundles may name at most MAX_DIGESTS_PER_CALL digests; a share_all node with more
     informative groups in a round asked for all at once, was refused (INVALID_ARGUMENT) and
