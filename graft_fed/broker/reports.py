@@ -107,8 +107,9 @@ class Reports(Part):
         del keys, matched
         if disputed:
             self.counters["disputed_rejections"] += len(disputed)
-            log.warning("receiver %s reported %d group(s) rejected that the broker re-verified as correct; "
-                        "those rejections are not counted", clip(node_id), len(disputed))
+            log.warning("receiver %s reported %d group(s) rejected that the broker re-verified as correct or "
+                        "that their source never uploaded; those rejections are not counted", clip(node_id),
+                        len(disputed))
             rows = rows.without(disputed)
         return self._commit(rows)
 
@@ -182,15 +183,21 @@ class Reports(Part):
             self.ctx.compat.forget()
 
     def _rejection_disputed(self, match: MatchRow) -> bool:
-        """True when the broker holds the matched group's bundle and its own re-verification
-        (the federation's verifier, the dataset's answer) agrees with the claimed rewards:
-        then a receiver's claim that the group failed re-verification is false. False when the
-        broker cannot check (no bundle held, no verifier, the check failed)."""
+        """True when a receiver's claim that the matched group failed re-verification is
+        false: the source never uploaded the group (its summary carries no digest, so the
+        receiver cannot have fetched it, and a receiver reports a group it did not get as
+        undelivered, never as rejected; reported before the upload, the rejection could
+        otherwise never be re-checked), or the broker holds the bundle and its own
+        re-verification (the federation's verifier, the dataset's answer) agrees with the
+        claimed rewards. False when the broker cannot check (the summary or the bundle
+        pruned, no verifier, the check failed)."""
+        summary = self.ctx.summary(match.source, match.source_round, match.prompt_id)
+        if summary is not None and not summary.bundle_digest:
+            return True
         if not self.cfg.recheck_rejections:
             return False
-        summary = self.ctx.summary(match.source, match.source_round, match.prompt_id)
         prompt = self.prompts_by_id.get(match.prompt_id)
-        if summary is None or not summary.bundle_digest or prompt is None:
+        if summary is None or prompt is None:
             return False
         data = self.state.get_bundle(summary.bundle_digest)
         if data is None:

@@ -87,7 +87,8 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
                        ("report_commits", "Transactions that stored them: reports that arrive together share one "
                         "(over report_calls_total, the mean batch)."),
                        ("joins", "Joins."), ("rejected_join", "Joins refused for a manifest mismatch."),
-                       ("disputed_rejections", "Rejections the broker re-verified as false and did not count."),
+                       ("disputed_rejections", "Rejections the broker did not count: re-verified as false, or of a "
+                        "group its source never uploaded (no receiver can have received it)."),
                        ("long_polls_refused", "GetMatches refused: too many already waiting (per node or in all).")]:
         metric(f"{key}_total", "counter", help_, [("", c.get(key, 0))])
     queue = fed.publishing.queue

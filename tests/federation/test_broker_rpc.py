@@ -507,6 +507,8 @@ def test_a_lying_source_is_quarantined_and_the_operator_can_release_it(prompt_fi
         a, liar = client(broker, prompts, "a"), client(broker, prompts, "liar")
         liar.publish(0, [summary(p, 1) for p in prompts[:4]])
         a.publish(0, [summary(p, 0) for p in prompts[:4]])
+        for p in prompts[:3]:  # record(): claimed rewards that re-verification disagrees with
+            liar.upload(record(p, 1, "liar"), 0)
         offered = a.get_matches(0, 5.0).offers
         assert sorted((o.source_node, o.prompt_id) for o in offered) == sorted(("liar", p.id) for p in prompts[:4])
         # nobody can report on a group it was not matched to (e.g. invent rejections of an honest source)
@@ -530,7 +532,7 @@ def test_a_lying_source_is_quarantined_and_the_operator_can_release_it(prompt_fi
         assert code == grpc.StatusCode.PERMISSION_DENIED and "quarantined" in details
         Allowlist.edit(allow, "release", "liar")
         assert {n.node_id: n.state for n in a.status().nodes}["liar"] == "online"
-        assert liar.upload(record(prompts[0], 1, "liar"), 0)[1]
+        assert liar.upload(record(prompts[3], 1, "liar"), 0)[1]
         a.close()
         liar.close()
     finally:

@@ -332,6 +332,7 @@ def test_a_replay_after_a_broker_restart_changes_nothing(prompt_file, prompts, t
         a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
         p0 = prompts[0]
         b.publish(0, [summary(p0, 1)])
+        b.upload(record(p0, 1, "b"), 0)  # a group whose claimed rewards do not verify: its rejection counts
         publish = pb.PublishRequest(node_id="a", session_id=a.session, round=0, summaries=[summary(p0, 0)],
                                     tag=new_tag())
         report = pb.CompatibilityReport(node_id="a", session_id=a.session, round=0, tag=new_tag(), entries=[
