@@ -15,7 +15,7 @@ from graft_fed.broker.matcher import Matcher
 from graft_fed.broker.state import MatchRow, ReportRow, ReportRows
 from graft_fed.federation.bundles import decode_bundle
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument
-from graft_fed.federation.limits import MAX_PER_ROUND_FACTOR, MAX_ROUNDS_AHEAD, clip
+from graft_fed.federation.limits import MAX_PER_ROUND_FACTOR, MAX_REPORT_MEAN_S, MAX_ROUNDS_AHEAD, clip
 from graft_fed.federation.messages import ReportEntry
 
 log = logging.getLogger("graft_fed.broker")
@@ -72,8 +72,8 @@ class Reports(Part):
                               [e.admitted_fraction for e in entries], [e.rejected for e in entries])
             del entries
             for mean_s, admitted in zip(rows.mean_s, rows.admitted_fraction):  # 0 where rejected
-                if not (math.isfinite(mean_s) and 0 <= mean_s <= 1e6):
-                    raise InvalidArgument(f"mean_s must be a finite number in [0, 1e6], got {mean_s}")
+                if not (math.isfinite(mean_s) and 0 <= mean_s <= MAX_REPORT_MEAN_S):
+                    raise InvalidArgument(f"mean_s must be a finite number in [0, {MAX_REPORT_MEAN_S:g}], got {mean_s}")
                 if not (0.0 <= admitted <= 1.0):
                     raise InvalidArgument(f"admitted_fraction must be in [0, 1], got {admitted}")
             keys = list(zip(rows.sources, rows.prompt_ids))

@@ -28,6 +28,9 @@ MAX_REPEATED = 4096
 MAX_DIGESTS_PER_CALL = 4096
 #: a publish, and a report, carry at most this many times prompts_per_round entries
 MAX_PER_ROUND_FACTOR = 4
+#: the largest mean_s a report entry may carry (a receiver clamps to it: s = exp(lbar_R -
+#: lbar_S) reaches exp(20) against a source claiming the lowest log-probs screening admits)
+MAX_REPORT_MEAN_S = 1e6
 #: a node's claimed round (heartbeat, join, publish, report) may be at most this far ahead
 #: of the federation's current round; a heartbeat or join beyond is clamped to it
 MAX_ROUNDS_AHEAD = 1000

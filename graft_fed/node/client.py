@@ -17,7 +17,7 @@ import grpc
 
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
-from graft_fed.federation.errors import FederationError, InvalidArgument, NotFound, PermissionDenied
+from graft_fed.federation.errors import FederationError, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from graft_fed.federation.bundles import decode_bundle, digest_of, encode_bundle
 from graft_fed.federation.codec import (PRIVACY_CODES, chunk_bytes, columns_to_pb, manifest_from_pb, manifest_to_pb,
                                         match_result_from_pb, report_entries_to_pb, summary_to_pb, wire_bytes)
@@ -242,7 +242,10 @@ class BrokerClient:
                         self.heartbeat_interval_s = wait = _interval_s(resp.heartbeat_interval_ms)
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                        self.session_lost.set()
+                        # only this thread's session: one a re-join has replaced meanwhile is
+                        # refused too, and the new one must not read as lost (a second re-join)
+                        if not stop.is_set() and self.session == session:
+                            self.session_lost.set()
                         return
                     log.debug("heartbeat failed: %s", exc.code())
 
@@ -383,8 +386,9 @@ class BrokerClient:
         would most likely be too, for a reason that is not theirs: a setting that differs).
         One larger than the broker stores (JoinResponse.max_bundle_mib) is not sent: refused.
         Then BundlesRefused says how many were not taken and how many went. PERMISSION_DENIED
-        (this node may upload nothing now: quarantined) is raised at once, with the same two
-        counts as `sent` and `refused`."""
+        (this node may upload nothing now: quarantined) and RESOURCE_EXHAUSTED (its bundle
+        quota is used up, the broker's disk is full, too many uploads in flight) are raised
+        at once, with the same two counts as `sent` and `refused`."""
         items = []
         for rec, rnd in records:
             data = encode_bundle(rec)
@@ -405,7 +409,7 @@ class BrokerClient:
             except (InvalidArgument, NotFound) as exc:  # that bundle only
                 refused.append(exc)
                 continue
-            except PermissionDenied as exc:  # every other would be refused the same
+            except (PermissionDenied, ResourceExhausted) as exc:  # every other would be refused the same
                 exc.sent, exc.refused = sent, len(missing) - sent
                 raise
             sent += 1

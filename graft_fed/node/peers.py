@@ -30,7 +30,7 @@ from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
 from graft_fed.federation.errors import PERMANENT, FailedPrecondition, FederationError, InvalidArgument, \
     PermissionDenied, ResourceExhausted
-from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL
+from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL, MAX_REPORT_MEAN_S
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow, summarise
 from graft_fed.federation.policy import fetch_failure_is_per_offer, offers_to_fetch, refused_record_entry, \
@@ -243,11 +243,12 @@ class BrokerPeers:
         if self.privacy is Privacy.SHARE_ALL:
             try:
                 self.client.upload_missing((self._record(learner, g), rnd) for g in data.groups if 0 < g.k < g.n)
-            except (InvalidArgument, PermissionDenied) as exc:
+            except (InvalidArgument, PermissionDenied, ResourceExhausted) as exc:
                 # not a lost broker: it refused these bundles (e.g. it keeps the summaries this
-                # node id published first for the round and these groups are others, or the
-                # node is quarantined as a source); the groups offered to it still come
-                self._uploads_refused(rnd, exc, "" if isinstance(exc, PermissionDenied) else (
+                # node id published first for the round and these groups are others, the node
+                # is quarantined as a source, or its bundle quota is used up); the groups
+                # offered to it still come
+                self._uploads_refused(rnd, exc, "" if not isinstance(exc, InvalidArgument) else (
                     f"; the groups offered to it still come. If it says they do not match their summaries, the "
                     f"broker holds other summaries of node {self.node_id!r} for this round, published before: by an "
                     f"earlier run under this node id (a new run needs a federation.node_id of its own, or a broker "
@@ -271,8 +272,12 @@ class BrokerPeers:
         metrics: dict[str, Any] = {}
         try:
             try:
+                # s is exp(lbar_R - lbar_S): against a source claiming very low log-probs it
+                # exceeds what the broker takes (MAX_REPORT_MEAN_S), which refused the whole
+                # report (every other source's verdict with it); clamped, it still says "best"
                 self.client.report(cur.round, cur.rejections + [
-                    ReportEntry(source=r.source, prompt_id=r.prompt_id, mean_s=0.0 if math.isnan(r.mean_s) else r.mean_s,
+                    ReportEntry(source=r.source, prompt_id=r.prompt_id,
+                                mean_s=0.0 if math.isnan(r.mean_s) else min(max(r.mean_s, 0.0), MAX_REPORT_MEAN_S),
                                 admitted_fraction=r.admitted_fraction, rejected=r.rejected) for r in reports])
             except (FailedPrecondition, InvalidArgument) as exc:
                 # the broker refused the report itself (not the connection): train on what was
@@ -315,6 +320,11 @@ class BrokerPeers:
             if ignored:
                 log.warning("node %s: ignored %d offers of round %d for prompts it did not ask for (not all-fail "
                             "here, unknown, or offered twice)", self.node_id, ignored, cur.round)
+            if self.fetch_timeout_s <= 0:
+                # the node did not wait for bundles (fetch_timeout_s 0): one not uploaded yet
+                # (a matched_only source uploads once its own answer asks it to) is not the
+                # source failing to deliver, so it is neither fetched nor reported (s 0)
+                offers = [o for o in offers if o.digest]
             fetched = fetch_offers(self.client, offers, n=self.manifest.n)
         except FederationError as exc:
             cur.live = False
@@ -391,14 +401,15 @@ class BrokerPeers:
             self.uploads_refused += skipped
         try:
             return self.client.upload_missing(records)
-        except (BundlesRefused, PermissionDenied) as exc:
+        except (BundlesRefused, PermissionDenied, ResourceExhausted) as exc:
             # refusals of these bundles, not a lost broker: the offers to this node still come
             self._uploads_refused(learner.step, exc)
             return getattr(exc, "sent", 0)
 
     def _uploads_refused(self, rnd: int, exc: FederationError, then: str = "") -> None:
         """Count and say why the broker refused bundles this node uploaded (some, each for
-        itself: BundlesRefused; or all: PERMISSION_DENIED, say while it is quarantined);
+        itself: BundlesRefused; or all: PERMISSION_DENIED, say while it is quarantined, or
+        RESOURCE_EXHAUSTED, its bundle quota used up);
         `then`: what the node does about it, added to the warning."""
         self.uploads_refused_by_broker += getattr(exc, "refused", 1)
         if isinstance(exc, PermissionDenied):

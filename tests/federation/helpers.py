@@ -111,3 +111,16 @@ def damaged(raw: bytes, rng: random.Random) -> bytes:
         else:
             data += varint(rng.randrange(1, 20) << 3 | rng.choice((0, 2))) + bytes([rng.randrange(4)]) + b"xyz"[:rng.randrange(4)]
     return bytes(data)
+
+
+class InformativeStore:
+    """A node's trajectory store (its lookup) that holds an informative group (n 2) for every
+    prompt and round."""
+
+    def lookup(self, pids, step=None, run_id=None, match="same_step"):
+        from graft_fed.core.records import GroupRecord
+
+        return {p: GroupRecord(prompt_id=p, step=step, model_id="m", tokenizer_id="t", problem="q", answer="1",
+                               rewards=(1.0, 0.0), advantages=(0.7071, -0.7071), texts=("a", "b"),
+                               finish_reasons=("stop", "stop"), lengths=(1, 1), mean_logprobs=(-0.5, -0.25))
+                for p in pids}

@@ -865,3 +865,120 @@ def test_a_node_refuses_a_fetched_bundle_that_is_too_big_or_inconsistent(broker,
         a.fetch(digest)
     a.close()
     b.close()
+
+
+def test_a_node_over_its_bundle_quota_still_receives(prompt_file, prompts):
+    """The per-node bundle quota (max_node_bundle_mib) only grows: a share_all node that used
+    it up had every upload refused RESOURCE_EXHAUSTED, which read as a lost broker, so from
+    then on every step dropped its exchange (no offers, no report) and re-joined, until the
+    broker restarted. It is a refusal of these bundles: the offers to the node still come."""
+    from types import SimpleNamespace
+
+    from graft_fed.federation.errors import ResourceExhausted
+    from graft_fed.federation.messages import MatchResult
+    from graft_fed.node.peers import BrokerPeers
+    from tests.federation.helpers import InformativeStore
+
+    broker = start_broker(broker_config(prompt_file, max_node_bundle_mib=1))
+    try:
+        a = client(broker, prompts, "a")
+        a.publish(0, [summary(prompts[0], 1), summary(prompts[1], 1)])
+        broker.fed.bundles.bytes_by_node["a"] = 2**20  # its quota used up
+        with pytest.raises(ResourceExhausted, match="quota") as info:
+            a.upload_missing([(record(prompts[0], 1), 0), (record(prompts[1], 1), 0)])
+        assert (info.value.sent, info.value.refused) == (0, 2)
+        m = manifest(prompts)
+        peers = BrokerPeers(a, "a", "share_all", m, broker.address, None, 1, 1, 1, 5, 1, 1)
+        peers.broker_manifest, peers.connected = m, True
+        learner = SimpleNamespace(step=1, store=InformativeStore(), run_id="r", model_id="m", tok_id="t")
+        asks = MatchResult(ready=True, offers=[], upload_requests=[(prompts[0].id, 0), (prompts[1].id, 0)])
+        assert peers._serve_uploads(learner, asks, {}) == 0
+        assert peers.connected and peers.uploads_refused_by_broker == 2
+        a.close()
+    finally:
+        broker.stop()
+
+
+def test_one_group_scored_beyond_the_brokers_bound_does_not_lose_the_whole_report(prompt_file, prompts):
+    """s = exp(lbar_R - lbar_S) (Eq. 7): a source claiming mean log-probs of -20 (the lowest
+    screening admits) gets s up to exp(20), and the broker refuses a report with any mean_s
+    above 1e6, whole. Sent as it was, one such group cost the receiver its whole report,
+    the rejection of another source's lie with it (a liar could shield its lies that way)."""
+    import math
+    from types import SimpleNamespace
+
+    from graft_fed.graft.receive import GroupReport
+    from graft_fed.node.peers import BrokerPeers, _Round
+
+    broker = start_broker(broker_config(prompt_file, balance="none", recheck_rejections=False))
+    try:
+        high, liar = client(broker, prompts, "high"), client(broker, prompts, "liar")
+        receiver = client(broker, prompts, "receiver")
+        high.publish(0, [summary(prompts[0], 1)])
+        liar.publish(0, [summary(prompts[1], 1)])
+        liar.upload(record(prompts[1], 1, "liar"), 0)  # a rejection counts of a group uploaded only
+        receiver.publish(0, [summary(prompts[0], 0), summary(prompts[1], 0)])
+        offers = receiver.get_matches(0, 5.0).offers
+        assert sorted((o.source_node, o.prompt_id) for o in offers) == sorted(
+            [("high", prompts[0].id), ("liar", prompts[1].id)])
+        m = manifest(prompts)
+        peers = BrokerPeers(receiver, "receiver", "share_all", m, broker.address, None, 1, 1, 1, 5, 1, 1)
+        peers.broker_manifest, peers.connected = m, True
+        peers._round = _Round(round=0, live=True)
+        learner = SimpleNamespace(is_main=True, step=0, store=None, run_id="r", model_id="m", tok_id="t")
+        got = peers.report(learner, [GroupReport(prompts[0].id, "high", math.exp(19.5), 1.0, False),
+                                     GroupReport(prompts[1].id, "liar", math.nan, 0.0, True)])
+        assert "federation/report_refused" not in got
+        rows = {r.source: r for r in broker.state.reports(round=0, receiver="receiver")}
+        assert rows["liar"].rejected and rows["high"].mean_s == 1e6
+        for c in (high, liar, receiver):
+            c.close()
+    finally:
+        broker.stop()
+
+
+def test_a_heartbeat_of_the_session_a_rejoin_replaced_does_not_mark_the_new_one_lost(broker, prompts):
+    """A node re-joins after a failed exchange (say, GetMatches past its deadline) while its
+    heartbeat thread still beats with the old, still live, session. A heartbeat of that
+    session answered after the re-join is UNAUTHENTICATED (the broker replaced it): that set
+    `session_lost` for the new session, so the node re-joined again at its next step."""
+    a = client(broker, prompts, "a")
+    old = a.session
+    entered, joined = threading.Event(), threading.Event()
+    real_heartbeat, real_join = a.stub.Heartbeat, a.stub.Join
+
+    answered = threading.Event()
+
+    def heartbeat(req, timeout):  # in flight across the re-join, taken by the broker after it
+        entered.set()
+        joined.wait(5)
+        while a.session == old:
+            time.sleep(0.001)
+        try:
+            return real_heartbeat(req, timeout=timeout)
+        finally:
+            answered.set()
+
+    def join(req, timeout):
+        try:
+            return real_join(req, timeout=timeout)
+        finally:
+            joined.set()
+
+    a.stub.Heartbeat, a.stub.Join = heartbeat, join
+    a._alive_sent, a.heartbeat_interval_s = 0.0, 0.05
+    a._start_heartbeats()
+    assert entered.wait(5)
+    a.join("a", "tok", manifest(prompts), "share_all", 0)
+    assert a.session != old
+    assert answered.wait(5)  # the old session's heartbeat answered (UNAUTHENTICATED) ...
+    time.sleep(0.2)  # ... and its thread done with it
+    assert not a.session_lost.is_set()
+    # the session it holds now replaced behind its back (as by a broker that lost it): lost
+    other = client(broker, prompts, "a")
+    deadline = time.monotonic() + 5
+    while not a.session_lost.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert a.session_lost.is_set()
+    for c in (a, other):
+        c.close()

@@ -7,6 +7,7 @@ from graft_fed.federation.errors import (DeadlineExceeded, FailedPrecondition, I
 from graft_fed.federation.messages import Offer, ReportEntry
 from graft_fed.federation.policy import (fetch_failure_is_per_offer, offers_to_fetch, refused_record_entry,
                                          undelivered_entries, uploads_to_serve)
+from tests.federation.helpers import InformativeStore
 
 
 def offer(pid, source="s", digest="d" * 64):
@@ -114,18 +115,6 @@ def test_a_fetched_group_of_another_size_than_the_federations_is_rejected():
     assert got.records == {} and got.bad == 1
     assert got.rejections == [ReportEntry("s", "p1", 0.0, 0.0, True)]
     assert set(fetch_offers(Client(), [offer("p1", digest="a" * 64)], n=2).records) == {"p1"}
-
-
-class InformativeStore:
-    """A trajectory store that holds an informative group (n 2) for every prompt and round."""
-
-    def lookup(self, pids, step=None, run_id=None, match="same_step"):
-        from graft_fed.core.records import GroupRecord
-
-        return {p: GroupRecord(prompt_id=p, step=step, model_id="m", tokenizer_id="t", problem="q", answer="1",
-                               rewards=(1.0, 0.0), advantages=(0.7071, -0.7071), texts=("a", "b"),
-                               finish_reasons=("stop", "stop"), lengths=(1, 1), mean_logprobs=(-0.5, -0.25))
-                for p in pids}
 
 
 class UploadsClient:
@@ -243,3 +232,72 @@ def test_bundles_the_broker_refuses_are_counted_and_do_not_end_the_exchange(capl
         assert len(client.uploaded) == 3 and peers.uploads_refused_by_broker == counted
         assert peers.connected, "a refused upload is not a lost broker"
     assert "still receives theirs" in caplog.text
+
+
+def test_a_node_whose_uploads_are_refused_for_its_quota_keeps_the_steps_exchange():
+    """share_all, publish step: the summaries went, the bundles are refused RESOURCE_EXHAUSTED
+    (the node's bundle quota at the broker, which only grows; the broker's disk full). The
+    round stays live: the node still asks for its matches and reports (it dropped the
+    exchange and re-joined, every step from then on)."""
+    import threading
+    from types import SimpleNamespace
+
+    from graft_fed.federation.manifest import Manifest
+    from graft_fed.node.peers import BrokerPeers
+
+    class OverQuota(UploadsClient):
+        session_lost = threading.Event()
+        round = 0
+
+        def publish(self, rnd, summaries):
+            return len(summaries), 0
+
+        def upload_missing(self, records):
+            super().upload_missing(records)
+            raise ResourceExhausted("UploadBundle: node me exceeded its bundle storage quota of 1 MiB")
+
+    m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
+    peers = BrokerPeers(OverQuota(), "me", "share_all", m, "b", None, 1, 1, 1, 1, 1, 1)
+    peers.broker_manifest, peers.connected = m, True
+    learner = SimpleNamespace(is_main=True, step=5, store=None, run_id="r", model_id="m", tok_id="t")
+    assert peers.publish(learner, SimpleNamespace(groups=[])) == {}
+    assert peers._round.live and peers.connected, "a refused upload is not a lost broker"
+    assert peers.uploads_refused_by_broker == 1
+
+
+def test_a_node_that_does_not_wait_for_bundles_does_not_score_their_sources_zero():
+    """federation.fetch_timeout_s 0: the node takes only the offered bundles already uploaded.
+    A matched_only source uploads only once its own GetMatches answer asks it to, so its
+    offers come without a digest; each was reported as undelivered (s 0), and every source of
+    such a node's offers became the least compatible for it, for the node's own setting."""
+    import threading
+    from types import SimpleNamespace
+
+    from graft_fed.federation.manifest import Manifest
+    from graft_fed.federation.messages import MatchResult
+    from graft_fed.node.client import FetchedBundle
+    from graft_fed.node.peers import BrokerPeers, _Round
+
+    m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
+    uploaded = InformativeStore().lookup(["p1"], step=5)["p1"]
+
+    class Client(UploadsClient):
+        session_lost = threading.Event()
+        round = 5
+
+        def get_matches(self, rnd, wait_s, wait_for_bundles=False):  # p2's source never uploads
+            return MatchResult(ready=True, offers=[offer("p1", digest="a" * 64), offer("p2", source="t", digest="")],
+                               upload_requests=[])
+
+        def fetch_bundle(self, digest, source=None):
+            return FetchedBundle(record=uploaded, signer="")
+
+    # waited for, a bundle that still did not come is the source's doing (reported, s 0)
+    for wait_s, reported in ((0.0, []), (1.0, [ReportEntry("t", "p2", 0.0, 0.0, False)])):
+        peers = BrokerPeers(Client(), "me", "share_all", m, "b", None, 1, 1, wait_s, 1, 1, 1)
+        peers.broker_manifest, peers.connected = m, True
+        all_fail = SimpleNamespace(k=0, n=2)
+        peers._round = _Round(round=5, live=True, groups={"p1": all_fail, "p2": all_fail})
+        learner = SimpleNamespace(step=5, store=None, run_id="r", model_id="m", tok_id="t", is_main=True)
+        got = peers._offers(learner, [all_fail, all_fail])
+        assert set(got.records) == {"p1"} and peers._round.rejections == reported, wait_s
