@@ -734,14 +734,20 @@ def test_a_request_flood_from_one_certificate_is_rate_limited(pki, prompt_file, 
         broker.stop()
 
 
+def _two_honest_rounds_and_one_far_ahead(broker, prompts):
+    """a and b publish rounds 0-2; mallory publishes round 1000 (accepted: within current + 1000)."""
+    a, b, m = (client(broker, prompts, n) for n in ("a", "b", "mallory"))
+    for r in range(3):
+        a.publish(r, [summary(prompts[0], 1, round=r)])
+        b.publish(r, [summary(prompts[0], 0, round=r)])
+    m.publish(1000, [summary(prompts[0], 1, round=1000)])
+    return a, b, m
+
+
 def test_one_node_publishing_far_ahead_does_not_make_retention_drop_the_others(prompt_file, prompts):
     broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0))
     try:
-        a, b, m = (client(broker, prompts, n) for n in ("a", "b", "mallory"))
-        for r in range(3):
-            a.publish(r, [summary(prompts[0], 1, round=r)])
-            b.publish(r, [summary(prompts[0], 0, round=r)])
-        m.publish(1000, [summary(prompts[0], 1, round=1000)])  # accepted: within current + 1000
+        a, b, m = _two_honest_rounds_and_one_far_ahead(broker, prompts)
         broker.fed.prune()
         kept = {(s.node_id, s.round) for s in broker.state.summaries()}
         assert {("a", r) for r in range(3)} <= kept and {("b", r) for r in range(3)} <= kept
@@ -767,11 +773,7 @@ def test_one_node_cannot_ratchet_the_federations_round_and_keep_rounds_retention
     # clamp (current + 1000) and the report check (MAX_ROUNDS_AHEAD) move with it
     broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0))
     try:
-        a, b, m = (client(broker, prompts, n) for n in ("a", "b", "mallory"))
-        for r in range(3):
-            a.publish(r, [summary(prompts[0], 1, round=r)])
-            b.publish(r, [summary(prompts[0], 0, round=r)])
-        m.publish(1000, [summary(prompts[0], 1, round=1000)])  # within current + 1000: accepted
+        a, b, m = _two_honest_rounds_and_one_far_ahead(broker, prompts)
         code, _ = code_of(lambda: m.publish(2000, [summary(prompts[0], 1, round=2000)]))
         assert code == grpc.StatusCode.FAILED_PRECONDITION
         for x in (a, b, m):
