@@ -93,6 +93,11 @@ class BundlesRefused(InvalidArgument):
         self.refused = refused
 
 
+#: What upload_missing raises for bundles the broker refused (some, or all from one on), each
+#: with `sent` and `refused`: the broker answered, so not a lost broker
+UPLOAD_REFUSALS = (BundlesRefused, PermissionDenied, ResourceExhausted)
+
+
 @dataclass(frozen=True)
 class FetchedBundle:
     record: GroupRecord
@@ -467,8 +472,9 @@ class BrokerClient:
         data = b"".join(parts)
         if size is None or len(data) != size:
             raise DeliveryError(f"bundle {digest[:12]} arrived truncated ({len(data)} of {size} bytes)")
-        if digest_of(data) != digest:
-            raise DeliveryError(f"bundle digest mismatch: expected {digest}, got {digest_of(data)}")
+        got = digest_of(data)
+        if got != digest:
+            raise DeliveryError(f"bundle digest mismatch: expected {digest}, got {got}")
         signer = ""
         if self.verifier is not None and (signature or cert or self.require_signatures):
             # present signatures are always checked; absent ones are refused when required

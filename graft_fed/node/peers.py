@@ -38,7 +38,7 @@ from graft_fed.federation.policy import fetch_failure_is_per_offer, offers_to_fe
 from graft_fed.federation.signing import ProvenanceError
 from graft_fed.graft.receive import GroupReport, offer_metrics
 from graft_fed.graft.step import Offers
-from graft_fed.node.client import Backoff, BrokerClient, BundlesRefused, DeliveryError
+from graft_fed.node.client import UPLOAD_REFUSALS, Backoff, BrokerClient, BundlesRefused, DeliveryError
 from graft_fed.trainer.group import Group, StepData
 from graft_fed.trainer.grpo import GRPOTrainer
 
@@ -243,12 +243,12 @@ class BrokerPeers:
         if self.privacy is Privacy.SHARE_ALL:
             try:
                 self.client.upload_missing((self._record(learner, g), rnd) for g in data.groups if 0 < g.k < g.n)
-            except (InvalidArgument, PermissionDenied, ResourceExhausted) as exc:
+            except UPLOAD_REFUSALS as exc:
                 # not a lost broker: it refused these bundles (e.g. it keeps the summaries this
                 # node id published first for the round and these groups are others, the node
                 # is quarantined as a source, or its bundle quota is used up); the groups
                 # offered to it still come
-                self._uploads_refused(rnd, exc, "" if not isinstance(exc, InvalidArgument) else (
+                self._uploads_refused(rnd, exc, "" if not isinstance(exc, BundlesRefused) else (
                     f"; the groups offered to it still come. If it says they do not match their summaries, the "
                     f"broker holds other summaries of node {self.node_id!r} for this round, published before: by an "
                     f"earlier run under this node id (a new run needs a federation.node_id of its own, or a broker "
@@ -401,7 +401,7 @@ class BrokerPeers:
             self.uploads_refused += skipped
         try:
             return self.client.upload_missing(records)
-        except (BundlesRefused, PermissionDenied, ResourceExhausted) as exc:
+        except UPLOAD_REFUSALS as exc:
             # refusals of these bundles, not a lost broker: the offers to this node still come
             self._uploads_refused(learner.step, exc)
             return getattr(exc, "sent", 0)
@@ -450,7 +450,7 @@ class BrokerPeers:
                 recs = store.lookup(informative, step=rnd, run_id=learner.run_id)
                 try:
                     self.client.upload_missing((rec, rnd) for rec in recs.values())
-                except (BundlesRefused, PermissionDenied) as exc:
+                except UPLOAD_REFUSALS as exc:
                     self._uploads_refused(rnd, exc)
                 except (*PERMANENT, ResourceExhausted) as exc:
                     log.warning("node %s: bundles of backlog round %d refused (%s: %s)", self.node_id, rnd,
