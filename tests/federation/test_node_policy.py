@@ -74,7 +74,7 @@ def test_a_node_fetching_offers_skips_a_refused_one_reports_it_and_keeps_the_res
               offer("p4", digest=""), offer("p5", source="u", digest="d" * 64)]
     got = fetch_offers(Client(), offers)
     assert set(got.records) == {"p3"} and got.records["p3"].model_id == "s"
-    assert got.refused == 2 and got.bad == 3 and got.undelivered == 3
+    assert got.refused == 2 and got.bad == 3 and got.undelivered == 3 and got.delivery_failed == 1
     assert sorted(got.rejections, key=lambda e: e.prompt_id) == [
         ReportEntry("s", "p1", 0.0, 0.0, False), ReportEntry("t", "p2", 0.0, 0.0, True),
         ReportEntry("s", "p4", 0.0, 0.0, False), ReportEntry("u", "p5", 0.0, 0.0, False)]
