@@ -164,20 +164,30 @@ class Answers(Part):
                     action = ("one", round - self.cfg.staleness_rounds)
                 break
             event = self.wakeups.event(("round", round))  # before looking: a wake-up meanwhile is kept
+            late = False
             if self.rounds.ready(round):
                 rnd = self.rounds.get(round)
                 assert rnd is not None
                 if rnd.state != "matched":
                     action = ("round", round)
-                elif node_id not in rnd.participants and not self.state.matches(round=round, receiver=node_id):
-                    # published after the round was matched: learn from the stored groups
+                    break
+                if node_id in rnd.participants or self.state.matches(round=round, receiver=node_id):
+                    break
+                # published after the round was matched: learn from the stored groups, once
+                # the other online nodes near the round have published it too (rounds.py,
+                # late_ready); one with no all-fail group has nothing to wait for
+                if not self.index.fails(node_id, round) or self.rounds.late_ready(round):
                     action = ("one", round)
-                break
+                    break
+                late = True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             rnd = self.rounds.get(round)
-            until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
+            if late:
+                until_deadline = self.rounds.late_deadline_left(round)
+            else:
+                until_deadline = (rnd.opened_at + self.cfg.round_deadline_s - self.clock()) if rnd else remaining
             self._wait(event, max(0.01, min(remaining, until_deadline)), park)
         if action is None:
             return True

@@ -60,7 +60,9 @@ class BrokerConfig:
     #: Asynchronous mode: how many rounds old a source group may be.
     staleness_rounds: int = 4
     #: Synchronous mode: seconds after a round's first publish when it is matched without
-    #: the nodes that have not published (slow nodes do not stall the federation).
+    #: the nodes that have not published (slow nodes do not stall the federation); nodes
+    #: that publish a round after it was matched wait for each other at most this long
+    #: from the first one's question.
     round_deadline_s: float = 120.0
     #: Synchronous mode: a round also waits (until its deadline) for at least this many
     #: nodes to publish, so nodes that start a little later still join the first rounds.

@@ -252,17 +252,15 @@ class Federation:
 
     def prune(self) -> int:
         """Retention. `keep_rounds` counts back from the highest round at least two nodes have
-        reached (from the highest round when there is one node), not from the highest round
-        anyone published: one node publishing far ahead (a round up to current + 1000 is
-        accepted) must not make the broker drop every other node's groups."""
+        reached (rounds.py, `agreed`; the highest round when there is one node), not from the
+        highest round anyone published: one node publishing far ahead must not make the broker
+        drop every other node's groups."""
         with self.cond:
             max_bytes = int(self.cfg.max_bundle_gib * 2**30) if self.cfg.max_bundle_gib else None
             keep = self.cfg.keep_rounds
             if keep is not None:
                 latest = self.state.latest_round()
-                rounds = sorted(n.round for n in self.registry.all())
-                agreed = rounds[-2] if len(rounds) >= 2 else latest
-                keep += max(0, latest - max(agreed, 0))
+                keep += max(0, latest - self.rounds.agreed())
             removed = self.state.prune(keep_rounds=keep, max_bundle_bytes=max_bytes)
             if removed:
                 self.index.clear()  # rebuilt from what the state still holds

@@ -17,7 +17,7 @@ from graft_fed.broker.publishqueue import PublishQueue
 from graft_fed.broker.ratelimit import PublishRateLimit
 from graft_fed.broker.state import RoundRow
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from graft_fed.federation.limits import MAX_ID_LEN, MAX_PER_ROUND_FACTOR, MIN_MEAN_LOGPROB, clip
+from graft_fed.federation.limits import MAX_ID_LEN, MAX_PER_ROUND_FACTOR, MAX_ROUNDS_AHEAD, MIN_MEAN_LOGPROB, clip
 from graft_fed.federation.messages import SummaryRow
 from graft_fed.federation.summaryblock import SummaryBlock, facts_of
 
@@ -320,13 +320,17 @@ class Publishing(Part):
             self._rate_limit(node_id)
             rnd = self.rounds.get(round)
             if rnd is None:
-                if round > self.rounds.current() + 1000:
-                    raise FailedPrecondition(f"round {round} is implausibly far ahead of the federation "
-                                             f"(current {self.rounds.current()})")
+                if not self.rounds.within(node_id, round):
+                    limit = self.rounds.limit(node_id)
+                    raise FailedPrecondition(
+                        f"round {round} is implausibly far ahead of the federation: a node may open a round up to "
+                        f"{MAX_ROUNDS_AHEAD} past the highest round two nodes have reached ({self.rounds.agreed()}), "
+                        f"or one past its own; at most {limit} for {clip(node_id)}")
                 self.rounds.put(RoundRow(round=round, state="open", opened_at=self.clock()))
                 # nothing of a round is stored before its row: its index starts empty (rather
                 # than read back, with the first group commit's blocks, by the first publish)
                 self.index.open(round)
+            self.rounds.note_published(node_id, round)
 
     def _rate_limit(self, node_id: str) -> None:
         self._publish_rate.check(node_id)

@@ -15,7 +15,7 @@ from graft_fed.broker.matcher import Matcher
 from graft_fed.broker.state import MatchRow, ReportRow, ReportRows
 from graft_fed.federation.bundles import decode_bundle
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument
-from graft_fed.federation.limits import MAX_PER_ROUND_FACTOR, MAX_REPORT_MEAN_S, MAX_ROUNDS_AHEAD, clip
+from graft_fed.federation.limits import MAX_PER_ROUND_FACTOR, MAX_REPORT_MEAN_S, clip
 from graft_fed.federation.messages import ReportEntry
 
 log = logging.getLogger("graft_fed.broker")
@@ -84,9 +84,9 @@ class Reports(Part):
                                       "report; send one entry per group received")
             with self.cond:
                 self.registry.touch(node_id, session_id)
-                if round > self.rounds.current() + MAX_ROUNDS_AHEAD:
+                if not self.rounds.within(node_id, round, step=0):
                     raise FailedPrecondition(f"report for round {round}, implausibly far ahead of the federation "
-                                             f"(current {self.rounds.current()})")
+                                             f"(at most {self.rounds.limit(node_id, step=0)} for {clip(node_id)})")
                 for source in set(rows.sources):
                     if source == node_id or self.registry.get(source) is None:
                         raise InvalidArgument(f"unknown source node {clip(source)}")

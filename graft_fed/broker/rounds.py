@@ -1,6 +1,8 @@
 """Round rows and readiness: the cached rows of the rounds (written through to the state;
-only the broker writes them), the federation's current round, and whether a round is ready
-to be matched (with the wake-ups of the rounds that became ready without a publish)."""
+only the broker writes them), the federation's current round, the rounds a node may claim
+(measured from a round no one node can move), and whether a round is ready to be matched
+(with the wake-ups of the rounds that became ready without a publish), for the nodes that
+publish it in time and for those that come to it after it was matched."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Callable
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.registry import Registry
 from graft_fed.broker.roundindex import RoundIndex
-from graft_fed.broker.state import BrokerState, RoundRow
+from graft_fed.broker.state import BrokerState, NodeRow, RoundRow
 from graft_fed.broker.wakeups import Wakeups
 from graft_fed.federation.limits import MAX_ROUNDS_AHEAD
 
@@ -28,6 +30,14 @@ class Rounds:
         # round -> [built at, ids of the online nodes working near it, how many of them in a
         # row have published]: what `ready` walks instead of every node per call
         self._near: dict[int, list] = {}
+        # node -> the highest round it has published since the broker started (its registry
+        # round is the one it claims in heartbeats and at join; a node publishes ahead of it)
+        self._published: dict[str, int] = {}
+        self._published_version = 0  # bumped by every change of `_published`
+        self._agreed: tuple[tuple, int] = ((), 0)  # (what it was computed from, the agreed round)
+        # matched round -> when the first node that published it late asked for its matches
+        # (self.clock): the late nodes' deadline counts from it
+        self._reopened: dict[int, float] = {}
 
     def forget_readiness(self) -> None:
         """Drop the remembered answers of `ready` (a remembered "not yet" may have waited for
@@ -67,11 +77,60 @@ class Rounds:
                     self._rounds.setdefault(round, row)
         return row
 
-    def plausible(self, round: int) -> int:
-        """A node's claimed round, clamped to at most MAX_ROUNDS_AHEAD past the federation's
-        (a node's round only decides which rounds wait for it and whom it uploads for; a
-        claim of round 10^12 must not make it look like it is working near every round)."""
-        return min(round, self.current() + MAX_ROUNDS_AHEAD)
+    # ----- the rounds a node may claim
+    def note_published(self, node_id: str, round: int) -> None:
+        """`node_id` has published `round` (its round was checked against `limit` when it opened one)."""
+        if round > self._published.get(node_id, -1):
+            self._published[node_id] = round
+            self._published_version += 1
+
+    def node_round(self, node: NodeRow) -> int:
+        """How far a node has come: the round it claims (heartbeat, join) or the highest it
+        has published since the broker started, whichever is higher."""
+        return max(node.round, self._published.get(node.node_id, -1))
+
+    def agreed(self) -> int:
+        """The highest round at least two nodes have reached (any node the broker knows, online
+        or not; the highest round with a row when it knows fewer than two): what one node
+        cannot move, however far ahead it publishes or claims to be. Retention counts
+        `keep_rounds` back from it and `limit` forward. Computed again only when a node's
+        round (or a join, a leave) changed the registry, or a node published further."""
+        key = (self.registry.version, self._published_version, self._latest_round)
+        cached_key, agreed = self._agreed
+        if key != cached_key:
+            rounds = sorted(self.node_round(n) for n in self.registry.all())
+            agreed = max(0, rounds[-2] if len(rounds) >= 2 else self.current())
+            self._agreed = (key, agreed)
+        return agreed
+
+    def limit(self, node_id: str, step: int = 1) -> int:
+        """The highest round `node_id` may open (with `step` 1) or claim and report on (0):
+        MAX_ROUNDS_AHEAD past the agreed round, or `step` past its own. A node running ahead
+        of every other one, hostile or not, opens one round past its own at a time, and its
+        claims never pass what it has published; before, "current + 1000" counted from the
+        highest round anyone had opened, which the publish itself moved: 1000, 2000, 3000
+        were each accepted, and the heartbeat clamp and the report check moved with them."""
+        node = self.registry.get(node_id)
+        own = self.node_round(node) if node is not None else -1
+        return max(own + step, self.agreed() + MAX_ROUNDS_AHEAD)
+
+    def within(self, node_id: str, round: int, step: int = 1) -> bool:
+        """Whether `round` is within `limit(node_id, step)`. The common cases (a round at most
+        `step` past the node's own, or within the bound of the agreed round last computed,
+        which only grows) are answered without computing the agreed round again: a thousand
+        nodes each heartbeating a new round would have it recomputed a thousand times."""
+        node = self.registry.get(node_id)
+        if node is not None and round <= self.node_round(node) + step:
+            return True
+        if round <= self._agreed[1] + MAX_ROUNDS_AHEAD:
+            return True
+        return round <= self.limit(node_id, step)
+
+    def plausible(self, node_id: str, round: int) -> int:
+        """A node's claimed round (heartbeat, join), clamped to its `limit` (a node's round only
+        decides which rounds wait for it and whom it uploads for; a claim of round 10^12 must
+        not make it look like it is working near every round)."""
+        return round if self.within(node_id, round, step=0) else self.limit(node_id, step=0)
 
     def ready(self, round: int) -> bool:
         rnd = self.get(round)
@@ -98,7 +157,7 @@ class Rounds:
         self._ready_memo[key] = (now, ready)
         return ready
 
-    def _waiting(self, round: int, now: float) -> bool:
+    def _waiting(self, round: int, now: float, fresh: bool = False) -> bool:
         """Whether an online node working near `round` has not published it: at the round, or
         one behind. One far behind (a late joiner replaying early rounds) is not waited for,
         and neither is one past it (it will not publish this round any more; and a node
@@ -109,19 +168,44 @@ class Rounds:
         thousand publishes walk the list once between them, not once each (each walk sorted
         and filtered every node: 128 ms of the interpreter per 1,000 x 1,000 round, against
         0.6 ms; bench/broker/results/ready_scan_cost.py.txt). It asks the round index about
-        each node rather than copying the round's publishers (a thousand names per publish)."""
+        each node rather than copying the round's publishers (a thousand names per publish).
+        With `fresh`, the list is made again whenever a node's round, a join or a leave has
+        changed the registry since (the late nodes' check, which is rare)."""
         entry = self._near.get(round)
-        if entry is None or now - entry[0] >= 0.25:
+        version = self.registry.version
+        if entry is None or now - entry[0] >= 0.25 or (fresh and entry[3] != version):
             near = [n.node_id for n in self.registry.online() if round - 1 <= n.round <= round]
             if len(self._near) > 64:
                 self._near.clear()
-            entry = self._near[round] = [now, near, 0]
+            entry = self._near[round] = [now, near, 0, version]
         near, i = entry[1], entry[2]
         has_published = self.index.has_published
         while i < len(near) and has_published(round, near[i]):  # publishers only grow: a cursor never passes a waiter
             i += 1
         entry[2] = i
         return i < len(near)
+
+    def late_ready(self, round: int) -> bool:
+        """For a node that published `round` after it was matched: whether to match it now.
+        Like a round's own readiness: when every online node working near the round has
+        published it, or `round_deadline_s` after the first such late node asked. Those who
+        come to a round together are matched together: a node running ahead of the others
+        (hostile or only fast) seals the round it publishes alone, and when the others got
+        there each was matched at once on its own, against only the nodes that happened to
+        publish before it, so the first of them received nothing from the rest."""
+        return self.late_deadline_left(round) <= 0 or not self._waiting(round, time.monotonic(), fresh=True)
+
+    def late_deadline_left(self, round: int) -> float:
+        """Seconds until the late nodes of `round` stop waiting for each other (its clock starts
+        at the first late node's question; kept in memory: a restarted broker starts it anew)."""
+        now = self.clock()
+        since = self._reopened.get(round)
+        if since is None:
+            if len(self._reopened) > 256:
+                for old in sorted(self._reopened)[:128]:
+                    del self._reopened[old]
+            since = self._reopened[round] = now
+        return since + self.cfg.round_deadline_s - now
 
     def wake_ready(self) -> None:
         """Wake the long-polls of every round someone waits for that is ready now (a node went

@@ -54,7 +54,7 @@ class Sessions(Part):
         with self.cond, self.registry.node_lock(node_id):
             prev = self.registry.get(node_id)
             row = NodeRow(node_id=node_id, model_id=model_id, tokenizer_id=tokenizer_id, privacy=privacy,
-                          state="online", session_id=session, round=self.rounds.plausible(resume_round),
+                          state="online", session_id=session, round=self.rounds.plausible(node_id, resume_round),
                           last_seen=self.clock(), published=prev.published if prev else 0)
             self.state.upsert_node(row)
             self.registry.remember(row)
@@ -76,5 +76,5 @@ class Sessions(Part):
     def heartbeat(self, node_id: str, session_id: str, round: int) -> tuple[int, int]:
         """Never waits for the broker's lock: a session check and a liveness mark in memory
         (a higher round is written through), then two cached numbers."""
-        self.registry.touch(node_id, session_id, self.rounds.plausible(round))
+        self.registry.touch(node_id, session_id, self.rounds.plausible(node_id, round))
         return self.rounds.current(), self.registry.online_count()

@@ -32,7 +32,8 @@ MAX_PER_ROUND_FACTOR = 4
 #: lbar_S) reaches exp(20) against a source claiming the lowest log-probs screening admits)
 MAX_REPORT_MEAN_S = 1e6
 #: a node's claimed round (heartbeat, join, publish, report) may be at most this far ahead
-#: of the federation's current round; a heartbeat or join beyond is clamped to it
+#: of the highest round two nodes have reached, or one past the node's own round (so that
+#: no one node moves the bound); a heartbeat or join beyond is clamped to it
 MAX_ROUNDS_AHEAD = 1000
 #: concurrent GetMatches long-polls per node (a graft-fed node runs one at a time)
 MAX_LONG_POLLS_PER_NODE = 2

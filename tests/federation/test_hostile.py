@@ -320,14 +320,14 @@ def _heartbeat(c, name, round):
     c.stub.Heartbeat(pb.HeartbeatRequest(node_id=name, session_id=c.session, round=round, tag=new_tag()), timeout=5)
 
 
-@pytest.mark.xfail(strict=True, reason="open: a node ahead of the others matches a synchronous round alone "
-                   "(docs/security.md, 'What remains')")
-def test_a_node_ahead_cannot_match_a_synchronous_round_before_the_others_reach_it(prompt_file, prompts):
+def test_nodes_that_reach_a_round_a_node_ahead_sealed_are_matched_together(prompt_file, prompts):
     # a and b work on round 0; mallory publishes round 2 and asks for its matches at once: no
-    # node is at round 2 or one behind it, so round 2 was "ready" and matched with mallory
-    # alone. When a and b got there, each was matched late on its own (match_one), the first
-    # to ask before the other had published: a received nothing from b (every round mallory
-    # runs ahead of, with min_nodes above 1 too, once the round's deadline from its publish passed)
+    # node is at round 2 or one behind it, so round 2 is ready and matched with mallory alone
+    # (as it is for an honest node running ahead). When a and b get there, they are matched
+    # late (match_one), but the first to ask waits for the other online node near the round,
+    # as a round does: before, each was matched at once on its own, and a, asking first,
+    # received nothing from b (every round a node runs ahead of, with min_nodes above 1 too,
+    # once the round's deadline from its publish had passed)
     broker = start_broker(broker_config(prompt_file, round_deadline_s=30.0))
     try:
         a, b, m = (client(broker, prompts, n) for n in ("a", "b", "mallory"))
@@ -343,6 +343,27 @@ def test_a_node_ahead_cannot_match_a_synchronous_round_before_the_others_reach_i
         b.publish(2, [summary(prompts[0], 1, round=2), summary(prompts[1], 0, round=2)])
         got = a.get_matches(2, 10.0)
         assert got.ready and [(o.source_node, o.prompt_id) for o in got.offers] == [("b", prompts[0].id)]
+        for x in (a, b, m):
+            x.close()
+    finally:
+        broker.stop()
+
+
+def test_late_nodes_wait_for_each_other_at_most_the_round_deadline(prompt_file, prompts):
+    # as above, but b never publishes round 2: a waits for it as a round would, then is
+    # matched on what is there once round_deadline_s has passed since it asked
+    broker = start_broker(broker_config(prompt_file, round_deadline_s=1.0))
+    try:
+        a, b, m = (client(broker, prompts, n) for n in ("a", "b", "mallory"))
+        m.publish(2, [summary(prompts[5], 0, round=2)])
+        assert m.get_matches(2, 5.0).ready
+        for c, name in ((a, "a"), (b, "b")):
+            _heartbeat(c, name, 1)
+        a.publish(2, [summary(prompts[0], 0, round=2), summary(prompts[1], 1, round=2)])
+        t0 = time.monotonic()
+        got = a.get_matches(2, 10.0)
+        assert got.ready and not got.offers
+        assert time.monotonic() - t0 >= 0.9  # it waited for b (the round's deadline, not the call's)
         for x in (a, b, m):
             x.close()
     finally:
@@ -762,20 +783,25 @@ def test_one_node_publishing_far_ahead_does_not_make_retention_drop_the_others(p
         broker.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="open: 'current + 1000' counts from the highest round any node "
-                   "opened, so one node moves it (docs/security.md, 'What remains')")
-def test_one_node_cannot_ratchet_the_federations_round_and_keep_rounds_retention_never_drops(prompt_file,
-                                                                                            prompts):
-    # "a round up to current + 1000 is accepted", but current is the highest round with a row,
-    # which the publish itself moves: 1000, 2000, 3000, ... each accepted, every one of them
-    # ahead of the round two nodes reached and so never pruned; at max_publishes_per_s, 4 x
-    # prompts_per_round summaries a publish, the state grows without bound, and the heartbeat
-    # clamp (current + 1000) and the report check (MAX_ROUNDS_AHEAD) move with it
+def test_one_node_cannot_ratchet_the_far_ahead_bound(prompt_file, prompts):
+    # "a round up to current + 1000 is accepted" counted from the highest round with a row,
+    # which the publish itself moved: 1000, 2000, 3000, ... each accepted, and the heartbeat
+    # clamp and the report check moved with it. The bound now counts from the highest round
+    # two nodes have reached (2 here), or one past the node's own round
     broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0))
     try:
         a, b, m = _two_honest_rounds_and_one_far_ahead(broker, prompts)
-        code, _ = code_of(lambda: m.publish(2000, [summary(prompts[0], 1, round=2000)]))
-        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        code, details = code_of(lambda: m.publish(2000, [summary(prompts[0], 1, round=2000)]))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "at most 1002" in details, details
+        _heartbeat(m, "mallory", 10**12)  # clamped to the bound, which did not move either
+        assert broker.state.get_node("mallory").round == 1002
+        m.publish(1001, [summary(prompts[0], 1, round=1001)])  # one round past its own: the way any node goes on
+        entry = pb.CompatibilityReport.Entry(source_node_id="a", prompt_id=prompts[0].id, mean_s=1.0, admitted_fraction=1.0)
+        code, details = code_of(lambda: m.stub.ReportCompatibility(pb.CompatibilityReport(
+            node_id="mallory", session_id=m.session, round=3003, entries=[entry], tag=new_tag()), timeout=5))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "far ahead" in details, details
+        # the honest nodes, far behind mallory, open their rounds as before
+        a.publish(3, [summary(prompts[0], 1, round=3)])
         for x in (a, b, m):
             x.close()
     finally:
