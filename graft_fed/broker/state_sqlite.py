@@ -1175,9 +1175,13 @@ class SqliteState(BrokerState):
         return (bytes(rows[0][0]), bytes(rows[0][1])) if rows else None
 
     def _damaged_file(self, digest: str, what: str) -> Exception:
+        """A bundle whose file is gone or short cannot be served, now or on a retry: NOT_FOUND,
+        which a node takes as that offer's failure (it skips the offer). UNAVAILABLE, as for a
+        failing read, made the node drop the whole step's exchange and join again."""
         log.error("broker state %s: bundle %s %s in %s (a damaged volume?); it is dropped at the next start",
                   self.path, digest[:16], what, self.files.path)
-        return Unavailable(_READ_FAILED)
+        return NotFound(f"bundle {digest[:12]}... cannot be served: the broker's copy is damaged (its operator is "
+                        "told in the broker's log)")
 
     def bundle_file_error(self, digest: str, outcome: str, reason: str = "") -> Exception:
         if outcome == "missing":

@@ -37,7 +37,7 @@ from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, Repo
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
 from graft_fed.errors import DataError
-from graft_fed.federation.errors import StorageFull, Unavailable
+from graft_fed.federation.errors import NotFound, StorageFull, Unavailable
 from graft_fed.federation.summaryblock import SummaryBlock
 from tests.broker.test_matching import gfm1_bytes
 from tests.fds import open_under
@@ -1365,8 +1365,9 @@ def test_sqlite_bundles_are_files_beside_the_database(tmp_path):
 
 def test_sqlite_a_bundle_whose_file_is_lost_is_dropped_at_open(tmp_path, caplog):
     """A row whose file is missing (a damaged volume, the database restored without its
-    directory): reading it is UNAVAILABLE with the reason logged; the next open drops it, as
-    retention would (its summaries lose the digest), and says so."""
+    directory): reading it is NOT_FOUND (that bundle cannot be served) with the reason
+    logged; the next open drops it, as retention would (its summaries lose the digest), and
+    says so."""
     s = SqliteState(tmp_path / "b.db")
     s.put_summaries([summ(prompt_id="p0")])
     s.put_bundle("a" * 64, b"aaa")
@@ -1376,7 +1377,7 @@ def test_sqlite_a_bundle_whose_file_is_lost_is_dropped_at_open(tmp_path, caplog)
     try:
         for read in (lambda: s.get_bundle("a" * 64), lambda: s.read_bundle("a" * 64, 0, 1),
                      lambda: s.iter_bundle("a" * 64, 4)):
-            with pytest.raises(Unavailable, match="storage failed during a read"):
+            with pytest.raises(NotFound, match="copy is damaged"):  # that bundle's failure, not the broker's
                 read()
         assert "has a row but no file" in caplog.text
     finally:
@@ -1389,9 +1390,9 @@ def test_sqlite_a_bundle_whose_file_is_lost_is_dropped_at_open(tmp_path, caplog)
         assert "2 bundle(s) whose file is missing" in caplog.text and os.listdir(s.files.path) == []
         assert s.put_bundle("c" * 64, b"ccc")
         (tmp_path / "b.db-bundles" / ("c" * 64)).write_bytes(b"c")  # damaged while the broker runs
-        with pytest.raises(Unavailable):
+        with pytest.raises(NotFound, match="copy is damaged"):
             s.get_bundle("c" * 64)
-        with pytest.raises(Unavailable):
+        with pytest.raises(NotFound, match="copy is damaged"):
             b"".join(s.iter_bundle("c" * 64, 2))
         assert "shorter than its row says" in caplog.text
     finally:

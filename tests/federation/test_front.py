@@ -102,8 +102,10 @@ def test_a_fetch_leaves_from_the_fronts_own_read_of_the_bundle_file(fronted_file
 
 
 def test_a_fetch_whose_file_is_gone_or_short_says_so(fronted_files, prompts, monkeypatch, tmp_path, caplog):
-    """A file missing while its row is there, or shorter than its row: UNAVAILABLE, and the
-    operator is told in the broker's log (as when the broker reads it itself). Retention
+    """A file missing while its row is there, or shorter than its row: NOT_FOUND (that bundle
+    cannot be served, on a retry either: a node skips the offer; UNAVAILABLE made it drop the
+    step's whole exchange), and the operator is told in the broker's log (as when the broker
+    reads it itself). Retention
     deleting the bundle between the broker's checks and the front's open: NOT_FOUND, as
     when it deletes it before the broker reads it."""
     a, b, digest, rec = _matched_bundle(fronted_files, prompts, ("z" * 100_000, "w" * 1_000))
@@ -111,13 +113,13 @@ def test_a_fetch_whose_file_is_gone_or_short_says_so(fronted_files, prompts, mon
     size = state.bundle_size(digest)
     monkeypatch.setattr(fed, "bundle_file", lambda d: (str(tmp_path / "gone"), size))
     code, details = code_of(lambda: list(_fetch(b, digest)))
-    assert code == grpc.StatusCode.UNAVAILABLE and "storage failed" in details
+    assert code == grpc.StatusCode.NOT_FOUND and "copy is damaged" in details
     assert any("has a row but no file" in r.getMessage() for r in caplog.records)
     short = tmp_path / "short"
     short.write_bytes(b"x" * (size // 2))
     monkeypatch.setattr(fed, "bundle_file", lambda d: (str(short), size))
     code, details = code_of(lambda: list(_fetch(b, digest)))
-    assert code == grpc.StatusCode.UNAVAILABLE and "storage failed" in details
+    assert code == grpc.StatusCode.NOT_FOUND and "copy is damaged" in details
     assert any("shorter than its row" in r.getMessage() for r in caplog.records)
     monkeypatch.undo()
     assert b.fetch_bundle(digest, "a").record == rec  # the real file: as before
