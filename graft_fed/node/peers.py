@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from graft_fed.core.records import GroupRecord, RecordError
 from graft_fed.errors import ConfigError
 from graft_fed.federation.errors import PERMANENT, FailedPrecondition, FederationError, InvalidArgument, \
-    PermissionDenied, ResourceExhausted
+    NotFound, PermissionDenied, ResourceExhausted, Unauthenticated
 from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL, MAX_REPORT_MEAN_S
 from graft_fed.federation.manifest import Manifest
 from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow, summarise
@@ -49,6 +49,9 @@ MAX_BACKLOG_ROUNDS = 1024
 #: Backlog rounds published per step once the broker is back (bounded so a long outage
 #: does not turn one step into a burst the broker's rate limit refuses).
 BACKLOG_ROUNDS_PER_STEP = 16
+#: Compatibility reports kept for sending later when the broker could not be reached (the
+#: oldest go first beyond this): a rejection lost to an outage lets a lying source go on.
+MAX_REPORT_BACKLOG_ROUNDS = 64
 
 
 def summary_of(group: Group, node_id: str, round: int, step: int) -> SummaryRow:
@@ -171,6 +174,7 @@ class BrokerPeers:
         self.broker_manifest: Manifest | None = None
         # round -> summaries not (known to be) acknowledged by the broker, oldest first
         self.backlog: OrderedDict[int, list[SummaryRow]] = OrderedDict()
+        self.report_backlog: OrderedDict[int, list[ReportEntry]] = OrderedDict()
         self.backlog_dropped = 0
         self.uploads_refused = 0  # upload requests refused under matched_only
         self.uploads_refused_by_broker = 0  # bundles uploaded that the broker refused
@@ -188,6 +192,12 @@ class BrokerPeers:
                                                     self.privacy.value, learner.step)
         except PERMANENT as exc:
             raise ConfigError(f"the broker at {self.broker} refused node {self.node_id!r}: {exc}") from None
+        except Unauthenticated as exc:
+            # Join opens the session, so this is no lost session but the transport's identity:
+            # the broker requires a client certificate and this node presented none (joining
+            # again would be refused the same way, forever)
+            raise ConfigError(f"the broker at {self.broker} refused node {self.node_id!r}: {exc}. Give the node its "
+                              "client certificate and key (federation.tls_cert and federation.tls_key, with federation.tls_ca)") from None
         except FederationError as exc:
             self._lost(exc)
             return False
@@ -234,6 +244,15 @@ class BrokerPeers:
         self.client.round = rnd
         try:
             self.client.publish(rnd, summaries)
+        except (FailedPrecondition, InvalidArgument, NotFound) as exc:
+            # the broker refused this round's summaries, not the connection: publishing them
+            # again would be refused the same way, and joining again (as for a lost broker)
+            # changes nothing. PERMISSION_DENIED (revoked) still goes the lost way: the next
+            # Join says so and stops the node.
+            log.warning("node %s: the broker refused round %d's summaries (%s: %s); this step trains without the "
+                        "exchange", self.node_id, rnd, exc.status, exc)
+            return {"federation/connected": 1.0, "federation/skipped": 1.0, "federation/publish_refused": 1.0,
+                    "federation/backlog_rounds": float(len(self.backlog))}
         except FederationError as exc:
             self._defer(rnd, summaries)
             self._lost(exc)
@@ -270,25 +289,31 @@ class BrokerPeers:
         if cur is None or not cur.live:
             return {}
         metrics: dict[str, Any] = {}
+        # s is exp(lbar_R - lbar_S): against a source claiming very low log-probs it exceeds
+        # what the broker takes (MAX_REPORT_MEAN_S), which refused the whole report (every
+        # other source's verdict with it); clamped, it still says "best"
+        entries = cur.rejections + [
+            ReportEntry(source=r.source, prompt_id=r.prompt_id,
+                        mean_s=0.0 if math.isnan(r.mean_s) else min(max(r.mean_s, 0.0), MAX_REPORT_MEAN_S),
+                        admitted_fraction=r.admitted_fraction, rejected=r.rejected) for r in reports]
         try:
             try:
-                # s is exp(lbar_R - lbar_S): against a source claiming very low log-probs it
-                # exceeds what the broker takes (MAX_REPORT_MEAN_S), which refused the whole
-                # report (every other source's verdict with it); clamped, it still says "best"
-                self.client.report(cur.round, cur.rejections + [
-                    ReportEntry(source=r.source, prompt_id=r.prompt_id,
-                                mean_s=0.0 if math.isnan(r.mean_s) else min(max(r.mean_s, 0.0), MAX_REPORT_MEAN_S),
-                                admitted_fraction=r.admitted_fraction, rejected=r.rejected) for r in reports])
+                self.client.report(cur.round, entries)
             except (FailedPrecondition, InvalidArgument) as exc:
                 # the broker refused the report itself (not the connection): train on what was
                 # received and say so, rather than dropping the step's exchange
                 log.warning("node %s: the broker refused the compatibility report of round %d: %s",
                             self.node_id, cur.round, exc)
                 metrics["federation/report_refused"] = 1.0
+            except FederationError:
+                self._defer_report(cur.round, entries)
+                raise
+            metrics["federation/reports_resent"] = float(self._flush_reports())
             metrics["federation/backlog_published"] = float(self._flush_backlog(learner))
         except FederationError as exc:
             self._lost(exc)
         metrics["federation/backlog_rounds"] = float(len(self.backlog))
+        metrics["federation/report_backlog_rounds"] = float(len(self.report_backlog))
         return metrics
 
     # ----- helpers ------------------------------------------------------------------------------
@@ -424,6 +449,39 @@ class BrokerPeers:
             self.backlog_dropped += 1
             log.warning("node %s: backlog over %d rounds; round %d's summaries will not reach the broker",
                         self.node_id, MAX_BACKLOG_ROUNDS, old)
+
+    def _defer_report(self, rnd: int, entries: list[ReportEntry]) -> None:
+        """Keep a round's compatibility report, which the broker could not be reached for, for
+        sending once it is back (the broker counts a group's verdict once, so a report that
+        did arrive before its answer was lost changes nothing when sent again)."""
+        if not entries:
+            return
+        self.report_backlog[rnd] = entries
+        while len(self.report_backlog) > MAX_REPORT_BACKLOG_ROUNDS:
+            old, _ = self.report_backlog.popitem(last=False)
+            log.warning("node %s: report backlog over %d rounds; round %d's compatibility report will not reach the "
+                        "broker", self.node_id, MAX_REPORT_BACKLOG_ROUNDS, old)
+
+    def _flush_reports(self) -> int:
+        """Send the oldest kept reports (at most BACKLOG_ROUNDS_PER_STEP). A transient failure
+        leaves the rest for the next step (and is raised as a lost connection); a refusal
+        (the round pruned at the broker, say) drops the round's report with a warning.
+        Returns the reports sent."""
+        done = 0
+        while self.report_backlog and done < BACKLOG_ROUNDS_PER_STEP:
+            rnd, entries = next(iter(self.report_backlog.items()))
+            try:
+                self.client.report(rnd, entries)
+            except ResourceExhausted:
+                break  # rate limited: the rest waits for the next step
+            except (FailedPrecondition, InvalidArgument) as exc:
+                log.warning("node %s: the broker refused round %d's kept compatibility report (%s: %s); dropping it",
+                            self.node_id, rnd, exc.status, exc)
+                self.report_backlog.pop(rnd, None)
+                continue
+            self.report_backlog.pop(rnd, None)
+            done += 1
+        return done
 
     def _flush_backlog(self, learner: GRPOTrainer) -> int:
         """Publish the oldest backlog rounds (at most BACKLOG_ROUNDS_PER_STEP); with share_all

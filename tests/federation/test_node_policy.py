@@ -301,3 +301,105 @@ def test_a_node_that_does_not_wait_for_bundles_does_not_score_their_sources_zero
         learner = SimpleNamespace(step=5, store=None, run_id="r", model_id="m", tok_id="t", is_main=True)
         got = peers._offers(learner, [all_fail, all_fail])
         assert set(got.records) == {"p1"} and peers._round.rejections == reported, wait_s
+
+
+def test_a_join_refused_for_want_of_a_client_certificate_is_a_configuration_error():
+    """UNAUTHENTICATED at Join is no lost session (Join opens one): the broker requires mutual
+    TLS and the node presented no certificate. It was taken for a lost broker and retried
+    forever; it now stops the node with what to set."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from graft_fed.errors import ConfigError
+    from graft_fed.federation.errors import Unauthenticated
+    from graft_fed.federation.manifest import Manifest
+    from graft_fed.node.peers import BrokerPeers
+
+    class NoCertificate:
+        def wait_ready(self, timeout_s):
+            return True
+
+        def join(self, *args):
+            raise Unauthenticated("no client certificate: this broker requires mutual TLS")
+
+    m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
+    peers = BrokerPeers(NoCertificate(), "me", "share_all", m, "b", None, 1, 1, 1, 1, 1, 1)
+    learner = SimpleNamespace(is_main=True, step=0, model_id="m", tok_id="t")
+    with pytest.raises(ConfigError, match="requires mutual TLS.*federation.tls_cert"):
+        peers.ensure_joined(learner)
+
+
+def test_a_publish_the_broker_refuses_is_not_a_lost_broker():
+    """A publish refused for its content (FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND) was
+    kept in the backlog and taken for a lost broker: the node joined again, and the backlog
+    flush sent the same refused summaries again. Now the step trains without the exchange,
+    the node stays joined, and the round is counted as refused."""
+    import threading
+    from types import SimpleNamespace
+
+    from graft_fed.federation.manifest import Manifest
+    from graft_fed.node.peers import BrokerPeers
+
+    class Refusing:
+        session_lost = threading.Event()
+        round = 0
+        calls = 0
+
+        def publish(self, rnd, summaries):
+            self.calls += 1
+            raise FailedPrecondition(f"round {rnd} is implausibly far ahead of the federation")
+
+    m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
+    client = Refusing()
+    peers = BrokerPeers(client, "me", "share_all", m, "b", None, 1, 1, 1, 1, 1, 1)
+    peers.broker_manifest, peers.connected = m, True
+    learner = SimpleNamespace(is_main=True, step=5, store=None, run_id="r", model_id="m", tok_id="t")
+    got = peers.publish(learner, SimpleNamespace(groups=[]))
+    assert got["federation/publish_refused"] == 1.0 and got["federation/connected"] == 1.0
+    assert peers.connected and not peers.backlog and not peers._round.live
+    assert client.calls == 1
+
+
+def test_a_report_the_broker_could_not_be_reached_for_is_sent_at_the_next_step():
+    """A compatibility report lost to a transient error was dropped with the step's exchange,
+    rejections of a lying source with it. It is kept and sent once the broker is back; one
+    refused then (its round pruned at the broker) is dropped, not sent again."""
+    import threading
+    from types import SimpleNamespace
+
+    from graft_fed.federation.errors import Unavailable
+    from graft_fed.federation.manifest import Manifest
+    from graft_fed.node.peers import BrokerPeers, _Round
+
+    class Flaky:
+        session_lost = threading.Event()
+        round = 0
+
+        def __init__(self):
+            self.sent, self.down = [], True
+
+        def report(self, rnd, entries):
+            if self.down:
+                raise Unavailable("the broker cannot be reached")
+            if rnd == 3:
+                raise FailedPrecondition("round 3 was pruned")
+            self.sent.append((rnd, [(e.source, e.prompt_id, e.rejected) for e in entries]))
+
+    m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
+    client = Flaky()
+    peers = BrokerPeers(client, "me", "share_all", m, "b", None, 1, 1, 1, 1, 1, 1)
+    peers.broker_manifest, peers.connected = m, True
+    learner = SimpleNamespace(is_main=True, step=5, store=None, run_id="r", model_id="m", tok_id="t")
+    lie = ReportEntry(source="liar", prompt_id="p1", mean_s=0.0, admitted_fraction=0.0, rejected=True)
+    for rnd in (3, 4):
+        peers._round = _Round(round=rnd, live=True, rejections=[lie])
+        got = peers.report(learner, [])
+        assert not peers.connected and got["federation/report_backlog_rounds"] == rnd - 2
+        peers.connected = True
+    client.down = False
+    peers._round = _Round(round=5, live=True, rejections=[lie])
+    got = peers.report(learner, [])
+    assert client.sent == [(5, [("liar", "p1", True)]), (4, [("liar", "p1", True)])]
+    assert got["federation/reports_resent"] == 1.0 and got["federation/report_backlog_rounds"] == 0.0
+    assert peers.connected
