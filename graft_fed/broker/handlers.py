@@ -122,8 +122,8 @@ class Federation:
         return self.sessions.node_state(node)
 
     def join(self, node_id: str, model_id: str, tokenizer_id: str, manifest: Manifest, privacy: str,
-             resume_round: int) -> tuple[str, int]:
-        return self.sessions.join(node_id, model_id, tokenizer_id, manifest, privacy, resume_round)
+             resume_round: int, node_secret: str = "") -> tuple[str, int]:
+        return self.sessions.join(node_id, model_id, tokenizer_id, manifest, privacy, resume_round, node_secret)
 
     def leave(self, node_id: str, session_id: str) -> None:
         self.sessions.leave(node_id, session_id)

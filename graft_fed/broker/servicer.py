@@ -297,7 +297,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         with self.fed.replay.admit("Join", request.node_id, *_tag(request)):
             session, current = self.fed.join(request.node_id, request.model_id, request.tokenizer_id,
                                              manifest_from_pb(request.manifest), privacy_from_pb(request.privacy),
-                                             request.resume_round)
+                                             request.resume_round, request.node_secret)
         return pb.JoinResponse(session_id=session, manifest=manifest_to_pb(self.fed.manifest), current_round=current,
                                heartbeat_interval_ms=self._heartbeat_ms(), max_bundle_mib=self.fed.cfg.max_bundle_mib)
 

@@ -3,6 +3,8 @@ the session check every request makes (the node rows themselves live in broker/r
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import secrets
 import unicodedata
@@ -10,8 +12,8 @@ from dataclasses import replace
 
 from graft_fed.broker.context import Part
 from graft_fed.broker.state import NodeRow
-from graft_fed.federation.errors import FailedPrecondition, InvalidArgument
-from graft_fed.federation.limits import MAX_ID_LEN, MAX_TOKENIZER_ID_LEN, clip
+from graft_fed.federation.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from graft_fed.federation.limits import MAX_ID_LEN, MAX_STRING_LEN, MAX_TOKENIZER_ID_LEN, clip
 from graft_fed.federation.manifest import Manifest, differences
 from graft_fed.federation.messages import Privacy
 
@@ -37,8 +39,16 @@ class Sessions(Part):
         return "online" if self.registry.is_online(node) else "offline"
 
     def join(self, node_id: str, model_id: str, tokenizer_id: str, manifest: Manifest, privacy: str,
-             resume_round: int) -> tuple[str, int]:
+             resume_round: int, node_secret: str = "") -> tuple[str, int]:
+        """A new session for `node_id`. The first Join that carries a node secret holds the id:
+        a later Join under it must carry the same one, or is refused PERMISSION_DENIED, nothing
+        of the node's changed. Without it, anyone who could reach the broker took any node id
+        over by joining under it (the honest node's session ended; what it published next
+        was the taker's). Under mutual TLS the certificate proves the caller and the held
+        secret is replaced by the one it brings (a node moved to a new machine)."""
         check_id(node_id, "node_id")
+        if len(node_secret) > MAX_STRING_LEN:
+            raise InvalidArgument(f"node_secret must be at most {MAX_STRING_LEN} characters")
         check_id(model_id, "model_id")
         check_id(tokenizer_id, "tokenizer_id", MAX_TOKENIZER_ID_LEN, empty=True)
         if privacy not in PRIVACY:
@@ -51,7 +61,17 @@ class Sessions(Part):
                                      "when that is unset), n, prompts per round, verifier and advantage "
                                      "(the node's algorithm.scale_rewards/algorithm.std).")
         session = secrets.token_hex(16)
+        brought = hashlib.sha256(node_secret.encode("utf-8", "surrogatepass")).hexdigest() if node_secret else ""
         with self.cond, self.registry.node_lock(node_id):
+            held = self.state.node_secret(node_id)
+            if held and not hmac.compare_digest(held, brought) and self.cfg.client_ca is None:
+                self.counters["rejected_join"] += 1
+                raise PermissionDenied(
+                    f"node id {clip(node_id)} is held by another node: this Join does not carry its node secret. A "
+                    "new run needs a federation.node_id of its own; the same node on another machine or in another "
+                    "folder takes its run folder's node_secret file with it")
+            if brought and brought != held:
+                self.state.set_node_secret(node_id, brought)
             prev = self.registry.get(node_id)
             row = NodeRow(node_id=node_id, model_id=model_id, tokenizer_id=tokenizer_id, privacy=privacy,
                           state="online", session_id=session, round=self.rounds.plausible(node_id, resume_round),

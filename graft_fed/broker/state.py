@@ -168,6 +168,14 @@ class BrokerState(abc.ABC):
     @abc.abstractmethod
     def list_nodes(self) -> list[NodeRow]: ...
 
+    @abc.abstractmethod
+    def node_secret(self, node_id: str) -> str:
+        """The hash of the secret that holds `node_id` (sessions.py, Join), "" when none does."""
+
+    @abc.abstractmethod
+    def set_node_secret(self, node_id: str, secret_hash: str) -> None:
+        """Store the hash of the secret that holds `node_id` (replacing any), durably."""
+
     def record_liveness(self, seen: Sequence[tuple[str, float]]) -> None:
         """Set `last_seen` of the named nodes (at least to the given time: a row that is
         already later keeps its time), atomically; unknown nodes are skipped. Nothing else of

@@ -41,6 +41,7 @@ class InMemoryState(BrokerState):
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._nodes: dict[str, NodeRow] = {}
+        self._secrets: dict[str, str] = {}  # node id -> the hash of the secret that holds it
         self._rounds: dict[int, RoundRow] = {}
         self._summaries: dict[tuple[str, int, str], SummaryRow] = {}
         self._matches: dict[tuple[int, str, str], MatchRow] = {}
@@ -66,6 +67,16 @@ class InMemoryState(BrokerState):
     def list_nodes(self) -> list[NodeRow]:
         with self._lock:
             return [dataclasses.replace(self._nodes[k]) for k in sorted(self._nodes)]
+
+    def node_secret(self, node_id: str) -> str:
+        node_id = as_str(node_id, "node_id")
+        with self._lock:
+            return self._secrets.get(node_id, "")
+
+    def set_node_secret(self, node_id: str, secret_hash: str) -> None:
+        node_id, secret_hash = as_str(node_id, "node_id"), as_str(secret_hash, "secret_hash")
+        with self._lock:
+            self._secrets[node_id] = secret_hash
 
     def record_liveness(self, seen: Sequence[tuple[str, float]]) -> None:
         batch = [(as_str(node_id, "node_id"), as_float(t, "last_seen")) for node_id, t in seen]

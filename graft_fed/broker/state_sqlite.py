@@ -80,7 +80,7 @@ from graft_fed.federation.errors import NotFound, StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 PAGE_SIZE = 65536
 
 _SCHEMA = """
@@ -175,8 +175,13 @@ ALTER TABLE summary_blocks ADD COLUMN file_offset INTEGER NOT NULL DEFAULT -1;
 ALTER TABLE summary_blocks ADD COLUMN file_length INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE summary_blocks ADD COLUMN file_crc INTEGER NOT NULL DEFAULT 0;
 """
+# Schema version 8 -> 9: the hash of the secret that holds each node id (sessions.py, Join),
+# none held yet: a table of its own, so that the node rows every publish writes do not carry it.
+_MIGRATE_9 = """
+CREATE TABLE node_secrets (node_id TEXT PRIMARY KEY, secret_hash TEXT NOT NULL);
+"""
 _MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4, 5: _MIGRATE_5, 6: _MIGRATE_6, 7: _MIGRATE_7,
-               8: _MIGRATE_8}
+               8: _MIGRATE_8, 9: _MIGRATE_9}
 # what a summary block's row says of its bytes: the bytes, or where they are in its round's file
 _BLOCK_BYTES = "data, file_offset, file_length, file_crc"
 
@@ -765,6 +770,16 @@ class SqliteState(BrokerState):
 
     def list_nodes(self) -> list[NodeRow]:
         return [self._node(r) for r in self._read(f"SELECT {_NODE_COLS} FROM nodes ORDER BY node_id")]
+
+    def node_secret(self, node_id: str) -> str:
+        rows = self._read("SELECT secret_hash FROM node_secrets WHERE node_id = ?", (as_str(node_id, "node_id"),))
+        return rows[0][0] if rows else ""
+
+    def set_node_secret(self, node_id: str, secret_hash: str) -> None:
+        node_id, secret_hash = as_str(node_id, "node_id"), as_str(secret_hash, "secret_hash")
+        with self._tx() as conn:
+            conn.execute("INSERT OR REPLACE INTO node_secrets (node_id, secret_hash) VALUES (?, ?)",
+                         (node_id, secret_hash))
 
     def record_liveness(self, seen: Sequence[tuple[str, float]]) -> None:
         batch = [(_f2db(as_float(t, "last_seen")), as_str(node_id, "node_id")) for node_id, t in seen]

@@ -201,10 +201,11 @@ class BrokerClient:
 
     # ----- session ------------------------------------------------------------------------------
     def join(self, model_id: str, tokenizer_id: str, manifest: Manifest, privacy: str,
-             resume_round: int) -> tuple[Manifest, int, float]:
+             resume_round: int, node_secret: str = "") -> tuple[Manifest, int, float]:
         resp = self._once("Join", pb.JoinRequest(node_id=self.node_id, model_id=model_id, tokenizer_id=tokenizer_id,
                                                  manifest=manifest_to_pb(manifest), privacy=PRIVACY_CODES[privacy],
-                                                 resume_round=resume_round, tag=new_tag()), self.timeout)
+                                                 resume_round=resume_round, tag=new_tag(), node_secret=node_secret),
+                          self.timeout)
         self.session = resp.session_id
         self.session_lost.clear()
         self.heartbeat_interval_s = _interval_s(resp.heartbeat_interval_ms)

@@ -23,6 +23,7 @@ from graft_fed.graft import step as graft_step
 from graft_fed.node.client import BrokerClient
 from graft_fed.node.live import attach_live_scalars
 from graft_fed.node.peers import BrokerPeers
+from graft_fed.node.secret import load_or_create
 from graft_fed.trainer.config import TrainConfig
 from graft_fed.trainer.distributed import make_trainer
 
@@ -163,7 +164,8 @@ class Node:
                                  federation_id=f.federation_id, match_wait_s=f.match_wait_s,
                                  round_timeout_s=f.round_timeout_s, fetch_timeout_s=f.fetch_timeout_s,
                                  rpc_timeout_s=f.rpc_timeout_s, reconnect_min_s=f.reconnect_min_s,
-                                 reconnect_max_s=f.reconnect_max_s, max_staleness_rounds=f.max_staleness_rounds)
+                                 reconnect_max_s=f.reconnect_max_s, max_staleness_rounds=f.max_staleness_rounds,
+                                 node_secret=load_or_create(cfg.run.output_dir) if t.is_main else "")
 
     # the connection's state lives in the peers; these name it for operators and tests
     @property

@@ -159,9 +159,10 @@ class BrokerPeers:
     def __init__(self, client: BrokerClient, node_id: str, privacy: str, manifest: Manifest,
                  broker: str, federation_id: str | None, match_wait_s: float, round_timeout_s: float,
                  fetch_timeout_s: float, rpc_timeout_s: float, reconnect_min_s: float,
-                 reconnect_max_s: float, max_staleness_rounds: int = 16) -> None:
+                 reconnect_max_s: float, max_staleness_rounds: int = 16, node_secret: str = "") -> None:
         self.client = client
         self.node_id = node_id
+        self.node_secret = node_secret  # node/secret.py: holds the node id at the broker
         self.privacy = Privacy(privacy)
         self.manifest = manifest
         self.broker = broker
@@ -189,7 +190,7 @@ class BrokerPeers:
         self.client.wait_ready(self.rpc_timeout_s)
         try:
             manifest, current, _ = self.client.join(learner.model_id, learner.tok_id, self.manifest,
-                                                    self.privacy.value, learner.step)
+                                                    self.privacy.value, learner.step, node_secret=self.node_secret)
         except PERMANENT as exc:
             raise ConfigError(f"the broker at {self.broker} refused node {self.node_id!r}: {exc}") from None
         except Unauthenticated as exc:
@@ -463,45 +464,17 @@ class BrokerPeers:
                         "broker", self.node_id, MAX_REPORT_BACKLOG_ROUNDS, old)
 
     def _flush_reports(self) -> int:
-        """Send the oldest kept reports (at most BACKLOG_ROUNDS_PER_STEP). A transient failure
-        leaves the rest for the next step (and is raised as a lost connection); a refusal
-        (the round pruned at the broker, say) drops the round's report with a warning.
-        Returns the reports sent."""
-        done = 0
-        while self.report_backlog and done < BACKLOG_ROUNDS_PER_STEP:
-            rnd, entries = next(iter(self.report_backlog.items()))
-            try:
-                self.client.report(rnd, entries)
-            except ResourceExhausted:
-                break  # rate limited: the rest waits for the next step
-            except (FailedPrecondition, InvalidArgument) as exc:
-                log.warning("node %s: the broker refused round %d's kept compatibility report (%s: %s); dropping it",
-                            self.node_id, rnd, exc.status, exc)
-                self.report_backlog.pop(rnd, None)
-                continue
-            self.report_backlog.pop(rnd, None)
-            done += 1
-        return done
+        """Send the oldest kept reports (at most BACKLOG_ROUNDS_PER_STEP), as `_drain` does;
+        a refusal (the round pruned at the broker, say) drops that round's report. Returns
+        the reports sent."""
+        return self._drain(self.report_backlog, lambda rnd, entries: self.client.report(rnd, entries),
+                           (FailedPrecondition, InvalidArgument), "compatibility report kept")
 
     def _flush_backlog(self, learner: GRPOTrainer) -> int:
-        """Publish the oldest backlog rounds (at most BACKLOG_ROUNDS_PER_STEP); with share_all
-        and recorded groups, their informative bundles too. A transient failure leaves the
-        rest for the next step (and is raised as a lost connection); a permanent refusal
-        drops the round with a warning. Returns the rounds published."""
-        done = 0
-        while self.backlog and done < BACKLOG_ROUNDS_PER_STEP:
-            rnd, rows = next(iter(self.backlog.items()))
-            try:
-                self.client.publish(rnd, rows)
-            except ResourceExhausted:
-                break  # rate limited: the rest waits for the next step
-            except PERMANENT as exc:
-                log.warning("node %s: the broker refused round %d's summaries from the backlog (%s: %s); "
-                            "dropping them", self.node_id, rnd, exc.status, exc)
-                self.backlog.pop(rnd, None)
-                continue
-            self.backlog.pop(rnd, None)
-            done += 1
+        """Publish the oldest backlog rounds (at most BACKLOG_ROUNDS_PER_STEP), as `_drain`
+        does; with share_all and recorded groups, their informative bundles too. Returns the
+        rounds published."""
+        def upload(rnd: int, rows: list[SummaryRow]) -> None:
             store = learner.store
             if self.privacy is Privacy.SHARE_ALL and store is not None:
                 informative = [r.prompt_id for r in rows if 0 < r.k < r.n]
@@ -513,4 +486,29 @@ class BrokerPeers:
                 except (*PERMANENT, ResourceExhausted) as exc:
                     log.warning("node %s: bundles of backlog round %d refused (%s: %s)", self.node_id, rnd,
                                 exc.status, exc)
+        return self._drain(self.backlog, lambda rnd, rows: self.client.publish(rnd, rows), PERMANENT,
+                           "summaries from the backlog", upload)
+
+    def _drain(self, backlog: OrderedDict, send: Any, refused: tuple, what: str, sent: Any = None) -> int:
+        """Send the oldest rounds of `backlog` (at most BACKLOG_ROUNDS_PER_STEP) with
+        `send(round, item)`, then `sent(round, item)`. Rate limited (RESOURCE_EXHAUSTED): the
+        rest waits for the next step. Another transient failure leaves the rest for the next
+        step and is raised (a lost connection). A refusal in `refused` drops that round with
+        a warning: it would be refused again. Returns the rounds sent."""
+        done = 0
+        while backlog and done < BACKLOG_ROUNDS_PER_STEP:
+            rnd, item = next(iter(backlog.items()))
+            try:
+                send(rnd, item)
+            except ResourceExhausted:
+                break
+            except refused as exc:
+                log.warning("node %s: the broker refused round %d's %s (%s: %s); dropping it", self.node_id, rnd,
+                            what, exc.status, exc)
+                backlog.pop(rnd, None)
+                continue
+            backlog.pop(rnd, None)
+            done += 1
+            if sent is not None:
+                sent(rnd, item)
         return done

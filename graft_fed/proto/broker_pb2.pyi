@@ -64,7 +64,7 @@ class RequestTag(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sent_at_ms: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "model_id", "tokenizer_id", "manifest", "privacy", "resume_round", "tag")
+    __slots__ = ("node_id", "model_id", "tokenizer_id", "manifest", "privacy", "resume_round", "tag", "node_secret")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class JoinRequest(_message.Message):
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
     RESUME_ROUND_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     model_id: str
     tokenizer_id: str
@@ -79,7 +80,8 @@ class JoinRequest(_message.Message):
     privacy: Privacy
     resume_round: int
     tag: RequestTag
-    def __init__(self, node_id: _Optional[str] = ..., model_id: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., privacy: _Optional[_Union[Privacy, str]] = ..., resume_round: _Optional[int] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ...) -> None: ...
+    node_secret: str
+    def __init__(self, node_id: _Optional[str] = ..., model_id: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., privacy: _Optional[_Union[Privacy, str]] = ..., resume_round: _Optional[int] = ..., tag: _Optional[_Union[RequestTag, _Mapping]] = ..., node_secret: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("session_id", "manifest", "current_round", "heartbeat_interval_ms", "max_bundle_mib")

@@ -83,6 +83,14 @@ def test_nodes_upsert_get_list(state):
     assert state.list_nodes()[0] == node("a")
 
 
+def test_node_secrets_are_kept_per_node_and_replaced(state):
+    assert state.node_secret("a") == ""
+    state.set_node_secret("a", "1" * 64)
+    state.set_node_secret("b", "2" * 64)
+    state.set_node_secret("a", "3" * 64)  # replaces
+    assert (state.node_secret("a"), state.node_secret("b"), state.node_secret("c")) == ("3" * 64, "2" * 64, "")
+
+
 def test_reads_and_writes_are_copies(state):
     n = node("a")
     state.upsert_node(n)
@@ -790,10 +798,41 @@ def _damage_blocks(s, node_id: str) -> None:
             f.write(bytes([b[0] ^ 0xFF]))
 
 
+def _as_version_8(c):
+    """Turn a state file (open on connection `c`) back into schema version 8: no node secrets."""
+    c.execute("DROP TABLE node_secrets")
+    c.execute("UPDATE meta SET value = '8' WHERE key = 'schema_version'")
+    c.commit()
+
+
+def test_sqlite_migrates_a_version_8_file_no_node_id_held_yet(tmp_path):
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    _populate(s)
+    before = _observe(s)
+    with sqlite3.connect(path) as c:
+        _as_version_8(c)
+        s.close()
+    c.close()
+    s = SqliteState(path)
+    try:
+        assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        assert _observe(s) == before and s.node_secret("a") == ""
+        s.set_node_secret("a", "f" * 64)
+    finally:
+        s.close()
+    s = SqliteState(path)
+    try:
+        assert s.node_secret("a") == "f" * 64  # durable
+    finally:
+        s.close()
+
+
 def _as_version_7(c):
     """Turn a state file (open on connection `c`) back into schema version 7: every summary
     block's bytes in its row (read from its round's file), the columns saying where they
     were and the block files' directory gone."""
+    _as_version_8(c)
     path = c.execute("PRAGMA database_list").fetchone()[2]
     files = path + "-blocks"
     for rowid, rnd, off, length in c.execute("SELECT rowid, round, file_offset, file_length FROM summary_blocks "

@@ -406,6 +406,34 @@ def test_long_polls_are_bounded_per_node_and_heartbeats_are_served(prompt_file, 
 
 # ------------------------------------------------------------------ 5. framing an honest node
 
+def test_a_node_id_held_by_its_secret_cannot_be_taken_over(prompt_file, prompts, broker):
+    """Without mutual TLS, anyone who could reach the broker took a node id over by joining
+    under it: the honest node's session ended, and what was published next under its name
+    was the taker's (its lies counted against the honest node). The first Join carrying a
+    node secret now holds the id; another secret, or none, is refused and changes nothing."""
+    honest = BrokerClient(broker.address, "alice")
+    honest.join("alice", "tok", manifest(prompts), "share_all", 0, node_secret="s" * 64)
+    honest.publish(0, [summary(prompts[0], 1)])
+    session = honest.session
+    for taker_secret in ("m" * 64, ""):
+        taker = BrokerClient(broker.address, "alice")
+        code, details = code_of(lambda: taker.join("alice", "tok", manifest(prompts), "share_all", 0,
+                                                   node_secret=taker_secret))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "held by another node" in details, details
+        taker.close()
+    assert broker.state.get_node("alice").session_id == session  # the honest session goes on
+    honest.publish(0, [summary(prompts[1], 1)])
+    again = BrokerClient(broker.address, "alice")  # the same node, restarted: its secret from its folder
+    again.join("alice", "tok", manifest(prompts), "share_all", 0, node_secret="s" * 64)
+    assert broker.state.get_node("alice").session_id == again.session
+    assert broker.state.node_secret("alice") != "s" * 64  # a hash is kept, not the secret
+    # a node id nobody has claimed with a secret is open, as before (clients that send none)
+    for c in (client(broker, prompts, "bob"), client(broker, prompts, "bob")):
+        c.close()
+    for c in (honest, again):
+        c.close()
+
+
 def _verified_record(p, model):
     # tests.plugins:odd_char_sum scores "y" 1 and "x" 0: the claimed rewards (1, 0) verify
     return GroupRecord(prompt_id=p.id, step=0, model_id=model, tokenizer_id="tok", problem=p.problem,

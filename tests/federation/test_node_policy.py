@@ -320,7 +320,7 @@ def test_a_join_refused_for_want_of_a_client_certificate_is_a_configuration_erro
         def wait_ready(self, timeout_s):
             return True
 
-        def join(self, *args):
+        def join(self, *args, **kwargs):
             raise Unauthenticated("no client certificate: this broker requires mutual TLS")
 
     m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
@@ -403,3 +403,17 @@ def test_a_report_the_broker_could_not_be_reached_for_is_sent_at_the_next_step()
     assert client.sent == [(5, [("liar", "p1", True)]), (4, [("liar", "p1", True)])]
     assert got["federation/reports_resent"] == 1.0 and got["federation/report_backlog_rounds"] == 0.0
     assert peers.connected
+
+
+def test_a_node_secret_file_is_made_once_and_a_damaged_one_is_refused(tmp_path):
+    from graft_fed.errors import ConfigError
+    from graft_fed.node.secret import load_or_create
+
+    import pytest
+
+    first = load_or_create(tmp_path / "run")
+    assert len(first) == 64 and load_or_create(tmp_path / "run") == first
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name != "node_secret"]  # no temporary file left
+    (tmp_path / "run" / "node_secret").write_text("not a secret\n")
+    with pytest.raises(ConfigError, match="is not a node secret.*federation.node_id"):
+        load_or_create(tmp_path / "run")

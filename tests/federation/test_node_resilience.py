@@ -71,14 +71,17 @@ def test_a_node_that_normalises_advantages_otherwise_is_refused_naming_its_setti
         broker.stop()
 
 
-def test_a_new_run_under_a_node_id_the_broker_knows_is_told_why_it_cannot_exchange(tiny_llama, prompt_file, tmp_path,
-                                                                                  caplog):
-    """The broker keeps the summaries a node id published first for each round, so a new run
-    under that id has every bundle refused as not matching them. The node took that for a
-    lost broker ("exchange with broker failed ... training plain GRPO"), joined again every
-    step, and never said why; then it dropped the step's exchange. Now it says why, counts
-    the refusals and still takes the groups offered to it."""
+def test_a_run_that_samples_its_rounds_again_is_told_why_it_cannot_exchange(tiny_llama, prompt_file, tmp_path,
+                                                                            caplog):
+    """The broker keeps the summaries a node id published first for each round, so the same
+    node sampling those rounds again (here: its folder's node secret taken to a new run with
+    another seed, as after a resume that sampled differently) has every bundle refused as not
+    matching them. The node took that for a lost broker ("exchange with broker failed ...
+    training plain GRPO"), joined again every step, and never said why; then it dropped the
+    step's exchange. Now it says why, counts the refusals and still takes the groups offered
+    to it."""
     import logging
+    import shutil
 
     broker = start_broker(broker_config(prompt_file))
     try:
@@ -87,6 +90,8 @@ def test_a_new_run_under_a_node_id_the_broker_knows_is_told_why_it_cannot_exchan
             node.train(evaluate_before_after=False)
         again = dataclasses.replace(first, run=dataclasses.replace(first.run, seed=first.run.seed + 1,
                                                                   output_dir=str(tmp_path / "b" / "n1")))
+        (tmp_path / "b" / "n1").mkdir(parents=True)
+        shutil.copy(tmp_path / "a" / "n1" / "node_secret", tmp_path / "b" / "n1" / "node_secret")
         with caplog.at_level(logging.WARNING, logger="graft_fed.node"), Node(again, quiet=True) as node:
             node.train(evaluate_before_after=False)
         said = [r.getMessage() for r in caplog.records if "refused round" in r.getMessage()]
@@ -97,5 +102,32 @@ def test_a_new_run_under_a_node_id_the_broker_knows_is_told_why_it_cannot_exchan
         # nor dropped its step's exchange: the groups offered to it still come
         assert rows and all(r["federation/skipped"] == 0.0 for r in rows)
         assert rows[-1]["federation/uploads_refused_by_broker"] > 0
+    finally:
+        broker.stop()
+
+
+def test_a_new_run_under_a_node_id_another_run_holds_is_refused_at_join(tiny_llama, prompt_file, tmp_path):
+    """The first run's folder holds its node secret (0600), which holds the node id at the
+    broker: a new run elsewhere under the same federation.node_id is refused at Join with
+    what to do, and takes nothing over; the first run, restarted, joins as itself."""
+    import os
+    import stat
+
+    broker = start_broker(broker_config(prompt_file))
+    try:
+        first = node_config("n1", tiny_llama, prompt_file, tmp_path / "a", broker.address, steps=1)
+        with Node(first, quiet=True) as node:
+            assert node.ensure_joined()
+        held = tmp_path / "a" / "n1" / "node_secret"
+        assert stat.S_IMODE(os.stat(held).st_mode) == 0o600
+        other = dataclasses.replace(first, run=dataclasses.replace(first.run, output_dir=str(tmp_path / "b" / "n1")))
+        with Node(other, quiet=True) as node, pytest.raises(GraftFedError) as info:
+            node.ensure_joined()
+        assert "held by another node" in str(info.value) and "node_secret" in str(info.value)
+        assert "federation.node_id" in str(info.value)
+        secret = held.read_text()
+        with Node(first, quiet=True) as node:  # restarted in its own folder
+            assert node.ensure_joined()
+        assert held.read_text() == secret
     finally:
         broker.stop()

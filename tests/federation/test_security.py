@@ -36,7 +36,10 @@ def test_mutual_tls_identity_allowlist_and_revocation(pki, prompt_file, prompts,
                                         client_ca=str(pki / "ca.pem"), allowlist=str(allow), front_process=front))
     try:
         alice = tls_client(pki, broker.address, "alice")
-        alice.join("alice", "tok", manifest(prompts), "share_all", 0)
+        alice.join("alice", "tok", manifest(prompts), "share_all", 0, node_secret="1" * 64)
+        # the certificate proves alice: a Join with another node secret (alice on a new
+        # machine, without her old run folder) is hers, and her secret follows her
+        alice.join("alice", "tok", manifest(prompts), "share_all", 0, node_secret="2" * 64)
         assert alice.publish(0, [summary(prompts[0], 1)]) == (1, 0)
 
         # mallory holds a valid certificate but claims to be alice: refused, whatever she fills in

@@ -151,8 +151,8 @@ def cap_pages(conn):
 
 def fill_up(conn) -> None:
     """Make a capped database (cap_pages) full to its last free page: filler rows until
-    SQLite refuses them."""
-    conn.execute("CREATE TABLE IF NOT EXISTS filler (x BLOB)")
+    SQLite refuses them, in the table `filler`, made before the cap (a database whose pages
+    are all in use has none left for a new table's)."""
     size = 1 << 16
     while size:
         try:
@@ -183,6 +183,7 @@ def test_broker_full_disk_refuses_the_write_keeps_the_acknowledged_and_serves_re
         assert stored
         assert b.get_matches(0, 5.0).ready
         with broker.state._lock:
+            broker.state._conn.execute("CREATE TABLE filler (x BLOB)")
             cap_pages(broker.state._conn)
             fill_up(broker.state._conn)
         # publish rounds until the database cannot grow
