@@ -171,9 +171,32 @@ def _reexec_without_tcache() -> None:
             "could not restart with glibc's per-thread caches off (%s): serving with them on", exc)
 
 
+def cmd_broker_forget_secret(args: argparse.Namespace) -> int:
+    """Drop the hash of the secret that holds a node id (broker/sessions.py, Join). The state
+    is opened as the broker opens it, so with the broker running this stops at its lock."""
+    from pathlib import Path
+
+    from graft_fed.broker.state_sqlite import SqliteState
+
+    if not Path(args.db).is_file():
+        raise GraftFedError(f"--db {args.db}: no broker state there (the broker config's `db`)")
+    state = SqliteState(args.db)
+    try:
+        held = bool(state.node_secret(args.node_id))
+        if held:
+            state.set_node_secret(args.node_id, "")
+    finally:
+        state.close()
+    print(f"node id {args.node_id!r} " + ("is no longer held: the next Join under it that carries a node secret "
+                                         "holds it" if held else "was not held by any node secret; nothing changed"))
+    return 0
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
     if getattr(args, "nodes_command", None):
         return cmd_broker_nodes(args)
+    if getattr(args, "forget_secret", False):
+        return cmd_broker_forget_secret(args)
     import threading
 
     from graft_fed.broker.config import load_broker_config
@@ -531,6 +554,13 @@ def build_parser() -> argparse.ArgumentParser:
         a.add_argument("--allowlist", required=True, help="the allowlist YAML (broker config key `allowlist`)")
         if action != "list":
             a.add_argument("name")
+
+    fs = bn.add_parser("forget-secret", help="let the next Join under a node id hold it with its own node secret "
+                                             "(a node that lost its node_secret file, or an id taken first by "
+                                             "another); with the broker stopped")
+    fs.add_argument("--db", required=True, help="the broker's state file (broker config key `db`)")
+    fs.add_argument("node_id")
+    fs.set_defaults(forget_secret=True)
 
     ce = sub.add_parser("certs", help="the federation's certificate authority: init, issue, revoke")
     ce_sub = ce.add_subparsers(dest="certs_command", required=True)

@@ -462,3 +462,35 @@ def test_sigterm_handling_is_put_back_when_main_returns():
     before = signal.getsignal(signal.SIGTERM)
     assert main(["zoo", "list"]) == 0
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_broker_forget_secret_releases_a_held_node_id_and_refuses_while_the_broker_runs(tmp_path, capsys, prompt_file):
+    """A node that lost its node_secret (or whose id another took first) is locked out of its
+    id; the operator releases it with the broker stopped. The broker's lock on its state keeps
+    the command from writing under a running broker."""
+    from graft_fed.broker.state_sqlite import SqliteState
+    from tests.federation.helpers import broker_config, start_broker
+
+    db = tmp_path / "broker.sqlite"
+    state = SqliteState(db)
+    state.set_node_secret("alice", "a" * 64)
+    state.close()
+    argv = ["broker", "forget-secret", "--db", str(db), "alice"]
+    broker = start_broker(broker_config(prompt_file, db=str(db)))
+    try:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "error" in err, err
+        assert broker.state.node_secret("alice") == "a" * 64
+    finally:
+        broker.stop()
+    assert main(argv) == 0
+    assert "no longer held" in capsys.readouterr().out
+    state = SqliteState(db)
+    try:
+        assert state.node_secret("alice") == ""
+    finally:
+        state.close()
+    assert main(argv) == 0 and "was not held" in capsys.readouterr().out
+    assert main(["broker", "forget-secret", "--db", str(tmp_path / "none.sqlite"), "alice"]) == 2
+    assert "no broker state there" in capsys.readouterr().err

@@ -252,15 +252,19 @@ class Federation:
 
     def prune(self) -> int:
         """Retention. `keep_rounds` counts back from the highest round at least two nodes have
-        reached (rounds.py, `agreed`; the highest round when there is one node), not from the
-        highest round anyone published: one node publishing far ahead must not make the broker
-        drop every other node's groups."""
+        published (rounds.py, `agreed`; the highest round when there is one node) or from the
+        lowest round an online node has come to, whichever is lower; not from the highest round
+        anyone published: nodes publishing far ahead (two ids can move the agreed round) must
+        not make the broker drop the groups of the nodes at work (and a late joiner replaying
+        early rounds keeps the groups it is matched against)."""
         with self.cond:
             max_bytes = int(self.cfg.max_bundle_gib * 2**30) if self.cfg.max_bundle_gib else None
             keep = self.cfg.keep_rounds
             if keep is not None:
                 latest = self.state.latest_round()
-                keep += max(0, latest - self.rounds.agreed())
+                lowest = self.rounds.lowest_online()
+                anchor = self.rounds.agreed() if lowest is None else min(self.rounds.agreed(), lowest)
+                keep += max(0, latest - anchor)
             removed = self.state.prune(keep_rounds=keep, max_bundle_bytes=max_bytes)
             if removed:
                 self.index.clear()  # rebuilt from what the state still holds

@@ -320,12 +320,12 @@ class Publishing(Part):
             self._rate_limit(node_id)
             rnd = self.rounds.get(round)
             if rnd is None:
-                if not self.rounds.within(node_id, round):
-                    limit = self.rounds.limit(node_id)
+                if not self.rounds.may_open(node_id, round):
                     raise FailedPrecondition(
                         f"round {round} is implausibly far ahead of the federation: a node may open a round up to "
-                        f"{MAX_ROUNDS_AHEAD} past the highest round two nodes have reached ({self.rounds.agreed()}), "
-                        f"or one past its own; at most {limit} for {clip(node_id)}")
+                        f"{MAX_ROUNDS_AHEAD} past the highest round two nodes have published "
+                        f"({self.rounds.agreed()}) or past its own; at most {self.rounds.open_limit(node_id)} for "
+                        f"{clip(node_id)}")
                 self.rounds.put(RoundRow(round=round, state="open", opened_at=self.clock()))
                 # nothing of a round is stored before its row: its index starts empty (rather
                 # than read back, with the first group commit's blocks, by the first publish)

@@ -84,9 +84,9 @@ class Reports(Part):
                                       "report; send one entry per group received")
             with self.cond:
                 self.registry.touch(node_id, session_id)
-                if not self.rounds.within(node_id, round, step=0):
+                if not self.rounds.may_claim(node_id, round):
                     raise FailedPrecondition(f"report for round {round}, implausibly far ahead of the federation "
-                                             f"(at most {self.rounds.limit(node_id, step=0)} for {clip(node_id)})")
+                                             f"(at most {self.rounds.claim_limit(node_id)} for {clip(node_id)})")
                 for source in set(rows.sources):
                     if source == node_id or self.registry.get(source) is None:
                         raise InvalidArgument(f"unknown source node {clip(source)}")

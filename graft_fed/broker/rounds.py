@@ -30,9 +30,11 @@ class Rounds:
         # round -> [built at, ids of the online nodes working near it, how many of them in a
         # row have published]: what `ready` walks instead of every node per call
         self._near: dict[int, list] = {}
-        # node -> the highest round it has published since the broker started (its registry
-        # round is the one it claims in heartbeats and at join; a node publishes ahead of it)
-        self._published: dict[str, int] = {}
+        # node -> the highest round it has published (its registry round is the one it claims
+        # in heartbeats and at join; a node publishes ahead of it). Not stored as such: at a
+        # start, each known node's stored round stands for it (claims are bounded by what it
+        # had published, or by the agreed round)
+        self._published: dict[str, int] = {n.node_id: n.round for n in registry.all()}
         self._published_version = 0  # bumped by every change of `_published`
         self._agreed: tuple[tuple, int] = ((), 0)  # (what it was computed from, the agreed round)
         # matched round -> when the first node that published it late asked for its matches
@@ -77,60 +79,85 @@ class Rounds:
                     self._rounds.setdefault(round, row)
         return row
 
-    # ----- the rounds a node may claim
+    # ----- the rounds a node may open and claim
     def note_published(self, node_id: str, round: int) -> None:
-        """`node_id` has published `round` (its round was checked against `limit` when it opened one)."""
+        """`node_id` has published `round` (its round was checked against `open_limit` when it opened one)."""
         if round > self._published.get(node_id, -1):
             self._published[node_id] = round
             self._published_version += 1
 
+    def published_round(self, node: NodeRow) -> int:
+        """The highest round a node has published (-1 for none; see `_published` for a node
+        known before the broker started)."""
+        return self._published.get(node.node_id, -1)
+
     def node_round(self, node: NodeRow) -> int:
         """How far a node has come: the round it claims (heartbeat, join) or the highest it
-        has published since the broker started, whichever is higher."""
+        has published, whichever is higher."""
         return max(node.round, self._published.get(node.node_id, -1))
 
     def agreed(self) -> int:
-        """The highest round at least two nodes have reached (any node the broker knows, online
-        or not; the highest round with a row when it knows fewer than two): what one node
-        cannot move, however far ahead it publishes or claims to be. Retention counts
-        `keep_rounds` back from it and `limit` forward. Computed again only when a node's
-        round (or a join, a leave) changed the registry, or a node published further."""
+        """The highest round at least two nodes have published (any node the broker knows,
+        online or not; with fewer than two, the highest round with a row): what one node cannot
+        move, however far ahead it publishes or claims to be. Claims do not count: two ids
+        heartbeating far rounds moved it without publishing anything. Computed again only
+        when the registry changed or a node published further."""
         key = (self.registry.version, self._published_version, self._latest_round)
         cached_key, agreed = self._agreed
         if key != cached_key:
-            rounds = sorted(self.node_round(n) for n in self.registry.all())
+            rounds = sorted(self.published_round(n) for n in self.registry.all())
             agreed = max(0, rounds[-2] if len(rounds) >= 2 else self.current())
             self._agreed = (key, agreed)
         return agreed
 
-    def limit(self, node_id: str, step: int = 1) -> int:
-        """The highest round `node_id` may open (with `step` 1) or claim and report on (0):
-        MAX_ROUNDS_AHEAD past the agreed round, or `step` past its own. A node running ahead
-        of every other one, hostile or not, opens one round past its own at a time, and its
-        claims never pass what it has published; before, "current + 1000" counted from the
-        highest round anyone had opened, which the publish itself moved: 1000, 2000, 3000
-        were each accepted, and the heartbeat clamp and the report check moved with them."""
+    def open_limit(self, node_id: str) -> int:
+        """The highest round `node_id` may open: MAX_ROUNDS_AHEAD past the agreed round or past
+        its own, whichever is further. Its own: an honest node running ahead of every other
+        one (a fast node in asynchronous mode, the first node of a federation) goes on, and
+        one that missed rounds (a backlog, a refusal) is not stopped by the gap. One node's
+        own round moves only its own bound: before, "current + 1000" counted from the highest
+        round anyone had opened, so one node's 1000, 2000, 3000 moved every node's bound."""
         node = self.registry.get(node_id)
         own = self.node_round(node) if node is not None else -1
-        return max(own + step, self.agreed() + MAX_ROUNDS_AHEAD)
+        return max(own, self.agreed()) + MAX_ROUNDS_AHEAD
 
-    def within(self, node_id: str, round: int, step: int = 1) -> bool:
-        """Whether `round` is within `limit(node_id, step)`. The common cases (a round at most
-        `step` past the node's own, or within the bound of the agreed round last computed,
-        which only grows) are answered without computing the agreed round again: a thousand
-        nodes each heartbeating a new round would have it recomputed a thousand times."""
+    def claim_limit(self, node_id: str) -> int:
+        """The highest round `node_id` may claim (heartbeat, join) or report on: MAX_ROUNDS_AHEAD
+        past the agreed round, or one past what it has published. Claims alone never move a
+        node further: a node moves on by publishing."""
         node = self.registry.get(node_id)
-        if node is not None and round <= self.node_round(node) + step:
+        own = self.published_round(node) if node is not None else -1
+        return max(own + 1, self.agreed() + MAX_ROUNDS_AHEAD)
+
+    def may_open(self, node_id: str, round: int) -> bool:
+        """round <= open_limit(node_id); a round at most MAX_ROUNDS_AHEAD past the node's own
+        (the common case) without computing the agreed round."""
+        node = self.registry.get(node_id)
+        if node is not None and round <= self.node_round(node) + MAX_ROUNDS_AHEAD:
             return True
-        if round <= self._agreed[1] + MAX_ROUNDS_AHEAD:
+        return round <= self.open_limit(node_id)
+
+    def may_claim(self, node_id: str, round: int) -> bool:
+        """round <= claim_limit(node_id); a round at most one past what the node has published
+        (a thousand nodes heartbeating the round they work on) without computing the agreed
+        round."""
+        node = self.registry.get(node_id)
+        if node is not None and round <= self.published_round(node) + 1:
             return True
-        return round <= self.limit(node_id, step)
+        return round <= self.claim_limit(node_id)
 
     def plausible(self, node_id: str, round: int) -> int:
-        """A node's claimed round (heartbeat, join), clamped to its `limit` (a node's round only
-        decides which rounds wait for it and whom it uploads for; a claim of round 10^12 must
-        not make it look like it is working near every round)."""
-        return round if self.within(node_id, round, step=0) else self.limit(node_id, step=0)
+        """A node's claimed round (heartbeat, join), clamped to its `claim_limit` (a node's round
+        only decides which rounds wait for it and whom it uploads for; a claim of round 10^12
+        must not make it look like it is working near every round)."""
+        return round if self.may_claim(node_id, round) else self.claim_limit(node_id)
+
+    def lowest_online(self) -> int | None:
+        """The lowest round an online node has come to (None when none is online): retention
+        keeps `keep_rounds` back from it too, so that no one can make it drop the rounds the
+        nodes at work still use."""
+        rounds = [self.node_round(n) for n in self.registry.online()]
+        return min(rounds) if rounds else None
 
     def ready(self, round: int) -> bool:
         rnd = self.get(round)
@@ -199,12 +226,13 @@ class Rounds:
         """Seconds until the late nodes of `round` stop waiting for each other (its clock starts
         at the first late node's question; kept in memory: a restarted broker starts it anew)."""
         now = self.clock()
-        since = self._reopened.get(round)
-        if since is None:
-            if len(self._reopened) > 256:
-                for old in sorted(self._reopened)[:128]:
-                    del self._reopened[old]
-            since = self._reopened[round] = now
+        with self._rounds_lock:  # GetMatches calls ask at once, holding no other lock
+            since = self._reopened.get(round)
+            if since is None:
+                if len(self._reopened) > 256:
+                    for old in sorted(self._reopened)[:128]:
+                        del self._reopened[old]
+                since = self._reopened[round] = now
         return since + self.cfg.round_deadline_s - now
 
     def wake_ready(self) -> None:

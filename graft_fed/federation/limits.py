@@ -31,9 +31,10 @@ MAX_PER_ROUND_FACTOR = 4
 #: the largest mean_s a report entry may carry (a receiver clamps to it: s = exp(lbar_R -
 #: lbar_S) reaches exp(20) against a source claiming the lowest log-probs screening admits)
 MAX_REPORT_MEAN_S = 1e6
-#: a node's claimed round (heartbeat, join, publish, report) may be at most this far ahead
-#: of the highest round two nodes have reached, or one past the node's own round (so that
-#: no one node moves the bound); a heartbeat or join beyond is clamped to it
+#: a round a node opens may be at most this far past the highest round two nodes have
+#: published or past its own; one it claims (heartbeat, join) or reports on, this far past
+#: that agreed round or one past what it published (broker/rounds.py: no one node moves the
+#: others' bound); a heartbeat or join beyond is clamped to it
 MAX_ROUNDS_AHEAD = 1000
 #: concurrent GetMatches long-polls per node (a graft-fed node runs one at a time)
 MAX_LONG_POLLS_PER_NODE = 2

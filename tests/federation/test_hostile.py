@@ -811,27 +811,79 @@ def test_one_node_publishing_far_ahead_does_not_make_retention_drop_the_others(p
         broker.stop()
 
 
-def test_one_node_cannot_ratchet_the_far_ahead_bound(prompt_file, prompts):
+def test_one_node_running_ahead_does_not_move_the_bound_of_the_others(prompt_file, prompts):
     # "a round up to current + 1000 is accepted" counted from the highest round with a row,
-    # which the publish itself moved: 1000, 2000, 3000, ... each accepted, and the heartbeat
-    # clamp and the report check moved with it. The bound now counts from the highest round
-    # two nodes have reached (2 here), or one past the node's own round
+    # which the publish itself moved: one node's 1000, 2000, 3000, ... each moved every node's
+    # bound (the heartbeat clamp, the report check). The bound now counts from the highest
+    # round two nodes have published (2 here), or from the node's own round: mallory moves
+    # only its own
     broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0))
     try:
         a, b, m = _two_honest_rounds_and_one_far_ahead(broker, prompts)
-        code, details = code_of(lambda: m.publish(2000, [summary(prompts[0], 1, round=2000)]))
+        m.publish(2000, [summary(prompts[0], 1, round=2000)])  # 1000 past its own
+        newcomer = client(broker, prompts, "newcomer")
+        code, details = code_of(lambda: newcomer.publish(2001, [summary(prompts[0], 1, round=2001)]))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "at most 1002" in details, details
-        _heartbeat(m, "mallory", 10**12)  # clamped to the bound, which did not move either
-        assert broker.state.get_node("mallory").round == 1002
-        m.publish(1001, [summary(prompts[0], 1, round=1001)])  # one round past its own: the way any node goes on
-        entry = pb.CompatibilityReport.Entry(source_node_id="a", prompt_id=prompts[0].id, mean_s=1.0, admitted_fraction=1.0)
-        code, details = code_of(lambda: m.stub.ReportCompatibility(pb.CompatibilityReport(
-            node_id="mallory", session_id=m.session, round=3003, entries=[entry], tag=new_tag()), timeout=5))
+        _heartbeat(newcomer, "newcomer", 10**12)
+        assert broker.state.get_node("newcomer").round == 1002
+        _heartbeat(m, "mallory", 10**12)  # one past what it published
+        assert broker.state.get_node("mallory").round == 2001
+        entry = pb.CompatibilityReport.Entry(source_node_id="a", prompt_id=prompts[0].id, mean_s=1.0,
+                                             admitted_fraction=1.0)
+        code, details = code_of(lambda: b.stub.ReportCompatibility(pb.CompatibilityReport(
+            node_id="b", session_id=b.session, round=3003, entries=[entry], tag=new_tag()), timeout=5))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "far ahead" in details, details
-        # the honest nodes, far behind mallory, open their rounds as before
-        a.publish(3, [summary(prompts[0], 1, round=3)])
-        for x in (a, b, m):
+        a.publish(3, [summary(prompts[0], 1, round=3)])  # the honest nodes open their rounds as before
+        for x in (a, b, m, newcomer):
             x.close()
+    finally:
+        broker.stop()
+
+
+def test_two_ids_cannot_make_retention_drop_the_groups_of_the_nodes_at_work(prompt_file, prompts):
+    # claims do not count towards the agreed round (two ids heartbeating agreed + 1000 moved
+    # it 1000 a time without publishing anything); two ids publishing far ahead still move it,
+    # but retention also counts back from the lowest round an online node has come to: before,
+    # m1 and m2 at 6002 had retention delete every one of a's and b's groups
+    broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0))
+    try:
+        a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+        for r in range(3):
+            a.publish(r, [summary(prompts[0], 1, round=r)])
+            b.publish(r, [summary(prompts[0], 0, round=r)])
+        m1, m2 = client(broker, prompts, "m1"), client(broker, prompts, "m2")
+        for _ in range(5):
+            top = broker.fed.rounds.agreed() + 1000
+            _heartbeat(m1, "m1", top)
+            _heartbeat(m2, "m2", top)
+        assert broker.fed.rounds.agreed() == 2
+        m1.publish(1002, [summary(prompts[0], 1, round=1002)])
+        m2.publish(1002, [summary(prompts[0], 1, round=1002)])
+        assert broker.fed.rounds.agreed() == 1002
+        broker.fed.prune()
+        kept = {(s.node_id, s.round) for s in broker.state.summaries()}
+        assert {(n, r) for n in "ab" for r in range(3)} <= kept
+        for x in (a, b, m1, m2):
+            x.close()
+    finally:
+        broker.stop()
+
+
+def test_a_node_far_ahead_of_the_others_goes_on_after_a_round_it_missed(prompt_file, prompts):
+    # the node's own bound is 1000 past its own round: one that missed a round (kept in its
+    # backlog, or refused) is not stopped by the gap, as it was with "one past its own"
+    broker = start_broker(broker_config(prompt_file, max_publishes_per_s=0))
+    try:
+        gone = client(broker, prompts, "gone")
+        gone.publish(0, [summary(prompts[0], 1, round=0)])
+        gone.close()
+        fast = client(broker, prompts, "fast")
+        for r in (0, 1000, 1500):  # each within 1000 of its own
+            fast.publish(r, [summary(prompts[0], 1, round=r)])
+        for r in (1502, 1503):  # 1501 missed
+            fast.publish(r, [summary(prompts[0], 1, round=r)])
+        fast.publish(1501, [summary(prompts[0], 1, round=1501)])  # its backlog, later
+        fast.close()
     finally:
         broker.stop()
 
