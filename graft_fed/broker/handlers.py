@@ -262,8 +262,9 @@ class Federation:
             keep = self.cfg.keep_rounds
             if keep is not None:
                 latest = self.state.latest_round()
-                lowest = self.rounds.lowest_online()
-                anchor = self.rounds.agreed() if lowest is None else min(self.rounds.agreed(), lowest)
+                anchor, lowest = self.rounds.agreed(), self.rounds.lowest_online()
+                if lowest is not None:
+                    anchor = min(anchor, lowest)
                 keep += max(0, latest - anchor)
             removed = self.state.prune(keep_rounds=keep, max_bundle_bytes=max_bytes)
             if removed:

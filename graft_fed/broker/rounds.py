@@ -94,7 +94,7 @@ class Rounds:
     def node_round(self, node: NodeRow) -> int:
         """How far a node has come: the round it claims (heartbeat, join) or the highest it
         has published, whichever is higher."""
-        return max(node.round, self._published.get(node.node_id, -1))
+        return max(node.round, self.published_round(node))
 
     def agreed(self) -> int:
         """The highest round at least two nodes have published (any node the broker knows,
@@ -110,6 +110,11 @@ class Rounds:
             self._agreed = (key, agreed)
         return agreed
 
+    def _own(self, node_id: str, of: Callable[[NodeRow], int]) -> int:
+        """`of(node)` for a node the registry knows, -1 otherwise."""
+        node = self.registry.get(node_id)
+        return of(node) if node is not None else -1
+
     def open_limit(self, node_id: str) -> int:
         """The highest round `node_id` may open: MAX_ROUNDS_AHEAD past the agreed round or past
         its own, whichever is further. Its own: an honest node running ahead of every other
@@ -117,34 +122,25 @@ class Rounds:
         one that missed rounds (a backlog, a refusal) is not stopped by the gap. One node's
         own round moves only its own bound: before, "current + 1000" counted from the highest
         round anyone had opened, so one node's 1000, 2000, 3000 moved every node's bound."""
-        node = self.registry.get(node_id)
-        own = self.node_round(node) if node is not None else -1
-        return max(own, self.agreed()) + MAX_ROUNDS_AHEAD
+        return max(self._own(node_id, self.node_round), self.agreed()) + MAX_ROUNDS_AHEAD
 
     def claim_limit(self, node_id: str) -> int:
         """The highest round `node_id` may claim (heartbeat, join) or report on: MAX_ROUNDS_AHEAD
         past the agreed round, or one past what it has published. Claims alone never move a
         node further: a node moves on by publishing."""
-        node = self.registry.get(node_id)
-        own = self.published_round(node) if node is not None else -1
-        return max(own + 1, self.agreed() + MAX_ROUNDS_AHEAD)
+        return max(self._own(node_id, self.published_round) + 1, self.agreed() + MAX_ROUNDS_AHEAD)
 
     def may_open(self, node_id: str, round: int) -> bool:
         """round <= open_limit(node_id); a round at most MAX_ROUNDS_AHEAD past the node's own
         (the common case) without computing the agreed round."""
-        node = self.registry.get(node_id)
-        if node is not None and round <= self.node_round(node) + MAX_ROUNDS_AHEAD:
-            return True
-        return round <= self.open_limit(node_id)
+        return (round <= self._own(node_id, self.node_round) + MAX_ROUNDS_AHEAD
+                or round <= self.agreed() + MAX_ROUNDS_AHEAD)
 
     def may_claim(self, node_id: str, round: int) -> bool:
         """round <= claim_limit(node_id); a round at most one past what the node has published
         (a thousand nodes heartbeating the round they work on) without computing the agreed
         round."""
-        node = self.registry.get(node_id)
-        if node is not None and round <= self.published_round(node) + 1:
-            return True
-        return round <= self.claim_limit(node_id)
+        return round <= self._own(node_id, self.published_round) + 1 or round <= self.agreed() + MAX_ROUNDS_AHEAD
 
     def plausible(self, node_id: str, round: int) -> int:
         """A node's claimed round (heartbeat, join), clamped to its `claim_limit` (a node's round

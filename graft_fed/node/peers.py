@@ -198,7 +198,8 @@ class BrokerPeers:
             # the broker requires a client certificate and this node presented none (joining
             # again would be refused the same way, forever)
             raise ConfigError(f"the broker at {self.broker} refused node {self.node_id!r}: {exc}. Give the node its "
-                              "client certificate and key (federation.tls_cert and federation.tls_key, with federation.tls_ca)") from None
+                              "client certificate and key (federation.tls_cert and federation.tls_key, with "
+                              "federation.tls_ca)") from None
         except FederationError as exc:
             self._lost(exc)
             return False
@@ -444,24 +445,26 @@ class BrokerPeers:
 
     def _defer(self, rnd: int, summaries: list[SummaryRow]) -> None:
         """Keep a round's summaries for publishing once the broker is back."""
-        self.backlog[rnd] = summaries
-        while len(self.backlog) > MAX_BACKLOG_ROUNDS:
-            old, _ = self.backlog.popitem(last=False)
-            self.backlog_dropped += 1
-            log.warning("node %s: backlog over %d rounds; round %d's summaries will not reach the broker",
-                        self.node_id, MAX_BACKLOG_ROUNDS, old)
+        self.backlog_dropped += self._keep(self.backlog, rnd, summaries, MAX_BACKLOG_ROUNDS, "summaries")
 
     def _defer_report(self, rnd: int, entries: list[ReportEntry]) -> None:
         """Keep a round's compatibility report, which the broker could not be reached for, for
         sending once it is back (the broker counts a group's verdict once, so a report that
         did arrive before its answer was lost changes nothing when sent again)."""
-        if not entries:
-            return
-        self.report_backlog[rnd] = entries
-        while len(self.report_backlog) > MAX_REPORT_BACKLOG_ROUNDS:
-            old, _ = self.report_backlog.popitem(last=False)
-            log.warning("node %s: report backlog over %d rounds; round %d's compatibility report will not reach the "
-                        "broker", self.node_id, MAX_REPORT_BACKLOG_ROUNDS, old)
+        if entries:
+            self._keep(self.report_backlog, rnd, entries, MAX_REPORT_BACKLOG_ROUNDS, "compatibility report")
+
+    def _keep(self, backlog: OrderedDict, rnd: int, item: Any, limit: int, what: str) -> int:
+        """Put `item` in `backlog` under round `rnd`, its oldest rounds dropped (with a warning)
+        beyond `limit`; returns how many were dropped. `_drain` sends them."""
+        backlog[rnd] = item
+        dropped = 0
+        while len(backlog) > limit:
+            old, _ = backlog.popitem(last=False)
+            dropped += 1
+            log.warning("node %s: %s backlog over %d rounds; round %d's %s will not reach the broker", self.node_id,
+                        what, limit, old, what)
+        return dropped
 
     def _flush_reports(self) -> int:
         """Send the oldest kept reports (at most BACKLOG_ROUNDS_PER_STEP), as `_drain` does;

@@ -783,12 +783,19 @@ def test_a_request_flood_from_one_certificate_is_rate_limited(pki, prompt_file, 
         broker.stop()
 
 
-def _two_honest_rounds_and_one_far_ahead(broker, prompts):
-    """a and b publish rounds 0-2; mallory publishes round 1000 (accepted: within current + 1000)."""
-    a, b, m = (client(broker, prompts, n) for n in ("a", "b", "mallory"))
+def _two_honest_rounds(broker, prompts):
+    """a and b publish rounds 0-2."""
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
     for r in range(3):
         a.publish(r, [summary(prompts[0], 1, round=r)])
         b.publish(r, [summary(prompts[0], 0, round=r)])
+    return a, b
+
+
+def _two_honest_rounds_and_one_far_ahead(broker, prompts):
+    """a and b publish rounds 0-2; mallory publishes round 1000 (accepted: within 1000 of the agreed round)."""
+    a, b = _two_honest_rounds(broker, prompts)
+    m = client(broker, prompts, "mallory")
     m.publish(1000, [summary(prompts[0], 1, round=1000)])
     return a, b, m
 
@@ -847,10 +854,7 @@ def test_two_ids_cannot_make_retention_drop_the_groups_of_the_nodes_at_work(prom
     # m1 and m2 at 6002 had retention delete every one of a's and b's groups
     broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0))
     try:
-        a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
-        for r in range(3):
-            a.publish(r, [summary(prompts[0], 1, round=r)])
-            b.publish(r, [summary(prompts[0], 0, round=r)])
+        a, b = _two_honest_rounds(broker, prompts)
         m1, m2 = client(broker, prompts, "m1"), client(broker, prompts, "m2")
         for _ in range(5):
             top = broker.fed.rounds.agreed() + 1000
