@@ -108,6 +108,12 @@ class BrokerConfig:
     max_requests_per_s: float = 100.0
     #: Per-node storage quota for uploaded bundles, MiB (0 = off).
     max_node_bundle_mib: int = 1024
+    #: Per-node quota of stored summaries (0 = off): a publish that would take the
+    #: summaries the broker holds of one node past it is refused (RESOURCE_EXHAUSTED) until
+    #: retention (`keep_rounds`) drops some. What bounds the state of a node that publishes
+    #: round after round far ahead of the others; an honest node holds prompts_per_round a
+    #: round (10,000,000: 312,500 rounds of 32 prompts).
+    max_node_summaries: int = 10_000_000
     #: Replay protection: every state-changing request carries a request id and the node's
     #: send time. The broker refuses a request id it has already applied for that node
     #: (ALREADY_EXISTS) and a send time more than this many seconds from its own clock
@@ -249,6 +255,7 @@ class BrokerConfig:
         require(0 <= self.max_requests_per_s < math.inf,
                 "broker.max_requests_per_s must be >= 0 and finite (0 = off)")
         require(self.max_node_bundle_mib >= 0, "broker.max_node_bundle_mib must be >= 0 (0 = off)")
+        require(0 <= self.max_node_summaries < 2**62, "broker.max_node_summaries must be >= 0 (0 = off)")
         require(1 <= self.replay_window_s < math.inf, "broker.replay_window_s must be >= 1 and finite (seconds of "
                 "clock skew and delay tolerated between a node sending a request and the broker receiving it)")
         require(0.1 <= self.heartbeat_interval_s < self.offline_after_s and math.isfinite(self.offline_after_s),

@@ -258,7 +258,7 @@ class Publishing(Part):
         live = []
         for i, p in enumerate(items):
             try:
-                self._open(p.node_id, p.session_id, p.round)
+                self._open(p.node_id, p.session_id, p.round, len(p.block))
                 live.append(i)
             except Exception as exc:  # noqa: BLE001 - each publish its own outcome
                 out[i] = exc
@@ -313,11 +313,13 @@ class Publishing(Part):
                                   "within a second", round)
         return out  # type: ignore[return-value]
 
-    def _open(self, node_id: str, session_id: str, round: int) -> None:
-        """A publish's session checked and marked alive, its rate limited, its round opened."""
+    def _open(self, node_id: str, session_id: str, round: int, count: int) -> None:
+        """A publish of `count` summaries: its session checked and marked alive, its rate
+        limited, its node's quota checked, its round opened."""
         with self.cond:
             self.registry.touch(node_id, session_id)
             self._rate_limit(node_id)
+            self._check_quota(node_id, count)
             rnd = self.rounds.get(round)
             if rnd is None:
                 if not self.rounds.may_open(node_id, round):
@@ -331,6 +333,20 @@ class Publishing(Part):
                 # than read back, with the first group commit's blocks, by the first publish)
                 self.index.open(round)
             self.rounds.note_published(node_id, round)
+
+    def _check_quota(self, node_id: str, count: int) -> None:
+        """The node's stored summaries (the state's count, at most one commit old) and these
+        `count` against `max_node_summaries`: a node publishing round after round, far ahead
+        of the others (which retention keeps), must not grow the state without bound."""
+        quota = self.cfg.max_node_summaries
+        if not quota or not count:
+            return
+        held = self.state.summaries_held(node_id)
+        if held + count > quota:
+            raise ResourceExhausted(
+                f"node {clip(node_id)} holds {held:,} summaries at the broker; {count:,} more would pass its quota of "
+                f"{quota:,} (broker.max_node_summaries). Retention (broker.keep_rounds) frees them as rounds go by; the "
+                "operator can raise the quota")
 
     def _rate_limit(self, node_id: str) -> None:
         self._publish_rate.check(node_id)

@@ -240,6 +240,13 @@ class BrokerState(abc.ABC):
                 for s in self.summaries(round=round, node_id=node_id, prompt_ids=prompt_ids, min_round=min_round)]
 
     @abc.abstractmethod
+    def summaries_held(self, node_id: str) -> int:
+        """How many summaries of `node_id` the state holds: raised by each new one stored
+        (not by a duplicate), lowered by retention, counted again when the state is opened.
+        What the broker's per-node quota (`max_node_summaries`) counts. Answered from memory,
+        without waiting for a commit under way: a count at most one commit old."""
+
+    @abc.abstractmethod
     def set_bundle_digest(self, node_id: str, round: int, prompt_id: str, digest: str) -> bool:
         """Attach an uploaded bundle to its summary; False when no such summary exists."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import Counter
 from typing import Any, Iterable, Sequence
 
 from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
@@ -44,6 +45,7 @@ class InMemoryState(BrokerState):
         self._secrets: dict[str, str] = {}  # node id -> the hash of the secret that holds it
         self._rounds: dict[int, RoundRow] = {}
         self._summaries: dict[tuple[str, int, str], SummaryRow] = {}
+        self._held_by_node: Counter[str] = Counter()  # summaries held per node
         self._matches: dict[tuple[int, str, str], MatchRow] = {}
         self._match_sets: dict[int, bytes] = {}
         self._bundles: dict[str, bytes] = {}  # insertion order is age: oldest first
@@ -114,10 +116,14 @@ class InMemoryState(BrokerState):
                     duplicates += 1
                 else:
                     self._summaries[key] = row
+                    self._held_by_node[row.node_id] += 1
                     accepted += 1
             if n is not None:
                 self._nodes[n.node_id] = dataclasses.replace(n, published=n.published + accepted)
         return accepted, duplicates
+
+    def summaries_held(self, node_id: str) -> int:
+        return self._held_by_node.get(node_id, 0)
 
     def summaries(self, round: int | None = None, node_id: str | None = None,
                   prompt_ids: Iterable[str] | None = None, min_round: int | None = None) -> list[SummaryRow]:
@@ -262,6 +268,9 @@ class InMemoryState(BrokerState):
                     for k in old:
                         del table[k]
                     removed += len(old)
+                    if table is self._summaries:
+                        self._held_by_node.subtract(Counter(k[0] for k in old))
+                        self._held_by_node = +self._held_by_node  # nodes holding none dropped
             drop = bundles_to_drop([(d, len(b)) for d, b in self._bundles.items()], max_bundle_bytes)
             if drop:
                 dropped = set(drop)

@@ -59,6 +59,7 @@ import sqlite3
 import stat
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -318,7 +319,8 @@ class _Job:
     attached), so that an upload waits for one commit. Concurrent uploads thus share commits with each other and with
     publishes (issue 13, eighteenth pass)."""
 
-    __slots__ = ("blocks", "encoded", "node", "bundle", "attach", "done", "lead", "result", "attached", "error")
+    __slots__ = ("blocks", "encoded", "node", "bundle", "attach", "done", "lead", "result", "attached", "error",
+                 "added")
 
     def __init__(self, blocks: list[SummaryBlock], encoded: list[list], node: NodeRow | None,
                  bundle: tuple[str, int, bytes, bytes] | None = None,
@@ -330,6 +332,7 @@ class _Job:
         self.result: Any = None
         self.attached = 0  # a bundle's job with `attach`: whether the digest was attached
         self.error: BaseException | None = None
+        self.added: list[tuple[str, int]] = []  # (node, summaries) of each block it wrote
 
 
 def _filter(round: int | None, receiver: str | None, source: str | None) -> tuple[str, list[Any]]:
@@ -370,6 +373,10 @@ class SqliteState(BrokerState):
         except BaseException:
             self._conn.close()
             raise
+        # summaries held per node (the per-node quota's count): changed under the lock by
+        # the commits that store or prune them, read without it (summaries_held)
+        self._held_by_node: Counter[str] = Counter(
+            {node: int(n) for node, n in self._read("SELECT node_id, SUM(count) FROM summary_blocks GROUP BY node_id")})
         self.checkpointer = Checkpointer(self.path)
 
     def _open_files(self, where: str) -> None:
@@ -661,7 +668,7 @@ class SqliteState(BrokerState):
         for j in batch:
             j.lead = False
             j.done.clear()
-            j.result, j.attached, j.error = None, 0, None
+            j.result, j.attached, j.error, j.added = None, 0, None, []
         with self._lock:
             conn = self._conn
             try:
@@ -680,6 +687,10 @@ class SqliteState(BrokerState):
                         conn.execute("BEGIN IMMEDIATE")
                         self._write_each(conn, batch)
                     conn.execute("COMMIT")
+                    for j in batch:
+                        if j.error is None:
+                            for node, count in j.added:
+                                self._held_by_node[node] += count
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
@@ -697,7 +708,7 @@ class SqliteState(BrokerState):
     def _write_each(self, conn: sqlite3.Connection, batch: list[_Job]) -> None:
         """The group one job at a time, each in its own savepoint (rolled back alone when it fails)."""
         for j in batch:
-            j.result, j.attached, j.error = None, 0, None
+            j.result, j.attached, j.error, j.added = None, 0, None, []
             conn.execute("SAVEPOINT grp")
             try:
                 self._write_jobs(conn, [j])
@@ -934,6 +945,7 @@ class SqliteState(BrokerState):
                 continue
             blocks += rows
             digests += dg
+            j.added = [(r[0], r[3]) for r in rows]
             if j.node is not None:
                 n = j.node
                 nodes.append((n.node_id, n.model_id, n.tokenizer_id, n.privacy, n.state, n.session_id, n.round,
@@ -1358,6 +1370,9 @@ class SqliteState(BrokerState):
                                          "(SELECT value FROM json_each(?))", (json.dumps(wanted),))}
         return [d for d in wanted if d in held]
 
+    def summaries_held(self, node_id: str) -> int:
+        return self._held_by_node.get(node_id, 0)
+
     def bundle_bytes_by_node(self) -> dict[str, int]:
         rows = self._read("SELECT s.node_id, SUM(b.size) FROM (SELECT DISTINCT node_id, digest FROM summary_digests) s "
                           "JOIN bundles b ON b.digest = s.digest GROUP BY s.node_id")
@@ -1442,14 +1457,15 @@ class SqliteState(BrokerState):
     # ----- retention
     def prune(self, keep_rounds: int | None = None, max_bundle_bytes: int | None = None) -> int:
         check_prune_args(keep_rounds, max_bundle_bytes)
-        removed, files = 0, []
+        removed, files, gone = 0, [], {}
         with self._lock:
             with self._tx() as conn:
                 (latest,), = conn.execute("SELECT MAX(round) FROM rounds").fetchall()
                 cutoff = prune_cutoff(-1 if latest is None else latest, keep_rounds)
                 if cutoff is not None:
-                    (held,), = conn.execute("SELECT COALESCE(SUM(count), 0) FROM summary_blocks WHERE round < ?",
-                                            (cutoff,)).fetchall()
+                    gone = {node: int(n) for node, n in conn.execute(
+                        "SELECT node_id, SUM(count) FROM summary_blocks WHERE round < ? GROUP BY node_id", (cutoff,))}
+                    held = sum(gone.values())
                     conn.execute("DELETE FROM summary_blocks WHERE round < ?", (cutoff,))
                     conn.execute("DELETE FROM summary_digests WHERE round < ?", (cutoff,))
                     removed += held  # summaries, as the other tables count rows
@@ -1461,6 +1477,9 @@ class SqliteState(BrokerState):
                     if drop:
                         dropped, files = self._drop_bundles(conn, drop)
                         removed += dropped
+            self._held_by_node.subtract(gone)  # committed
+            for node in [n for n, c in gone.items() if self._held_by_node[n] <= 0]:
+                del self._held_by_node[node]
             if cutoff is not None:  # the files after their rows (a crash between: the sweep at open deletes them)
                 self.blocks.remove_below(cutoff)
         # the files after their rows (a crash between leaves files no row names: deleted at

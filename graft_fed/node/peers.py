@@ -255,6 +255,15 @@ class BrokerPeers:
                         "exchange", self.node_id, rnd, exc.status, exc)
             return {"federation/connected": 1.0, "federation/skipped": 1.0, "federation/publish_refused": 1.0,
                     "federation/backlog_rounds": float(len(self.backlog))}
+        except ResourceExhausted as exc:
+            # a limit of this node's (its publish rate, or the summaries the broker holds of it):
+            # the broker is there, so no new Join; the summaries wait in the backlog for the
+            # limit to lift (the rate's next tokens, retention freeing stored summaries)
+            self._defer(rnd, summaries)
+            log.warning("node %s: the broker refused round %d's summaries for a limit (%s); this step trains without "
+                        "the exchange and the summaries wait in the backlog", self.node_id, rnd, exc)
+            return {"federation/connected": 1.0, "federation/skipped": 1.0, "federation/publish_refused": 1.0,
+                    "federation/backlog_rounds": float(len(self.backlog))}
         except FederationError as exc:
             self._defer(rnd, summaries)
             self._lost(exc)

@@ -457,6 +457,30 @@ def test_prune_rounds(state):
     assert [r.round for r in state.reports()] == [3, 4] and state.compat()[0].groups == 5  # compat stays
 
 
+def test_summaries_held_per_node_count_new_rows_drop_with_retention_and_survive_reopening(state, tmp_path):
+    """What the per-node summary quota (broker.max_node_summaries) reads: new summaries only
+    (not duplicates, not another node's), lowered by retention, the same after reopening."""
+    assert state.summaries_held("a") == 0
+    _fill_rounds(state)  # a and b: one summary in each of rounds 0-4
+    assert state.put_summaries([summ("a", 4, "p0"), summ("a", 4, "p1")]) == (1, 1)  # one duplicate
+    assert state.put_summary_blocks([(SummaryBlock.from_rows([summ("a", 5, "p0"), summ("a", 5, "p1")]), None),
+                                     (SummaryBlock.from_rows([summ("b", 5, "p0")]), None)]) == [(2, 0), (1, 0)]
+    assert (state.summaries_held("a"), state.summaries_held("b"), state.summaries_held("c")) == (8, 6, 0)
+    state.put_round(RoundRow(round=5, state="open", opened_at=5.0))
+    state.prune(keep_rounds=2)  # rounds 4 and 5 stay
+    assert (state.summaries_held("a"), state.summaries_held("b")) == (4, 2)
+    assert {n: len(state.summaries(node_id=n)) for n in "ab"} == {"a": 4, "b": 2}
+    state.prune(keep_rounds=1)
+    assert (state.summaries_held("a"), state.summaries_held("b")) == (2, 1)
+    if isinstance(state, SqliteState):
+        state.close()
+        again = SqliteState(tmp_path / "broker.db")
+        try:
+            assert (again.summaries_held("a"), again.summaries_held("b")) == (2, 1)
+        finally:
+            again.close()
+
+
 def test_prune_bundles_drops_oldest_and_unlinks(state):
     state.put_summaries([summ(prompt_id=f"p{i}") for i in range(4)])
     for i, size in enumerate((40, 30, 20, 10)):
@@ -673,6 +697,10 @@ class SameBehaviour(RuleBasedStateMachine):
             self.both("get_round", r)
             self.both("match_set", r)
         self.both("match_set_rounds")
+        held = [s.node_id for s in self.mem.summaries()]
+        for n in sorted(set(held)) + ["nobody"]:
+            self.both("summaries_held", n)
+            assert self.mem.summaries_held(n) == held.count(n)  # the quota's count is the rows held
 
     def teardown(self):
         self.mem.close()

@@ -700,6 +700,45 @@ def test_the_bundle_quota_survives_a_broker_restart(prompt_file, prompts, tmp_pa
         broker.stop()
 
 
+def test_a_node_publishing_round_after_round_is_held_to_its_summary_quota(prompt_file, prompts, tmp_path):
+    """A node may open rounds up to 1000 past its own, and retention keeps the rounds ahead
+    of the others: one id publishing round after round grew the state without end (the
+    publish rate and the per-round cap bounded its speed, not its total). The summaries the
+    broker holds of a node are now bounded by max_node_summaries: past it a publish is
+    refused RESOURCE_EXHAUSTED, saying what to do, and stores nothing; the other nodes go
+    on; retention frees the quota; a restarted broker counts the same."""
+    db = str(tmp_path / "broker.sqlite")
+    cfg = broker_config(prompt_file, db=db, max_node_summaries=6, keep_rounds=2)
+    broker = start_broker(cfg)
+    try:
+        a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+        for r in (0, 1, 900):  # far ahead: allowed, and kept by retention
+            a.publish(r, [summary(prompts[0], 1, round=r), summary(prompts[1], 0, round=r)])
+        code, details = code_of(lambda: a.publish(901, [summary(prompts[0], 1, round=901)]))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "holds 6 summaries" in details and "quota of 6 (broker.max_node_summaries)" in details
+        assert broker.state.summaries_held("a") == 6 and not broker.state.summaries(round=901)
+        for r in range(3):  # b is not held to a's count
+            b.publish(r, [summary(p, 0, round=r) for p in prompts[:2]])
+        broker.fed.prune()  # the agreed round is 2 (a's 900 is its own): round 0 goes
+        assert broker.state.summaries_held("a") == 4 and broker.state.summaries_held("b") == 4
+        a.publish(901, [summary(prompts[0], 1, round=901), summary(prompts[1], 1, round=901)])
+        assert broker.state.summaries_held("a") == 6
+        a.close()
+        b.close()
+    finally:
+        broker.stop()
+    broker = start_broker(cfg)
+    try:
+        assert broker.state.summaries_held("a") == 6
+        a = client(broker, prompts, "a")
+        assert code_of(lambda: a.publish(902, [summary(prompts[0], 1, round=902)]))[0] == \
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        a.close()
+    finally:
+        broker.stop()
+
+
 def test_bundle_bytes_by_node_agrees_between_state_backends(tmp_path):
     from graft_fed.broker.state import BrokerState
     from graft_fed.broker.state_memory import InMemoryState

@@ -361,6 +361,44 @@ def test_a_publish_the_broker_refuses_is_not_a_lost_broker():
     assert client.calls == 1
 
 
+def test_a_publish_refused_for_a_limit_waits_in_the_backlog_without_a_new_join():
+    """A publish refused RESOURCE_EXHAUSTED (the node's publish rate, or the summaries the
+    broker holds of it, max_node_summaries) was taken for a lost broker: the node joined
+    again at every step. The broker is there: the node stays joined, the step trains
+    without the exchange, and the summaries wait in the backlog until the limit lifts."""
+    import threading
+    from types import SimpleNamespace
+
+    from graft_fed.federation.errors import ResourceExhausted
+    from graft_fed.federation.manifest import Manifest
+    from graft_fed.node.peers import BrokerPeers
+
+    class AtQuota:
+        session_lost = threading.Event()
+        round = 0
+        sent: list = []
+        full = True
+
+        def publish(self, rnd, summaries):
+            if self.full:
+                raise ResourceExhausted("node 'me' holds 6 summaries at the broker; quota of 6")
+            self.sent.append(rnd)
+
+    m = Manifest("f", 1, "d", "h", 0, 2, 4, "sync", "v", "1", 0, "group/sample")
+    client = AtQuota()
+    peers = BrokerPeers(client, "me", "summaries_only", m, "b", None, 1, 1, 1, 1, 1, 1)
+    peers.broker_manifest, peers.connected = m, True
+    learner = SimpleNamespace(is_main=True, step=5, store=None, run_id="r", model_id="m", tok_id="t")
+    got = peers.publish(learner, SimpleNamespace(groups=[]))
+    assert got["federation/publish_refused"] == 1.0 and got["federation/connected"] == 1.0
+    assert peers.connected and list(peers.backlog) == [5] and not peers._round.live
+    client.full = False  # retention freed some: the next round goes, then (after its report) the backlog
+    learner.step = 6
+    peers.publish(learner, SimpleNamespace(groups=[]))
+    assert client.sent == [6] and peers._round.live
+    assert peers._flush_backlog(learner) == 1 and client.sent == [6, 5] and not peers.backlog
+
+
 def test_a_report_the_broker_could_not_be_reached_for_is_sent_at_the_next_step():
     """A compatibility report lost to a transient error was dropped with the step's exchange,
     rejections of a lying source with it. It is kept and sent once the broker is back; one
