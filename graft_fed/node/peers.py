@@ -439,18 +439,21 @@ class BrokerPeers:
             return self.client.upload_missing(records)
         except UPLOAD_REFUSALS as exc:
             # refusals of these bundles, not a lost broker: the offers to this node still come
-            self._uploads_refused(learner.step, exc)
+            self._uploads_refused(sorted({r for _, r in records}), exc)  # async: of several rounds
             return getattr(exc, "sent", 0)
 
-    def _uploads_refused(self, rnd: int, exc: FederationError, then: str = "") -> None:
+    def _uploads_refused(self, rounds: int | Sequence[int], exc: FederationError, then: str = "") -> None:
         """Count and say why the broker refused bundles this node uploaded (some, each for
         itself: BundlesRefused; or all: PERMISSION_DENIED, say while it is quarantined, or
-        RESOURCE_EXHAUSTED, its bundle quota used up);
+        RESOURCE_EXHAUSTED, its bundle quota used up) of the round, or rounds, they belong to;
         `then`: what the node does about it, added to the warning."""
         self.uploads_refused_by_broker += getattr(exc, "refused", 1)
         if isinstance(exc, PermissionDenied):
             then = then or "; peers are not offered its groups meanwhile, but it still receives theirs"
-        log.warning("node %s: the broker refused round %d's bundles (%s)%s", self.node_id, rnd, exc, then)
+        rounds = [rounds] if isinstance(rounds, int) else list(rounds)
+        which = (f"round {rounds[0]}'s" if len(rounds) == 1 else f"rounds {', '.join(map(str, rounds))}'" if rounds
+                 else "its")
+        log.warning("node %s: the broker refused %s bundles (%s)%s", self.node_id, which, exc, then)
 
     def _defer(self, rnd: int, summaries: list[SummaryRow]) -> None:
         """Keep a round's summaries for publishing once the broker is back."""

@@ -1018,7 +1018,7 @@ def test_a_node_refuses_a_fetched_bundle_that_is_too_big_or_inconsistent(broker,
     b.close()
 
 
-def test_a_node_over_its_bundle_quota_still_receives(prompt_file, prompts):
+def test_a_node_over_its_bundle_quota_still_receives(prompt_file, prompts, caplog):
     """The per-node bundle quota (max_node_bundle_mib) only grows: a share_all node that used
     it up had every upload refused RESOURCE_EXHAUSTED, which read as a lost broker, so from
     then on every step dropped its exchange (no offers, no report) and re-joined, until the
@@ -1043,8 +1043,11 @@ def test_a_node_over_its_bundle_quota_still_receives(prompt_file, prompts):
         peers.broker_manifest, peers.connected = m, True
         learner = SimpleNamespace(step=1, store=InformativeStore(), run_id="r", model_id="m", tok_id="t")
         asks = MatchResult(ready=True, offers=[], upload_requests=[(prompts[0].id, 0), (prompts[1].id, 0)])
-        assert peers._serve_uploads(learner, asks, {}) == 0
+        with caplog.at_level("WARNING", logger="graft_fed.node"):
+            assert peers._serve_uploads(learner, asks, {}) == 0
         assert peers.connected and peers.uploads_refused_by_broker == 2
+        # the bundles' round (0), not the node's current step (1), as the warning said before
+        assert "refused round 0's bundles" in caplog.text and "round 1" not in caplog.text
         a.close()
     finally:
         broker.stop()
