@@ -51,6 +51,9 @@ def test_a_node_needs_a_real_port_to_call():
     ("replay_window_s", float("inf"), "replay_window_s must be >= 1 and finite"),
     ("max_requests_per_s", float("inf"), "max_requests_per_s must be >= 0 and finite"),
     ("max_workers", 10**6, r"max_workers must be in \[8, 4096\]"),
+    # a quota below one publish's summaries refuses every node's first full round
+    ("max_node_summaries", 100, r"max_node_summaries must be 0 \(off\) or at least .* = 128; got 100"),
+    ("max_node_summaries", -1, "max_node_summaries must be 0"),
 ])
 def test_broker_values_that_failed_at_run_time_are_refused_at_load(key, value, message):
     with pytest.raises(ConfigError, match=message):
@@ -125,3 +128,20 @@ def test_nan_is_refused_however_yaml_reads_it(text):
 
     with pytest.raises(ConfigError, match="optim.eps: NaN is not a setting"):
         load_train_config(None, parse_overrides([f"optim.eps={text}"]))
+
+
+def test_the_broker_says_at_start_when_honest_nodes_will_reach_their_summary_quota(caplog):
+    """max_node_summaries bounds what a node holds; with retention off (the default) or
+    keeping more rounds than the quota holds, honest nodes reach it too: the broker says
+    after how many rounds, at start."""
+    from graft_fed.broker.server import _say_quota_reach
+
+    with caplog.at_level("INFO", logger="graft_fed.broker"):
+        _say_quota_reach(load_broker_config(None, {}))  # 10,000,000 / 32
+        _say_quota_reach(load_broker_config(None, {"keep_rounds": 100, "max_node_summaries": 3200}))  # 100 rounds
+        _say_quota_reach(load_broker_config(None, {"keep_rounds": 100, "max_node_summaries": 640_000}))  # plenty
+        _say_quota_reach(load_broker_config(None, {"max_node_summaries": 0}))  # off
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert len(said) == 2
+    assert said[0][0] == "INFO" and "after about 312500 rounds" in said[0][1] and "set keep_rounds" in said[0][1]
+    assert said[1][0] == "WARNING" and "holds 100 rounds of 32 summaries" in said[1][1]

@@ -23,8 +23,6 @@ log = logging.getLogger("graft_fed.broker")
 class Bundles(Part):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        # uploaded bytes per node, rebuilt from the durable state (a restart must not reset quotas)
-        self.bytes_by_node: Counter[str] = Counter(ctx.state.bundle_bytes_by_node())
         self._warned_unverifiable = False
 
     def has_bundles(self, node_id: str, session_id: str, digests: Sequence[str]) -> list[str]:
@@ -59,9 +57,16 @@ class Bundles(Part):
         if not is_digest(digest):
             raise InvalidArgument(f"malformed digest {clip(digest, 70)}: expected 64 lowercase hex digits")
         quota = self.cfg.max_node_bundle_mib * 2**20
-        if quota and self.bytes_by_node[node_id] + size > quota:
-            raise ResourceExhausted(f"node {clip(node_id)} exceeded its bundle storage quota of "
-                                    f"{self.cfg.max_node_bundle_mib} MiB")
+        if quota:
+            # the bytes of the bundles it uploaded that the state still holds (the state's
+            # count, lowered when retention drops some, counted again after a restart)
+            held = self.state.bundle_bytes_held(node_id)
+            if held + size > quota:
+                raise ResourceExhausted(
+                    f"node {clip(node_id)} exceeded its bundle storage quota of {self.cfg.max_node_bundle_mib} MiB "
+                    f"(broker.max_node_bundle_mib): the broker holds {held / 2**20:.1f} MiB of bundles it uploaded and "
+                    f"this one is {size / 2**20:.1f} MiB. Retention (broker.max_bundle_gib) frees them; the operator "
+                    "can raise the quota")
         if signature and signer_cert:
             try:
                 cert = load_certificate_der(signer_cert)
@@ -120,7 +125,6 @@ class Bundles(Part):
                                                      prompt_id)
         with self.cond:
             if stored:
-                self.bytes_by_node[node_id] += up.size
                 self.counters["bundles_signed" if up.signature else "bundles_unsigned"] += 1
             self.counters["bundles_stored" if stored else "bundles_duplicate"] += 1
             self.counters["bundle_bytes_in"] += up.size

@@ -12,6 +12,7 @@ from graft_fed.configbase import load_config, require, require_address
 from graft_fed.core.advantages import ADVANTAGES, PAPER_ADVANTAGE
 from graft_fed.core.records import MAX_GROUP_N
 from graft_fed.data.config import DataConfig
+from graft_fed.federation.limits import MAX_PER_ROUND_FACTOR
 from graft_fed.rewards.config import VerifierConfig
 
 
@@ -106,13 +107,17 @@ class BrokerConfig:
     #: under mutual TLS (keyed on the certificate's name). 0 = off. A graft-fed node sends a
     #: heartbeat every `heartbeat_interval_s` and a few dozen calls per step.
     max_requests_per_s: float = 100.0
-    #: Per-node storage quota for uploaded bundles, MiB (0 = off).
+    #: Per-node storage quota for uploaded bundles, MiB (0 = off): the bundles a node
+    #: uploaded that the broker still holds (retention, `max_bundle_gib`, frees it). Past it
+    #: the node's uploads are refused (RESOURCE_EXHAUSTED); it still receives its peers'.
     max_node_bundle_mib: int = 1024
     #: Per-node quota of stored summaries (0 = off): a publish that would take the
     #: summaries the broker holds of one node past it is refused (RESOURCE_EXHAUSTED) until
     #: retention (`keep_rounds`) drops some. What bounds the state of a node that publishes
-    #: round after round far ahead of the others; an honest node holds prompts_per_round a
-    #: round (10,000,000: 312,500 rounds of 32 prompts).
+    #: round after round far ahead of the others. An honest node adds prompts_per_round a
+    #: round, so with retention off (keep_rounds null, the default) it is refused after
+    #: max_node_summaries / prompts_per_round rounds (10,000,000: 312,500 rounds of 32
+    #: prompts, 2,441 of 4,096; the broker says so at start): set keep_rounds for longer runs.
     max_node_summaries: int = 10_000_000
     #: Replay protection: every state-changing request carries a request id and the node's
     #: send time. The broker refuses a request id it has already applied for that node
@@ -255,7 +260,11 @@ class BrokerConfig:
         require(0 <= self.max_requests_per_s < math.inf,
                 "broker.max_requests_per_s must be >= 0 and finite (0 = off)")
         require(self.max_node_bundle_mib >= 0, "broker.max_node_bundle_mib must be >= 0 (0 = off)")
-        require(0 <= self.max_node_summaries < 2**62, "broker.max_node_summaries must be >= 0 (0 = off)")
+        require(self.max_node_summaries == 0
+                or MAX_PER_ROUND_FACTOR * self.prompts_per_round <= self.max_node_summaries < 2**62,
+                f"broker.max_node_summaries must be 0 (off) or at least what one publish may carry, "
+                f"{MAX_PER_ROUND_FACTOR} x prompts_per_round = {MAX_PER_ROUND_FACTOR * self.prompts_per_round}; got "
+                f"{self.max_node_summaries}")
         require(1 <= self.replay_window_s < math.inf, "broker.replay_window_s must be >= 1 and finite (seconds of "
                 "clock skew and delay tolerated between a node sending a request and the broker receiving it)")
         require(0.1 <= self.heartbeat_interval_s < self.offline_after_s and math.isfinite(self.offline_after_s),

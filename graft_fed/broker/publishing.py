@@ -258,7 +258,7 @@ class Publishing(Part):
         live = []
         for i, p in enumerate(items):
             try:
-                self._open(p.node_id, p.session_id, p.round, len(p.block))
+                self._open(p)
                 live.append(i)
             except Exception as exc:  # noqa: BLE001 - each publish its own outcome
                 out[i] = exc
@@ -276,6 +276,7 @@ class Publishing(Part):
                 p = items[i]
                 try:
                     node = self.registry.check(p.node_id, p.session_id)
+                    self._check_quota(p)  # again, exact: the node's stores wait for its lock
                 except Exception as exc:  # noqa: BLE001
                     out[i] = exc
                     continue
@@ -313,36 +314,57 @@ class Publishing(Part):
                                   "within a second", round)
         return out  # type: ignore[return-value]
 
-    def _open(self, node_id: str, session_id: str, round: int, count: int) -> None:
-        """A publish of `count` summaries: its session checked and marked alive, its rate
-        limited, its node's quota checked, its round opened."""
+    def _open(self, p: Publish) -> None:
+        """A publish's session checked and marked alive, its rate limited, its node's quota
+        checked (near the quota, outside the broker's lock: the check then reads the state),
+        its round opened."""
         with self.cond:
-            self.registry.touch(node_id, session_id)
-            self._rate_limit(node_id)
-            self._check_quota(node_id, count)
-            rnd = self.rounds.get(round)
-            if rnd is None:
-                if not self.rounds.may_open(node_id, round):
-                    raise FailedPrecondition(
-                        f"round {round} is implausibly far ahead of the federation: a node may open a round up to "
-                        f"{MAX_ROUNDS_AHEAD} past the highest round two nodes have published "
-                        f"({self.rounds.agreed()}) or past its own; at most {self.rounds.open_limit(node_id)} for "
-                        f"{clip(node_id)}")
-                self.rounds.put(RoundRow(round=round, state="open", opened_at=self.clock()))
-                # nothing of a round is stored before its row: its index starts empty (rather
-                # than read back, with the first group commit's blocks, by the first publish)
-                self.index.open(round)
-            self.rounds.note_published(node_id, round)
+            self.registry.touch(p.node_id, p.session_id)
+            self._rate_limit(p.node_id)
+            if self._within_quota(p):
+                self._open_round(p.node_id, p.round)
+                return
+        self._check_quota(p)
+        with self.cond:
+            self._open_round(p.node_id, p.round)
 
-    def _check_quota(self, node_id: str, count: int) -> None:
-        """The node's stored summaries (the state's count, at most one commit old) and these
-        `count` against `max_node_summaries`: a node publishing round after round, far ahead
-        of the others (which retention keeps), must not grow the state without bound."""
+    def _open_round(self, node_id: str, round: int) -> None:
+        """The publish's round opened when it is new (the caller holds the broker's lock)."""
+        rnd = self.rounds.get(round)
+        if rnd is None:
+            if not self.rounds.may_open(node_id, round):
+                raise FailedPrecondition(
+                    f"round {round} is implausibly far ahead of the federation: a node may open a round up to "
+                    f"{MAX_ROUNDS_AHEAD} past the highest round two nodes have published "
+                    f"({self.rounds.agreed()}) or past its own; at most {self.rounds.open_limit(node_id)} for "
+                    f"{clip(node_id)}")
+            self.rounds.put(RoundRow(round=round, state="open", opened_at=self.clock()))
+            # nothing of a round is stored before its row: its index starts empty (rather
+            # than read back, with the first group commit's blocks, by the first publish)
+            self.index.open(round)
+        self.rounds.note_published(node_id, round)
+
+    def _within_quota(self, p: Publish) -> bool:
+        """Whether the node's held summaries and all of the publish's stay within its quota
+        (no state read: the state's count)."""
         quota = self.cfg.max_node_summaries
-        if not quota or not count:
+        return not quota or self.state.summaries_held(p.node_id) + len(p.block) <= quota
+
+    def _check_quota(self, p: Publish) -> None:
+        """The summaries the state holds of the node and the publish's new ones against
+        `max_node_summaries`: a node publishing round after round, far ahead of the others
+        (which retention keeps), must not grow the state without bound. The state's count
+        is read without a lock; only near the quota are the publish's summaries already held
+        (a publish sent again after a lost answer) looked up, and not counted. Called before
+        the round is opened, and again under the node's lock just before the store (two
+        publishes of a node in flight cannot pass it together)."""
+        if self._within_quota(p):
             return
-        held = self.state.summaries_held(node_id)
-        if held + count > quota:
+        quota, node_id, held = self.cfg.max_node_summaries, p.node_id, self.state.summaries_held(p.node_id)
+        have = {h.prompt_id for h in self.state.summary_heads(round=p.round, node_id=node_id,
+                                                              prompt_ids=p.block.prompt_ids)}
+        count = len(set(p.block.prompt_ids) - have)
+        if count and held + count > quota:
             raise ResourceExhausted(
                 f"node {clip(node_id)} holds {held:,} summaries at the broker; {count:,} more would pass its quota of "
                 f"{quota:,} (broker.max_node_summaries). Retention (broker.keep_rounds) frees them as rounds go by; the "

@@ -340,6 +340,7 @@ class BrokerServer:
         self._threads.append(t)
         log.info("broker listening on %s (http %s), federation %s, dataset %s, mode %s", self.address,
                  self.http_port, self.cfg.federation_id, self.fed.manifest.dataset_id, self.cfg.mode)
+        _say_quota_reach(self.cfg)
         return self
 
     def wait(self) -> None:
@@ -371,6 +372,22 @@ class BrokerServer:
             log.exception("persisting liveness failed")
         self.state.close()
 
+
+def _say_quota_reach(cfg: BrokerConfig) -> None:
+    """How many rounds a node may publish before `max_node_summaries` refuses it, when that
+    is not far: with retention keeping every round, or keeping more than the quota holds."""
+    quota, per_round = cfg.max_node_summaries, cfg.prompts_per_round
+    if not quota:
+        return
+    rounds = quota // per_round
+    if cfg.keep_rounds is None:
+        log.info("retention keeps every round (keep_rounds: null): a node publishing %d summaries a round reaches "
+                 "max_node_summaries (%d) after about %d rounds and its publishes are refused from then on; set "
+                 "keep_rounds for longer runs", per_round, quota, rounds)
+    elif rounds < cfg.keep_rounds + 2:
+        log.warning("max_node_summaries (%d) holds %d rounds of %d summaries, fewer than retention keeps (keep_rounds "
+                    "%d): every node will have its publishes refused once it has published that many rounds; raise "
+                    "max_node_summaries or lower keep_rounds", quota, rounds, per_round, cfg.keep_rounds)
 
 def start_broker(cfg: BrokerConfig, state: BrokerState | None = None) -> BrokerServer:
     """Start a broker as `graft-fed broker` runs one, in a process of its own (the command

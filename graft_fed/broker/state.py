@@ -304,10 +304,13 @@ class BrokerState(abc.ABC):
         return BundleWriter(self)
 
     @abc.abstractmethod
-    def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+    def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"",
+                   node_id: str = "") -> bool:
         """Store bytes under their sha256 digest, with the producer's signature over the digest
-        and its certificate (DER) when it signed; False when already held (then nothing,
-        provenance included, is rewritten). The caller has checked the digest."""
+        and its certificate (DER) when it signed, uploaded by `node_id` ("" for none: they
+        count against no node's quota, `bundle_bytes_held`); False when already held (then
+        nothing, provenance and uploader included, is rewritten). The caller has checked the
+        digest."""
 
     @abc.abstractmethod
     def get_bundle(self, digest: str) -> bytes | None: ...
@@ -363,19 +366,12 @@ class BrokerState(abc.ABC):
     def bundle_stats(self) -> tuple[int, int]:
         """(number of bundles, total bytes)."""
 
-    def bundle_bytes_by_node(self) -> dict[str, int]:
-        """Bytes of the held bundles attached to each node's summaries (each digest counted
-        once per node): what the per-node storage quota is rebuilt from at startup. This
-        default reads every summary; implementations may answer it in one query."""
-        out: dict[str, int] = {}
-        seen: set[tuple[str, str]] = set()
-        for s in self.summaries():
-            if s.bundle_digest and (s.node_id, s.bundle_digest) not in seen:
-                seen.add((s.node_id, s.bundle_digest))
-                data = self.get_bundle(s.bundle_digest)
-                if data is not None:
-                    out[s.node_id] = out.get(s.node_id, 0) + len(data)
-        return out
+    @abc.abstractmethod
+    def bundle_bytes_held(self, node_id: str) -> int:
+        """Bytes of the bundles `node_id` uploaded (it stored first) that the state still
+        holds: raised by each one stored, lowered when retention drops one, counted again
+        when the state is opened. What the broker's per-node quota (`max_node_bundle_mib`)
+        counts. Answered from memory, without waiting for a commit under way."""
 
     # ----- compatibility
     @abc.abstractmethod
@@ -485,18 +481,19 @@ class BundleWriter:
         the caller takes around it (a state on disk syncs its file here); they are still no
         bundle until `commit`, and `abort` drops them. This default does nothing."""
 
-    def commit(self, digest: str, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
-        """Store the bytes written under `digest` (the caller checked it), as put_bundle does;
-        False when the digest was held already (the bytes written are dropped)."""
+    def commit(self, digest: str, signature: bytes = b"", signer_cert: bytes = b"", node_id: str = "") -> bool:
+        """Store the bytes written under `digest` (the caller checked it), uploaded by
+        `node_id`, as put_bundle does; False when the digest was held already (the bytes
+        written are dropped)."""
         data, self._chunks = b"".join(self._chunks), []
-        return self._state.put_bundle(digest, data, signature=signature, signer_cert=signer_cert)
+        return self._state.put_bundle(digest, data, signature=signature, signer_cert=signer_cert, node_id=node_id)
 
     def commit_attached(self, digest: str, signature: bytes, signer_cert: bytes, node_id: str, round: int,
                         prompt_id: str) -> tuple[bool, bool]:
         """`commit`, then the digest attached to the node's summary of the prompt in the round
         (`set_bundle_digest`): (stored, attached). A state on disk does both in one commit,
-        the one an upload waits for."""
-        stored = self.commit(digest, signature, signer_cert)
+        the one an upload waits for. The bundle counts as the node's upload."""
+        stored = self.commit(digest, signature, signer_cert, node_id=node_id)
         return stored, self._state.set_bundle_digest(node_id, round, prompt_id, digest)
 
     def abort(self) -> None:

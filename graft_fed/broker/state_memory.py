@@ -14,9 +14,9 @@ from typing import Any, Iterable, Sequence
 
 from graft_fed.broker.state import BrokerState, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
 from graft_fed.broker.state_rows import (
-    as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, match_key, norm_blob, norm_bytes,
-    norm_compat_args, norm_digests, norm_match, norm_node, norm_pairs, norm_prompt_ids, norm_report, norm_round,
-    norm_summary, opt_int, opt_str, prune_cutoff, report_key, summary_key,
+    as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, lower_counts, match_key, norm_blob,
+    norm_bytes, norm_compat_args, norm_digests, norm_match, norm_node, norm_pairs, norm_prompt_ids, norm_report,
+    norm_round, norm_summary, opt_int, opt_str, prune_cutoff, report_key, summary_key,
 )
 
 
@@ -46,6 +46,8 @@ class InMemoryState(BrokerState):
         self._rounds: dict[int, RoundRow] = {}
         self._summaries: dict[tuple[str, int, str], SummaryRow] = {}
         self._held_by_node: Counter[str] = Counter()  # summaries held per node
+        self._uploader: dict[str, str] = {}  # digest -> the node that uploaded it
+        self._bundle_bytes_by_node: Counter[str] = Counter()  # bytes of the bundles each uploaded
         self._matches: dict[tuple[int, str, str], MatchRow] = {}
         self._match_sets: dict[int, bytes] = {}
         self._bundles: dict[str, bytes] = {}  # insertion order is age: oldest first
@@ -185,8 +187,9 @@ class InMemoryState(BrokerState):
             return sorted(self._match_sets)
 
     # ----- bundles
-    def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
-        digest = as_str(digest, "digest")
+    def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"",
+                   node_id: str = "") -> bool:
+        digest, node_id = as_str(digest, "digest"), as_str(node_id, "node_id")
         blob = norm_bytes(data)
         provenance = (norm_blob(signature, "signature"), norm_blob(signer_cert, "signer_cert"))
         with self._lock:
@@ -195,7 +198,13 @@ class InMemoryState(BrokerState):
             self._bundles[digest] = blob
             self._provenance[digest] = provenance
             self._bundle_bytes += len(blob)
+            if node_id:
+                self._uploader[digest] = node_id
+                self._bundle_bytes_by_node[node_id] += len(blob)
             return True
+
+    def bundle_bytes_held(self, node_id: str) -> int:
+        return self._bundle_bytes_by_node.get(node_id, 0)
 
     def bundle_provenance(self, digest: str) -> tuple[bytes, bytes] | None:
         digest = as_str(digest, "digest")
@@ -269,14 +278,17 @@ class InMemoryState(BrokerState):
                         del table[k]
                     removed += len(old)
                     if table is self._summaries:
-                        self._held_by_node.subtract(Counter(k[0] for k in old))
-                        self._held_by_node = +self._held_by_node  # nodes holding none dropped
+                        lower_counts(self._held_by_node, Counter(k[0] for k in old))
             drop = bundles_to_drop([(d, len(b)) for d, b in self._bundles.items()], max_bundle_bytes)
             if drop:
                 dropped = set(drop)
                 for d in drop:
-                    self._bundle_bytes -= len(self._bundles.pop(d))
+                    size = len(self._bundles.pop(d))
+                    self._bundle_bytes -= size
                     del self._provenance[d]
+                    owner = self._uploader.pop(d, "")
+                    if owner:
+                        lower_counts(self._bundle_bytes_by_node, {owner: size})
                 for row in self._summaries.values():
                     if row.bundle_digest in dropped:
                         row.bundle_digest = ""

@@ -9,7 +9,8 @@ See docs/broker-state.md for the contract.
 from __future__ import annotations
 
 import operator
-from typing import Iterable, Sequence
+from collections import Counter
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -217,6 +218,17 @@ def check_prune_args(keep_rounds: int | None, max_bundle_bytes: int | None) -> N
         raise ValueError(f"keep_rounds must be at least 1 (None keeps every round), got {keep_rounds}")
     if max_bundle_bytes is not None and as_int(max_bundle_bytes, "max_bundle_bytes") < 0:
         raise ValueError(f"max_bundle_bytes must be >= 0 (None keeps every bundle), got {max_bundle_bytes}")
+
+
+def lower_counts(counts: Counter[str], by: Mapping[str, int]) -> None:
+    """Lower per-node counts (a state's quota counts) by what retention dropped; a node left
+    with none leaves the counter."""
+    for node, n in by.items():
+        left = counts[node] - n
+        if left > 0:
+            counts[node] = left
+        else:
+            counts.pop(node, None)
 
 
 def prune_cutoff(latest: int, keep_rounds: int | None) -> int | None:

@@ -71,8 +71,8 @@ from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_p
 from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow,
                                     SummaryHead, SummaryRow)
 from graft_fed.broker.state_rows import (
-    as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, norm_blob, norm_block, norm_bytes,
-    norm_compat_args, norm_digests, norm_match, norm_node, norm_pairs, norm_prompt_ids, norm_round,
+    as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, lower_counts, norm_blob, norm_block,
+    norm_bytes, norm_compat_args, norm_digests, norm_match, norm_node, norm_pairs, norm_prompt_ids, norm_round,
     norm_summary, opt_int, opt_str, prune_cutoff, report_fields, summary_key, ReportFields,
 )
 from graft_fed.errors import DataError
@@ -81,7 +81,7 @@ from graft_fed.federation.errors import NotFound, StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 PAGE_SIZE = 65536
 
 _SCHEMA = """
@@ -181,8 +181,17 @@ ALTER TABLE summary_blocks ADD COLUMN file_crc INTEGER NOT NULL DEFAULT 0;
 _MIGRATE_9 = """
 CREATE TABLE node_secrets (node_id TEXT PRIMARY KEY, secret_hash TEXT NOT NULL);
 """
+# Schema version 9 -> 10: the node that uploaded each bundle (its storage quota,
+# `max_node_bundle_mib`, counts the bundles it uploaded that the broker still holds, and
+# retention dropping them frees it). A bundle held before gets the first node whose summary
+# names it ('' when none does: it then counts against nobody).
+_MIGRATE_10 = """
+ALTER TABLE bundles ADD COLUMN node_id TEXT NOT NULL DEFAULT '';
+UPDATE bundles SET node_id = COALESCE((SELECT MIN(s.node_id) FROM summary_digests s WHERE s.digest = bundles.digest),
+                                      '');
+"""
 _MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4, 5: _MIGRATE_5, 6: _MIGRATE_6, 7: _MIGRATE_7,
-               8: _MIGRATE_8, 9: _MIGRATE_9}
+               8: _MIGRATE_8, 9: _MIGRATE_9, 10: _MIGRATE_10}
 # what a summary block's row says of its bytes: the bytes, or where they are in its round's file
 _BLOCK_BYTES = "data, file_offset, file_length, file_crc"
 
@@ -313,7 +322,7 @@ class _Job:
     """One caller's part of a group commit: its blocks (normalised, each with its encoding),
     and the node row to write with them (its `published` count raised by what is stored);
     or an uploaded bundle's row, (digest, size, signature, certificate), whose file is in
-    place (result: 1 when stored, 0 when the digest was held); or a digest to attach to a
+    place, and the node that uploaded it ('' for none) (result: 1 when stored, 0 when the digest was held); or a digest to attach to a
     held summary, (node, round, prompt id, digest) (result: 1 when attached, 0 when no such
     summary is held); or both, the row and then the attachment (result: stored; attached:
     attached), so that an upload waits for one commit. Concurrent uploads thus share commits with each other and with
@@ -323,7 +332,7 @@ class _Job:
                  "added")
 
     def __init__(self, blocks: list[SummaryBlock], encoded: list[list], node: NodeRow | None,
-                 bundle: tuple[str, int, bytes, bytes] | None = None,
+                 bundle: tuple[str, int, bytes, bytes, str] | None = None,
                  attach: tuple[str, int, str, str] | None = None) -> None:
         self.blocks, self.encoded, self.node = blocks, encoded, node
         self.bundle, self.attach = bundle, attach
@@ -370,13 +379,23 @@ class SqliteState(BrokerState):
             except BaseException:
                 self.files.close()
                 raise
+            try:
+                # summaries held and bundle bytes uploaded per node (the per-node quotas'
+                # counts): changed under the lock by the commits that store or drop them,
+                # read without it (summaries_held, bundle_bytes_held)
+                self._held_by_node: Counter[str] = Counter(
+                    {node: int(n) for node, n in self._read("SELECT node_id, SUM(count) FROM summary_blocks "
+                                                            "GROUP BY node_id")})
+                self._bundle_bytes_by_node: Counter[str] = Counter(
+                    {node: int(n) for node, n in self._read("SELECT node_id, SUM(size) FROM bundles WHERE "
+                                                            "node_id != '' GROUP BY node_id")})
+            except BaseException:
+                self.blocks.close()
+                self.files.close()
+                raise
         except BaseException:
             self._conn.close()
             raise
-        # summaries held per node (the per-node quota's count): changed under the lock by
-        # the commits that store or prune them, read without it (summaries_held)
-        self._held_by_node: Counter[str] = Counter(
-            {node: int(n) for node, n in self._read("SELECT node_id, SUM(count) FROM summary_blocks GROUP BY node_id")})
         self.checkpointer = Checkpointer(self.path)
 
     def _open_files(self, where: str) -> None:
@@ -691,6 +710,8 @@ class SqliteState(BrokerState):
                         if j.error is None:
                             for node, count in j.added:
                                 self._held_by_node[node] += count
+                            if j.bundle is not None and j.result and j.bundle[4]:
+                                self._bundle_bytes_by_node[j.bundle[4]] += j.bundle[1]
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
@@ -924,8 +945,8 @@ class SqliteState(BrokerState):
                 continue
             if j.bundle is not None:
                 cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert, parts, "
-                                   "in_file) VALUES (?, x'', ?, ?, ?, ?, 0, 1) ON CONFLICT (digest) DO NOTHING",
-                                   (j.bundle[0], j.bundle[1], time.time(), j.bundle[2], j.bundle[3]))
+                                   "in_file, node_id) VALUES (?, x'', ?, ?, ?, ?, 0, 1, ?) ON CONFLICT (digest) DO NOTHING",
+                                   (j.bundle[0], j.bundle[1], time.time(), j.bundle[2], j.bundle[3], j.bundle[4]))
                 j.result = int(cur.rowcount == 1)  # 0: another upload of the digest won (same bytes)
                 if j.attach is None:
                     continue
@@ -1179,21 +1200,24 @@ class SqliteState(BrokerState):
         return self.bundle_file(digest) is not None
 
     def _insert_file_row(self, digest: str, size: int, signature: bytes, signer_cert: bytes,
-                         attach: tuple[str, int, str] | None = None) -> tuple[bool, bool]:
-        """The row of a bundle whose file is in place, and with `attach` (node, round, prompt
-        id) its digest attached to that summary, in the next group commit: (stored, attached)."""
-        job = _Job([], [], None, bundle=(digest, size, signature, signer_cert),
+                         attach: tuple[str, int, str] | None = None, node_id: str = "") -> tuple[bool, bool]:
+        """The row of a bundle whose file is in place, uploaded by `node_id` (or, with
+        `attach` (node, round, prompt id), by that node, its digest attached to that summary),
+        in the next group commit: (stored, attached)."""
+        owner = attach[0] if attach is not None else node_id
+        job = _Job([], [], None, bundle=(digest, size, signature, signer_cert, owner),
                    attach=None if attach is None else (*attach, digest))
         self._grouped(job)
         return bool(job.result), bool(job.attached)
 
-    def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
+    def put_bundle(self, digest: str, data: bytes, signature: bytes = b"", signer_cert: bytes = b"",
+                   node_id: str = "") -> bool:
         digest, blob = as_str(digest, "digest"), norm_bytes(data)
         sig, cert = norm_blob(signature, "signature"), norm_blob(signer_cert, "signer_cert")
         writer = self.begin_bundle()
         try:
             writer.write(blob)
-            return writer.commit(digest, sig, cert)
+            return writer.commit(digest, sig, cert, node_id=node_id)
         finally:
             writer.abort()  # a no-op once committed
 
@@ -1373,10 +1397,8 @@ class SqliteState(BrokerState):
     def summaries_held(self, node_id: str) -> int:
         return self._held_by_node.get(node_id, 0)
 
-    def bundle_bytes_by_node(self) -> dict[str, int]:
-        rows = self._read("SELECT s.node_id, SUM(b.size) FROM (SELECT DISTINCT node_id, digest FROM summary_digests) s "
-                          "JOIN bundles b ON b.digest = s.digest GROUP BY s.node_id")
-        return {node: int(total) for node, total in rows}
+    def bundle_bytes_held(self, node_id: str) -> int:
+        return self._bundle_bytes_by_node.get(node_id, 0)
 
     def bundle_stats(self) -> tuple[int, int]:
         (count, total), = self._read("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM bundles")
@@ -1457,7 +1479,7 @@ class SqliteState(BrokerState):
     # ----- retention
     def prune(self, keep_rounds: int | None = None, max_bundle_bytes: int | None = None) -> int:
         check_prune_args(keep_rounds, max_bundle_bytes)
-        removed, files, gone = 0, [], {}
+        removed, files, gone, freed = 0, [], {}, {}
         with self._lock:
             with self._tx() as conn:
                 (latest,), = conn.execute("SELECT MAX(round) FROM rounds").fetchall()
@@ -1475,11 +1497,11 @@ class SqliteState(BrokerState):
                     drop = bundles_to_drop(conn.execute("SELECT digest, size FROM bundles ORDER BY rowid").fetchall(),
                                            max_bundle_bytes)
                     if drop:
-                        dropped, files = self._drop_bundles(conn, drop)
+                        dropped, files, freed = self._drop_bundles(conn, drop)
                         removed += dropped
-            self._held_by_node.subtract(gone)  # committed
-            for node in [n for n, c in gone.items() if self._held_by_node[n] <= 0]:
-                del self._held_by_node[node]
+            # committed: the quotas' counts follow
+            lower_counts(self._held_by_node, gone)
+            lower_counts(self._bundle_bytes_by_node, freed)
             if cutoff is not None:  # the files after their rows (a crash between: the sweep at open deletes them)
                 self.blocks.remove_below(cutoff)
         # the files after their rows (a crash between leaves files no row names: deleted at
@@ -1497,18 +1519,22 @@ class SqliteState(BrokerState):
         return removed
 
     @staticmethod
-    def _drop_bundles(conn: sqlite3.Connection, digests: list[str]) -> tuple[int, list[str]]:
+    def _drop_bundles(conn: sqlite3.Connection, digests: list[str]) -> tuple[int, list[str], dict[str, int]]:
         """Delete bundles' rows (theirs in bundle_parts too; their summaries lose the digest)
         in the caller's transaction: (rows of `bundles` deleted, the digests whose bytes are
-        files, for the caller to delete once the transaction commits)."""
+        files, for the caller to delete once the transaction commits, the bytes dropped by
+        the node that uploaded them)."""
         ids = json.dumps(digests)
+        freed = {node: int(n) for node, n in conn.execute(
+            "SELECT node_id, SUM(size) FROM bundles WHERE node_id != '' AND digest IN (SELECT value FROM json_each(?)) "
+            "GROUP BY node_id", (ids,))}
         files = [r[0] for r in conn.execute("SELECT digest FROM bundles WHERE in_file = 1 AND digest IN "
                                             "(SELECT value FROM json_each(?))", (ids,))]
         conn.execute("DELETE FROM bundle_parts WHERE parts IN (SELECT parts FROM bundles WHERE parts != 0 "
                      "AND digest IN (SELECT value FROM json_each(?)))", (ids,))
         removed = conn.execute("DELETE FROM bundles WHERE digest IN (SELECT value FROM json_each(?))", (ids,)).rowcount
         conn.execute("DELETE FROM summary_digests WHERE digest IN (SELECT value FROM json_each(?))", (ids,))
-        return removed, files
+        return removed, files, freed
 
 
 class _FileWriter(BundleWriter):
@@ -1553,8 +1579,8 @@ class _FileWriter(BundleWriter):
             self.abort()
             raise
 
-    def commit(self, digest: str, signature: bytes = b"", signer_cert: bytes = b"") -> bool:
-        return self._commit(digest, signature, signer_cert, None)[0]
+    def commit(self, digest: str, signature: bytes = b"", signer_cert: bytes = b"", node_id: str = "") -> bool:
+        return self._commit(digest, signature, signer_cert, None, as_str(node_id, "node_id"))[0]
 
     def commit_attached(self, digest: str, signature: bytes, signer_cert: bytes, node_id: str, round: int,
                         prompt_id: str) -> tuple[bool, bool]:
@@ -1562,7 +1588,7 @@ class _FileWriter(BundleWriter):
                                                              as_str(prompt_id, "prompt_id")))
 
     def _commit(self, digest: str, signature: bytes, signer_cert: bytes,
-                attach: tuple[str, int, str] | None) -> tuple[bool, bool]:
+                attach: tuple[str, int, str] | None, node_id: str = "") -> tuple[bool, bool]:
         if self._done:
             raise ValueError("this upload was committed, aborted or failed")
         digest = as_str(digest, "digest")
@@ -1576,7 +1602,7 @@ class _FileWriter(BundleWriter):
             raise ValueError(f"this upload was prepared as {self._sealed[:16]}, not {digest[:16]}")
         stored = False
         try:
-            stored, attached = self._sqlite._insert_file_row(digest, self.size, sig, cert, attach)
+            stored, attached = self._sqlite._insert_file_row(digest, self.size, sig, cert, attach, node_id)
             return stored, attached
         finally:
             self._done = True

@@ -653,10 +653,11 @@ class SameBehaviour(RuleBasedStateMachine):
         self.both("put_match_set", r, data)
 
     @rule(bundles=st.lists(st.tuples(st.sampled_from(["d0", "d1", "d2", "d3"]), st.binary(max_size=20),
-                                     st.sampled_from([b"", b"sig1", b"sig2"])), min_size=1, max_size=3))
+                                     st.sampled_from([b"", b"sig1", b"sig2"]), st.sampled_from(["", "a", "b"])),
+                           min_size=1, max_size=3))
     def put_bundles(self, bundles):
-        for d, data, sig in bundles:
-            self.both("put_bundle", d, data, signature=sig, signer_cert=sig and b"cert")
+        for d, data, sig, uploader in bundles:
+            self.both("put_bundle", d, data, signature=sig, signer_cert=sig and b"cert", node_id=uploader)
 
     @rule(rows=st.lists(st.builds(rep, _rounds, _ids, _ids, _prompts, _floats, st.floats(0, 1), st.booleans()),
                         max_size=4))
@@ -701,6 +702,8 @@ class SameBehaviour(RuleBasedStateMachine):
         for n in sorted(set(held)) + ["nobody"]:
             self.both("summaries_held", n)
             assert self.mem.summaries_held(n) == held.count(n)  # the quota's count is the rows held
+        for n in ("a", "b", ""):
+            self.both("bundle_bytes_held", n)
 
     def teardown(self):
         self.mem.close()
@@ -826,8 +829,37 @@ def _damage_blocks(s, node_id: str) -> None:
             f.write(bytes([b[0] ^ 0xFF]))
 
 
+def _as_version_9(c):
+    """Turn a state file (open on connection `c`) back into schema version 9: no bundle's uploader."""
+    c.execute("ALTER TABLE bundles DROP COLUMN node_id")
+    c.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
+    c.commit()
+
+
+def test_sqlite_migrates_a_version_9_file_each_bundle_counted_for_the_node_it_is_attached_to(tmp_path):
+    path = tmp_path / "b.db"
+    s = SqliteState(path)
+    _populate(s)  # d0 (12 bytes) attached to a's summary
+    s.put_bundle("d9", b"unattached")
+    before = _observe(s)
+    with sqlite3.connect(path) as c:
+        _as_version_9(c)
+        s.close()
+    c.close()
+    s = SqliteState(path)
+    try:
+        assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        assert _observe(s) == before
+        assert s.bundle_bytes_held("a") == len(b"bundle bytes")  # an unattached bundle counts for nobody
+        assert s._conn.execute("SELECT digest, node_id FROM bundles ORDER BY digest").fetchall() == [("d0", "a"),
+                                                                                                      ("d9", "")]
+    finally:
+        s.close()
+
+
 def _as_version_8(c):
     """Turn a state file (open on connection `c`) back into schema version 8: no node secrets."""
+    _as_version_9(c)
     c.execute("DROP TABLE node_secrets")
     c.execute("UPDATE meta SET value = '8' WHERE key = 'schema_version'")
     c.commit()

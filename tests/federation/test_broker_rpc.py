@@ -561,7 +561,7 @@ def test_rate_limit_and_storage_quota(prompt_file, prompts):
 
     fed = Federation(broker_config(prompt_file, max_node_bundle_mib=1), InMemoryState())
     session, _ = fed.join("a", "a", "tok", manifest(prompts), "share_all", 0)
-    fed.bundles.bytes_by_node["a"] = 2**20  # as if it had already uploaded its whole quota
+    fed.state.bundle_bytes_held = lambda node: 2**20  # as if it had already uploaded its whole quota
     with pytest.raises(ResourceExhausted, match="quota"):
         fed.put_bundle("a", session, prompts[0].id, 0, "0" * 64, b"x")
 

@@ -688,14 +688,13 @@ def test_the_bundle_quota_survives_a_broker_restart(prompt_file, prompts, tmp_pa
     a = client(broker, prompts, "a")
     a.publish(0, [summary(p, 1) for p in prompts[:2]])
     a.upload(record(prompts[0], 1, "a"), 0)
-    used = broker.fed.bundles.bytes_by_node["a"]
+    used = broker.state.bundle_bytes_held("a")
     assert used > 0
     a.close()
     broker.stop()
     broker = start_broker(broker_config(prompt_file, db=db, max_node_bundle_mib=1))
     try:
-        assert broker.fed.bundles.bytes_by_node["a"] == used
-        assert broker.state.bundle_bytes_by_node() == {"a": used}
+        assert broker.state.bundle_bytes_held("a") == used and broker.state.bundle_bytes_held("b") == 0
     finally:
         broker.stop()
 
@@ -705,61 +704,139 @@ def test_a_node_publishing_round_after_round_is_held_to_its_summary_quota(prompt
     of the others: one id publishing round after round grew the state without end (the
     publish rate and the per-round cap bounded its speed, not its total). The summaries the
     broker holds of a node are now bounded by max_node_summaries: past it a publish is
-    refused RESOURCE_EXHAUSTED, saying what to do, and stores nothing; the other nodes go
-    on; retention frees the quota; a restarted broker counts the same."""
+    refused RESOURCE_EXHAUSTED, saying what to do, and stores nothing; a publish sent again
+    (its answer lost) adds nothing and is not refused; the other nodes go on; retention
+    frees the quota; a restarted broker counts the same."""
     db = str(tmp_path / "broker.sqlite")
-    cfg = broker_config(prompt_file, db=db, max_node_summaries=6, keep_rounds=2)
+    cfg = broker_config(prompt_file, db=db, max_node_summaries=32, keep_rounds=2)  # 4 x prompts_per_round
     broker = start_broker(cfg)
+    eight = prompts[:8]
     try:
         a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
-        for r in (0, 1, 900):  # far ahead: allowed, and kept by retention
-            a.publish(r, [summary(prompts[0], 1, round=r), summary(prompts[1], 0, round=r)])
-        code, details = code_of(lambda: a.publish(901, [summary(prompts[0], 1, round=901)]))
+        for r in (0, 1, 900, 901):  # far ahead: allowed, and kept by retention
+            a.publish(r, [summary(p, 1, round=r) for p in eight])
+        code, details = code_of(lambda: a.publish(902, [summary(prompts[0], 1, round=902)]))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "holds 6 summaries" in details and "quota of 6 (broker.max_node_summaries)" in details
-        assert broker.state.summaries_held("a") == 6 and not broker.state.summaries(round=901)
+        assert "holds 32 summaries" in details and "1 more would pass its quota of 32" in details
+        assert "broker.max_node_summaries" in details and "keep_rounds" in details
+        assert broker.state.summaries_held("a") == 32 and not broker.state.summaries(round=902)
+        assert broker.state.get_round(902) is None  # refused before its round was opened
+        assert a.publish(901, [summary(p, 1, round=901) for p in eight]) == (0, 8)  # sent again: nothing new
+        code, details = code_of(lambda: a.publish(901, [summary(p, 1, round=901) for p in prompts[:9]]))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "1 more would pass" in details
         for r in range(3):  # b is not held to a's count
             b.publish(r, [summary(p, 0, round=r) for p in prompts[:2]])
-        broker.fed.prune()  # the agreed round is 2 (a's 900 is its own): round 0 goes
-        assert broker.state.summaries_held("a") == 4 and broker.state.summaries_held("b") == 4
-        a.publish(901, [summary(prompts[0], 1, round=901), summary(prompts[1], 1, round=901)])
-        assert broker.state.summaries_held("a") == 6
+        broker.fed.prune()  # the agreed round is 2 (a's 901 is its own): round 0 goes
+        assert broker.state.summaries_held("a") == 24 and broker.state.summaries_held("b") == 4
+        assert a.publish(902, [summary(p, 1, round=902) for p in eight]) == (8, 0)
+        assert broker.state.summaries_held("a") == 32
         a.close()
         b.close()
     finally:
         broker.stop()
     broker = start_broker(cfg)
     try:
-        assert broker.state.summaries_held("a") == 6
+        assert broker.state.summaries_held("a") == 32
         a = client(broker, prompts, "a")
-        assert code_of(lambda: a.publish(902, [summary(prompts[0], 1, round=902)]))[0] == \
+        assert code_of(lambda: a.publish(903, [summary(prompts[0], 1, round=903)]))[0] == \
             grpc.StatusCode.RESOURCE_EXHAUSTED
         a.close()
     finally:
         broker.stop()
 
 
-def test_bundle_bytes_by_node_agrees_between_state_backends(tmp_path):
-    from graft_fed.broker.state import BrokerState
+def test_two_publishes_of_a_node_in_flight_do_not_pass_its_summary_quota_together(prompt_file, prompts):
+    """Without the publish queue a node may have two publishes in flight; each was checked
+    against the quota before either was stored, so together they passed it. The check is
+    made again under the node's lock, just before the store (found in review)."""
+    import threading
+    import time
+
+    broker = start_broker(broker_config(prompt_file, max_node_summaries=32, publish_queue=False))
+    try:
+        a = client(broker, prompts, "a")
+        for r in (0, 1):
+            a.publish(r, [summary(p, 1, round=r) for p in prompts])  # 24 of 32
+        real, first = broker.state.put_summary_blocks, threading.Event()
+
+        def slow(items):
+            if not first.is_set():
+                first.set()
+                time.sleep(0.5)  # the second publish is checked meanwhile
+            return real(items)
+
+        broker.state.put_summary_blocks = slow
+        got = {}
+
+        def publish(r):
+            try:
+                got[r] = a.publish(r, [summary(p, 1, round=r) for p in prompts[:8]])
+            except Exception as exc:  # noqa: BLE001
+                got[r] = exc
+
+        t2 = threading.Thread(target=publish, args=(2,))
+        t2.start()
+        assert first.wait(10)
+        t3 = threading.Thread(target=publish, args=(3,))
+        t3.start()
+        t2.join()
+        t3.join()
+        assert broker.state.summaries_held("a") == 32, got
+        assert sorted(type(v).__name__ for v in got.values()) == ["ResourceExhausted", "tuple"]
+        a.close()
+    finally:
+        broker.stop()
+
+
+def test_bundle_bytes_held_count_each_uploaders_bundles_until_retention_drops_them(tmp_path):
+    """What the bundle quota (max_node_bundle_mib) reads, in both backends: the bytes of
+    the bundles a node uploaded (stored first) that the state still holds. It counted every
+    byte a node had ever uploaded in the broker's life: retention (max_bundle_gib) dropping
+    them freed nothing, so an honest node of a long run hit its quota for good, until the
+    broker restarted."""
     from graft_fed.broker.state_memory import InMemoryState
     from graft_fed.broker.state_sqlite import SqliteState
-    from graft_fed.federation.messages import SummaryRow
 
     for st in (InMemoryState(), SqliteState(tmp_path / "s.sqlite")):
-        rows = [SummaryRow(node_id=n, round=r, prompt_id=p, policy_version=0, n=2, k=1, reward_mean=0.5,
-                           reward_std=math.sqrt(0.5), lengths=[1, 1], mean_logprobs=[-1.0, -1.0])
-                for n in ("a", "b") for r in (0, 1) for p in ("p", "q")]
-        st.put_summaries(rows)
-        st.put_bundle("d1", b"x" * 10)
-        st.put_bundle("d2", b"y" * 7)
-        st.set_bundle_digest("a", 0, "p", "d1")
-        st.set_bundle_digest("a", 1, "p", "d1")  # the same bytes twice: counted once
-        st.set_bundle_digest("a", 0, "q", "d2")
-        st.set_bundle_digest("b", 0, "p", "d2")
-        st.set_bundle_digest("b", 1, "q", "gone")  # a digest whose bundle was pruned
-        assert st.bundle_bytes_by_node() == {"a": 17, "b": 7}
-        assert BrokerState.bundle_bytes_by_node(st) == {"a": 17, "b": 7}  # the generic default agrees
+        assert st.put_bundle("d1", b"x" * 10, node_id="a")
+        assert not st.put_bundle("d1", b"x" * 10, node_id="b")  # held: the first uploader keeps it
+        w = st.begin_bundle()
+        w.write(b"y" * 7)
+        assert w.commit("d2", node_id="b")
+        st.put_bundle("d3", b"z" * 5, node_id="a")
+        st.put_bundle("d4", b"w" * 3)  # no uploader (a test's, a tool's): counts against nobody
+        assert [st.bundle_bytes_held(n) for n in ("a", "b", "")] == [15, 7, 0]
+        st.prune(max_bundle_bytes=12)  # d1 and d2, the oldest, go
+        assert [st.bundle_bytes_held(n) for n in ("a", "b")] == [5, 0]
+        if isinstance(st, SqliteState):
+            st.close()
+            st = SqliteState(tmp_path / "s.sqlite")
+            assert [st.bundle_bytes_held(n) for n in ("a", "b")] == [5, 0]
         st.close()
+
+
+def test_retention_frees_a_nodes_bundle_quota(prompt_file, prompts):
+    """A node at its bundle quota uploads again once retention dropped some of its bundles
+    (before, the broker's count of its bytes only grew until a restart)."""
+    import dataclasses as dc
+
+    from graft_fed.federation.errors import ResourceExhausted
+
+    broker = start_broker(broker_config(prompt_file, max_node_bundle_mib=1))
+    try:
+        a = client(broker, prompts, "a")
+        a.publish(0, [summary(p, 1) for p in prompts[:3]])
+        big = [dc.replace(record(p, 1, "a"), texts=("x" * 400_000, "y")) for p in prompts[:3]]
+        a.upload(big[0], 0)
+        a.upload(big[1], 0)
+        with pytest.raises(ResourceExhausted, match=r"quota of 1 MiB .*holds 0\.8 MiB"):
+            a.upload(big[2], 0)
+        broker.state.prune(max_bundle_bytes=500_000)  # the oldest of a's two goes
+        assert 390_000 < broker.state.bundle_bytes_held("a") < 500_000
+        a.upload(big[2], 0)
+        a.close()
+    finally:
+        broker.stop()
 
 
 # ------------------------------------------------------------------ 4. (cont.) slow streams and request floods
@@ -1034,7 +1111,7 @@ def test_a_node_over_its_bundle_quota_still_receives(prompt_file, prompts, caplo
     try:
         a = client(broker, prompts, "a")
         a.publish(0, [summary(prompts[0], 1), summary(prompts[1], 1)])
-        broker.fed.bundles.bytes_by_node["a"] = 2**20  # its quota used up
+        broker.state.bundle_bytes_held = lambda node: 2**20  # its quota used up
         with pytest.raises(ResourceExhausted, match="quota") as info:
             a.upload_missing([(record(prompts[0], 1), 0), (record(prompts[1], 1), 0)])
         assert (info.value.sent, info.value.refused) == (0, 2)
