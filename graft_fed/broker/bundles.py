@@ -5,8 +5,9 @@ fetches of the bundles a receiver was granted (broker/grants.py)."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from graft_fed.broker.context import Context, Part
 from graft_fed.broker.uploads import BundleUpload
@@ -24,6 +25,10 @@ class Bundles(Part):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self._warned_unverifiable = False
+        # bytes of the uploads in flight, per node, counted against its quota until they
+        # are stored (then the state counts them) or dropped
+        self._in_flight: Counter[str] = Counter()
+        self._in_flight_lock = threading.Lock()
 
     def has_bundles(self, node_id: str, session_id: str, digests: Sequence[str]) -> list[str]:
         if len(digests) > MAX_DIGESTS_PER_CALL:
@@ -56,17 +61,6 @@ class Bundles(Part):
         self.upload_allowed(node_id, session_id)
         if not is_digest(digest):
             raise InvalidArgument(f"malformed digest {clip(digest, 70)}: expected 64 lowercase hex digits")
-        quota = self.cfg.max_node_bundle_mib * 2**20
-        if quota:
-            # the bytes of the bundles it uploaded that the state still holds (the state's
-            # count, lowered when retention drops some, counted again after a restart)
-            held = self.state.bundle_bytes_held(node_id)
-            if held + size > quota:
-                raise ResourceExhausted(
-                    f"node {clip(node_id)} exceeded its bundle storage quota of {self.cfg.max_node_bundle_mib} MiB "
-                    f"(broker.max_node_bundle_mib): the broker holds {held / 2**20:.1f} MiB of bundles it uploaded and "
-                    f"this one is {size / 2**20:.1f} MiB. Retention (broker.max_bundle_gib) frees them; the operator "
-                    "can raise the quota")
         if signature and signer_cert:
             try:
                 cert = load_certificate_der(signer_cert)
@@ -84,8 +78,43 @@ class Bundles(Part):
             signature = b""
         else:
             signer_cert = b""
-        return BundleUpload(self._store_upload, self.state.begin_bundle(), node_id, prompt_id, round, digest, size, signature,
-                            signer_cert)
+        release = self._reserve(node_id, size)  # the last check: nothing after it refuses
+        try:
+            writer = self.state.begin_bundle()
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        return BundleUpload(self._store_upload, writer, node_id, prompt_id, round, digest, size, signature,
+                            signer_cert, release)
+
+    def _reserve(self, node_id: str, size: int) -> Callable[[], None] | None:
+        """Count an upload of `size` bytes against the node's quota (`max_node_bundle_mib`)
+        from its start: the bytes of the bundles it uploaded that the state still holds (the
+        state's count, lowered when retention drops some, counted again after a restart) and
+        those of its uploads still in flight (two at once each passed a check made before
+        either was stored). Returns what gives them back (None without a quota)."""
+        quota = self.cfg.max_node_bundle_mib * 2**20
+        if not quota:
+            return None
+        with self._in_flight_lock:
+            held = self.state.bundle_bytes_held(node_id) + self._in_flight[node_id]
+            if held + size > quota:
+                raise ResourceExhausted(
+                    f"node {clip(node_id)} exceeded its bundle storage quota of {self.cfg.max_node_bundle_mib} MiB "
+                    f"(broker.max_node_bundle_mib): the broker holds {held / 2**20:.1f} MiB of bundles it uploaded (or "
+                    f"is receiving) and this one is {size / 2**20:.1f} MiB. Retention (broker.keep_rounds, "
+                    "broker.max_bundle_gib) frees them; the operator can raise the quota")
+            self._in_flight[node_id] += size
+
+        def release() -> None:
+            with self._in_flight_lock:
+                left = self._in_flight[node_id] - size
+                if left > 0:
+                    self._in_flight[node_id] = left
+                else:
+                    self._in_flight.pop(node_id, None)
+        return release
 
     def put_bundle(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str,
                    data: bytes, signature: bytes = b"", signer_cert: bytes = b"") -> bool:

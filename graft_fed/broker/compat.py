@@ -39,10 +39,11 @@ class CompatView:
     mean_s: np.ndarray
     admitted: np.ndarray
     rejected: np.ndarray
+    undelivered: np.ndarray
 
 
 _DTYPES = {"present": np.bool_, "groups": np.int64, "rejected": np.int64, "mean_s": np.float64,
-           "admitted": np.float64}
+           "admitted": np.float64, "undelivered": np.int64}
 
 
 class CompatTable:
@@ -79,6 +80,7 @@ class CompatTable:
         m["present"][s, r] = True
         m["groups"][s, r] = [c.groups for c in rows]
         m["rejected"][s, r] = [c.rejected for c in rows]
+        m["undelivered"][s, r] = [c.undelivered for c in rows]
         m["mean_s"][s, r] = [c.mean_s for c in rows]
         m["admitted"][s, r] = [c.admitted_fraction for c in rows]
         return sum(c.rejected for c in rows) - before
@@ -160,16 +162,19 @@ class CompatTable:
             s, r = np.nonzero(present)
             m = grid.m
             return CompatView(names=list(grid.names), source=s, receiver=r, groups=m["groups"][s, r],
-                              mean_s=m["mean_s"][s, r], admitted=m["admitted"][s, r], rejected=m["rejected"][s, r])
+                              mean_s=m["mean_s"][s, r], admitted=m["admitted"][s, r], rejected=m["rejected"][s, r],
+                              undelivered=m["undelivered"][s, r])
 
     def rows(self, among: Iterable[str] | None = None) -> list[CompatRow]:
         """The pairs' rows by (source, receiver), as `BrokerState.compat()` lists them; with
         `among`, only the pairs whose source and receiver are both in it."""
         v = self.view(among)
         names = v.names
-        out = [CompatRow(source=names[i], receiver=names[j], groups=g, mean_s=ms, admitted_fraction=af, rejected=rj)
-               for i, j, g, ms, af, rj in zip(v.source.tolist(), v.receiver.tolist(), v.groups.tolist(),
-                                              v.mean_s.tolist(), v.admitted.tolist(), v.rejected.tolist())]
+        out = [CompatRow(source=names[i], receiver=names[j], groups=g, mean_s=ms, admitted_fraction=af, rejected=rj,
+                         undelivered=u)
+               for i, j, g, ms, af, rj, u in zip(v.source.tolist(), v.receiver.tolist(), v.groups.tolist(),
+                                                 v.mean_s.tolist(), v.admitted.tolist(), v.rejected.tolist(),
+                                                 v.undelivered.tolist())]
         out.sort(key=lambda c: (c.source, c.receiver))
         return out
 
@@ -184,7 +189,10 @@ class CompatTable:
             if cached is None or cached[0] != (self._version, *key):
                 present = grid.used("present")
                 rejected = np.where(present, grid.used("rejected"), 0)
-                reported = np.where(present, grid.used("groups"), 0) + rejected
+                # the groups received: those reported undelivered weigh in the pair's mean s
+                # (as 0) but not in the rate, which a lying source could otherwise dilute by
+                # withholding as many groups as it lies about
+                reported = np.where(present, grid.used("groups") - grid.used("undelivered"), 0) + rejected
                 cached = ((self._version, *key), quarantined_sources(grid.names, reported, rejected, *key))
                 self._quarantine = cached
         return {s for s in cached[1] if not trusted(s)}

@@ -215,7 +215,8 @@ class BrokerConfig:
     #: would mislead; per-node totals stay); the live page's matrices show the 64 nodes that
     #: exchanged most.
     max_pairs_shown: int = 10000
-    #: Retention: keep this many most recent rounds of summaries and matches (null = all).
+    #: Retention: keep this many most recent rounds of summaries and matches, and the bundles
+    #: their summaries name (null = all).
     keep_rounds: int | None = None
     #: Retention: total bundle bytes kept, GiB; the oldest go first (null = unbounded).
     max_bundle_gib: float | None = None

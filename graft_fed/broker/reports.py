@@ -69,8 +69,14 @@ class Reports(Part):
             # the report as columns, its entries let go before the commit (state.ReportRows)
             rows = ReportRows(round, node_id, [e.source for e in entries], [e.prompt_id for e in entries],
                               [e.mean_s if not e.rejected else 0.0 for e in entries],
-                              [e.admitted_fraction for e in entries], [e.rejected for e in entries])
+                              [e.admitted_fraction for e in entries], [e.rejected for e in entries],
+                              [e.undelivered for e in entries])
             del entries
+            for i, undelivered in enumerate(rows.undelivered):
+                if undelivered and (rows.rejected[i] or rows.mean_s[i] != 0 or rows.admitted_fraction[i] != 0):
+                    raise InvalidArgument(f"the group of {clip(rows.sources[i])} for prompt {clip(rows.prompt_ids[i])} "
+                                          "is reported undelivered and scored: an undelivered group has mean_s and "
+                                          "admitted_fraction 0 and is not rejected")
             for mean_s, admitted in zip(rows.mean_s, rows.admitted_fraction):  # 0 where rejected
                 if not (math.isfinite(mean_s) and 0 <= mean_s <= MAX_REPORT_MEAN_S):
                     raise InvalidArgument(f"mean_s must be a finite number in [0, {MAX_REPORT_MEAN_S:g}], got {mean_s}")

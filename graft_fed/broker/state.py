@@ -92,6 +92,9 @@ class CompatRow:
     mean_s: float  # running mean of the reported mean s
     admitted_fraction: float  # running mean of the reported admitted fraction
     rejected: int  # groups rejected by re-verification
+    #: of `groups`, those the receiver never received (reported undelivered): they weigh in
+    #: mean_s (as 0) but not in the source's quarantine rate
+    undelivered: int = 0
 
 
 @dataclass(slots=True)
@@ -105,6 +108,7 @@ class ReportRow:
     mean_s: float
     admitted_fraction: float
     rejected: bool  # re-verification (or the bundle's signature) failed
+    undelivered: bool = False  # the group never arrived (mean_s and admitted_fraction 0, not rejected)
 
 
 class ReportRows(Sequence[ReportRow]):
@@ -116,15 +120,19 @@ class ReportRows(Sequence[ReportRow]):
     the interpreter held) three times a round while nodes reported (issue 13,
     docs/performance.md, fortieth pass)."""
 
-    __slots__ = ("round", "receiver", "sources", "prompt_ids", "mean_s", "admitted_fraction", "rejected")
+    __slots__ = ("round", "receiver", "sources", "prompt_ids", "mean_s", "admitted_fraction", "rejected",
+                 "undelivered")
 
     def __init__(self, round: int, receiver: str, sources: list[str], prompt_ids: list[str], mean_s: list[float],
-                 admitted_fraction: list[float], rejected: list[bool]) -> None:
-        if not len(sources) == len(prompt_ids) == len(mean_s) == len(admitted_fraction) == len(rejected):
+                 admitted_fraction: list[float], rejected: list[bool], undelivered: list[bool] | None = None) -> None:
+        if undelivered is None:
+            undelivered = [False] * len(sources)
+        if not (len(sources) == len(prompt_ids) == len(mean_s) == len(admitted_fraction) == len(rejected)
+                == len(undelivered)):
             raise ValueError("a report's columns differ in length")
         self.round, self.receiver = round, receiver
         self.sources, self.prompt_ids, self.mean_s = sources, prompt_ids, mean_s
-        self.admitted_fraction, self.rejected = admitted_fraction, rejected
+        self.admitted_fraction, self.rejected, self.undelivered = admitted_fraction, rejected, undelivered
 
     def __len__(self) -> int:
         return len(self.sources)
@@ -133,17 +141,18 @@ class ReportRows(Sequence[ReportRow]):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         return ReportRow(self.round, self.receiver, self.sources[i], self.prompt_ids[i], self.mean_s[i],
-                         self.admitted_fraction[i], self.rejected[i])
+                         self.admitted_fraction[i], self.rejected[i], self.undelivered[i])
 
     def __iter__(self) -> Iterator[ReportRow]:
-        for s, p, m, a, r in zip(self.sources, self.prompt_ids, self.mean_s, self.admitted_fraction, self.rejected):
-            yield ReportRow(self.round, self.receiver, s, p, m, a, r)
+        for s, p, m, a, r, u in zip(self.sources, self.prompt_ids, self.mean_s, self.admitted_fraction, self.rejected,
+                                    self.undelivered):
+            yield ReportRow(self.round, self.receiver, s, p, m, a, r, u)
 
     def without(self, drop: set[tuple[str, str]]) -> "ReportRows":
         """The rows whose (source, prompt id) is not in `drop`."""
         keep = [i for i, key in enumerate(zip(self.sources, self.prompt_ids)) if key not in drop]
         return ReportRows(self.round, self.receiver, *([col[i] for i in keep] for col in (
-            self.sources, self.prompt_ids, self.mean_s, self.admitted_fraction, self.rejected)))
+            self.sources, self.prompt_ids, self.mean_s, self.admitted_fraction, self.rejected, self.undelivered)))
 
 
 @dataclass

@@ -252,7 +252,7 @@ class InMemoryState(BrokerState):
             self._reports[key] = row  # norm_report's own copy
             pair = (row.source, row.receiver)
             self._compat[pair] = fold_compat(self._compat.get(pair), row.source, row.receiver,
-                                             ((row.mean_s, row.admitted_fraction, row.rejected),))
+                                             ((row.mean_s, row.admitted_fraction, row.rejected, row.undelivered),))
             accepted += 1
         return accepted, len(batch) - accepted
 
@@ -270,6 +270,7 @@ class InMemoryState(BrokerState):
         with self._lock:
             cutoff = prune_cutoff(self.latest_round(), keep_rounds)
             if cutoff is not None:
+                named = {row.bundle_digest for key, row in self._summaries.items() if key[1] < cutoff}
                 for table, round_of in ((self._summaries, lambda k: k[1]), (self._matches, lambda k: k[0]),
                                         (self._match_sets, lambda k: k),
                                         (self._reports, lambda k: k[0]), (self._rounds, lambda k: k)):
@@ -279,18 +280,26 @@ class InMemoryState(BrokerState):
                     removed += len(old)
                     if table is self._summaries:
                         lower_counts(self._held_by_node, Counter(k[0] for k in old))
-            drop = bundles_to_drop([(d, len(b)) for d, b in self._bundles.items()], max_bundle_bytes)
-            if drop:
-                dropped = set(drop)
-                for d in drop:
-                    size = len(self._bundles.pop(d))
-                    self._bundle_bytes -= size
-                    del self._provenance[d]
-                    owner = self._uploader.pop(d, "")
-                    if owner:
-                        lower_counts(self._bundle_bytes_by_node, {owner: size})
-                for row in self._summaries.values():
-                    if row.bundle_digest in dropped:
-                        row.bundle_digest = ""
-                removed += len(drop)
+                # the bundles only those rounds' summaries named (as SqliteState.prune)
+                named -= {row.bundle_digest for row in self._summaries.values()}
+                removed += self._drop_bundles([d for d in self._bundles if d in named])
+            removed += self._drop_bundles(bundles_to_drop([(d, len(b)) for d, b in self._bundles.items()],
+                                                          max_bundle_bytes))
         return removed
+
+    def _drop_bundles(self, drop: list[str]) -> int:
+        """Delete bundles (their summaries lose the digest; their uploaders' counts fall), under
+        the lock; returns how many."""
+        if drop:
+            dropped = set(drop)
+            for d in drop:
+                size = len(self._bundles.pop(d))
+                self._bundle_bytes -= size
+                del self._provenance[d]
+                owner = self._uploader.pop(d, "")
+                if owner:
+                    lower_counts(self._bundle_bytes_by_node, {owner: size})
+            for row in self._summaries.values():
+                if row.bundle_digest in dropped:
+                    row.bundle_digest = ""
+        return len(drop)

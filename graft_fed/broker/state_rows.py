@@ -165,8 +165,8 @@ def norm_bytes(data) -> bytes:
 
 
 #: a report row as `report_fields` gives it: (round, receiver, source, prompt_id, mean_s,
-#: admitted_fraction, rejected)
-ReportFields = tuple[int, str, str, str, float, float, bool]
+#: admitted_fraction, rejected, undelivered)
+ReportFields = tuple[int, str, str, str, float, float, bool, bool]
 
 
 def report_fields(row: ReportRow) -> ReportFields:
@@ -175,9 +175,13 @@ def report_fields(row: ReportRow) -> ReportFields:
     its commit does not fill the collector's older generations (a ReportRow would)."""
     if not isinstance(row.rejected, bool):
         raise TypeError(f"rejected must be a bool, got {row.rejected!r}")
+    if not isinstance(row.undelivered, bool):
+        raise TypeError(f"undelivered must be a bool, got {row.undelivered!r}")
+    if row.undelivered and (row.rejected or row.mean_s != 0 or row.admitted_fraction != 0):
+        raise ValueError("an undelivered group has mean_s and admitted_fraction 0 and is not rejected")
     return (as_int(row.round, "round"), as_str(row.receiver, "receiver"), as_str(row.source, "source"),
             as_str(row.prompt_id, "prompt_id"), as_float(row.mean_s, "mean_s"),
-            as_float(row.admitted_fraction, "admitted_fraction"), row.rejected)
+            as_float(row.admitted_fraction, "admitted_fraction"), row.rejected, row.undelivered)
 
 
 def norm_report(row: ReportRow) -> ReportRow:
@@ -253,15 +257,19 @@ def bundles_to_drop(oldest_first: Sequence[tuple[str, int]], max_bundle_bytes: i
 
 
 def fold_compat(row: CompatRow | None, source: str, receiver: str,
-                reports: Iterable[tuple[float, float, bool]]) -> CompatRow:
-    """The pair's row after more reports, (mean_s, admitted_fraction, rejected) each, in
-    order (core.exchange.CompatEstimate: a rejected report only increments `rejected`;
-    otherwise both means are plain running means over groups)."""
+                reports: Iterable[tuple[float, float, bool] | tuple[float, float, bool, bool]]) -> CompatRow:
+    """The pair's row after more reports, (mean_s, admitted_fraction, rejected[,
+    undelivered]) each, in order (core.exchange.CompatEstimate: a rejected report only
+    increments `rejected`; otherwise both means are plain running means over groups, an
+    undelivered group's 0 included; undelivered ones are also counted apart, for the
+    quarantine rate, which leaves them out)."""
+    reports = list(reports)
     est = CompatEstimate() if row is None else CompatEstimate(row.groups, row.mean_s, row.admitted_fraction,
                                                               row.rejected)
-    est = est.add_many(reports)
+    est = est.add_many(r[:3] for r in reports)
+    undelivered = (0 if row is None else row.undelivered) + sum(1 for r in reports if len(r) > 3 and r[3])
     return CompatRow(source=source, receiver=receiver, groups=est.groups, mean_s=est.mean_s,
-                     admitted_fraction=est.admitted_fraction, rejected=est.rejected)
+                     admitted_fraction=est.admitted_fraction, rejected=est.rejected, undelivered=undelivered)
 
 
 def norm_compat_args(source, receiver, mean_s, admitted_fraction, rejected) -> tuple[str, str, float, float, bool]:

@@ -184,9 +184,13 @@ CREATE TABLE node_secrets (node_id TEXT PRIMARY KEY, secret_hash TEXT NOT NULL);
 # Schema version 9 -> 10: the node that uploaded each bundle (its storage quota,
 # `max_node_bundle_mib`, counts the bundles it uploaded that the broker still holds, and
 # retention dropping them frees it). A bundle held before gets the first node whose summary
-# names it ('' when none does: it then counts against nobody).
+# names it ('' when none does: it then counts against nobody). And the groups receivers
+# reported undelivered (`reports.undelivered`, `compat.undelivered`: left out of a source's
+# quarantine rate), none among those held before.
 _MIGRATE_10 = """
 ALTER TABLE bundles ADD COLUMN node_id TEXT NOT NULL DEFAULT '';
+ALTER TABLE compat ADD COLUMN undelivered INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE reports ADD COLUMN undelivered INTEGER NOT NULL DEFAULT 0;
 UPDATE bundles SET node_id = COALESCE((SELECT MIN(s.node_id) FROM summary_digests s WHERE s.digest = bundles.digest),
                                       '');
 """
@@ -218,8 +222,8 @@ _CONVERSIONS = {3: _convert_summaries}  # version reached -> data conversion aft
 
 _MATCH_COLS = "round, receiver, prompt_id, source, source_round"
 _NODE_COLS = "node_id, model_id, tokenizer_id, privacy, state, session_id, round, last_seen, published"
-_COMPAT_COLS = "source, receiver, groups, mean_s, admitted_fraction, rejected"
-_REPORT_COLS = "round, receiver, source, prompt_id, mean_s, admitted_fraction, rejected"
+_COMPAT_COLS = "source, receiver, groups, mean_s, admitted_fraction, rejected, undelivered"
+_REPORT_COLS = "round, receiver, source, prompt_id, mean_s, admitted_fraction, rejected, undelivered"
 
 
 # Primary result codes that mean the database itself failed (not the statement's input).
@@ -1408,7 +1412,7 @@ class SqliteState(BrokerState):
     @staticmethod
     def _compat(r: tuple) -> CompatRow:
         return CompatRow(source=r[0], receiver=r[1], groups=r[2], mean_s=_db2f(r[3]),
-                         admitted_fraction=_db2f(r[4]), rejected=r[5])
+                         admitted_fraction=_db2f(r[4]), rejected=r[5], undelivered=r[6])
 
     @classmethod
     def _compat_of(cls, conn: sqlite3.Connection, pair: tuple[str, str]) -> CompatRow | None:
@@ -1417,9 +1421,9 @@ class SqliteState(BrokerState):
 
     @staticmethod
     def _put_compat(conn: sqlite3.Connection, row: CompatRow) -> None:
-        conn.execute(f"INSERT OR REPLACE INTO compat ({_COMPAT_COLS}) VALUES (?,?,?,?,?,?)",
+        conn.execute(f"INSERT OR REPLACE INTO compat ({_COMPAT_COLS}) VALUES (?,?,?,?,?,?,?)",
                      (row.source, row.receiver, row.groups, _f2db(row.mean_s), _f2db(row.admitted_fraction),
-                      row.rejected))
+                      row.rejected, row.undelivered))
 
     def update_compat(self, source: str, receiver: str, mean_s: float, admitted_fraction: float,
                       rejected: bool) -> None:
@@ -1458,12 +1462,12 @@ class SqliteState(BrokerState):
             if key not in stored:  # the first of the batch wins too
                 stored.add(key)
                 fresh.append(r)
-        conn.executemany(f"INSERT INTO reports ({_REPORT_COLS}) VALUES (?,?,?,?,?,?,?)",
-                         [(rnd, receiver, source, pid, _f2db(m), _f2db(a), int(rej))
-                          for rnd, receiver, source, pid, m, a, rej in fresh])
-        per_pair: dict[tuple[str, str], list[tuple[float, float, bool]]] = {}
-        for _, receiver, source, _, m, a, rej in fresh:
-            per_pair.setdefault((source, receiver), []).append((m, a, rej))
+        conn.executemany(f"INSERT INTO reports ({_REPORT_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+                         [(rnd, receiver, source, pid, _f2db(m), _f2db(a), int(rej), int(und))
+                          for rnd, receiver, source, pid, m, a, rej, und in fresh])
+        per_pair: dict[tuple[str, str], list[tuple[float, float, bool, bool]]] = {}
+        for _, receiver, source, _, m, a, rej, und in fresh:
+            per_pair.setdefault((source, receiver), []).append((m, a, rej, und))
         for pair, folded in per_pair.items():
             self._put_compat(conn, fold_compat(self._compat_of(conn, pair), *pair, folded))
         return len(fresh), len(batch) - len(fresh)
@@ -1472,7 +1476,7 @@ class SqliteState(BrokerState):
                 source: str | None = None) -> list[ReportRow]:
         where, params = _filter(round, receiver, source)
         return [ReportRow(round=r[0], receiver=r[1], source=r[2], prompt_id=r[3], mean_s=_db2f(r[4]),
-                          admitted_fraction=_db2f(r[5]), rejected=bool(r[6]))
+                          admitted_fraction=_db2f(r[5]), rejected=bool(r[6]), undelivered=bool(r[7]))
                 for r in self._read(f"SELECT {_REPORT_COLS} FROM reports{where} "
                                     "ORDER BY round, receiver, source, prompt_id", params)]
 
@@ -1488,17 +1492,29 @@ class SqliteState(BrokerState):
                     gone = {node: int(n) for node, n in conn.execute(
                         "SELECT node_id, SUM(count) FROM summary_blocks WHERE round < ? GROUP BY node_id", (cutoff,))}
                     held = sum(gone.values())
+                    named = json.dumps([r[0] for r in conn.execute(
+                        "SELECT DISTINCT digest FROM summary_digests WHERE round < ?", (cutoff,))])
                     conn.execute("DELETE FROM summary_blocks WHERE round < ?", (cutoff,))
                     conn.execute("DELETE FROM summary_digests WHERE round < ?", (cutoff,))
                     removed += held  # summaries, as the other tables count rows
                     for table in ("matches", "match_sets", "reports", "rounds"):
                         removed += conn.execute(f"DELETE FROM {table} WHERE round < ?", (cutoff,)).rowcount
+                    # the bundles only those rounds' summaries named: no grant can reach them any
+                    # more, and they count against their uploaders' quotas
+                    orphans = [r[0] for r in conn.execute(
+                        "SELECT value FROM json_each(?) WHERE NOT EXISTS (SELECT 1 FROM summary_digests s WHERE "
+                        "s.digest = value) AND EXISTS (SELECT 1 FROM bundles b WHERE b.digest = value)", (named,))]
+                    if orphans:
+                        dropped, files, freed = self._drop_bundles(conn, orphans)
+                        removed += dropped
                 if max_bundle_bytes is not None:
                     drop = bundles_to_drop(conn.execute("SELECT digest, size FROM bundles ORDER BY rowid").fetchall(),
                                            max_bundle_bytes)
                     if drop:
-                        dropped, files, freed = self._drop_bundles(conn, drop)
+                        dropped, more_files, more_freed = self._drop_bundles(conn, drop)
                         removed += dropped
+                        files += more_files
+                        freed = dict(Counter(freed) + Counter(more_freed))
             # committed: the quotas' counts follow
             lower_counts(self._held_by_node, gone)
             lower_counts(self._bundle_bytes_by_node, freed)

@@ -26,8 +26,10 @@ class BundleUpload:
     summary, the commit); the record's long strings stand in (see BundleStream)."""
 
     def __init__(self, store: Callable[["BundleUpload", GroupRecord], bool], writer: BundleWriter, node_id: str,
-                 prompt_id: str, round: int, digest: str, size: int, signature: bytes, signer_cert: bytes) -> None:
+                 prompt_id: str, round: int, digest: str, size: int, signature: bytes, signer_cert: bytes,
+                 release: Callable[[], None] | None = None) -> None:
         self.store, self.writer = store, writer
+        self._release = release  # gives back what begin_upload reserved of the node's quota, once
         self.node_id, self.prompt_id, self.round, self.digest, self.size = node_id, prompt_id, round, digest, size
         self.signature, self.signer_cert = signature, signer_cert
         self.check = BundleStream(digest)
@@ -53,8 +55,19 @@ class BundleUpload:
         except RecordError as exc:
             raise InvalidArgument(f"bundle rejected: {exc}") from None
         self.writer.prepare(self.digest)  # the disk's part (fsync, rename), before the broker's lock
-        return self.store(self, rec)
+        try:
+            return self.store(self, rec)  # once stored, the state counts the bytes
+        finally:
+            self._give_back()
 
     def abort(self) -> None:
         """Drop what was written; a no-op once stored."""
-        self.writer.abort()
+        try:
+            self.writer.abort()
+        finally:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()

@@ -561,7 +561,8 @@ def match_result_from_pb(resp: pb.MatchResponse) -> MatchResult:
 
 def report_entries_to_pb(entries: Sequence[ReportEntry]) -> list[pb.CompatibilityReport.Entry]:
     return [pb.CompatibilityReport.Entry(source_node_id=e.source, prompt_id=e.prompt_id, mean_s=e.mean_s,
-                                         admitted_fraction=e.admitted_fraction, rejected=e.rejected)
+                                         admitted_fraction=e.admitted_fraction, rejected=e.rejected,
+                                         undelivered=e.undelivered)
             for e in entries]
 
 
@@ -574,4 +575,4 @@ def report_entries_from_pb(request: pb.CompatibilityReport) -> Iterator[ReportEn
         source, prompt = e.source_node_id, e.prompt_id
         check_string("entries.source_node_id", source)
         check_string("entries.prompt_id", prompt)
-        yield ReportEntry(source, prompt, e.mean_s, e.admitted_fraction, e.rejected)
+        yield ReportEntry(source, prompt, e.mean_s, e.admitted_fraction, e.rejected, e.undelivered)

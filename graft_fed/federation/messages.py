@@ -94,4 +94,6 @@ class ReportEntry:
     mean_s: float
     admitted_fraction: float
     rejected: bool
+    #: the group never arrived: mean_s and admitted_fraction 0, not rejected
+    undelivered: bool = False
 

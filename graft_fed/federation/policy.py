@@ -7,9 +7,11 @@ broker (or a peer behind it) may be hostile. graft_fed/node/peers.py calls them
   concerns that one offer: skip it and go on with the step. Only a failure of the broker
   itself (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...) means the exchange is lost.
 - `undelivered_entries`: offers whose bundle never arrived are reported as a group the
-  receiver could not use (mean s 0, admitted 0, not rejected), so a source that claims
-  groups (an inflated k wins ties) and never delivers them becomes the least compatible
-  source for that receiver instead of the most (a pair with no reports counts as best).
+  receiver could not use (mean s 0, admitted 0, not rejected, marked undelivered), so a
+  source that claims groups (an inflated k wins ties) and never delivers them becomes the
+  least compatible source for that receiver instead of the most (a pair with no reports
+  counts as best); marked, they do not count in its quarantine rate, which a lying source
+  could otherwise dilute by withholding as many groups as it lies about.
 - `refused_record_entry`: a bundle that arrived, with the right digest (and signature), but
   whose record is malformed or poisoned is the source's own doing: reported as rejected.
 - `offers_to_fetch`: the node fetches only offers for its own all-fail prompts of the round,
@@ -54,7 +56,7 @@ def undelivered_entries(offers: Iterable[Offer], received: Collection[str],
             continue
         seen.add(key)
         out.append(ReportEntry(source=o.source_node, prompt_id=o.prompt_id, mean_s=0.0, admitted_fraction=0.0,
-                               rejected=False))
+                               rejected=False, undelivered=True))
     return out
 
 

@@ -320,18 +320,20 @@ class FetchBundleRequest(_message.Message):
 class CompatibilityReport(_message.Message):
     __slots__ = ("node_id", "session_id", "round", "entries", "tag")
     class Entry(_message.Message):
-        __slots__ = ("source_node_id", "prompt_id", "mean_s", "admitted_fraction", "rejected")
+        __slots__ = ("source_node_id", "prompt_id", "mean_s", "admitted_fraction", "rejected", "undelivered")
         SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
         PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
         MEAN_S_FIELD_NUMBER: _ClassVar[int]
         ADMITTED_FRACTION_FIELD_NUMBER: _ClassVar[int]
         REJECTED_FIELD_NUMBER: _ClassVar[int]
+        UNDELIVERED_FIELD_NUMBER: _ClassVar[int]
         source_node_id: str
         prompt_id: str
         mean_s: float
         admitted_fraction: float
         rejected: bool
-        def __init__(self, source_node_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., mean_s: _Optional[float] = ..., admitted_fraction: _Optional[float] = ..., rejected: _Optional[bool] = ...) -> None: ...
+        undelivered: bool
+        def __init__(self, source_node_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., mean_s: _Optional[float] = ..., admitted_fraction: _Optional[float] = ..., rejected: _Optional[bool] = ..., undelivered: _Optional[bool] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]

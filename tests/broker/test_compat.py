@@ -27,16 +27,18 @@ def state(request, tmp_path):
 
 
 def random_reports(rng: random.Random, names: list[str], round_: int, count: int) -> list[ReportRow]:
-    """One receiver's report: up to `count` groups of other nodes, some rejected."""
+    """One receiver's report: up to `count` groups of other nodes, some rejected, some undelivered."""
     receiver = rng.choice(names)
     rows = {}
     for _ in range(count):
         source = rng.choice([x for x in names if x != receiver])
         pid = f"p{rng.randrange(40)}"
-        rejected = rng.random() < 0.2
+        kind = rng.random()
+        rejected, undelivered = kind < 0.2, 0.2 <= kind < 0.35
         rows[(source, pid)] = ReportRow(round=round_, receiver=receiver, source=source, prompt_id=pid,
-                                        mean_s=0.0 if rejected else rng.uniform(0, 3),
-                                        admitted_fraction=rng.random(), rejected=rejected)
+                                        mean_s=0.0 if rejected or undelivered else rng.uniform(0, 3),
+                                        admitted_fraction=0.0 if undelivered else rng.random(), rejected=rejected,
+                                        undelivered=undelivered)
     return list(rows.values())
 
 
@@ -48,11 +50,13 @@ def old_estimates(rows: list[CompatRow], nodes: list[str]) -> dict[tuple[int, in
 
 
 def old_quarantine(rows, rate, min_reports, min_receivers) -> set[str]:
-    """The rule as it read the state's rows before (a loop over CompatRow)."""
+    """The rule as it read the state's rows before (a loop over CompatRow), the groups reported
+    undelivered left out of the rate."""
     per: dict[str, list[tuple[int, int]]] = {}
     for c in rows:
-        if c.groups + c.rejected:
-            per.setdefault(c.source, []).append((c.rejected, c.groups + c.rejected))
+        received = c.groups - c.undelivered + c.rejected
+        if received:
+            per.setdefault(c.source, []).append((c.rejected, received))
     out = set()
     for source, pairs in per.items():
         rates = [r / n for r, n in pairs]

@@ -394,9 +394,10 @@ def test_a_report_as_columns_is_stored_as_its_rows(state):
     assert state.reports(round=3) == []
 
 
-def rep(round=0, receiver="r", source="s", prompt_id="p0", mean_s=0.5, admitted_fraction=1.0, rejected=False):
+def rep(round=0, receiver="r", source="s", prompt_id="p0", mean_s=0.5, admitted_fraction=1.0, rejected=False,
+        undelivered=False):
     return ReportRow(round=round, receiver=receiver, source=source, prompt_id=prompt_id, mean_s=mean_s,
-                     admitted_fraction=admitted_fraction, rejected=rejected)
+                     admitted_fraction=admitted_fraction, rejected=rejected, undelivered=undelivered)
 
 
 def test_reports_count_once_and_fold_into_compat(state):
@@ -664,6 +665,11 @@ class SameBehaviour(RuleBasedStateMachine):
     def put_reports(self, rows):
         self.both("put_reports", rows)
 
+    @rule(rows=st.lists(st.builds(rep, _rounds, _ids, _ids, _prompts, st.just(0.0), st.just(0.0), st.just(False),
+                                  st.just(True)), max_size=3))
+    def put_undelivered_reports(self, rows):
+        self.both("put_reports", rows)
+
     @rule(s=_ids, r=_ids, mean_s=_floats, frac=st.floats(0, 1), rejected=st.booleans())
     def update_compat(self, s, r, mean_s, frac, rejected):
         self.both("update_compat", s, r, mean_s, frac, rejected)
@@ -830,8 +836,11 @@ def _damage_blocks(s, node_id: str) -> None:
 
 
 def _as_version_9(c):
-    """Turn a state file (open on connection `c`) back into schema version 9: no bundle's uploader."""
+    """Turn a state file (open on connection `c`) back into schema version 9: no bundle's
+    uploader, no report or pair counting undelivered groups."""
     c.execute("ALTER TABLE bundles DROP COLUMN node_id")
+    c.execute("ALTER TABLE compat DROP COLUMN undelivered")
+    c.execute("ALTER TABLE reports DROP COLUMN undelivered")
     c.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
     c.commit()
 

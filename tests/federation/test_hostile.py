@@ -9,6 +9,7 @@ client written from the .proto alone found, and their neighbours.
 import dataclasses
 import json
 import math
+import os
 import threading
 import time
 
@@ -483,6 +484,40 @@ def test_rejections_from_several_receivers_still_quarantine(prompt_file, prompts
         broker.stop()
 
 
+def test_a_source_cannot_dilute_its_rejections_by_withholding_groups(prompt_file, prompts):
+    """A source that lies about 4 groups and never uploads the 8 others it is matched to:
+    each receiver reports 4 rejected and 8 undelivered. Undelivered groups counted in the
+    quarantine rate (4 of 12, under 0.5), so withholding as many groups as it lied about
+    kept a liar out of quarantine for ever. They still make it the least compatible source
+    (mean s 0), but the rate counts the groups received: 4 of 4."""
+    broker = start_broker(broker_config(prompt_file, balance="none"))
+    try:
+        liar = client(broker, prompts, "liar")
+        receivers = [client(broker, prompts, n) for n in ("r1", "r2")]
+        liar.publish(0, [summary(p, 1) for p in prompts])
+        for r in receivers:
+            r.publish(0, [summary(p, 0) for p in prompts])
+        for p in prompts[:4]:
+            liar.upload(record(p, 1, "liar"), 0)  # claimed rewards that do not verify
+        for r in receivers:
+            assert len(r.get_matches(0, 5.0).offers) == 12
+            r.report(0, [pb.CompatibilityReport.Entry(source_node_id="liar", prompt_id=p.id, rejected=True)
+                         for p in prompts[:4]]
+                     + [pb.CompatibilityReport.Entry(source_node_id="liar", prompt_id=p.id, undelivered=True)
+                        for p in prompts[4:]])
+        assert broker.fed.quarantined() == {"liar"}
+        row = {(c.source, c.receiver): c for c in broker.state.compat()}[("liar", "r1")]
+        assert (row.groups, row.undelivered, row.rejected, row.mean_s) == (8, 8, 4, 0.0)
+        # an entry both undelivered and scored is refused whole
+        code, details = code_of(lambda: receivers[0].report(0, [pb.CompatibilityReport.Entry(
+            source_node_id="liar", prompt_id=prompts[0].id, mean_s=0.5, undelivered=True)]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "undelivered" in details
+        for x in (liar, *receivers):
+            x.close()
+    finally:
+        broker.stop()
+
+
 def test_the_broker_rechecks_a_rejection_of_a_bundle_it_holds(prompt_file, prompts):
     broker = start_broker(broker_config(prompt_file, balance="none", quarantine_min_receivers=1,
                                         quarantine_min_reports=4))
@@ -549,7 +584,7 @@ def test_a_bundle_too_big_for_the_receiver_is_undelivered_not_a_rejection_of_its
         assert [(o.source_node, o.digest) for o in offers] == [("source", digest)]
         got = fetch_offers(receiver, offers, n=2)
         assert got.records == {} and got.bad == 1
-        assert got.rejections == [ReportEntry("source", prompts[0].id, 0.0, 0.0, False)]
+        assert got.rejections == [ReportEntry("source", prompts[0].id, 0.0, 0.0, False, undelivered=True)]
         receiver.report(0, got.rejections)
         assert "source" not in broker.fed.quarantined()
         for c in (source, receiver):
@@ -813,6 +848,70 @@ def test_bundle_bytes_held_count_each_uploaders_bundles_until_retention_drops_th
             st = SqliteState(tmp_path / "s.sqlite")
             assert [st.bundle_bytes_held(n) for n in ("a", "b")] == [5, 0]
         st.close()
+
+
+def test_round_retention_drops_the_bundles_only_its_rounds_named_and_frees_their_quota(tmp_path):
+    """keep_rounds dropped a round's summaries (and their digests) but kept the bundles:
+    nothing could grant them any more, yet they filled the disk and, once the quota counted
+    each uploader's bundles, counted against it for good (found in review). The bundles only
+    the dropped rounds named go with them; one a kept round names too stays."""
+    from graft_fed.broker.state import RoundRow
+    from graft_fed.broker.state_memory import InMemoryState
+    from graft_fed.broker.state_sqlite import SqliteState
+    from graft_fed.federation.messages import SummaryRow
+
+    def rows(rounds, prompt="p"):
+        return [SummaryRow(node_id="a", round=r, prompt_id=prompt, policy_version=0, n=2, k=1, reward_mean=0.5,
+                           reward_std=math.sqrt(0.5), lengths=[1, 1], mean_logprobs=[-1.0, -1.0]) for r in rounds]
+
+    for st in (InMemoryState(), SqliteState(tmp_path / "s.db")):
+        for r in range(4):
+            st.put_round(RoundRow(round=r, state="open", opened_at=0.0))
+        st.put_summaries(rows(range(4)) + rows([0, 3], "q"))
+        for digest, size, r, prompt in (("d" * 64, 10, 0, "p"), ("e" * 64, 7, 0, "q"), ("f" * 64, 5, 3, "p")):
+            w = st.begin_bundle()
+            w.write(b"x" * size)
+            assert w.commit_attached(digest, b"", b"", "a", r, prompt) == (True, True)
+        assert st.set_bundle_digest("a", 3, "q", "e" * 64)  # the same bytes named by a kept round too
+        assert st.bundle_bytes_held("a") == 22
+        st.prune(keep_rounds=1)  # rounds 0-2 go, and d (only round 0 named it)
+        assert st.has_bundles(["d" * 64, "e" * 64, "f" * 64]) == ["e" * 64, "f" * 64]
+        assert st.bundle_bytes_held("a") == 12
+        if isinstance(st, SqliteState):
+            st.close()
+            st = SqliteState(tmp_path / "s.db")
+            files = str(tmp_path / "s.db") + "-bundles"
+            assert st.bundle_bytes_held("a") == 12
+            assert not os.path.exists(os.path.join(files, "d" * 64)) and os.path.exists(os.path.join(files, "f" * 64))
+        st.close()
+
+
+def test_two_uploads_of_a_node_in_flight_do_not_pass_its_bundle_quota_together(prompt_file, prompts):
+    """The bundle quota was checked as each upload began, against what the state held: two
+    uploads of a node in flight at once (the broker takes two) each passed it, and both were
+    stored (found in review). An upload's bytes count from its start."""
+    import dataclasses as dc
+
+    from graft_fed.federation.bundles import digest_of, encode_bundle
+    from graft_fed.federation.errors import ResourceExhausted
+
+    broker = start_broker(broker_config(prompt_file, max_node_bundle_mib=1))
+    try:
+        a = client(broker, prompts, "a")
+        a.publish(0, [summary(p, 1) for p in prompts[:2]])
+        datas = [encode_bundle(dc.replace(record(p, 1, "a"), texts=("x" * 700_000, "y"))) for p in prompts[:2]]
+        first = broker.fed.begin_upload("a", a.session, prompts[0].id, 0, digest_of(datas[0]), len(datas[0]))
+        with pytest.raises(ResourceExhausted, match="or is receiving"):
+            broker.fed.begin_upload("a", a.session, prompts[1].id, 0, digest_of(datas[1]), len(datas[1]))
+        first.abort()  # the first given up: its bytes no longer count
+        second = broker.fed.begin_upload("a", a.session, prompts[1].id, 0, digest_of(datas[1]), len(datas[1]))
+        second.write(datas[1])
+        assert second.finish()
+        second.abort()  # as the servicer does whatever ends the call: nothing more given back
+        assert broker.state.bundle_bytes_held("a") == len(datas[1]) and not broker.fed.bundles._in_flight
+        a.close()
+    finally:
+        broker.stop()
 
 
 def test_retention_frees_a_nodes_bundle_quota(prompt_file, prompts):

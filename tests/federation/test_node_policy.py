@@ -24,8 +24,17 @@ def test_a_refused_fetch_skips_that_offer_and_a_lost_broker_is_still_lost():
 def test_undelivered_offers_are_reported_as_unusable_not_rejected():
     offers = [offer("p1"), offer("p2", digest=""), offer("p3", source="t"), offer("p4")]
     got = undelivered_entries(offers, received={"p1"}, already_reported={("s", "p4")})
-    assert got == [ReportEntry("s", "p2", 0.0, 0.0, False), ReportEntry("t", "p3", 0.0, 0.0, False)]
+    # marked undelivered: they weigh in the source's compatibility, not in its quarantine rate
+    assert got == [ReportEntry("s", "p2", 0.0, 0.0, False, undelivered=True),
+                   ReportEntry("t", "p3", 0.0, 0.0, False, undelivered=True)]
     assert refused_record_entry(offer("p5")) == ReportEntry("s", "p5", 0.0, 0.0, True)
+    # and so they go on the wire
+    from graft_fed.federation.codec import report_entries_from_pb, report_entries_to_pb
+    from graft_fed.proto import broker_pb2 as pb
+
+    wire = pb.CompatibilityReport(entries=report_entries_to_pb(got + [refused_record_entry(offer("p5"))]))
+    assert list(report_entries_from_pb(pb.CompatibilityReport.FromString(wire.SerializeToString()))) == \
+        got + [refused_record_entry(offer("p5"))]
 
 
 def test_matched_only_uploads_only_informative_groups_of_the_current_window():
@@ -76,8 +85,8 @@ def test_a_node_fetching_offers_skips_a_refused_one_reports_it_and_keeps_the_res
     assert set(got.records) == {"p3"} and got.records["p3"].model_id == "s"
     assert got.refused == 2 and got.bad == 3 and got.undelivered == 3 and got.delivery_failed == 1
     assert sorted(got.rejections, key=lambda e: e.prompt_id) == [
-        ReportEntry("s", "p1", 0.0, 0.0, False), ReportEntry("t", "p2", 0.0, 0.0, True),
-        ReportEntry("s", "p4", 0.0, 0.0, False), ReportEntry("u", "p5", 0.0, 0.0, False)]
+        ReportEntry("s", "p1", 0.0, 0.0, False, True), ReportEntry("t", "p2", 0.0, 0.0, True),
+        ReportEntry("s", "p4", 0.0, 0.0, False, True), ReportEntry("u", "p5", 0.0, 0.0, False, True)]
     with pytest.raises(Unavailable):
         fetch_offers(Client(lost=True), offers)
 
@@ -293,7 +302,7 @@ def test_a_node_that_does_not_wait_for_bundles_does_not_score_their_sources_zero
             return FetchedBundle(record=uploaded, signer="")
 
     # waited for, a bundle that still did not come is the source's doing (reported, s 0)
-    for wait_s, reported in ((0.0, []), (1.0, [ReportEntry("t", "p2", 0.0, 0.0, False)])):
+    for wait_s, reported in ((0.0, []), (1.0, [ReportEntry("t", "p2", 0.0, 0.0, False, undelivered=True)])):
         peers = BrokerPeers(Client(), "me", "share_all", m, "b", None, 1, 1, wait_s, 1, 1, 1)
         peers.broker_manifest, peers.connected = m, True
         all_fail = SimpleNamespace(k=0, n=2)
