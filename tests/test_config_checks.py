@@ -60,6 +60,15 @@ def test_broker_values_that_failed_at_run_time_are_refused_at_load(key, value, m
         load_broker_config(None, {key: value})
 
 
+def test_async_retention_must_keep_the_rounds_receivers_are_offered():
+    """In async mode a receiver is offered groups up to staleness_rounds old: retention of
+    fewer rounds dropped them (and their bundles) before the receiver fetched them."""
+    with pytest.raises(ConfigError, match=r"keep_rounds \(4\) must be above staleness_rounds \(4\)"):
+        load_broker_config(None, {"mode": "async", "keep_rounds": 4})
+    load_broker_config(None, {"mode": "async", "keep_rounds": 5})
+    load_broker_config(None, {"mode": "sync", "keep_rounds": 1})
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("rpc_timeout_s", -1, "rpc_timeout_s must be seconds > 0"),
     ("rpc_timeout_s", 0, "rpc_timeout_s must be seconds > 0"),

@@ -137,7 +137,9 @@ class Bundles(Part):
         other and with publishes) instead of queueing one commit at a time behind that lock
         (issue 13, eighteenth pass). Retention (prune, under the lock) racing an upload at
         worst drops a bundle just stored, as it would a moment later (its file is deleted
-        only once no row names it); the digest is attached only to a summary the state still
+        only once no row names it); a bundle whose summary retention dropped before the
+        commit is not stored at all (NotFound: nothing could grant it, and it would count
+        against the node's quota); the digest is attached only to a summary the state still
         holds, and not put back into a round index that a prune cleared meanwhile."""
         node_id, round, prompt_id = up.node_id, up.round, up.prompt_id
         summary = self.ctx.summary(node_id, round, prompt_id)
@@ -152,6 +154,9 @@ class Bundles(Part):
         # the bundle's row and its digest on the summary in one commit (a state on disk)
         stored, attached = up.writer.commit_attached(up.digest, up.signature, up.signer_cert, node_id, round,
                                                      prompt_id)
+        if not stored and not attached:
+            raise NotFound(f"node {clip(node_id)}'s summary for prompt {clip(prompt_id)} in round {round} was pruned "
+                           "by retention while its bundle arrived; nothing was stored")
         with self.cond:
             if stored:
                 self.counters["bundles_signed" if up.signature else "bundles_unsigned"] += 1

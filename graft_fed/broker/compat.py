@@ -9,7 +9,7 @@ exchanged, read and turned into Python objects under the broker's lock. At 256 n
 made a report wait seconds (issue 13). Here the table is read from the state once, on first
 use, and each report's pairs are read back after the state has folded it: the state stays
 the one definition of the fold, and this copy holds exactly its numbers, as matrices over
-the nodes seen (broker/grid.py: 33 bytes a pair, at most 33 MiB at 1,000 nodes).
+the nodes seen (broker/grid.py: 41 bytes a pair, at most 41 MiB at 1,000 nodes).
 """
 
 from __future__ import annotations

@@ -84,12 +84,13 @@ class BrokerConfig:
     balance: str = "pairwise"
     #: The cap of the per_receiver_cap policy.
     per_receiver_cap: int = 8
-    #: Quarantine a source once this share of the groups receivers were given from it was
+    #: Quarantine a source once this share of the groups receivers received from it was
     #: rejected by their re-verification (its claimed rewards were wrong): it is no longer
-    #: matched as a source and its uploads are refused. The operator lifts it with
-    #: `graft-fed broker nodes release` (needs `allowlist`). 1.0 = never.
+    #: matched as a source and its uploads are refused. Groups a receiver reports undelivered
+    #: do not count (a liar withholding groups would dilute its rate). The operator lifts it
+    #: with `graft-fed broker nodes release` (needs `allowlist`). 1.0 = never.
     quarantine_rejection_rate: float = 0.5
-    #: ... once at least this many of its groups were reported on.
+    #: ... once receivers reported on at least this many of its groups they received.
     quarantine_min_reports: int = 8
     #: Quarantine needs rejections from at least this many distinct receivers, each
     #: receiver's rejection rate weighing the same however many groups it reported (one
@@ -246,6 +247,10 @@ class BrokerConfig:
         require(0 < self.quarantine_rejection_rate <= 1, "broker.quarantine_rejection_rate must be in (0, 1]")
         require(self.quarantine_min_reports >= 1, "broker.quarantine_min_reports must be >= 1")
         require(self.quarantine_min_receivers >= 1, "broker.quarantine_min_receivers must be >= 1")
+        require(self.keep_rounds is None or self.mode != "async" or self.keep_rounds > self.staleness_rounds,
+                f"broker.keep_rounds ({self.keep_rounds}) must be above staleness_rounds ({self.staleness_rounds}) in "
+                "async mode: a receiver is offered groups up to staleness_rounds old, and retention would drop them "
+                "before it fetches them")
         require(8 <= self.max_workers <= 4096, "broker.max_workers must be in [8, 4096] (every worker thread is "
                 "started with the broker)")
         require(self.malloc_arena_max >= 0, "broker.malloc_arena_max must be >= 0 (0: glibc's default)")

@@ -501,7 +501,12 @@ class BundleWriter:
                         prompt_id: str) -> tuple[bool, bool]:
         """`commit`, then the digest attached to the node's summary of the prompt in the round
         (`set_bundle_digest`): (stored, attached). A state on disk does both in one commit,
-        the one an upload waits for. The bundle counts as the node's upload."""
+        the one an upload waits for. The bundle counts as the node's upload. Nothing is stored
+        when the summary is no longer held (retention dropped its round while the bytes
+        arrived): (False, False)."""
+        if not self._state.summaries(round=round, node_id=node_id, prompt_ids=[prompt_id]):
+            self.abort()
+            return False, False
         stored = self.commit(digest, signature, signer_cert, node_id=node_id)
         return stored, self._state.set_bundle_digest(node_id, round, prompt_id, digest)
 

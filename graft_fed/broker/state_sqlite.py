@@ -947,6 +947,12 @@ class SqliteState(BrokerState):
             if isinstance(got, Exception):  # a damaged block of the summary's node and round: nothing
                 j.error = got
                 continue
+            if j.bundle is not None and j.attach is not None and not (
+                    got is not None and any(j.attach[2] in ids for ids in got[0])):
+                # its summary is gone (retention dropped the round while the bytes arrived):
+                # no grant could reach the bundle, which would only count against its uploader
+                j.result, j.attached = 0, 0
+                continue
             if j.bundle is not None:
                 cur = conn.execute("INSERT INTO bundles (digest, data, size, created, signature, signer_cert, parts, "
                                    "in_file, node_id) VALUES (?, x'', ?, ?, ?, ?, 0, 1, ?) ON CONFLICT (digest) DO NOTHING",

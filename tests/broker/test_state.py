@@ -206,7 +206,8 @@ def test_record_liveness_moves_last_seen_forward_only(state):
 def test_an_upload_commits_its_bundle_and_attaches_its_digest(state):
     """BundleWriter.commit_attached: the bundle stored and its digest on the node's summary,
     (stored, attached); a second upload of the bytes stores nothing and still attaches; a
-    digest for a summary not held is not attached, the bundle stored all the same."""
+    bundle for a summary not held (retention dropped it meanwhile) stores nothing: no grant
+    could reach it, and it would count against its uploader."""
     state.put_summaries([summ(), summ(prompt_id="p1")])
 
     def upload(data: bytes, digest: str, prompt_id: str, round: int = 0) -> tuple[bool, bool]:
@@ -216,9 +217,9 @@ def test_an_upload_commits_its_bundle_and_attaches_its_digest(state):
         return w.commit_attached(digest, b"", b"", "a", round, prompt_id)
     assert upload(b"one", "d" * 64, "p0") == (True, True)
     assert upload(b"one", "d" * 64, "p1") == (False, True)
-    assert upload(b"two", "e" * 64, "p0", round=1) == (True, False)
+    assert upload(b"two", "e" * 64, "p0", round=1) == (False, False)
     assert [s.bundle_digest for s in state.summaries()] == ["d" * 64, "d" * 64]
-    assert state.get_bundle("d" * 64) == b"one" and state.get_bundle("e" * 64) == b"two"
+    assert state.get_bundle("d" * 64) == b"one" and state.get_bundle("e" * 64) is None
 
 
 def test_summary_heads_match_summaries(state):
@@ -480,6 +481,28 @@ def test_summaries_held_per_node_count_new_rows_drop_with_retention_and_survive_
             assert (again.summaries_held("a"), again.summaries_held("b")) == (2, 1)
         finally:
             again.close()
+
+
+def test_an_upload_whose_summary_retention_dropped_meanwhile_stores_nothing(state):
+    """The summary checked, the bytes written, then retention drops the summary's round
+    before the commit: the bundle was stored all the same, named by no summary, so no
+    retention of rounds ever dropped it and it counted against its uploader for good
+    (found in review). Nothing is stored now."""
+    for r in (0, 1):
+        state.put_round(RoundRow(round=r, state="matched", opened_at=float(r)))
+        state.put_summaries([summ("a", r, "p0")])
+    data = b'{"x": 1}' * 100
+    digest = hashlib.sha256(data).hexdigest()
+    w = state.begin_bundle()
+    w.write(data)
+    w.prepare(digest)
+    state.prune(keep_rounds=1)
+    assert w.commit_attached(digest, b"", b"", "a", 0, "p0") == (False, False)
+    assert state.has_bundles([digest]) == [] and state.bundle_bytes_held("a") == 0
+    w = state.begin_bundle()  # the same bytes for a summary still held are stored
+    w.write(data)
+    assert w.commit_attached(digest, b"", b"", "a", 1, "p0") == (True, True)
+    assert state.bundle_bytes_held("a") == len(data)
 
 
 def test_prune_bundles_drops_oldest_and_unlinks(state):

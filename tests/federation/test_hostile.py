@@ -886,6 +886,37 @@ def test_round_retention_drops_the_bundles_only_its_rounds_named_and_frees_their
         st.close()
 
 
+def test_an_upload_whose_round_retention_drops_meanwhile_is_refused_and_holds_nothing(prompt_file, prompts):
+    """Retention dropping the round of an upload in flight: the upload is refused NOT_FOUND
+    (the node takes it as that bundle's refusal), and neither its bytes nor its file stay."""
+    from graft_fed.federation.bundles import digest_of, encode_bundle
+    from graft_fed.federation.errors import NotFound
+
+    broker = start_broker(broker_config(prompt_file))
+    try:
+        a = client(broker, prompts, "a")
+        for r in (0, 1):
+            a.publish(r, [summary(prompts[0], 1, round=r)])
+        data = encode_bundle(record(prompts[0], 1, "a"))
+        up = broker.fed.begin_upload("a", a.session, prompts[0].id, 0, digest_of(data), len(data))
+        up.write(data)
+        commit = up.writer.commit_attached
+
+        def pruned_first(*args):  # round 0 goes after the summary's check, before the commit
+            broker.state.prune(keep_rounds=1)
+            return commit(*args)
+
+        up.writer.commit_attached = pruned_first
+        with pytest.raises(NotFound, match="pruned by retention while its bundle arrived"):
+            up.finish()
+        up.abort()
+        assert broker.state.bundle_bytes_held("a") == 0 and not broker.state.has_bundles([digest_of(data)])
+        assert not broker.fed.bundles._in_flight
+        a.close()
+    finally:
+        broker.stop()
+
+
 def test_two_uploads_of_a_node_in_flight_do_not_pass_its_bundle_quota_together(prompt_file, prompts):
     """The bundle quota was checked as each upload began, against what the state held: two
     uploads of a node in flight at once (the broker takes two) each passed it, and both were
