@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Callable, Iterator, Sequence
 
 from graft_fed.broker.context import Context, Part
+from graft_fed.broker.state_rows import lower_counts
 from graft_fed.broker.uploads import BundleUpload
 from graft_fed.broker.wakeups import bundles_key
 from graft_fed.core.records import GroupRecord
@@ -109,11 +110,7 @@ class Bundles(Part):
 
         def release() -> None:
             with self._in_flight_lock:
-                left = self._in_flight[node_id] - size
-                if left > 0:
-                    self._in_flight[node_id] = left
-                else:
-                    self._in_flight.pop(node_id, None)
+                lower_counts(self._in_flight, {node_id: size})
         return release
 
     def put_bundle(self, node_id: str, session_id: str, prompt_id: str, round: int, digest: str,

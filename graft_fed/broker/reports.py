@@ -72,8 +72,8 @@ class Reports(Part):
                               [e.admitted_fraction for e in entries], [e.rejected for e in entries],
                               [e.undelivered for e in entries])
             del entries
-            for i in (i for i, undelivered in enumerate(rows.undelivered) if undelivered):
-                if rows.rejected[i] or rows.mean_s[i] != 0 or rows.admitted_fraction[i] != 0:
+            for i, undelivered in enumerate(rows.undelivered):
+                if undelivered and (rows.rejected[i] or rows.mean_s[i] != 0 or rows.admitted_fraction[i] != 0):
                     raise InvalidArgument(f"the group of {clip(rows.sources[i])} for prompt {clip(rows.prompt_ids[i])} "
                                           "is reported undelivered and scored: an undelivered group has mean_s and "
                                           "admitted_fraction 0 and is not rejected")

@@ -225,8 +225,8 @@ def check_prune_args(keep_rounds: int | None, max_bundle_bytes: int | None) -> N
 
 
 def lower_counts(counts: Counter[str], by: Mapping[str, int]) -> None:
-    """Lower per-node counts (a state's quota counts) by what retention dropped; a node left
-    with none leaves the counter."""
+    """Lower per-node counts (the quotas' counts: what a state holds, what uploads have in
+    flight) by `by`; a node left with none leaves the counter."""
     for node, n in by.items():
         left = counts[node] - n
         if left > 0:

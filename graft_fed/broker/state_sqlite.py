@@ -325,9 +325,9 @@ def _spans(count: int, per: int) -> Iterator[tuple[int, int]]:
 class _Job:
     """One caller's part of a group commit: its blocks (normalised, each with its encoding),
     and the node row to write with them (its `published` count raised by what is stored);
-    or an uploaded bundle's row, (digest, size, signature, certificate), whose file is in
-    place, and the node that uploaded it ('' for none) (result: 1 when stored, 0 when the digest was held); or a digest to attach to a
-    held summary, (node, round, prompt id, digest) (result: 1 when attached, 0 when no such
+    or an uploaded bundle's row, (digest, size, signature, certificate, the node that
+    uploaded it or ''), whose file is in place (result: 1 when stored, 0 when the digest was
+    held); or a digest to attach to a held summary, (node, round, prompt id, digest) (result: 1 when attached, 0 when no such
     summary is held); or both, the row and then the attachment (result: stored; attached:
     attached), so that an upload waits for one commit. Concurrent uploads thus share commits with each other and with
     publishes (issue 13, eighteenth pass)."""
@@ -947,8 +947,8 @@ class SqliteState(BrokerState):
             if isinstance(got, Exception):  # a damaged block of the summary's node and round: nothing
                 j.error = got
                 continue
-            if j.bundle is not None and j.attach is not None and not (
-                    got is not None and any(j.attach[2] in ids for ids in got[0])):
+            attached = int(j.attach is not None and got is not None and any(j.attach[2] in ids for ids in got[0]))
+            if j.bundle is not None and j.attach is not None and not attached:
                 # its summary is gone (retention dropped the round while the bytes arrived):
                 # no grant could reach the bundle, which would only count against its uploader
                 j.result, j.attached = 0, 0
@@ -961,7 +961,6 @@ class SqliteState(BrokerState):
                 if j.attach is None:
                     continue
             if j.attach is not None:
-                attached = int(got is not None and any(j.attach[2] in ids for ids in got[0]))
                 if attached:  # written after the group's blocks, which may hold its summary
                     digests.append(j.attach)
                 if j.bundle is None:
@@ -1489,7 +1488,7 @@ class SqliteState(BrokerState):
     # ----- retention
     def prune(self, keep_rounds: int | None = None, max_bundle_bytes: int | None = None) -> int:
         check_prune_args(keep_rounds, max_bundle_bytes)
-        removed, files, gone, freed = 0, [], {}, {}
+        removed, files, gone, freed = 0, [], {}, Counter()
         with self._lock:
             with self._tx() as conn:
                 (latest,), = conn.execute("SELECT MAX(round) FROM rounds").fetchall()
@@ -1511,16 +1510,17 @@ class SqliteState(BrokerState):
                         "SELECT value FROM json_each(?) WHERE NOT EXISTS (SELECT 1 FROM summary_digests s WHERE "
                         "s.digest = value) AND EXISTS (SELECT 1 FROM bundles b WHERE b.digest = value)", (named,))]
                     if orphans:
-                        dropped, files, freed = self._drop_bundles(conn, orphans)
+                        dropped, files, by_node = self._drop_bundles(conn, orphans)
                         removed += dropped
+                        freed.update(by_node)
                 if max_bundle_bytes is not None:
                     drop = bundles_to_drop(conn.execute("SELECT digest, size FROM bundles ORDER BY rowid").fetchall(),
                                            max_bundle_bytes)
                     if drop:
-                        dropped, more_files, more_freed = self._drop_bundles(conn, drop)
+                        dropped, more_files, by_node = self._drop_bundles(conn, drop)
                         removed += dropped
                         files += more_files
-                        freed = dict(Counter(freed) + Counter(more_freed))
+                        freed.update(by_node)
             # committed: the quotas' counts follow
             lower_counts(self._held_by_node, gone)
             lower_counts(self._bundle_bytes_by_node, freed)

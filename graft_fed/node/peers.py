@@ -241,8 +241,7 @@ class BrokerPeers:
         self._round = _Round(round=rnd, live=False, groups={g.prompt.id: g for g in data.groups})
         if not self.ensure_joined(learner):
             self._defer(rnd, summaries)
-            return {"federation/connected": 0.0, "federation/skipped": 1.0,
-                    "federation/backlog_rounds": float(len(self.backlog))}
+            return self._skipped(connected=False)
         self.client.round = rnd
         try:
             self.client.publish(rnd, summaries)
@@ -253,8 +252,7 @@ class BrokerPeers:
             # Join says so and stops the node.
             log.warning("node %s: the broker refused round %d's summaries (%s: %s); this step trains without the "
                         "exchange", self.node_id, rnd, exc.status, exc)
-            return {"federation/connected": 1.0, "federation/skipped": 1.0, "federation/publish_refused": 1.0,
-                    "federation/backlog_rounds": float(len(self.backlog))}
+            return self._skipped(connected=True, **{"federation/publish_refused": 1.0})
         except ResourceExhausted as exc:
             # a limit of this node's (its publish rate, or the summaries the broker holds of it):
             # the broker is there, so no new Join; the summaries wait in the backlog for the
@@ -262,13 +260,11 @@ class BrokerPeers:
             self._defer(rnd, summaries)
             log.warning("node %s: the broker refused round %d's summaries for a limit (%s); this step trains without "
                         "the exchange and the summaries wait in the backlog", self.node_id, rnd, exc)
-            return {"federation/connected": 1.0, "federation/skipped": 1.0, "federation/publish_refused": 1.0,
-                    "federation/backlog_rounds": float(len(self.backlog))}
+            return self._skipped(connected=True, **{"federation/publish_refused": 1.0})
         except FederationError as exc:
             self._defer(rnd, summaries)
             self._lost(exc)
-            return {"federation/connected": 0.0, "federation/skipped": 1.0,
-                    "federation/backlog_rounds": float(len(self.backlog))}
+            return self._skipped(connected=False)
         self._round.live = True
         if self.privacy is Privacy.SHARE_ALL:
             try:
@@ -332,8 +328,7 @@ class BrokerPeers:
         cur = self._round
         t0 = time.perf_counter()
         if cur is None or not cur.live:
-            return Offers(metrics={"federation/connected": float(self.connected), "federation/skipped": 1.0,
-                                   "federation/backlog_rounds": float(len(self.backlog))})
+            return Offers(metrics=self._skipped(connected=self.connected))
         try:
             deadline = time.monotonic() + self.round_timeout_s
             resp = self.client.get_matches(cur.round, self.match_wait_s)
@@ -342,10 +337,8 @@ class BrokerPeers:
             if not resp.ready:
                 flushed = self._flush_backlog(learner)
                 cur.live = False
-                return Offers(metrics={"federation/connected": 1.0, "federation/skipped": 1.0,
-                                       "federation/round_timeout": 1.0,
-                                       "federation/backlog_published": float(flushed),
-                                       "federation/backlog_rounds": float(len(self.backlog))})
+                return Offers(metrics=self._skipped(connected=True, **{"federation/round_timeout": 1.0,
+                                                                       "federation/backlog_published": float(flushed)}))
             uploads = self._serve_uploads(learner, resp, cur.groups)
             if any(not o.digest for o in resp.offers) and self.fetch_timeout_s > 0:
                 # the broker answers as soon as every offered bundle is there (or the wait ends)
@@ -365,9 +358,7 @@ class BrokerPeers:
         except FederationError as exc:
             cur.live = False
             self._lost(exc)
-            return Offers(metrics={"federation/connected": 0.0, "federation/skipped": 1.0,
-                                   "federation/backlog_rounds": float(len(self.backlog)),
-                                   "time/federation": time.perf_counter() - t0})
+            return Offers(metrics=self._skipped(connected=False, **{"time/federation": time.perf_counter() - t0}))
         cur.rejections = fetched.rejections
         metrics: dict[str, Any] = offer_metrics(groups, resp.candidates, resp.solved_by_peers, len(offers))
         metrics.update(fetched.metrics())
@@ -454,6 +445,12 @@ class BrokerPeers:
         which = (f"round {rounds[0]}'s" if len(rounds) == 1 else f"rounds {', '.join(map(str, rounds))}'" if rounds
                  else "its")
         log.warning("node %s: the broker refused %s bundles (%s)%s", self.node_id, which, exc, then)
+
+    def _skipped(self, connected: bool, **more: float) -> dict[str, Any]:
+        """The metrics of a step that trained without the exchange: whether the broker was
+        there, the rounds waiting in the backlog, and `more`."""
+        return {"federation/connected": float(connected), "federation/skipped": 1.0, **more,
+                "federation/backlog_rounds": float(len(self.backlog))}
 
     def _defer(self, rnd: int, summaries: list[SummaryRow]) -> None:
         """Keep a round's summaries for publishing once the broker is back."""

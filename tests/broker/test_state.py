@@ -868,17 +868,22 @@ def _as_version_9(c):
     c.commit()
 
 
+def _reopened_from(s: SqliteState, convert) -> SqliteState:
+    """`s`'s file turned back into an older schema by `convert(connection)`, then opened
+    again (migrated)."""
+    with sqlite3.connect(s.path) as c:
+        convert(c)
+        s.close()
+    c.close()
+    return SqliteState(s.path)
+
+
 def test_sqlite_migrates_a_version_9_file_each_bundle_counted_for_the_node_it_is_attached_to(tmp_path):
-    path = tmp_path / "b.db"
-    s = SqliteState(path)
+    s = SqliteState(tmp_path / "b.db")
     _populate(s)  # d0 (12 bytes) attached to a's summary
     s.put_bundle("d9", b"unattached")
     before = _observe(s)
-    with sqlite3.connect(path) as c:
-        _as_version_9(c)
-        s.close()
-    c.close()
-    s = SqliteState(path)
+    s = _reopened_from(s, _as_version_9)
     try:
         assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
         assert _observe(s) == before
@@ -902,11 +907,7 @@ def test_sqlite_migrates_a_version_8_file_no_node_id_held_yet(tmp_path):
     s = SqliteState(path)
     _populate(s)
     before = _observe(s)
-    with sqlite3.connect(path) as c:
-        _as_version_8(c)
-        s.close()
-    c.close()
-    s = SqliteState(path)
+    s = _reopened_from(s, _as_version_8)
     try:
         assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
         assert _observe(s) == before and s.node_secret("a") == ""
