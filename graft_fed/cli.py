@@ -288,13 +288,25 @@ def _status_dict(st) -> dict:
             "manifest": manifest_from_pb(m).to_dict(),
             "current_round": st.current_round, "bundles": st.bundles,
             "bundle_bytes": st.bundle_bytes,
+            # the per-node quotas: 0 where off (or from a broker older than the fields)
+            "max_node_summaries": st.max_node_summaries, "max_node_bundle_bytes": st.max_node_bundle_bytes,
             "nodes": [{"node_id": n.node_id, "model_id": n.model_id, "state": n.state, "round": n.round,
-                       "published": n.published, "last_seen_s": round(n.last_seen_s, 3)} for n in st.nodes],
+                       "published": n.published, "last_seen_s": round(n.last_seen_s, 3),
+                       "summaries_held": n.summaries_held, "bundle_bytes_held": n.bundle_bytes_held}
+                      for n in st.nodes],
             "pairs": [{"source": p.source, "receiver": p.receiver, "groups": p.groups,
                        "mean_s": p.mean_s if p.mean_s == p.mean_s else None,
                        "admitted_fraction": p.admitted_fraction if p.admitted_fraction == p.admitted_fraction else None,
-                       "rejected": p.rejected} for p in st.pairs],
+                       "rejected": p.rejected, "reported": p.reported, "undelivered": p.undelivered}
+                      for p in st.pairs],
             "pairs_total": max(st.pairs_total, len(st.pairs))}  # 0 from a broker older than the field
+
+
+def _held(value: int, quota: int, unit: float = 1.0) -> str:
+    """What a node holds against its quota, as the status table shows it: the count, and
+    its share of the quota where there is one ("12,288 (0.1%)")."""
+    shown = f"{value / unit:,.1f}" if unit != 1.0 else f"{value:,}"
+    return f"{shown} ({100 * value / quota:.1f}%)" if quota else shown
 
 
 def _status_table(d: dict) -> str:
@@ -311,22 +323,29 @@ def _status_table(d: dict) -> str:
              f"prompts/round, round {d['current_round']}, {d['bundles']} bundles ({d['bundle_bytes'] / 2**20:.1f} MiB)",
              "manifest: " + ", ".join(f"{k} {v}" for k, v in d["manifest"].items()
                                       if k not in ("federation_id", "dataset_id", "n", "prompts_per_round")),
-             f"{'node':<20} {'model':<20} {'state':<11} {'round':>6} {'published':>9} {'last seen':>9}"]
+             "quotas per node: " + ", ".join([
+                 f"{d['max_node_summaries']:,} summaries" if d["max_node_summaries"] else "summaries unlimited",
+                 f"{d['max_node_bundle_bytes'] / 2**20:,.0f} MiB of bundles" if d["max_node_bundle_bytes"]
+                 else "bundles unlimited"]) + " (held: what the broker holds of each node, retention frees it)",
+             f"{'node':<20} {'model':<20} {'state':<11} {'round':>6} {'published':>9} {'last seen':>9} "
+             f"{'summaries held':>20} {'bundle MiB held':>18}"]
     for n in d["nodes"]:
         lines.append(f"{n['node_id']:<20} {n['model_id']:<20} {n['state']:<11} {n['round']:>6} {n['published']:>9} "
-                     f"{n['last_seen_s']:>8.1f}s")
+                     f"{n['last_seen_s']:>8.1f}s {_held(n['summaries_held'], d['max_node_summaries']):>20} "
+                     f"{_held(n['bundle_bytes_held'], d['max_node_bundle_bytes'], 2**20):>18}")
     if d["pairs"]:
         lines.append("")
         if d["pairs_total"] > len(d["pairs"]):
             lines.append(f"{len(d['pairs'])} of {d['pairs_total']} pairs: those with the most groups (the broker's "
                          "max_pairs_shown)")
-        lines.append(f"{'source -> receiver':<36} {'groups':>7} {'mean s':>7} {'admitted':>9} {'rejected':>9}")
+        lines.append(f"{'source -> receiver':<36} {'groups':>7} {'mean s':>7} {'admitted':>9} {'reported':>9} "
+                     f"{'rejected':>9} {'undelivered':>12}")
         nan = float("nan")
         for p in d["pairs"]:
             ms = p["mean_s"] if p["mean_s"] is not None else nan
             af = p["admitted_fraction"] if p["admitted_fraction"] is not None else nan
             lines.append(f"{p['source'] + ' -> ' + p['receiver']:<36} {p['groups']:>7} {ms:>7.3f} {af:>9.2f} "
-                         f"{p['rejected']:>9}")
+                         f"{p['reported']:>9} {p['rejected']:>9} {p['undelivered']:>12}")
     return "\n".join(lines)
 
 

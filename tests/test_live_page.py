@@ -111,6 +111,8 @@ def test_live_page_renders_a_running_three_node_sim(tiny_llama, tiny_gpt2, promp
     assert 'data-loaded="1"' in dom, "the page's script did not render the broker's data"
     for name in ("llama-a", "gpt2", "llama-b"):
         assert re.search(rf'<tr data-node="{name}" data-state="online">', dom), name
+    # what the broker holds of each node against its quotas (the sim's nodes published)
+    assert len(re.findall(r'<td class="held">[1-9][\d,]* summaries \(\d+\.\d%\), [\d.]+ [KM]iB', dom)) == 3
     cells = re.findall(r'<td class="cell" data-source="([^"]+)" data-receiver="([^"]+)"[^>]*>([^<]*)</td>', dom)
     assert len(cells) == 2 * 9, "two 3x3 matrices: exchange and compatibility"
     assert any(v not in ("", "-", "0") for _, _, v in cells[:9]), "the exchange matrix shows groups moved"

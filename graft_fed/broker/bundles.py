@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Callable, Iterator, Sequence
 
 from graft_fed.broker.context import Context, Part
+from graft_fed.broker.ratelimit import QuotaWarnings
 from graft_fed.broker.state_rows import lower_counts
 from graft_fed.broker.uploads import BundleUpload
 from graft_fed.broker.wakeups import bundles_key
@@ -30,6 +31,7 @@ class Bundles(Part):
         # are stored (then the state counts them) or dropped
         self._in_flight: Counter[str] = Counter()
         self._in_flight_lock = threading.Lock()
+        self._near_quota = QuotaWarnings("max_node_bundle_mib", "uploads", mib=True)
 
     def has_bundles(self, node_id: str, session_id: str, digests: Sequence[str]) -> list[str]:
         if len(digests) > MAX_DIGESTS_PER_CALL:
@@ -100,6 +102,7 @@ class Bundles(Part):
             return None
         with self._in_flight_lock:
             held = self.state.bundle_bytes_held(node_id) + self._in_flight[node_id]
+            self._near_quota.note(node_id, held + size, quota)
             if held + size > quota:
                 raise ResourceExhausted(
                     f"node {clip(node_id)} exceeded its bundle storage quota of {self.cfg.max_node_bundle_mib} MiB "

@@ -201,7 +201,8 @@ class CompatTable:
 def pair_rows(exchange: ExchangeView, compat: CompatView, max_pairs: int | None = None) -> tuple[list[dict], int]:
     """The (source, receiver) pairs that exchanged a group or have a compatibility row, as
     the status lists them (by source, then receiver: groups, mean_s, admitted_fraction,
-    rejected; NaN means and 0 rejected where a pair has no row), and how many there are.
+    rejected, reported, undelivered; NaN means and 0 counts where a pair has no row), and
+    how many there are.
     With `max_pairs`, only that many: those with the most groups, ties by name. Computed on
     the arrays; only the pairs listed become Python objects (a million pairs at 1,000 nodes
     took 4 s as dicts, 2 s of it under the broker's lock, issue 13)."""
@@ -232,5 +233,7 @@ def pair_rows(exchange: ExchangeView, compat: CompatView, max_pairs: int | None 
         rows.append({"source": names[key // width], "receiver": names[key % width], "groups": g,
                      "mean_s": float(compat.mean_s[i]) if h else math.nan,
                      "admitted_fraction": float(compat.admitted[i]) if h else math.nan,
-                     "rejected": int(compat.rejected[i]) if h else 0})
+                     "rejected": int(compat.rejected[i]) if h else 0,
+                     "reported": int(compat.groups[i] + compat.rejected[i]) if h else 0,
+                     "undelivered": int(compat.undelivered[i]) if h else 0})
     return rows, total

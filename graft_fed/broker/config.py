@@ -111,6 +111,8 @@ class BrokerConfig:
     #: Per-node storage quota for uploaded bundles, MiB (0 = off): the bundles a node
     #: uploaded that the broker still holds (retention, `max_bundle_gib`, frees it). Past it
     #: the node's uploads are refused (RESOURCE_EXHAUSTED); it still receives its peers'.
+    #: The broker logs a warning when a node passes 80% of it; status and /metrics show
+    #: what each node holds.
     max_node_bundle_mib: int = 1024
     #: Per-node quota of stored summaries (0 = off): a publish that would take the
     #: summaries the broker holds of one node past it is refused (RESOURCE_EXHAUSTED) until
@@ -119,6 +121,8 @@ class BrokerConfig:
     #: round, so with retention off (keep_rounds null, the default) it is refused after
     #: max_node_summaries / prompts_per_round rounds (10,000,000: 312,500 rounds of 32
     #: prompts, 2,441 of 4,096; the broker says so at start): set keep_rounds for longer runs.
+    #: A warning is logged when a node passes 80% of it; status and /metrics show what each
+    #: node holds.
     max_node_summaries: int = 10_000_000
     #: Replay protection: every state-changing request carries a request id and the node's
     #: send time. The broker refuses a request id it has already applied for that node

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 from graft_fed.broker.answers import Answers, Encoders
 from graft_fed.broker.auth import Allowlist
 from graft_fed.broker.bundles import Bundles
-from graft_fed.broker.compat import CompatTable, pair_rows
+from graft_fed.broker.compat import CompatTable, CompatView, pair_rows
 from graft_fed.broker.config import BrokerConfig
 from graft_fed.broker.context import Context
 from graft_fed.broker.exchange import ExchangeView
@@ -237,13 +237,22 @@ class Federation:
             "nodes": [{"node_id": n.node_id, "model_id": n.model_id,
                        "state": ("revoked" if self.allowlist is not None and self.allowlist.is_revoked(n.node_id)
                                  else "quarantined" if n.node_id in bad else self.node_state(n)), "round": n.round,
-                       "published": n.published, "last_seen_s": now - n.last_seen} for n in nodes],
+                       "published": n.published, "last_seen_s": now - n.last_seen,
+                       # what the per-node quotas count (answered from memory, no lock)
+                       "summaries_held": self.state.summaries_held(n.node_id),
+                       "bundle_bytes_held": self.state.bundle_bytes_held(n.node_id)} for n in nodes],
             "pairs": rows, "pairs_total": total, "bundles": n_bundles, "bundle_bytes": n_bytes,
+            "max_node_summaries": self.cfg.max_node_summaries,
+            "max_node_bundle_bytes": self.cfg.max_node_bundle_mib * 2**20,
         }
 
     def exchange(self) -> ExchangeView:
         """Groups matched per (source, receiver) over every stored round (broker/exchange.py)."""
         return self.matcher.exchange()
+
+    def compat_view(self) -> CompatView:
+        """Every pair's compatibility counts as arrays (broker/compat.py), for /metrics."""
+        return self.ctx.compat.view()
 
     def compat(self, among: Iterable[str] | None = None) -> list[CompatRow]:
         """The compatibility counts per (source, receiver), by (source, receiver); with `among`,

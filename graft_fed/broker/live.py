@@ -164,7 +164,8 @@ def status_view(fed: Any, scalars: ScalarLog | None = None, refusals: RefusalLog
     return {
         "federation": {"federation_id": m.federation_id, "dataset_id": m.dataset_id, "n": m.n,
                        "prompts_per_round": m.prompts_per_round, "mode": str(m.mode),
-                       "protocol_version": m.protocol_version},
+                       "protocol_version": m.protocol_version, "max_node_summaries": st["max_node_summaries"],
+                       "max_node_bundle_bytes": st["max_node_bundle_bytes"]},
         "current_round": current, "bundles": st["bundles"], "bundle_bytes": st["bundle_bytes"],
         "nodes": nodes, "rounds": timeline,
         "matrix": {"names": names, "nodes_total": len(st["nodes"]), "exchange": _matrix(names, exchange),
@@ -205,6 +206,18 @@ def node_metrics(fed: Any, scalars: ScalarLog | None, refusals: RefusalLog | Non
            [(f'{{node="{_esc(n["node_id"])}"}}', n["published"]) for n in nodes])
     metric("node_last_seen_seconds", "gauge", "Seconds since the node's last call.",
            [(f'{{node="{_esc(n["node_id"])}"}}', round(n["last_seen_s"], 3)) for n in nodes])
+    # the per-node quotas and what each node holds against them: an alert on held / quota
+    # warns an operator before a node's publishes or uploads are refused
+    metric("node_summaries_held", "gauge", "The node's summaries the broker holds (what "
+           "broker.max_node_summaries counts; retention lowers it).",
+           [(f'{{node="{_esc(n["node_id"])}"}}', n["summaries_held"]) for n in nodes])
+    metric("node_bundle_bytes_held", "gauge", "Bytes of the bundles the node uploaded that the broker holds "
+           "(what broker.max_node_bundle_mib counts).",
+           [(f'{{node="{_esc(n["node_id"])}"}}', n["bundle_bytes_held"]) for n in nodes])
+    metric("max_node_summaries", "gauge", "The per-node quota of summaries held (0: off).",
+           [("", st["max_node_summaries"])])
+    metric("max_node_bundle_bytes", "gauge", "The per-node quota of bundle bytes held (0: off).",
+           [("", st["max_node_bundle_bytes"])])
     received, given = exchange.received(), exchange.given()
     metric("node_groups_received_total", "counter", "Groups matched to the node from peers.",
            [(f'{{node="{_esc(n["node_id"])}"}}', received.get(n["node_id"], 0)) for n in nodes])
@@ -213,11 +226,31 @@ def node_metrics(fed: Any, scalars: ScalarLog | None, refusals: RefusalLog | Non
     metric("pairs", "gauge", "(source, receiver) pairs that exchanged at least one group.", [("", len(exchange))])
     omitted = len(exchange) > fed.cfg.max_pairs_shown
     metric("pair_series_omitted", "gauge", "1 when the pairs outnumber broker.max_pairs_shown and "
-           "pair_groups_total is left out (the live page and the Status RPC have them).", [("", int(omitted))])
+           "pair_groups_total is left out (the live page and the Status RPC have them; the pair_reported, "
+           "pair_rejected and pair_undelivered series are left out when the reported pairs do).",
+           [("", int(omitted))])
     if not omitted:
         metric("pair_groups_total", "counter", "Groups matched source -> receiver.",
                [(f'{{source="{_esc(src)}",receiver="{_esc(dst)}"}}', groups)
                 for (src, dst), groups in exchange.items()])
+    # the receivers' reports: in all, and per pair while the pairs are few enough to list
+    compat = fed.compat_view()
+    metric("undelivered_groups_total", "counter", "Groups receivers reported never received (their source did not "
+           "upload them in time, or the fetch failed): they weigh in the pair's mean s but not in the quarantine "
+           "rate (each group counted once, as rejected_groups_total).", [("", int(compat.undelivered.sum()))])
+    if len(compat.source) <= fed.cfg.max_pairs_shown:
+        names = compat.names
+        pairs = sorted((names[s], names[r], i) for i, (s, r) in enumerate(zip(compat.source.tolist(),
+                                                                            compat.receiver.tolist())))
+        labels = [f'{{source="{_esc(src)}",receiver="{_esc(dst)}"}}' for src, dst, _ in pairs]
+        order = [i for _, _, i in pairs]
+        for name, values, help_ in (("pair_reported_total", compat.groups + compat.rejected,
+                                     "Groups the receiver reported on (rejected included)"),
+                                    ("pair_rejected_total", compat.rejected, "Groups the receiver rejected"),
+                                    ("pair_undelivered_total", compat.undelivered,
+                                     "Groups the receiver reported never received")):
+            metric(name, "counter", f"{help_}, source -> receiver; left out past broker.max_pairs_shown.",
+                   list(zip(labels, values[order].tolist())))
     if scalars is not None:
         samples = []
         for node, vals in sorted(scalars.latest().items()):

@@ -14,7 +14,7 @@ import numpy as np
 
 from graft_fed.broker.context import Context, Part
 from graft_fed.broker.publishqueue import PublishQueue
-from graft_fed.broker.ratelimit import PublishRateLimit
+from graft_fed.broker.ratelimit import PublishRateLimit, QuotaWarnings
 from graft_fed.broker.state import RoundRow
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from graft_fed.federation.limits import MAX_ID_LEN, MAX_PER_ROUND_FACTOR, MAX_ROUNDS_AHEAD, MIN_MEAN_LOGPROB, clip
@@ -76,6 +76,7 @@ class Publishing(Part):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self._publish_rate = PublishRateLimit(ctx.cfg.max_publishes_per_s)
+        self._near_quota = QuotaWarnings("max_node_summaries", "publishes")
         self.queue = PublishQueue(self.run_batch)
 
     def submit(self, work: Received) -> tuple[int, int]:
@@ -321,6 +322,7 @@ class Publishing(Part):
         with self.cond:
             self.registry.touch(p.node_id, p.session_id)
             self._rate_limit(p.node_id)
+            self._near_quota.note(p.node_id, self.state.summaries_held(p.node_id), self.cfg.max_node_summaries)
             if self._within_quota(p):
                 self._open_round(p.node_id, p.round)
                 return

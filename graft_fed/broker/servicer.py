@@ -509,7 +509,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             manifest=manifest_to_pb(st["manifest"]), current_round=st["current_round"],
             nodes=[pb.StatusResponse.Node(**n) for n in st["nodes"]],
             pairs=[pb.StatusResponse.Pair(**p) for p in st["pairs"]], pairs_total=st["pairs_total"],
-            bundles=st["bundles"], bundle_bytes=st["bundle_bytes"])
+            bundles=st["bundles"], bundle_bytes=st["bundle_bytes"], max_node_summaries=st["max_node_summaries"],
+            max_node_bundle_bytes=st["max_node_bundle_bytes"])
 
     #: the live page's scalar store (graft_fed/broker/live.py), set by the BrokerServer
     scalars: Any = None

@@ -359,37 +359,45 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("manifest", "current_round", "nodes", "pairs", "bundles", "bundle_bytes", "pairs_total")
+    __slots__ = ("manifest", "current_round", "nodes", "pairs", "bundles", "bundle_bytes", "pairs_total", "max_node_summaries", "max_node_bundle_bytes")
     class Node(_message.Message):
-        __slots__ = ("node_id", "model_id", "state", "round", "published", "last_seen_s")
+        __slots__ = ("node_id", "model_id", "state", "round", "published", "last_seen_s", "summaries_held", "bundle_bytes_held")
         NODE_ID_FIELD_NUMBER: _ClassVar[int]
         MODEL_ID_FIELD_NUMBER: _ClassVar[int]
         STATE_FIELD_NUMBER: _ClassVar[int]
         ROUND_FIELD_NUMBER: _ClassVar[int]
         PUBLISHED_FIELD_NUMBER: _ClassVar[int]
         LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+        SUMMARIES_HELD_FIELD_NUMBER: _ClassVar[int]
+        BUNDLE_BYTES_HELD_FIELD_NUMBER: _ClassVar[int]
         node_id: str
         model_id: str
         state: str
         round: int
         published: int
         last_seen_s: float
-        def __init__(self, node_id: _Optional[str] = ..., model_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., published: _Optional[int] = ..., last_seen_s: _Optional[float] = ...) -> None: ...
+        summaries_held: int
+        bundle_bytes_held: int
+        def __init__(self, node_id: _Optional[str] = ..., model_id: _Optional[str] = ..., state: _Optional[str] = ..., round: _Optional[int] = ..., published: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., summaries_held: _Optional[int] = ..., bundle_bytes_held: _Optional[int] = ...) -> None: ...
     class Pair(_message.Message):
-        __slots__ = ("source", "receiver", "groups", "mean_s", "admitted_fraction", "rejected")
+        __slots__ = ("source", "receiver", "groups", "mean_s", "admitted_fraction", "rejected", "reported", "undelivered")
         SOURCE_FIELD_NUMBER: _ClassVar[int]
         RECEIVER_FIELD_NUMBER: _ClassVar[int]
         GROUPS_FIELD_NUMBER: _ClassVar[int]
         MEAN_S_FIELD_NUMBER: _ClassVar[int]
         ADMITTED_FRACTION_FIELD_NUMBER: _ClassVar[int]
         REJECTED_FIELD_NUMBER: _ClassVar[int]
+        REPORTED_FIELD_NUMBER: _ClassVar[int]
+        UNDELIVERED_FIELD_NUMBER: _ClassVar[int]
         source: str
         receiver: str
         groups: int
         mean_s: float
         admitted_fraction: float
         rejected: int
-        def __init__(self, source: _Optional[str] = ..., receiver: _Optional[str] = ..., groups: _Optional[int] = ..., mean_s: _Optional[float] = ..., admitted_fraction: _Optional[float] = ..., rejected: _Optional[int] = ...) -> None: ...
+        reported: int
+        undelivered: int
+        def __init__(self, source: _Optional[str] = ..., receiver: _Optional[str] = ..., groups: _Optional[int] = ..., mean_s: _Optional[float] = ..., admitted_fraction: _Optional[float] = ..., rejected: _Optional[int] = ..., reported: _Optional[int] = ..., undelivered: _Optional[int] = ...) -> None: ...
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +405,8 @@ class StatusResponse(_message.Message):
     BUNDLES_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAIRS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODE_SUMMARIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODE_BUNDLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     current_round: int
     nodes: _containers.RepeatedCompositeFieldContainer[StatusResponse.Node]
@@ -404,7 +414,9 @@ class StatusResponse(_message.Message):
     bundles: int
     bundle_bytes: int
     pairs_total: int
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., current_round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[StatusResponse.Node, _Mapping]]] = ..., pairs: _Optional[_Iterable[_Union[StatusResponse.Pair, _Mapping]]] = ..., bundles: _Optional[int] = ..., bundle_bytes: _Optional[int] = ..., pairs_total: _Optional[int] = ...) -> None: ...
+    max_node_summaries: int
+    max_node_bundle_bytes: int
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., current_round: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[StatusResponse.Node, _Mapping]]] = ..., pairs: _Optional[_Iterable[_Union[StatusResponse.Pair, _Mapping]]] = ..., bundles: _Optional[int] = ..., bundle_bytes: _Optional[int] = ..., pairs_total: _Optional[int] = ..., max_node_summaries: _Optional[int] = ..., max_node_bundle_bytes: _Optional[int] = ...) -> None: ...
 
 class Scalar(_message.Message):
     __slots__ = ("name", "value")

@@ -164,7 +164,8 @@ def old_pair_rows(exchange: dict, compat: dict, max_pairs):
         c = compat.get(key)
         rows.append({"source": key[0], "receiver": key[1], "groups": exchange.get(key, 0),
                      "mean_s": c.mean_s if c else math.nan, "admitted_fraction": c.admitted_fraction if c else math.nan,
-                     "rejected": c.rejected if c else 0})
+                     "rejected": c.rejected if c else 0, "reported": c.groups + c.rejected if c else 0,
+                     "undelivered": c.undelivered if c else 0})
     return rows, total
 
 

@@ -132,3 +132,69 @@ def test_past_max_pairs_shown_metrics_omit_the_pairs_and_status_and_the_page_sho
         a.close()
         b.close()
         server.stop()
+
+
+def test_status_metrics_and_the_page_show_what_each_node_holds_and_the_undelivered_groups(prompt_file, capsys):
+    """An operator sees a node near its quotas before its publishes or uploads are refused,
+    and which receivers report groups they never got (those leave the quarantine rate)."""
+    from graft_fed.federation.messages import ReportEntry
+    from tests.federation.test_broker_rpc import record
+
+    server, (a, b) = _matched_round(prompt_file, max_node_summaries=64, max_node_bundle_mib=2)
+    try:
+        prompts = load_prompts(DataConfig(source=str(prompt_file)))
+        p0, p1 = prompts[0], prompts[1]
+        digest, stored = b.upload(record(p0, 1, "b"), 0)  # b's informative group, matched to a
+        assert stored
+        size = server.fed.state.bundle_bytes_held("b")
+        assert size > 0 and server.fed.state.bundle_bytes_held("a") == 0
+        a.report(0, [ReportEntry("b", p0.id, 0.0, 0.0, False, undelivered=True)])  # a never got it
+        b.report(0, [ReportEntry("a", p1.id, 0.8, 1.0, False)])
+        st = a.status()
+        held = {n.node_id: (n.summaries_held, n.bundle_bytes_held) for n in st.nodes}
+        assert held == {"a": (2, 0), "b": (2, size)}
+        assert (st.max_node_summaries, st.max_node_bundle_bytes) == (64, 2 * 2**20)
+        pairs = {(p.source, p.receiver): (p.groups, p.reported, p.undelivered, p.rejected) for p in st.pairs}
+        assert pairs == {("b", "a"): (1, 1, 1, 0), ("a", "b"): (1, 1, 0, 0)}
+        text = _metrics(server)
+        for line in ('graft_fed_node_summaries_held{node="a"} 2', f'graft_fed_node_bundle_bytes_held{{node="b"}} {size}',
+                     "graft_fed_max_node_summaries 64", f"graft_fed_max_node_bundle_bytes {2 * 2**20}",
+                     "graft_fed_undelivered_groups_total 1",
+                     'graft_fed_pair_undelivered_total{source="b",receiver="a"} 1',
+                     'graft_fed_pair_undelivered_total{source="a",receiver="b"} 0',
+                     'graft_fed_pair_reported_total{source="a",receiver="b"} 1',
+                     'graft_fed_pair_rejected_total{source="b",receiver="a"} 0'):
+            assert line in text.splitlines(), line
+        assert main(["status", "--broker", server.address]) == 0
+        out = capsys.readouterr().out
+        assert "quotas per node: 64 summaries, 2 MiB of bundles" in out
+        assert any(line.startswith("a ") and "2 (3.1%)" in line and "0.0 (0.0%)" in line for line in out.splitlines())
+        assert any(line.startswith("b -> a") and line.split()[-3:] == ["1", "0", "1"] for line in out.splitlines())
+        assert main(["status", "--broker", server.address, "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["max_node_summaries"] == 64 and d["nodes"][0]["summaries_held"] == 2
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/api/status", timeout=10) as r:
+            page = json.loads(r.read())
+        assert page["federation"]["max_node_summaries"] == 64
+        assert {n["node_id"]: n["bundle_bytes_held"] for n in page["nodes"]} == {"a": 0, "b": size}
+    finally:
+        a.close()
+        b.close()
+        server.stop()
+
+
+def test_past_max_pairs_shown_metrics_leave_the_reported_pairs_out_too(prompt_file):
+    from graft_fed.federation.messages import ReportEntry
+
+    server, (a, b) = _matched_round(prompt_file, max_pairs_shown=1)
+    try:
+        p0, p1 = load_prompts(DataConfig(source=str(prompt_file)))[:2]
+        a.report(0, [ReportEntry("b", p0.id, 0.0, 0.0, False, undelivered=True)])
+        b.report(0, [ReportEntry("a", p1.id, 0.8, 1.0, False)])
+        text = _metrics(server)
+        assert "graft_fed_pair_undelivered_total{" not in text and "graft_fed_pair_reported_total{" not in text
+        assert "graft_fed_undelivered_groups_total 1" in text.splitlines()  # the total stays
+    finally:
+        a.close()
+        b.close()
+        server.stop()

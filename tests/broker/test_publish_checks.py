@@ -93,3 +93,24 @@ def test_the_column_checks_accept_exactly_what_the_row_checks_accept(tmp_path, n
     for d, ok in ((0.5e-6, True), (1.5e-6, False)):
         row = _row(ids[1], n, k, {"reward_mean": p + d})
         assert publishing._block_valid("a", 3, SummaryBlock.from_rows([row])) is ok, (n, k, d)
+
+
+def test_a_quota_warning_is_logged_once_past_80_percent_and_again_only_after_falling_below_70(caplog):
+    from graft_fed.broker.ratelimit import QuotaWarnings
+
+    warn = QuotaWarnings("max_node_summaries", "publishes")
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "of its quota" in r.getMessage()]
+
+    for held in (0, 79, 80, 95, 100, 75):  # 75: still above the re-arm line
+        warn.note("a", held, 100)
+    assert said() == ["node 'a' holds 80 summaries, 80% of its quota of 100 summaries (broker.max_node_summaries): "
+                      "past it, its publishes are refused. Retention (broker.keep_rounds) frees them as rounds go by, "
+                      "or raise the quota"]
+    warn.note("b", 90, 100)  # each node its own
+    warn.note("a", 69, 100)  # retention freed some ...
+    warn.note("a", 85, 100)  # ... and it came back
+    assert [m.split(" holds")[0] for m in said()] == ["node 'a'", "node 'b'", "node 'a'"]
+    warn.note("c", 10**9, 0)  # no quota: nothing to say
+    assert len(said()) == 3

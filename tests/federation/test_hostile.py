@@ -734,7 +734,7 @@ def test_the_bundle_quota_survives_a_broker_restart(prompt_file, prompts, tmp_pa
         broker.stop()
 
 
-def test_a_node_publishing_round_after_round_is_held_to_its_summary_quota(prompt_file, prompts, tmp_path):
+def test_a_node_publishing_round_after_round_is_held_to_its_summary_quota(prompt_file, prompts, tmp_path, caplog):
     """A node may open rounds up to 1000 past its own, and retention keeps the rounds ahead
     of the others: one id publishing round after round grew the state without end (the
     publish rate and the per-round cap bounded its speed, not its total). The summaries the
@@ -750,7 +750,12 @@ def test_a_node_publishing_round_after_round_is_held_to_its_summary_quota(prompt
         a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
         for r in (0, 1, 900, 901):  # far ahead: allowed, and kept by retention
             a.publish(r, [summary(p, 1, round=r) for p in eight])
+        assert "of its quota" not in caplog.text  # 24 held when 901 was published: under 80%
         code, details = code_of(lambda: a.publish(902, [summary(prompts[0], 1, round=902)]))
+        # the operator was told as the node neared its quota, once
+        warned = [r.getMessage() for r in caplog.records if "of its quota" in r.getMessage()]
+        assert len(warned) == 1 and "node 'a' holds 32 summaries, 100% of its quota of 32 summaries" in warned[0]
+        assert "broker.max_node_summaries" in warned[0]
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "holds 32 summaries" in details and "1 more would pass its quota of 32" in details
         assert "broker.max_node_summaries" in details and "keep_rounds" in details
@@ -759,6 +764,7 @@ def test_a_node_publishing_round_after_round_is_held_to_its_summary_quota(prompt
         assert a.publish(901, [summary(p, 1, round=901) for p in eight]) == (0, 8)  # sent again: nothing new
         code, details = code_of(lambda: a.publish(901, [summary(p, 1, round=901) for p in prompts[:9]]))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "1 more would pass" in details
+        assert sum("of its quota" in r.getMessage() for r in caplog.records) == 1  # not again
         for r in range(3):  # b is not held to a's count
             b.publish(r, [summary(p, 0, round=r) for p in prompts[:2]])
         broker.fed.prune()  # the agreed round is 2 (a's 901 is its own): round 0 goes
@@ -945,7 +951,7 @@ def test_two_uploads_of_a_node_in_flight_do_not_pass_its_bundle_quota_together(p
         broker.stop()
 
 
-def test_retention_frees_a_nodes_bundle_quota(prompt_file, prompts):
+def test_retention_frees_a_nodes_bundle_quota(prompt_file, prompts, caplog):
     """A node at its bundle quota uploads again once retention dropped some of its bundles
     (before, the broker's count of its bytes only grew until a restart)."""
     import dataclasses as dc
@@ -959,8 +965,12 @@ def test_retention_frees_a_nodes_bundle_quota(prompt_file, prompts):
         big = [dc.replace(record(p, 1, "a"), texts=("x" * 400_000, "y")) for p in prompts[:3]]
         a.upload(big[0], 0)
         a.upload(big[1], 0)
+        assert "of its quota" not in caplog.text  # 0.8 MB of 1 MiB: under 80%
         with pytest.raises(ResourceExhausted, match=r"quota of 1 MiB .*holds 0\.8 MiB"):
             a.upload(big[2], 0)
+        warned = [r.getMessage() for r in caplog.records if "of its quota" in r.getMessage()]
+        assert len(warned) == 1 and "node 'a' holds 1.1 MiB of bundles" in warned[0]
+        assert "broker.max_node_bundle_mib" in warned[0] and "uploads are refused" in warned[0]
         broker.state.prune(max_bundle_bytes=500_000)  # the oldest of a's two goes
         assert 390_000 < broker.state.bundle_bytes_held("a") < 500_000
         a.upload(big[2], 0)

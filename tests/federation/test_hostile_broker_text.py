@@ -19,13 +19,13 @@ def test_status_of_a_hostile_broker_is_shown_escaped():
                 "n": 8, "prompts_per_round": 4, "mode": "sync", "verifier_name": EVIL, "verifier_version": EVIL,
                 "staleness_rounds": 0, "advantage": EVIL}
     d = {"federation_id": EVIL, "dataset_id": EVIL, "n": 8, "prompts_per_round": 4, "manifest": manifest,
-         "current_round": 3, "bundles": 0, "bundle_bytes": 0,
+         "current_round": 3, "bundles": 0, "bundle_bytes": 0, "max_node_summaries": 0, "max_node_bundle_bytes": 0,
          "nodes": [{"node_id": EVIL, "model_id": EVIL, "state": EVIL, "round": 1, "published": 2,
-                    "last_seen_s": 0.5}],
+                    "last_seen_s": 0.5, "summaries_held": 8, "bundle_bytes_held": 0}],
          "pairs": [{"source": EVIL, "receiver": EVIL, "groups": 1, "mean_s": 0.5, "admitted_fraction": 1.0,
-                    "rejected": 0}], "pairs_total": 1}
+                    "rejected": 0, "reported": 1, "undelivered": 0}], "pairs_total": 1}
     table = _status_table(d)
-    assert all(_clean(line) for line in table.split("\n")) and len(table.split("\n")) == 7
+    assert all(_clean(line) for line in table.split("\n")) and len(table.split("\n")) == 8
     assert "ok\\x1b[2J" in table and "forged line" in table
 
 
