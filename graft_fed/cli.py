@@ -282,31 +282,47 @@ def _status_dict(st) -> dict:
     from graft_fed.federation.codec import manifest_from_pb
 
     m = st.manifest
+
+    def given(msg, name: str) -> int | None:  # None where a broker older than the field left it out
+        return getattr(msg, name) if msg.HasField(name) else None
+
     return {"federation_id": m.federation_id, "dataset_id": m.dataset_id, "n": m.n,
             "prompts_per_round": m.prompts_per_round,
             # the whole manifest: what a node must match to join (a refused node's operator compares these)
             "manifest": manifest_from_pb(m).to_dict(),
             "current_round": st.current_round, "bundles": st.bundles,
             "bundle_bytes": st.bundle_bytes,
-            # the per-node quotas: 0 where off (or from a broker older than the fields)
-            "max_node_summaries": st.max_node_summaries, "max_node_bundle_bytes": st.max_node_bundle_bytes,
+            # the per-node quotas (0: off)
+            "max_node_summaries": given(st, "max_node_summaries"),
+            "max_node_bundle_bytes": given(st, "max_node_bundle_bytes"),
             "nodes": [{"node_id": n.node_id, "model_id": n.model_id, "state": n.state, "round": n.round,
                        "published": n.published, "last_seen_s": round(n.last_seen_s, 3),
-                       "summaries_held": n.summaries_held, "bundle_bytes_held": n.bundle_bytes_held}
+                       "summaries_held": given(n, "summaries_held"), "bundle_bytes_held": given(n, "bundle_bytes_held")}
                       for n in st.nodes],
             "pairs": [{"source": p.source, "receiver": p.receiver, "groups": p.groups,
                        "mean_s": p.mean_s if p.mean_s == p.mean_s else None,
                        "admitted_fraction": p.admitted_fraction if p.admitted_fraction == p.admitted_fraction else None,
-                       "rejected": p.rejected, "reported": p.reported, "undelivered": p.undelivered}
+                       "rejected": p.rejected, "reported": given(p, "reported"), "undelivered": given(p, "undelivered")}
                       for p in st.pairs],
             "pairs_total": max(st.pairs_total, len(st.pairs))}  # 0 from a broker older than the field
 
 
-def _held(value: int, quota: int, unit: float = 1.0) -> str:
+def _held(value: int | None, quota: int | None, unit: float = 1.0) -> str:
     """What a node holds against its quota, as the status table shows it: the count, and
-    its share of the quota where there is one ("12,288 (0.1%)")."""
+    its share of the quota where there is one ("12,288 (0.1%)"); "?" from a broker older
+    than the fields."""
+    if value is None:
+        return "?"
     shown = f"{value / unit:,.1f}" if unit != 1.0 else f"{value:,}"
     return f"{shown} ({100 * value / quota:.1f}%)" if quota else shown
+
+
+def _quotas_line(summaries: int | None, bundle_bytes: int | None) -> str:
+    if summaries is None or bundle_bytes is None:
+        return "quotas per node: not shown by this broker (older than graft-fed's status fields for them)"
+    return ("quotas per node: " + (f"{summaries:,} summaries" if summaries else "summaries unlimited") + ", "
+            + (f"{bundle_bytes / 2**20:,.0f} MiB of bundles" if bundle_bytes else "bundles unlimited")
+            + " (held: what the broker holds of each node, retention frees it)")
 
 
 def _status_table(d: dict) -> str:
@@ -323,10 +339,7 @@ def _status_table(d: dict) -> str:
              f"prompts/round, round {d['current_round']}, {d['bundles']} bundles ({d['bundle_bytes'] / 2**20:.1f} MiB)",
              "manifest: " + ", ".join(f"{k} {v}" for k, v in d["manifest"].items()
                                       if k not in ("federation_id", "dataset_id", "n", "prompts_per_round")),
-             "quotas per node: " + ", ".join([
-                 f"{d['max_node_summaries']:,} summaries" if d["max_node_summaries"] else "summaries unlimited",
-                 f"{d['max_node_bundle_bytes'] / 2**20:,.0f} MiB of bundles" if d["max_node_bundle_bytes"]
-                 else "bundles unlimited"]) + " (held: what the broker holds of each node, retention frees it)",
+             _quotas_line(d["max_node_summaries"], d["max_node_bundle_bytes"]),
              f"{'node':<20} {'model':<20} {'state':<11} {'round':>6} {'published':>9} {'last seen':>9} "
              f"{'summaries held':>20} {'bundle MiB held':>18}"]
     for n in d["nodes"]:
@@ -344,8 +357,9 @@ def _status_table(d: dict) -> str:
         for p in d["pairs"]:
             ms = p["mean_s"] if p["mean_s"] is not None else nan
             af = p["admitted_fraction"] if p["admitted_fraction"] is not None else nan
+            reported, undelivered = ("?" if p[k] is None else p[k] for k in ("reported", "undelivered"))
             lines.append(f"{p['source'] + ' -> ' + p['receiver']:<36} {p['groups']:>7} {ms:>7.3f} {af:>9.2f} "
-                         f"{p['reported']:>9} {p['rejected']:>9} {p['undelivered']:>12}")
+                         f"{reported:>9} {p['rejected']:>9} {undelivered:>12}")
     return "\n".join(lines)
 
 

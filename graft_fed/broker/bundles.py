@@ -102,7 +102,6 @@ class Bundles(Part):
             return None
         with self._in_flight_lock:
             held = self.state.bundle_bytes_held(node_id) + self._in_flight[node_id]
-            self._near_quota.note(node_id, held + size, quota)
             if held + size > quota:
                 raise ResourceExhausted(
                     f"node {clip(node_id)} exceeded its bundle storage quota of {self.cfg.max_node_bundle_mib} MiB "
@@ -110,6 +109,7 @@ class Bundles(Part):
                     f"is receiving) and this one is {size / 2**20:.1f} MiB. Retention (broker.keep_rounds, "
                     "broker.max_bundle_gib) frees them; the operator can raise the quota")
             self._in_flight[node_id] += size
+            self._near_quota.note(node_id, held + size, quota)  # admitted: near the quota, the operator is told
 
         def release() -> None:
             with self._in_flight_lock:

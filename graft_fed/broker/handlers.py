@@ -254,6 +254,10 @@ class Federation:
         """Every pair's compatibility counts as arrays (broker/compat.py), for /metrics."""
         return self.ctx.compat.view()
 
+    def compat_totals(self) -> tuple[int, int, int]:
+        """(pairs with compatibility counts, groups rejected, groups reported undelivered)."""
+        return self.ctx.compat.totals()
+
     def compat(self, among: Iterable[str] | None = None) -> list[CompatRow]:
         """The compatibility counts per (source, receiver), by (source, receiver); with `among`,
         of the pairs between those nodes only (broker/compat.py)."""

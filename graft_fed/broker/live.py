@@ -226,19 +226,26 @@ def node_metrics(fed: Any, scalars: ScalarLog | None, refusals: RefusalLog | Non
     metric("pairs", "gauge", "(source, receiver) pairs that exchanged at least one group.", [("", len(exchange))])
     omitted = len(exchange) > fed.cfg.max_pairs_shown
     metric("pair_series_omitted", "gauge", "1 when the pairs outnumber broker.max_pairs_shown and "
-           "pair_groups_total is left out (the live page and the Status RPC have them; the pair_reported, "
-           "pair_rejected and pair_undelivered series are left out when the reported pairs do).",
-           [("", int(omitted))])
+           "pair_groups_total is left out (the live page and the Status RPC have them).", [("", int(omitted))])
     if not omitted:
         metric("pair_groups_total", "counter", "Groups matched source -> receiver.",
                [(f'{{source="{_esc(src)}",receiver="{_esc(dst)}"}}', groups)
                 for (src, dst), groups in exchange.items()])
     # the receivers' reports: in all, and per pair while the pairs are few enough to list
-    compat = fed.compat_view()
+    # (the table is copied only then; retention never drops its pairs, so they can
+    # outnumber the pairs that exchanged: they have a gauge of their own)
+    reported_pairs, _, undelivered = fed.compat_totals()
     metric("undelivered_groups_total", "counter", "Groups receivers reported never received (their source did not "
            "upload them in time, or the fetch failed): they weigh in the pair's mean s but not in the quarantine "
-           "rate (each group counted once, as rejected_groups_total).", [("", int(compat.undelivered.sum()))])
-    if len(compat.source) <= fed.cfg.max_pairs_shown:
+           "rate (each group counted once, as rejected_groups_total).", [("", undelivered)])
+    metric("reported_pairs", "gauge", "(source, receiver) pairs the receiver reported on (never pruned).",
+           [("", reported_pairs)])
+    omitted = reported_pairs > fed.cfg.max_pairs_shown
+    metric("pair_report_series_omitted", "gauge", "1 when the reported pairs outnumber broker.max_pairs_shown and "
+           "pair_reported_total, pair_rejected_total and pair_undelivered_total are left out (the Status RPC "
+           "lists the pairs with the most groups).", [("", int(omitted))])
+    if not omitted:
+        compat = fed.compat_view()
         names = compat.names
         pairs = sorted((names[s], names[r], i) for i, (s, r) in enumerate(zip(compat.source.tolist(),
                                                                             compat.receiver.tolist())))

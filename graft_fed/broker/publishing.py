@@ -322,13 +322,20 @@ class Publishing(Part):
         with self.cond:
             self.registry.touch(p.node_id, p.session_id)
             self._rate_limit(p.node_id)
-            self._near_quota.note(p.node_id, self.state.summaries_held(p.node_id), self.cfg.max_node_summaries)
             if self._within_quota(p):
-                self._open_round(p.node_id, p.round)
+                self._admitted(p)
                 return
         self._check_quota(p)
         with self.cond:
-            self._open_round(p.node_id, p.round)
+            self._admitted(p)
+
+    def _admitted(self, p: Publish) -> None:
+        """A publish within its node's quota (the caller holds the lock): the operator is
+        told when it takes the node near the quota (its summaries held and the publish's,
+        an upper bound: some may be held already), and its round is opened."""
+        quota = self.cfg.max_node_summaries
+        self._near_quota.note(p.node_id, self.state.summaries_held(p.node_id) + len(p.block), quota)
+        self._open_round(p.node_id, p.round)
 
     def _open_round(self, node_id: str, round: int) -> None:
         """The publish's round opened when it is new (the caller holds the broker's lock)."""

@@ -49,15 +49,17 @@ class QuotaWarnings:
         return f"{value / 2**20:,.1f} MiB of bundles" if self.mib else f"{value:,} summaries"
 
     def note(self, node_id: str, held: int, quota: int) -> None:
-        """`held`: what the node holds (or will once what is being admitted is stored)."""
+        """`held`: what the node will hold once what was just admitted (within the quota) is
+        stored; at most the quota."""
         if not quota:
             return
+        held = min(held, quota)
         if held >= self.WARN_AT * quota:
             with self._lock:
                 if node_id in self._warned:
                     return
                 self._warned.add(node_id)
-            log.warning("node %s holds %s, %.0f%% of its quota of %s (broker.%s): past it, its %s are refused. "
+            log.warning("node %s reaches %s, %.0f%% of its quota of %s (broker.%s): past it, its %s are refused. "
                         "Retention (broker.keep_rounds) frees them as rounds go by, or raise the quota",
                         clip(node_id), self._amount(held), 100 * held / quota, self._amount(quota), self.setting,
                         self.refused)

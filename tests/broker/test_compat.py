@@ -188,6 +188,10 @@ def test_the_status_pairs_on_arrays_are_the_pairs_it_listed_before(state):
         table.update(state.compat(pairs={(r.source, r.receiver) for r in rows}))
     exchange = ex.view().as_dict()
     compat = {(c.source, c.receiver): c for c in state.compat()}
+    # the totals /metrics reads without copying the table: what the rows add up to
+    assert table.totals() == (len(compat), sum(c.rejected for c in compat.values()),
+                              sum(c.undelivered for c in compat.values()))
+    assert CompatTable(state.compat).totals() == table.totals()  # counted whole at load as well
     assert set(compat) - set(exchange) and set(exchange) - set(compat)
     for max_pairs in (None, 0, 1, 7, 50, 10_000):
         got, total = pair_rows(ex.view(), table.view(), max_pairs)

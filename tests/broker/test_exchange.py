@@ -183,18 +183,64 @@ def test_status_metrics_and_the_page_show_what_each_node_holds_and_the_undeliver
         server.stop()
 
 
-def test_past_max_pairs_shown_metrics_leave_the_reported_pairs_out_too(prompt_file):
+def test_past_max_pairs_shown_metrics_leave_the_reported_pairs_out_and_say_so_after_retention_too(prompt_file):
+    """Retention recounts the exchange over the rounds it keeps; the compatibility counts
+    are never pruned, so the reported pairs can outnumber the pairs that exchanged: their
+    series are left out by their own count, and a gauge of their own says so."""
     from graft_fed.federation.messages import ReportEntry
+    from tests.federation.test_broker_rpc import summary
 
-    server, (a, b) = _matched_round(prompt_file, max_pairs_shown=1)
+    server, (a, b) = _matched_round(prompt_file, max_pairs_shown=1, keep_rounds=1)
     try:
         p0, p1 = load_prompts(DataConfig(source=str(prompt_file)))[:2]
         a.report(0, [ReportEntry("b", p0.id, 0.0, 0.0, False, undelivered=True)])
         b.report(0, [ReportEntry("a", p1.id, 0.8, 1.0, False)])
+        text = _metrics(server).splitlines()
+        assert "graft_fed_pairs 2" in text and "graft_fed_pair_series_omitted 1" in text
+        assert "graft_fed_reported_pairs 2" in text and "graft_fed_pair_report_series_omitted 1" in text
+        for r in range(1, 5):  # nothing to exchange (both solve both prompts); retention then drops round 0
+            a.publish(r, [summary(p0, 1, round=r), summary(p1, 1, round=r)])
+            b.publish(r, [summary(p0, 1, round=r), summary(p1, 1, round=r)])
+            assert a.get_matches(r, 5.0).ready and b.get_matches(r, 5.0).ready
+        assert server.fed.prune() > 0
         text = _metrics(server)
+        lines = text.splitlines()
+        assert "graft_fed_pairs 0" in lines and "graft_fed_pair_series_omitted 0" in lines
+        assert "graft_fed_reported_pairs 2" in lines and "graft_fed_pair_report_series_omitted 1" in lines
         assert "graft_fed_pair_undelivered_total{" not in text and "graft_fed_pair_reported_total{" not in text
-        assert "graft_fed_undelivered_groups_total 1" in text.splitlines()  # the total stays
+        assert "graft_fed_undelivered_groups_total 1" in lines  # the total stays
     finally:
         a.close()
         b.close()
         server.stop()
+
+
+def test_status_of_a_broker_older_than_the_held_and_reported_fields_says_it_does_not_know():
+    """An older broker leaves the new fields out: they must not read as 0 (quotas off,
+    nothing held, fewer groups reported than rejected)."""
+    from graft_fed.cli import _status_dict, _status_table
+    from graft_fed.federation.codec import manifest_to_pb
+    from graft_fed.proto import broker_pb2 as pb
+    from tests.federation.test_broker_rpc import manifest
+
+    prompts = load_prompts(DataConfig(source="embedded:arith-v1"))
+    old = pb.StatusResponse(
+        manifest=manifest_to_pb(manifest(prompts)), current_round=12, bundles=3, bundle_bytes=3000,
+        nodes=[pb.StatusResponse.Node(node_id="a", model_id="m", state="online", round=12, published=416,
+                                      last_seen_s=0.5)],
+        pairs=[pb.StatusResponse.Pair(source="b", receiver="a", groups=41, mean_s=0.9, admitted_fraction=0.97,
+                                      rejected=3)], pairs_total=1)
+    d = _status_dict(pb.StatusResponse.FromString(old.SerializeToString()))  # as it comes off the wire
+    assert (d["max_node_summaries"], d["max_node_bundle_bytes"]) == (None, None)
+    assert (d["nodes"][0]["summaries_held"], d["pairs"][0]["reported"], d["pairs"][0]["undelivered"]) == \
+        (None, None, None)
+    table = _status_table(d)
+    assert "unlimited" not in table and "quotas per node: not shown by this broker" in table
+    node, pair = (next(line for line in table.splitlines() if line.startswith(k)) for k in ("a ", "b -> a"))
+    assert node.split()[-2:] == ["?", "?"] and pair.split()[-3:] == ["?", "3", "?"]
+    # a quota of 0 the broker sent is off, not unknown
+    new = pb.StatusResponse(manifest=old.manifest, max_node_summaries=0, max_node_bundle_bytes=5 * 2**20,
+                            nodes=[pb.StatusResponse.Node(node_id="a", summaries_held=0, bundle_bytes_held=2**20)])
+    table = _status_table(_status_dict(pb.StatusResponse.FromString(new.SerializeToString())))
+    assert "quotas per node: summaries unlimited, 5 MiB of bundles" in table
+    assert next(line for line in table.splitlines() if line.startswith("a ")).split()[-3:] == ["0", "1.0", "(20.0%)"]

@@ -105,12 +105,13 @@ def test_a_quota_warning_is_logged_once_past_80_percent_and_again_only_after_fal
 
     for held in (0, 79, 80, 95, 100, 75):  # 75: still above the re-arm line
         warn.note("a", held, 100)
-    assert said() == ["node 'a' holds 80 summaries, 80% of its quota of 100 summaries (broker.max_node_summaries): "
+    assert said() == ["node 'a' reaches 80 summaries, 80% of its quota of 100 summaries (broker.max_node_summaries): "
                       "past it, its publishes are refused. Retention (broker.keep_rounds) frees them as rounds go by, "
                       "or raise the quota"]
-    warn.note("b", 90, 100)  # each node its own
+    warn.note("b", 130, 100)  # each node its own; an upper bound past the quota says the quota
+    assert "node 'b' reaches 100 summaries, 100% of its quota" in said()[-1]
     warn.note("a", 69, 100)  # retention freed some ...
     warn.note("a", 85, 100)  # ... and it came back
-    assert [m.split(" holds")[0] for m in said()] == ["node 'a'", "node 'b'", "node 'a'"]
+    assert [m.split(" reaches")[0] for m in said()] == ["node 'a'", "node 'b'", "node 'a'"]
     warn.note("c", 10**9, 0)  # no quota: nothing to say
     assert len(said()) == 3

@@ -748,14 +748,15 @@ def test_a_node_publishing_round_after_round_is_held_to_its_summary_quota(prompt
     eight = prompts[:8]
     try:
         a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
-        for r in (0, 1, 900, 901):  # far ahead: allowed, and kept by retention
+        for r in (0, 1, 900):  # far ahead: allowed, and kept by retention
             a.publish(r, [summary(p, 1, round=r) for p in eight])
-        assert "of its quota" not in caplog.text  # 24 held when 901 was published: under 80%
-        code, details = code_of(lambda: a.publish(902, [summary(prompts[0], 1, round=902)]))
-        # the operator was told as the node neared its quota, once
+        assert "of its quota" not in caplog.text  # 24 held: under 80%
+        a.publish(901, [summary(p, 1, round=901) for p in eight])
+        # the operator is told by the publish that takes the node near its quota, before any is refused
         warned = [r.getMessage() for r in caplog.records if "of its quota" in r.getMessage()]
-        assert len(warned) == 1 and "node 'a' holds 32 summaries, 100% of its quota of 32 summaries" in warned[0]
+        assert len(warned) == 1 and "node 'a' reaches 32 summaries, 100% of its quota of 32 summaries" in warned[0]
         assert "broker.max_node_summaries" in warned[0]
+        code, details = code_of(lambda: a.publish(902, [summary(prompts[0], 1, round=902)]))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "holds 32 summaries" in details and "1 more would pass its quota of 32" in details
         assert "broker.max_node_summaries" in details and "keep_rounds" in details
@@ -961,18 +962,21 @@ def test_retention_frees_a_nodes_bundle_quota(prompt_file, prompts, caplog):
     broker = start_broker(broker_config(prompt_file, max_node_bundle_mib=1))
     try:
         a = client(broker, prompts, "a")
-        a.publish(0, [summary(p, 1) for p in prompts[:3]])
+        a.publish(0, [summary(p, 1) for p in prompts[:4]])
         big = [dc.replace(record(p, 1, "a"), texts=("x" * 400_000, "y")) for p in prompts[:3]]
         a.upload(big[0], 0)
         a.upload(big[1], 0)
         assert "of its quota" not in caplog.text  # 0.8 MB of 1 MiB: under 80%
         with pytest.raises(ResourceExhausted, match=r"quota of 1 MiB .*holds 0\.8 MiB"):
             a.upload(big[2], 0)
+        assert "of its quota" not in caplog.text  # a refused upload takes the node nowhere
+        a.upload(dc.replace(record(prompts[3], 1, "a"), texts=("x" * 100_000, "y")), 0)
+        # the upload that takes the node near its quota tells the operator, once
         warned = [r.getMessage() for r in caplog.records if "of its quota" in r.getMessage()]
-        assert len(warned) == 1 and "node 'a' holds 1.1 MiB of bundles" in warned[0]
+        assert len(warned) == 1 and "node 'a' reaches 0.9 MiB of bundles, 86% of its quota of 1.0 MiB" in warned[0]
         assert "broker.max_node_bundle_mib" in warned[0] and "uploads are refused" in warned[0]
-        broker.state.prune(max_bundle_bytes=500_000)  # the oldest of a's two goes
-        assert 390_000 < broker.state.bundle_bytes_held("a") < 500_000
+        broker.state.prune(max_bundle_bytes=600_000)  # the oldest two of a's three go
+        assert 490_000 < broker.state.bundle_bytes_held("a") < 600_000
         a.upload(big[2], 0)
         a.close()
     finally:
