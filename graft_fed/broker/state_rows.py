@@ -14,7 +14,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, RoundRow, SummaryRow
+from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, ReportRows, RoundRow, SummaryRow
 from graft_fed.core.exchange import CompatEstimate
 from graft_fed.federation.summaryblock import SummaryBlock, facts_of, holds_as_int64
 
@@ -182,6 +182,30 @@ def report_fields(row: ReportRow) -> ReportFields:
     return (as_int(row.round, "round"), as_str(row.receiver, "receiver"), as_str(row.source, "source"),
             as_str(row.prompt_id, "prompt_id"), as_float(row.mean_s, "mean_s"),
             as_float(row.admitted_fraction, "admitted_fraction"), row.rejected, row.undelivered)
+
+
+def report_fields_of(rows: Sequence[ReportRow]) -> list[ReportFields]:
+    """`report_fields` of each row. A `ReportRows` whose columns hold plain values (as the
+    broker's reports do) is checked a column at a time, no `ReportRow` made: 64 reports of
+    1,229 groups a round made 78,000 of them (issue 13). Anything else, or a column that
+    is not plain, goes row by row, which says what is wrong."""
+    if isinstance(rows, ReportRows) and _plain_columns(rows):
+        rnd, receiver = rows.round, rows.receiver
+        return [(rnd, receiver, s, p, m, a, r, u) for s, p, m, a, r, u in zip(
+            rows.sources, rows.prompt_ids, rows.mean_s, rows.admitted_fraction, rows.rejected, rows.undelivered)]
+    return [report_fields(r) for r in rows]
+
+
+def _plain_columns(rows: ReportRows) -> bool:
+    """Whether every value is what `report_fields` would pass unchanged."""
+    return (type(rows.round) is int and _INT_MIN <= rows.round <= _INT_MAX
+            and type(rows.receiver) is str and rows.receiver.isascii()
+            and all(type(v) is str and v.isascii() for v in rows.sources)
+            and all(type(v) is str and v.isascii() for v in rows.prompt_ids)
+            and all(type(v) is float for v in rows.mean_s) and all(type(v) is float for v in rows.admitted_fraction)
+            and all(type(v) is bool for v in rows.rejected) and all(type(v) is bool for v in rows.undelivered)
+            and not any(u and (r or m != 0 or a != 0) for m, a, r, u in zip(
+                rows.mean_s, rows.admitted_fraction, rows.rejected, rows.undelivered)))
 
 
 def norm_report(row: ReportRow) -> ReportRow:

@@ -33,6 +33,7 @@ from graft_fed.broker.blockfiles import BlockFiles
 from graft_fed.broker.bundlefiles import file_name
 from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
 from graft_fed.broker.matchset import MatchSet
+from graft_fed.broker.reportblock import decode_report_block, encode_report_block
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, ReportRows, RoundRow, SummaryRow
 from graft_fed.broker.state_memory import InMemoryState
 from graft_fed.broker.state_sqlite import SCHEMA_VERSION, SqliteState
@@ -858,9 +859,52 @@ def _damage_blocks(s, node_id: str) -> None:
             f.write(bytes([b[0] ^ 0xFF]))
 
 
+def _as_version_10(c):
+    """Turn a state file (open on connection `c`) back into schema version 10: a row per
+    report instead of a block per receiver and round."""
+    c.execute("CREATE TABLE reports (round INTEGER NOT NULL, receiver TEXT NOT NULL, source TEXT NOT NULL, "
+              "prompt_id TEXT NOT NULL, mean_s NOT NULL, admitted_fraction NOT NULL, rejected INTEGER NOT NULL, "
+              "undelivered INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (round, receiver, source, prompt_id))")
+    for rnd, receiver, data in c.execute("SELECT round, receiver, data FROM report_blocks").fetchall():
+        c.executemany("INSERT INTO reports VALUES (?,?,?,?,?,?,?,?)",
+                      [(rnd, receiver, src, pid, "nan" if m != m else m, a, int(r), int(u))
+                       for src, pid, m, a, r, u in decode_report_block(data)])
+    c.execute("DROP TABLE report_blocks")
+    c.execute("UPDATE meta SET value = '10' WHERE key = 'schema_version'")
+    c.commit()
+
+
+def test_sqlite_migrates_a_version_10_file_its_reports_into_blocks_that_still_count_once(tmp_path):
+    s = SqliteState(tmp_path / "b.db")
+    _populate(s)
+    s.put_reports([rep(round=4, receiver="c", source="a", prompt_id=f"p{i}", mean_s=i / 7) for i in range(5)]
+                  + [rep(round=4, receiver="c", source="b", prompt_id="p0", mean_s=0.0, admitted_fraction=0.0,
+                         undelivered=True),
+                     rep(round=4, receiver="c", source="b", prompt_id="p1", mean_s=0.0, rejected=True)])
+    s.put_reports([rep(round=4, receiver="c", source="b", prompt_id="p2", mean_s=float("nan"))])  # a second block
+    before = _observe(s)
+    s = _reopened_from(s, _as_version_10)
+    try:
+        assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        assert repr(_observe(s)) == repr(before)  # NaN included
+        assert s._conn.execute("SELECT name FROM sqlite_master WHERE name = 'reports'").fetchall() == []
+        assert s._conn.execute("SELECT round, receiver, seq, count FROM report_blocks ORDER BY round, receiver"
+                               ).fetchall() == [(3, "a", 0, 1), (4, "c", 0, 8)]  # one per receiver and round
+        compat = s.compat()
+        # what was reported before counts once; a new group is a block of its own
+        assert s.put_reports([rep(round=4, receiver="c", source="a", prompt_id="p3", mean_s=0.5),
+                              rep(round=4, receiver="c", source="a", prompt_id="p9", mean_s=0.5)]) == (1, 1)
+        assert [(c.source, c.receiver, c.groups) for c in s.compat()] != [(c.source, c.receiver, c.groups)
+                                                                          for c in compat]
+        assert s._conn.execute("SELECT seq, count FROM report_blocks WHERE round = 4").fetchall() == [(0, 8), (1, 1)]
+    finally:
+        s.close()
+
+
 def _as_version_9(c):
     """Turn a state file (open on connection `c`) back into schema version 9: no bundle's
     uploader, no report or pair counting undelivered groups."""
+    _as_version_10(c)
     c.execute("ALTER TABLE bundles DROP COLUMN node_id")
     c.execute("ALTER TABLE compat DROP COLUMN undelivered")
     c.execute("ALTER TABLE reports DROP COLUMN undelivered")
@@ -2618,3 +2662,73 @@ def test_sqlite_a_database_on_a_read_only_mount_is_a_mount_problem_not_damage(tm
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert "read-only mount" in out.stdout and "permission or mount problem" in out.stdout, out.stdout + out.stderr
     assert "aside" not in out.stdout
+
+
+def test_sqlite_a_damaged_report_block_is_logged_and_read_as_empty(tmp_path, caplog):
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        s.put_reports([rep(round=1, receiver="a", source="b", prompt_id=f"p{i}") for i in range(3)])
+        s.put_reports([rep(round=1, receiver="c", source="b", prompt_id="p0")])
+        assert s._conn.execute("SELECT COUNT(*) FROM report_blocks").fetchone() == (2,)  # a block per report
+        with s._lock:
+            s._conn.execute("UPDATE report_blocks SET data = CAST('{\"v\":1,\"sources\":[' AS BLOB) "
+                            "WHERE receiver = 'a'")
+        assert [(r.receiver, r.prompt_id) for r in s.reports()] == [("c", "p0")]
+        assert "the reports of a for round 1 (block 0) are damaged" in caplog.text
+        # what the damaged block held is lost: reported again, it counts (its pair's row already did)
+        assert s.put_reports([rep(round=1, receiver="a", source="b", prompt_id="p0")]) == (1, 0)
+        assert s._conn.execute("SELECT seq FROM report_blocks WHERE receiver = 'a' ORDER BY seq").fetchall() == \
+            [(0,), (1,)]
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("data", [b"", b"\xff\xfe", b"[]", b'{"v":2}', b'{"v":1,"sources":["a"],"source":[0],'
+                                  b'"prompt_id":["p"],"mean_s":[0.5],"admitted_fraction":[1],"rejected":[0]}',
+                                  b'{"v":1,"sources":["a"],"source":[1],"prompt_id":["p"],"mean_s":[0.5],'
+                                  b'"admitted_fraction":[1],"rejected":[0],"undelivered":[0]}',
+                                  b'{"v":1,"sources":["a"],"source":[0],"prompt_id":[7],"mean_s":[0.5],'
+                                  b'"admitted_fraction":[1],"rejected":[0],"undelivered":[0]}',
+                                  b'{"v":1,"sources":["a"],"source":[0],"prompt_id":["p"],"mean_s":["x"],'
+                                  b'"admitted_fraction":[1],"rejected":[0],"undelivered":[0]}'])
+def test_a_report_block_that_is_not_what_this_code_wrote_is_a_value_error(data):
+    with pytest.raises(ValueError, match="a report block"):
+        decode_report_block(data)
+
+
+def test_a_report_block_round_trips_its_entries_exactly():
+    entries = [("b", "p1", 1 / 3, 0.25, False, False), ("a", "p0", 0.0, 0.0, False, True),
+               ("b", "p\u00e9", float("inf"), 1.0, True, False), ("c", "p2", float("nan"), 0.5, False, False)]
+    assert repr(decode_report_block(encode_report_block(entries))) == repr(entries)
+
+
+def test_report_fields_of_a_report_as_columns_are_those_of_its_rows_or_the_same_error():
+    from graft_fed.broker.state_rows import report_fields, report_fields_of
+
+    def cols(**over):
+        base = dict(round=3, receiver="r", sources=["a", "b"], prompt_ids=["p0", "p1"], mean_s=[0.5, 0.0],
+                    admitted_fraction=[1.0, 0.0], rejected=[False, False], undelivered=[False, True])
+        base.update(over)
+        return ReportRows(**base)
+
+    def rowwise(rows):
+        try:
+            return [report_fields(r) for r in rows]
+        except (TypeError, ValueError) as exc:
+            return type(exc)
+
+    def fast(rows):
+        try:
+            return report_fields_of(rows)
+        except (TypeError, ValueError) as exc:
+            return type(exc)
+
+    cases = [cols(), cols(mean_s=[np.float64(0.5), 0.0]), cols(admitted_fraction=[1, 0.0]), cols(round=np.int64(3)),
+             cols(sources=["a\u00e9", "b"]), cols(prompt_ids=["p0", "\ud800"]), cols(rejected=[0, False]),
+             cols(undelivered=[False, 1]), cols(mean_s=[0.5, 0.25]), cols(rejected=[False, True]),
+             cols(admitted_fraction=[1.0, 0.5]), cols(receiver=7), cols(round=2**63), cols(sources=["a", None]),
+             cols(mean_s=[float("nan"), 0.0]), cols(sources=[], prompt_ids=[], mean_s=[], admitted_fraction=[],
+                                                    rejected=[], undelivered=[])]
+    for rows in cases:
+        assert repr(fast(rows)) == repr(rowwise(rows)), rows
+    assert fast(cases[0]) == [(3, "r", "a", "p0", 0.5, 1.0, False, False), (3, "r", "b", "p1", 0.0, 0.0, False, True)]
