@@ -197,15 +197,18 @@ def report_fields_of(rows: Sequence[ReportRow]) -> list[ReportFields]:
 
 
 def _plain_columns(rows: ReportRows) -> bool:
-    """Whether every value is what `report_fields` would pass unchanged."""
-    return (type(rows.round) is int and _INT_MIN <= rows.round <= _INT_MAX
-            and type(rows.receiver) is str and rows.receiver.isascii()
-            and all(type(v) is str and v.isascii() for v in rows.sources)
-            and all(type(v) is str and v.isascii() for v in rows.prompt_ids)
-            and all(type(v) is float for v in rows.mean_s) and all(type(v) is float for v in rows.admitted_fraction)
-            and all(type(v) is bool for v in rows.rejected) and all(type(v) is bool for v in rows.undelivered)
-            and not any(u and (r or m != 0 or a != 0) for m, a, r, u in zip(
-                rows.mean_s, rows.admitted_fraction, rows.rejected, rows.undelivered)))
+    """Whether every value is what `report_fields` would pass unchanged (each column's types
+    read in C: `map`, a set)."""
+    if not (type(rows.round) is int and _INT_MIN <= rows.round <= _INT_MAX
+            and type(rows.receiver) is str and rows.receiver.isascii()):
+        return False
+    for col, kind in ((rows.sources, str), (rows.prompt_ids, str), (rows.mean_s, float),
+                      (rows.admitted_fraction, float), (rows.rejected, bool), (rows.undelivered, bool)):
+        if not set(map(type, col)) <= {kind}:
+            return False
+    return (all(map(str.isascii, rows.sources)) and all(map(str.isascii, rows.prompt_ids))
+            and (not any(rows.undelivered) or not any(r or m != 0 or a != 0 for m, a, r, u in zip(
+                rows.mean_s, rows.admitted_fraction, rows.rejected, rows.undelivered) if u)))
 
 
 def norm_report(row: ReportRow) -> ReportRow:

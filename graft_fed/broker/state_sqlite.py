@@ -196,7 +196,7 @@ UPDATE bundles SET node_id = COALESCE((SELECT MIN(s.node_id) FROM summary_digest
                                       '');
 """
 # Schema version 10 -> 11 (issue 13): a receiver's new reports of a round as one block
-# (broker/reportblock.py) instead of a row per group: one insert per report rather than two
+# (broker/reportblock.py, `GFR1`) instead of a row per group: one insert per report rather than two
 # B-tree inserts per group, and a quarter of the bytes. `_convert_reports` moves the rows of
 # an older file into blocks (one per round and receiver) in the same transaction.
 _MIGRATE_11 = """

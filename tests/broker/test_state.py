@@ -10,6 +10,7 @@ import gc
 import hashlib
 import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -2683,14 +2684,21 @@ def test_sqlite_a_damaged_report_block_is_logged_and_read_as_empty(tmp_path, cap
         s.close()
 
 
-@pytest.mark.parametrize("data", [b"", b"\xff\xfe", b"[]", b'{"v":2}', b'{"v":1,"sources":["a"],"source":[0],'
-                                  b'"prompt_id":["p"],"mean_s":[0.5],"admitted_fraction":[1],"rejected":[0]}',
-                                  b'{"v":1,"sources":["a"],"source":[1],"prompt_id":["p"],"mean_s":[0.5],'
-                                  b'"admitted_fraction":[1],"rejected":[0],"undelivered":[0]}',
-                                  b'{"v":1,"sources":["a"],"source":[0],"prompt_id":[7],"mean_s":[0.5],'
-                                  b'"admitted_fraction":[1],"rejected":[0],"undelivered":[0]}',
-                                  b'{"v":1,"sources":["a"],"source":[0],"prompt_id":["p"],"mean_s":["x"],'
-                                  b'"admitted_fraction":[1],"rejected":[0],"undelivered":[0]}'])
+def _block(n, header, tail):
+    import struct
+    head = json.dumps(header).encode()
+    return struct.pack("<4sII", b"GFR1", n, len(head)) + head + tail
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"GFR", b"\xff\xfe\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00", b"GFR1" + bytes(8) + b"x",
+    _block(1, {"sources": ["a"], "prompt_ids": ["p"]}, bytes(21)),  # one byte short
+    _block(1, {"sources": ["a"], "prompt_ids": ["p"]}, bytes(23)),  # one byte too many
+    _block(1, {"sources": ["a"], "prompt_ids": ["p"]}, (1).to_bytes(4, "little") + bytes(18)),  # source 1 of 1
+    _block(1, {"sources": ["a"], "prompt_ids": [7]}, bytes(22)),
+    _block(1, {"sources": ["a"]}, bytes(22)),
+    _block(1, {"sources": ["a"], "prompt_ids": ["p"]}, bytes(20) + b"\x02\x00"),  # a flag of 2
+    b"GFR1" + (1).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"{x}" + bytes(22)])
 def test_a_report_block_that_is_not_what_this_code_wrote_is_a_value_error(data):
     with pytest.raises(ValueError, match="a report block"):
         decode_report_block(data)
@@ -2698,8 +2706,12 @@ def test_a_report_block_that_is_not_what_this_code_wrote_is_a_value_error(data):
 
 def test_a_report_block_round_trips_its_entries_exactly():
     entries = [("b", "p1", 1 / 3, 0.25, False, False), ("a", "p0", 0.0, 0.0, False, True),
-               ("b", "p\u00e9", float("inf"), 1.0, True, False), ("c", "p2", float("nan"), 0.5, False, False)]
-    assert repr(decode_report_block(encode_report_block(entries))) == repr(entries)
+               ("b", "p\u00e9\x00\n", float("inf"), 1.0, True, False), ("c", "p2", float("nan"), -0.0, False, False),
+               ("\u2028", "p3", 5e-324, 1.0, False, False)]
+    out = decode_report_block(encode_report_block(entries))
+    assert repr(out) == repr(entries)
+    assert [math.copysign(1, e[3]) for e in out] == [math.copysign(1, e[3]) for e in entries]  # -0.0 kept
+    assert decode_report_block(encode_report_block([])) == []
 
 
 def test_report_fields_of_a_report_as_columns_are_those_of_its_rows_or_the_same_error():
