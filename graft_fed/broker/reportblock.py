@@ -4,8 +4,8 @@
 A report of 1,229 groups was 1,229 rows of a four-column text key: two B-tree inserts a
 group, 78,000 a round at 64 x 4,096 with every node reporting, and 10 MiB a round on disk
 (issue 13). The rows are read back only to find which groups a receiver already reported
-(a report counts once) and by `reports()`, so one block per report does: one insert, read
-back whole.
+(a report counts once) and by `reports()`, so one block per receiver and round does: one
+write per report, read back whole (a later report of the round rewrites it).
 
 Layout (little-endian): b"GFR1", the entry count n (u32) and the header's length (u32);
 the header, JSON: {"sources": the distinct source names, "prompt_ids": n strings}; then
@@ -44,7 +44,10 @@ def encode_report_block(entries: Sequence[BlockEntry]) -> bytes:
 
 
 def decode_report_block(data: bytes) -> list[BlockEntry]:
-    """The block's entries, in the order stored; ValueError when it is not one this code wrote."""
+    """The block's entries, in the order stored; ValueError when it is not one this code
+    wrote (whatever it is: text, a header nested too deep, ...)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"a report block stored as {type(data).__name__}, not bytes")
     data = bytes(data)
     if len(data) < _HEAD.size or data[:4] != _MAGIC:
         raise ValueError("a report block without its GFR1 header")
@@ -54,8 +57,8 @@ def decode_report_block(data: bytes) -> list[BlockEntry]:
         raise ValueError(f"a report block of {len(data)} bytes, not what its header says ({n} entries)")
     try:
         header = json.loads(data[_HEAD.size:start])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"a report block whose header is not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep
+        raise ValueError(f"a report block whose header is not JSON ({type(exc).__name__})") from None
     names = header.get("sources") if isinstance(header, dict) else None
     prompts = header.get("prompt_ids") if isinstance(header, dict) else None
     if not (isinstance(names, list) and isinstance(prompts, list) and len(prompts) == n

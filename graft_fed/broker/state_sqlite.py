@@ -195,14 +195,14 @@ ALTER TABLE reports ADD COLUMN undelivered INTEGER NOT NULL DEFAULT 0;
 UPDATE bundles SET node_id = COALESCE((SELECT MIN(s.node_id) FROM summary_digests s WHERE s.digest = bundles.digest),
                                       '');
 """
-# Schema version 10 -> 11 (issue 13): a receiver's new reports of a round as one block
-# (broker/reportblock.py, `GFR1`) instead of a row per group: one insert per report rather than two
-# B-tree inserts per group, and a quarter of the bytes. `_convert_reports` moves the rows of
-# an older file into blocks (one per round and receiver) in the same transaction.
+# Schema version 10 -> 11 (issue 13): a receiver's reports of a round as one block
+# (broker/reportblock.py, `GFR1`) instead of a row per group: one write per report rather
+# than two B-tree inserts per group, and half the bytes. `_convert_reports` moves the rows
+# of an older file into blocks (one per round and receiver) in the same transaction.
 _MIGRATE_11 = """
 CREATE TABLE report_blocks (
-    round INTEGER NOT NULL, receiver TEXT NOT NULL, seq INTEGER NOT NULL, count INTEGER NOT NULL,
-    data BLOB NOT NULL, PRIMARY KEY (round, receiver, seq));
+    round INTEGER NOT NULL, receiver TEXT NOT NULL, count INTEGER NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (round, receiver));
 """
 _MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4, 5: _MIGRATE_5, 6: _MIGRATE_6, 7: _MIGRATE_7,
                8: _MIGRATE_8, 9: _MIGRATE_9, 10: _MIGRATE_10, 11: _MIGRATE_11}
@@ -229,12 +229,22 @@ def _convert_summaries(conn: sqlite3.Connection) -> None:
 
 
 def _convert_reports(conn: sqlite3.Connection) -> None:
-    """Schema 11: every (round, receiver)'s report rows become one block; the table goes."""
-    groups: dict[tuple[int, str], list[BlockEntry]] = {}
+    """Schema 11: every (round, receiver)'s report rows become its block; the table goes. The
+    rows come in (round, receiver) order, so one block at a time is held (a file of a
+    thousand rounds holds 78 million reports at 64 x 4,096)."""
+    key, entries = None, []
+
+    def flush() -> None:
+        if entries:
+            conn.execute("INSERT INTO report_blocks (round, receiver, count, data) VALUES (?,?,?,?)",
+                         (*key, len(entries), encode_report_block(entries)))
+
     for r in conn.execute(f"SELECT {_REPORT_COLS} FROM reports ORDER BY round, receiver, source, prompt_id"):
-        groups.setdefault((r[0], r[1]), []).append((r[2], r[3], _db2f(r[4]), _db2f(r[5]), bool(r[6]), bool(r[7])))
-    conn.executemany("INSERT INTO report_blocks (round, receiver, seq, count, data) VALUES (?,?,0,?,?)",
-                     [(rnd, receiver, len(rows), encode_report_block(rows)) for (rnd, receiver), rows in groups.items()])
+        if (r[0], r[1]) != key:
+            flush()
+            key, entries = (r[0], r[1]), []
+        entries.append((r[2], r[3], _db2f(r[4]), _db2f(r[5]), bool(r[6]), bool(r[7])))
+    flush()
     conn.execute("DROP TABLE reports")
 
 
@@ -1473,20 +1483,19 @@ class SqliteState(BrokerState):
 
     def _put_reports(self, conn: sqlite3.Connection, batch: list[ReportFields]) -> tuple[int, int]:
         """One batch inside the caller's transaction. Which reports are new is read once per
-        (round, receiver) from its blocks; the new ones of each (round, receiver) are stored
-        as one block (broker/reportblock.py), and each pair's row is read and written once,
+        (round, receiver) from its block; the new ones are added to it (broker/reportblock.py),
+        and each pair's row is read and written once,
         folded over its new reports in the batch's order (the same numbers as folding one
         report at a time). A report of 4,096 groups used to cost three statements a group,
         then two B-tree inserts a group (issue 13)."""
+        held: dict[tuple[int, str], list[BlockEntry] | None] = {}  # None: no block yet
         stored: set[tuple[int, str, str, str]] = set()
-        next_seq: dict[tuple[int, str], int] = {}
         for rnd, receiver in {r[:2] for r in batch}:
-            seq = 0
-            for s, data in conn.execute("SELECT seq, data FROM report_blocks WHERE round = ? AND receiver = ?",
-                                        (rnd, receiver)):
-                seq = max(seq, s + 1)
-                stored.update((rnd, receiver, e[0], e[1]) for e in self._report_block(rnd, receiver, s, data))
-            next_seq[(rnd, receiver)] = seq
+            row = conn.execute("SELECT data FROM report_blocks WHERE round = ? AND receiver = ?",
+                               (rnd, receiver)).fetchone()
+            entries = None if row is None else self._report_block(rnd, receiver, row[0])
+            held[(rnd, receiver)] = entries
+            stored.update((rnd, receiver, e[0], e[1]) for e in entries or ())
         fresh: dict[tuple[int, str], list[BlockEntry]] = {}
         per_pair: dict[tuple[str, str], list[tuple[float, float, bool, bool]]] = {}
         accepted = 0
@@ -1498,21 +1507,25 @@ class SqliteState(BrokerState):
                 fresh.setdefault((rnd, receiver), []).append((source, pid, m, a, rej, und))
                 per_pair.setdefault((source, receiver), []).append((m, a, rej, und))
                 accepted += 1
-        conn.executemany("INSERT INTO report_blocks (round, receiver, seq, count, data) VALUES (?,?,?,?,?)",
-                         [(rnd, receiver, next_seq[(rnd, receiver)], len(entries), encode_report_block(entries))
-                          for (rnd, receiver), entries in fresh.items()])
+        # one block per (round, receiver): a report after the first rewrites it whole, so a
+        # report reads one block however many came before (a receiver sending a report per
+        # group made each one decode every block before it: quadratic, under the lock)
+        conn.executemany("INSERT OR REPLACE INTO report_blocks (round, receiver, count, data) VALUES (?,?,?,?)",
+                         [(*key, len(merged), encode_report_block(merged)) for key, merged in (
+                             (key, (held[key] or []) + entries) for key, entries in fresh.items())])
         for pair, folded in per_pair.items():
             self._put_compat(conn, fold_compat(self._compat_of(conn, pair), *pair, folded))
         return accepted, len(batch) - accepted
 
-    def _report_block(self, rnd: int, receiver: str, seq: int, data: bytes) -> list[BlockEntry]:
+    def _report_block(self, rnd: int, receiver: str, data: bytes) -> list[BlockEntry]:
         """A stored block's entries; a damaged one is logged and reads as empty (its reports
-        are lost: a receiver's report of those groups again would count)."""
+        are lost: a receiver's report of those groups again would count, and the block is
+        written again without them)."""
         try:
             return decode_report_block(data)
         except ValueError as exc:
-            log.error("broker state %s: the reports of %s for round %d (block %d) are damaged (%s) and are skipped",
-                      self.path, receiver, rnd, seq, exc)
+            log.error("broker state %s: the reports of %s for round %d are damaged (%s) and are skipped",
+                      self.path, receiver, rnd, exc)
             return []
 
     def reports(self, round: int | None = None, receiver: str | None = None,
@@ -1521,9 +1534,8 @@ class SqliteState(BrokerState):
         source = opt_str(source, "source")
         out = [ReportRow(round=rnd, receiver=recv, source=e[0], prompt_id=e[1], mean_s=e[2], admitted_fraction=e[3],
                          rejected=e[4], undelivered=e[5])
-               for rnd, recv, seq, data in self._read(f"SELECT round, receiver, seq, data FROM report_blocks{where}",
-                                                      params)
-               for e in self._report_block(rnd, recv, seq, data) if source is None or e[0] == source]
+               for rnd, recv, data in self._read(f"SELECT round, receiver, data FROM report_blocks{where}", params)
+               for e in self._report_block(rnd, recv, data) if source is None or e[0] == source]
         out.sort(key=lambda r: (r.round, r.receiver, r.source, r.prompt_id))
         return out
 

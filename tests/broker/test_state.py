@@ -882,22 +882,22 @@ def test_sqlite_migrates_a_version_10_file_its_reports_into_blocks_that_still_co
                   + [rep(round=4, receiver="c", source="b", prompt_id="p0", mean_s=0.0, admitted_fraction=0.0,
                          undelivered=True),
                      rep(round=4, receiver="c", source="b", prompt_id="p1", mean_s=0.0, rejected=True)])
-    s.put_reports([rep(round=4, receiver="c", source="b", prompt_id="p2", mean_s=float("nan"))])  # a second block
+    s.put_reports([rep(round=4, receiver="c", source="b", prompt_id="p2", mean_s=float("nan"))])  # a second report
     before = _observe(s)
     s = _reopened_from(s, _as_version_10)
     try:
         assert s._conn.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
         assert repr(_observe(s)) == repr(before)  # NaN included
         assert s._conn.execute("SELECT name FROM sqlite_master WHERE name = 'reports'").fetchall() == []
-        assert s._conn.execute("SELECT round, receiver, seq, count FROM report_blocks ORDER BY round, receiver"
-                               ).fetchall() == [(3, "a", 0, 1), (4, "c", 0, 8)]  # one per receiver and round
+        assert s._conn.execute("SELECT round, receiver, count FROM report_blocks ORDER BY round, receiver"
+                               ).fetchall() == [(3, "a", 1), (4, "c", 8)]  # one per receiver and round
         compat = s.compat()
-        # what was reported before counts once; a new group is a block of its own
+        # what was reported before counts once; a new group joins the receiver's block
         assert s.put_reports([rep(round=4, receiver="c", source="a", prompt_id="p3", mean_s=0.5),
                               rep(round=4, receiver="c", source="a", prompt_id="p9", mean_s=0.5)]) == (1, 1)
         assert [(c.source, c.receiver, c.groups) for c in s.compat()] != [(c.source, c.receiver, c.groups)
                                                                           for c in compat]
-        assert s._conn.execute("SELECT seq, count FROM report_blocks WHERE round = 4").fetchall() == [(0, 8), (1, 1)]
+        assert s._conn.execute("SELECT count FROM report_blocks WHERE round = 4").fetchall() == [(9,)]
     finally:
         s.close()
 
@@ -2665,23 +2665,59 @@ def test_sqlite_a_database_on_a_read_only_mount_is_a_mount_problem_not_damage(tm
     assert "aside" not in out.stdout
 
 
-def test_sqlite_a_damaged_report_block_is_logged_and_read_as_empty(tmp_path, caplog):
+@pytest.mark.parametrize("damage", ["CAST('{\"v\":1,\"sources\":[' AS BLOB)", "'stored as text'", "x'00'"])
+def test_sqlite_a_damaged_report_block_is_logged_and_read_as_empty(tmp_path, caplog, damage):
     s = SqliteState(tmp_path / "b.db")
     try:
         s.put_reports([rep(round=1, receiver="a", source="b", prompt_id=f"p{i}") for i in range(3)])
         s.put_reports([rep(round=1, receiver="c", source="b", prompt_id="p0")])
-        assert s._conn.execute("SELECT COUNT(*) FROM report_blocks").fetchone() == (2,)  # a block per report
+        s.put_reports([rep(round=1, receiver="a", source="b", prompt_id="p3")])
+        assert s._conn.execute("SELECT COUNT(*) FROM report_blocks").fetchone() == (2,)  # a block per receiver
         with s._lock:
-            s._conn.execute("UPDATE report_blocks SET data = CAST('{\"v\":1,\"sources\":[' AS BLOB) "
-                            "WHERE receiver = 'a'")
+            s._conn.execute(f"UPDATE report_blocks SET data = {damage} WHERE receiver = 'a'")
         assert [(r.receiver, r.prompt_id) for r in s.reports()] == [("c", "p0")]
-        assert "the reports of a for round 1 (block 0) are damaged" in caplog.text
+        assert "the reports of a for round 1 are damaged" in caplog.text
         # what the damaged block held is lost: reported again, it counts (its pair's row already did)
         assert s.put_reports([rep(round=1, receiver="a", source="b", prompt_id="p0")]) == (1, 0)
-        assert s._conn.execute("SELECT seq FROM report_blocks WHERE receiver = 'a' ORDER BY seq").fetchall() == \
-            [(0,), (1,)]
+        assert [(r.receiver, r.prompt_id) for r in s.reports()] == [("a", "p0"), ("c", "p0")]
     finally:
         s.close()
+
+
+def test_sqlite_a_report_reads_one_block_however_many_reports_came_before(tmp_path):
+    """A receiver may send a report per group: each one decoded every block before it
+    (quadratic, under the state's lock). Its reports of a round are one block, rewritten."""
+    s = SqliteState(tmp_path / "b.db")
+    try:
+        for i in range(300):
+            assert s.put_reports([rep(round=2, receiver="a", source="b", prompt_id=f"p{i}")]) == (1, 0)
+        assert s._conn.execute("SELECT count FROM report_blocks").fetchall() == [(300,)]
+        assert s.put_reports([rep(round=2, receiver="a", source="b", prompt_id=f"p{i}") for i in range(301)]) == \
+            (1, 300)
+        assert len(s.reports(round=2, receiver="a")) == 301
+    finally:
+        s.close()
+
+
+def test_sqlite_migrating_reports_holds_one_receiver_and_round_at_a_time(tmp_path):
+    import tracemalloc
+
+    peaks = []
+    for rounds in (4, 16):
+        s = SqliteState(tmp_path / f"b{rounds}.db")
+        for r in range(rounds):
+            s.put_reports([rep(round=r, receiver="a", source="b", prompt_id=f"p{i:04d}") for i in range(500)])
+        with sqlite3.connect(s.path) as c:
+            _as_version_10(c)
+        s.close()
+        c.close()
+        tracemalloc.start()
+        s = SqliteState(tmp_path / f"b{rounds}.db")  # migrates
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert len(s.reports()) == 500 * rounds
+        s.close()
+    assert peaks[1] < 1.5 * peaks[0], peaks  # four times the rows, not four times the memory
 
 
 def _block(n, header, tail):
@@ -2698,7 +2734,9 @@ def _block(n, header, tail):
     _block(1, {"sources": ["a"], "prompt_ids": [7]}, bytes(22)),
     _block(1, {"sources": ["a"]}, bytes(22)),
     _block(1, {"sources": ["a"], "prompt_ids": ["p"]}, bytes(20) + b"\x02\x00"),  # a flag of 2
-    b"GFR1" + (1).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"{x}" + bytes(22)])
+    b"GFR1" + (1).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"{x}" + bytes(22),
+    b"GFR1" + (0).to_bytes(4, "little") + (200_000).to_bytes(4, "little") + b"[" * 100_000 + b"]" * 100_000,
+    "a block stored as text"])
 def test_a_report_block_that_is_not_what_this_code_wrote_is_a_value_error(data):
     with pytest.raises(ValueError, match="a report block"):
         decode_report_block(data)
