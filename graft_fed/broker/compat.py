@@ -41,6 +41,12 @@ class CompatView:
     rejected: np.ndarray
     undelivered: np.ndarray
 
+    @property
+    def reported(self) -> np.ndarray:
+        """Groups the receiver reported on, rejected ones included (a rejected report counts
+        only in `rejected`, core.exchange.CompatEstimate)."""
+        return self.groups + self.rejected
+
 
 _DTYPES = {"present": np.bool_, "groups": np.int64, "rejected": np.int64, "mean_s": np.float64,
            "admitted": np.float64, "undelivered": np.int64}
@@ -242,12 +248,12 @@ def pair_rows(exchange: ExchangeView, compat: CompatView, max_pairs: int | None 
     found = np.minimum(found, max(0, len(cx_codes) - 1))
     has = (cx_codes[order][found] == keys) if len(cx_codes) else np.zeros(len(keys), dtype=bool)
     at = order[found] if len(cx_codes) else found
-    rows = []
+    rows, reported = [], compat.reported
     for key, g, h, i in zip(keys.tolist(), groups.tolist(), has.tolist(), at.tolist()):
         rows.append({"source": names[key // width], "receiver": names[key % width], "groups": g,
                      "mean_s": float(compat.mean_s[i]) if h else math.nan,
                      "admitted_fraction": float(compat.admitted[i]) if h else math.nan,
                      "rejected": int(compat.rejected[i]) if h else 0,
-                     "reported": int(compat.groups[i] + compat.rejected[i]) if h else 0,
+                     "reported": int(reported[i]) if h else 0,
                      "undelivered": int(compat.undelivered[i]) if h else 0})
     return rows, total

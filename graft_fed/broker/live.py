@@ -251,7 +251,7 @@ def node_metrics(fed: Any, scalars: ScalarLog | None, refusals: RefusalLog | Non
                                                                             compat.receiver.tolist())))
         labels = [f'{{source="{_esc(src)}",receiver="{_esc(dst)}"}}' for src, dst, _ in pairs]
         order = [i for _, _, i in pairs]
-        for name, values, help_ in (("pair_reported_total", compat.groups + compat.rejected,
+        for name, values, help_ in (("pair_reported_total", compat.reported,
                                      "Groups the receiver reported on (rejected included)"),
                                     ("pair_rejected_total", compat.rejected, "Groups the receiver rejected"),
                                     ("pair_undelivered_total", compat.undelivered,

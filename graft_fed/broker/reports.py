@@ -16,7 +16,7 @@ from graft_fed.broker.state import MatchRow, ReportRow, ReportRows
 from graft_fed.federation.bundles import decode_bundle
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument
 from graft_fed.federation.limits import MAX_PER_ROUND_FACTOR, MAX_REPORT_MEAN_S, clip
-from graft_fed.federation.messages import ReportEntry
+from graft_fed.federation.messages import ReportEntry, undelivered_but_scored
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -72,10 +72,11 @@ class Reports(Part):
                               [e.admitted_fraction for e in entries], [e.rejected for e in entries],
                               [e.undelivered for e in entries])
             del entries
-            for i, undelivered in enumerate(rows.undelivered):
-                if undelivered and (rows.rejected[i] or rows.mean_s[i] != 0 or rows.admitted_fraction[i] != 0):
-                    raise InvalidArgument(f"the group of {clip(rows.sources[i])} for prompt {clip(rows.prompt_ids[i])} "
-                                          "is reported undelivered and scored: an undelivered group has mean_s and "
+            for source, prompt, m, a, r, u in zip(rows.sources, rows.prompt_ids, rows.mean_s, rows.admitted_fraction,
+                                                  rows.rejected, rows.undelivered):
+                if undelivered_but_scored(m, a, r, u):
+                    raise InvalidArgument(f"the group of {clip(source)} for prompt {clip(prompt)} is reported "
+                                          "undelivered and scored: an undelivered group has mean_s and "
                                           "admitted_fraction 0 and is not rejected")
             for mean_s, admitted in zip(rows.mean_s, rows.admitted_fraction):  # 0 where rejected
                 if not (math.isfinite(mean_s) and 0 <= mean_s <= MAX_REPORT_MEAN_S):

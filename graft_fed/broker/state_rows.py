@@ -16,6 +16,7 @@ import numpy as np
 
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, ReportRows, RoundRow, SummaryRow
 from graft_fed.core.exchange import CompatEstimate
+from graft_fed.federation.messages import undelivered_but_scored
 from graft_fed.federation.summaryblock import SummaryBlock, facts_of, holds_as_int64
 
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1  # what SQLite's INTEGER holds
@@ -177,7 +178,7 @@ def report_fields(row: ReportRow) -> ReportFields:
         raise TypeError(f"rejected must be a bool, got {row.rejected!r}")
     if not isinstance(row.undelivered, bool):
         raise TypeError(f"undelivered must be a bool, got {row.undelivered!r}")
-    if row.undelivered and (row.rejected or row.mean_s != 0 or row.admitted_fraction != 0):
+    if undelivered_but_scored(row.mean_s, row.admitted_fraction, row.rejected, row.undelivered):
         raise ValueError("an undelivered group has mean_s and admitted_fraction 0 and is not rejected")
     return (as_int(row.round, "round"), as_str(row.receiver, "receiver"), as_str(row.source, "source"),
             as_str(row.prompt_id, "prompt_id"), as_float(row.mean_s, "mean_s"),
@@ -207,8 +208,8 @@ def _plain_columns(rows: ReportRows) -> bool:
         if not set(map(type, col)) <= {kind}:
             return False
     return (all(map(str.isascii, rows.sources)) and all(map(str.isascii, rows.prompt_ids))
-            and (not any(rows.undelivered) or not any(r or m != 0 or a != 0 for m, a, r, u in zip(
-                rows.mean_s, rows.admitted_fraction, rows.rejected, rows.undelivered) if u)))
+            and (not any(rows.undelivered) or not any(map(undelivered_but_scored, rows.mean_s,
+                                                          rows.admitted_fraction, rows.rejected, rows.undelivered))))
 
 
 def norm_report(row: ReportRow) -> ReportRow:

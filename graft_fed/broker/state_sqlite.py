@@ -1484,10 +1484,9 @@ class SqliteState(BrokerState):
     def _put_reports(self, conn: sqlite3.Connection, batch: list[ReportFields]) -> tuple[int, int]:
         """One batch inside the caller's transaction. Which reports are new is read once per
         (round, receiver) from its block; the new ones are added to it (broker/reportblock.py),
-        and each pair's row is read and written once,
-        folded over its new reports in the batch's order (the same numbers as folding one
-        report at a time). A report of 4,096 groups used to cost three statements a group,
-        then two B-tree inserts a group (issue 13)."""
+        and each pair's row is read and written once, folded over its new reports in the
+        batch's order (the same numbers as folding one report at a time). A report of 4,096
+        groups used to cost three statements a group, then two B-tree inserts a group (issue 13)."""
         held: dict[tuple[int, str], list[BlockEntry] | None] = {}  # None: no block yet
         stored: set[tuple[int, str, str, str]] = set()
         for rnd, receiver in {r[:2] for r in batch}:

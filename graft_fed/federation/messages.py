@@ -97,3 +97,9 @@ class ReportEntry:
     #: the group never arrived: mean_s and admitted_fraction 0, not rejected
     undelivered: bool = False
 
+
+def undelivered_but_scored(mean_s: float, admitted_fraction: float, rejected: bool, undelivered: bool) -> bool:
+    """A verdict that is not one: a group reported undelivered has mean_s and
+    admitted_fraction 0 and is not rejected (the broker refuses it, and so does a state)."""
+    return bool(undelivered and (rejected or mean_s != 0 or admitted_fraction != 0))
+
