@@ -208,8 +208,8 @@ def _plain_columns(rows: ReportRows) -> bool:
         if not set(map(type, col)) <= {kind}:
             return False
     return (all(map(str.isascii, rows.sources)) and all(map(str.isascii, rows.prompt_ids))
-            and (not any(rows.undelivered) or not any(map(undelivered_but_scored, rows.mean_s,
-                                                          rows.admitted_fraction, rows.rejected, rows.undelivered))))
+            and (not any(rows.undelivered) or not any(undelivered_but_scored(m, a, r, u) for m, a, r, u in zip(
+                rows.mean_s, rows.admitted_fraction, rows.rejected, rows.undelivered) if u)))
 
 
 def norm_report(row: ReportRow) -> ReportRow:
