@@ -287,3 +287,51 @@ def test_rss_tables_name_each_life_by_its_number():
     assert [l["life"] for l in payload["rss_per_life"]] == [0, 1]
     assert [l["life"] for l in payload["service_rss_per_life"]] == [1]
     assert load.rss_table(payload["service_rss_per_life"])[2].startswith("| 1 | 598 | 350.0 |")
+
+
+def _pool_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pool_probes", ROOT / "bench" / "broker" / "pool_probes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pool_probes_pools_runs_and_tests_the_share_over_the_limit(tmp_path):
+    pool = _pool_module()
+    # Fisher's exact test against known values: the lady tasting tea (3 of 4 against 1 of 4)
+    # and a table as lopsided as it can be with its margins
+    assert abs(pool.fisher_two_sided(3, 4, 1, 4) - 0.4857142857) < 1e-9
+    assert abs(pool.fisher_two_sided(4, 4, 0, 4) - 2 / 70) < 1e-12
+    assert pool.fisher_two_sided(0, 100, 0, 100) == 1.0
+
+    def result(name, trips_ms):
+        # a load.py result as pool_probes reads it: per probe, beats of five stamps (s)
+        beats = [[10.0 + i, 0, 0, 0, 10.0 + i + t / 1e3] for i, t in enumerate(trips_ms)]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"probe_beats": {"node9": beats}}))
+        return str(path)
+
+    fast = [result(f"fast{i}", [5.0] * 98 + [50.0] * 2) for i in range(2)]
+    slow = [result(f"slow{i}", [5.0] * 90 + [150.0] * 10) for i in range(2)]
+    out = tmp_path / "pooled.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "pool_probes.py"), "--group", "a", *fast,
+                           "--group", "b", *slow, "--reps", "200", "--json", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    a, b = ({k: v if isinstance(v, int) else pytest.approx(v, abs=1e-6) for k, v in res["groups"][g]["pooled"].items()}
+            for g in "ab")
+    assert (a["count"], a["p50_ms"], a["p99_ms"], a["over_limit"]) == (200, 5.0, 50.0, 0)
+    assert (b["count"], b["p90_ms"], b["p99_ms"], b["over_limit"]) == (200, 5.0, 150.0, 20)
+    assert res["groups"]["b"]["pooled"]["p99_ci95_ms"] == pytest.approx([150.0, 150.0])
+    lo, hi = res["groups"]["a"]["pooled"]["p99_ci95_ms"]
+    assert lo <= 50.0 + 1e-6 and hi >= 50.0 - 1e-6
+    assert res["over_limit_fisher_p"] < 1e-5
+    assert "over 100 ms: a 0 of 200, b 20 of 200" in proc.stdout
+    # a file that is not a load.py result says so
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "pool_probes.py"), "--group", "a",
+                           str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "no probe_beats" in proc.stderr
