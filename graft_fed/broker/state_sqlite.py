@@ -53,7 +53,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import sqlite3
 import stat
@@ -69,6 +68,7 @@ from graft_fed.broker.blockfiles import BlockFiles
 from graft_fed.broker.bundlefiles import BundleFiles, PartFile, storage_error
 from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
 from graft_fed.broker.reportblock import BlockEntry, decode_report_block, encode_report_block
+from graft_fed.broker.sqlite_schema import SCHEMA_VERSION, create, db2f, f2db, migrate
 from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow,
                                     SummaryHead, SummaryRow)
 from graft_fed.broker.state_rows import (
@@ -82,178 +82,13 @@ from graft_fed.federation.errors import NotFound, StorageFull, Unavailable
 
 log = logging.getLogger("graft_fed.broker")
 
-SCHEMA_VERSION = 11
 PAGE_SIZE = 65536
-
-_SCHEMA = """
-CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
--- Columns without a declared type hold floats exactly (see the module docstring).
-CREATE TABLE nodes (
-    node_id TEXT PRIMARY KEY, model_id TEXT NOT NULL, tokenizer_id TEXT NOT NULL,
-    privacy TEXT NOT NULL, state TEXT NOT NULL, session_id TEXT NOT NULL,
-    round INTEGER NOT NULL, last_seen NOT NULL, published INTEGER NOT NULL);
-CREATE TABLE rounds (round INTEGER PRIMARY KEY, state TEXT NOT NULL, opened_at NOT NULL, matched_at,
-    participants TEXT NOT NULL DEFAULT '[]');
-CREATE TABLE summaries (
-    node_id TEXT NOT NULL, round INTEGER NOT NULL, prompt_id TEXT NOT NULL,
-    policy_version INTEGER NOT NULL, n INTEGER NOT NULL, k INTEGER NOT NULL,
-    reward_mean NOT NULL, reward_std NOT NULL,
-    lengths TEXT NOT NULL, mean_logprobs TEXT NOT NULL,  -- JSON arrays
-    bundle_digest TEXT NOT NULL DEFAULT '',
-    PRIMARY KEY (node_id, round, prompt_id));
-CREATE INDEX summaries_by_round ON summaries (round, node_id, prompt_id);  -- also the result order
-CREATE INDEX summaries_by_prompt ON summaries (prompt_id, round);
-CREATE TABLE matches (
-    round INTEGER NOT NULL, receiver TEXT NOT NULL, prompt_id TEXT NOT NULL,
-    source TEXT NOT NULL, source_round INTEGER NOT NULL,
-    PRIMARY KEY (round, receiver, prompt_id));
-CREATE INDEX matches_by_source ON matches (source);
--- rowid order is insertion order: prune drops the lowest rowids (oldest) first.
-CREATE TABLE bundles (digest TEXT PRIMARY KEY, data BLOB NOT NULL, size INTEGER NOT NULL, created NOT NULL);
-CREATE TABLE compat (
-    source TEXT NOT NULL, receiver TEXT NOT NULL, groups INTEGER NOT NULL,
-    mean_s NOT NULL, admitted_fraction NOT NULL, rejected INTEGER NOT NULL,
-    PRIMARY KEY (source, receiver));
-"""
-
-# Schema version 1 -> 2: bundle provenance (the producer's signature and certificate) and
-# receiver reports keyed by (round, receiver, source, prompt) so a report counts once. Part
-# of the schema of a fresh file too.
-_MIGRATE_2 = """
-ALTER TABLE bundles ADD COLUMN signature BLOB NOT NULL DEFAULT x'';
-ALTER TABLE bundles ADD COLUMN signer_cert BLOB NOT NULL DEFAULT x'';
-CREATE TABLE reports (
-    round INTEGER NOT NULL, receiver TEXT NOT NULL, source TEXT NOT NULL, prompt_id TEXT NOT NULL,
-    mean_s NOT NULL, admitted_fraction NOT NULL, rejected INTEGER NOT NULL,
-    PRIMARY KEY (round, receiver, source, prompt_id));
-"""
-# Schema version 2 -> 3 (issue 13): a synchronous round's matches as one blob
-# (broker/matchset.py), one write per round instead of a row per match; and one publish's
-# summaries as one blob (federation/summaryblock.py) instead of a row per summary, their
-# bundle digests in a table of their own. `_convert_summaries` moves the rows of an older
-# file into blocks in the same transaction.
-_MIGRATE_3 = """
-CREATE TABLE match_sets (round INTEGER PRIMARY KEY, data BLOB NOT NULL);
-CREATE TABLE summary_blocks (
-    node_id TEXT NOT NULL, round INTEGER NOT NULL, seq INTEGER NOT NULL, count INTEGER NOT NULL,
-    data BLOB NOT NULL, PRIMARY KEY (node_id, round, seq));
-CREATE INDEX summary_blocks_by_round ON summary_blocks (round, node_id);
-CREATE TABLE summary_digests (
-    node_id TEXT NOT NULL, round INTEGER NOT NULL, prompt_id TEXT NOT NULL, digest TEXT NOT NULL,
-    PRIMARY KEY (node_id, round, prompt_id));
-CREATE INDEX summary_digests_by_digest ON summary_digests (digest);
-"""
-# Schema version 3 -> 4 (issue 13): a bundle uploaded a chunk at a time is stored as it
-# arrives, one row of `bundle_parts` per chunk (written without an fsync of its own), and
-# becomes a bundle when its `bundles` row (data empty, `parts` naming its rows) commits. A
-# bundle of an older file keeps its bytes in `bundles.data` (`parts` 0). Rows no bundle
-# names (an upload cut off by a crash) are dropped at open.
-_MIGRATE_4 = """
-ALTER TABLE bundles ADD COLUMN parts INTEGER NOT NULL DEFAULT 0;
-CREATE TABLE bundle_parts (id INTEGER PRIMARY KEY, parts INTEGER NOT NULL, data BLOB NOT NULL);
-CREATE INDEX bundle_parts_by_parts ON bundle_parts (parts, id);
-"""
-# Schema version 4 -> 5 (issue 13): a bundle's bytes in a file of its own
-# (broker/bundlefiles.py), the row only its index (`in_file` 1, data empty, parts 0). The
-# bundles already held keep their bytes where they are (bundles.data or bundle_parts).
-_MIGRATE_5 = """
-ALTER TABLE bundles ADD COLUMN in_file INTEGER NOT NULL DEFAULT 0;
-"""
-# Schema version 5 -> 6 (issue 13): summary blocks are written in the narrow encoding
-# (b"GFS2", federation/summaryblock.py); the blocks already held keep theirs (b"GFS1", which
-# still decodes). No statement: the version says that a graft-fed from before, which cannot
-# read the new blocks, must not open the file (it would take them for damaged ones).
-_MIGRATE_6 = ""
-# Schema version 6 -> 7 (issue 13): match sets are written in the narrow encoding (b"GFM2",
-# broker/matchset.py); the sets already held keep theirs (b"GFM1", which still decodes). No
-# statement, for the same reason as 6.
-_MIGRATE_7 = ""
-# Schema version 7 -> 8 (issue 13): a summary block's bytes in its round's file
-# (broker/blockfiles.py), the row saying where (`file_offset` >= 0, `file_length`,
-# `file_crc`; data empty). The blocks already held keep their bytes in `data`
-# (`file_offset` -1).
-_MIGRATE_8 = """
-ALTER TABLE summary_blocks ADD COLUMN file_offset INTEGER NOT NULL DEFAULT -1;
-ALTER TABLE summary_blocks ADD COLUMN file_length INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE summary_blocks ADD COLUMN file_crc INTEGER NOT NULL DEFAULT 0;
-"""
-# Schema version 8 -> 9: the hash of the secret that holds each node id (sessions.py, Join),
-# none held yet: a table of its own, so that the node rows every publish writes do not carry it.
-_MIGRATE_9 = """
-CREATE TABLE node_secrets (node_id TEXT PRIMARY KEY, secret_hash TEXT NOT NULL);
-"""
-# Schema version 9 -> 10: the node that uploaded each bundle (its storage quota,
-# `max_node_bundle_mib`, counts the bundles it uploaded that the broker still holds, and
-# retention dropping them frees it). A bundle held before gets the first node whose summary
-# names it ('' when none does: it then counts against nobody). And the groups receivers
-# reported undelivered (`reports.undelivered`, `compat.undelivered`: left out of a source's
-# quarantine rate), none among those held before.
-_MIGRATE_10 = """
-ALTER TABLE bundles ADD COLUMN node_id TEXT NOT NULL DEFAULT '';
-ALTER TABLE compat ADD COLUMN undelivered INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE reports ADD COLUMN undelivered INTEGER NOT NULL DEFAULT 0;
-UPDATE bundles SET node_id = COALESCE((SELECT MIN(s.node_id) FROM summary_digests s WHERE s.digest = bundles.digest),
-                                      '');
-"""
-# Schema version 10 -> 11 (issue 13): a receiver's reports of a round as one block
-# (broker/reportblock.py, `GFR1`) instead of a row per group: one write per report rather
-# than two B-tree inserts per group, and half the bytes. `_convert_reports` moves the rows
-# of an older file into blocks (one per round and receiver) in the same transaction.
-_MIGRATE_11 = """
-CREATE TABLE report_blocks (
-    round INTEGER NOT NULL, receiver TEXT NOT NULL, count INTEGER NOT NULL, data BLOB NOT NULL,
-    PRIMARY KEY (round, receiver));
-"""
-_MIGRATIONS = {2: _MIGRATE_2, 3: _MIGRATE_3, 4: _MIGRATE_4, 5: _MIGRATE_5, 6: _MIGRATE_6, 7: _MIGRATE_7,
-               8: _MIGRATE_8, 9: _MIGRATE_9, 10: _MIGRATE_10, 11: _MIGRATE_11}
 # what a summary block's row says of its bytes: the bytes, or where they are in its round's file
 _BLOCK_BYTES = "data, file_offset, file_length, file_crc"
-
-
-def _convert_summaries(conn: sqlite3.Connection) -> None:
-    """Schema 3: every (node, round)'s summary rows become one block; the table goes."""
-    groups: dict[tuple[str, int], list[SummaryRow]] = {}
-    for r in conn.execute("SELECT node_id, round, prompt_id, policy_version, n, k, reward_mean, reward_std, lengths, "
-                          "mean_logprobs, bundle_digest FROM summaries ORDER BY round, node_id, prompt_id"):
-        row = SummaryRow(node_id=r[0], round=r[1], prompt_id=r[2], policy_version=r[3], n=r[4], k=r[5],
-                         reward_mean=_db2f(r[6]), reward_std=_db2f(r[7]), lengths=json.loads(r[8]),
-                         mean_logprobs=[float(x) for x in json.loads(r[9])], bundle_digest=r[10])
-        groups.setdefault((row.node_id, row.round), []).append(row)
-    for (node_id, round), rows in groups.items():
-        block = SummaryBlock.from_rows(rows)
-        conn.execute("INSERT INTO summary_blocks (node_id, round, seq, count, data) VALUES (?,?,0,?,?)",
-                     (node_id, round, len(block), block.to_bytes()))
-        conn.executemany("INSERT INTO summary_digests (node_id, round, prompt_id, digest) VALUES (?,?,?,?)",
-                         [(node_id, round, r.prompt_id, r.bundle_digest) for r in rows if r.bundle_digest])
-    conn.execute("DROP TABLE summaries")
-
-
-def _convert_reports(conn: sqlite3.Connection) -> None:
-    """Schema 11: every (round, receiver)'s report rows become its block; the table goes. The
-    rows come in (round, receiver) order, so one block at a time is held (a file of a
-    thousand rounds holds 78 million reports at 64 x 4,096)."""
-    key, entries = None, []
-
-    def flush() -> None:
-        if entries:
-            conn.execute("INSERT INTO report_blocks (round, receiver, count, data) VALUES (?,?,?,?)",
-                         (*key, len(entries), encode_report_block(entries)))
-
-    for r in conn.execute(f"SELECT {_REPORT_COLS} FROM reports ORDER BY round, receiver, source, prompt_id"):
-        if (r[0], r[1]) != key:
-            flush()
-            key, entries = (r[0], r[1]), []
-        entries.append((r[2], r[3], _db2f(r[4]), _db2f(r[5]), bool(r[6]), bool(r[7])))
-    flush()
-    conn.execute("DROP TABLE reports")
-
-
-_CONVERSIONS = {3: _convert_summaries, 11: _convert_reports}  # version reached -> data conversion after its statements
 
 _MATCH_COLS = "round, receiver, prompt_id, source, source_round"
 _NODE_COLS = "node_id, model_id, tokenizer_id, privacy, state, session_id, round, last_seen, published"
 _COMPAT_COLS = "source, receiver, groups, mean_s, admitted_fraction, rejected, undelivered"
-_REPORT_COLS = "round, receiver, source, prompt_id, mean_s, admitted_fraction, rejected, undelivered"
 
 
 # Primary result codes that mean the database itself failed (not the statement's input).
@@ -316,14 +151,6 @@ def _tighten(path: str) -> None:
             continue
         log.warning("broker state %s: mode %04o let other users read it (it holds live session ids): tightened to "
                     "%04o", p, mode, mode & 0o700)
-
-
-def _f2db(x: float):
-    return "nan" if math.isnan(x) else x
-
-
-def _db2f(v) -> float:
-    return float(v)  # a float, or the text 'nan'
 
 
 def _json(values: list) -> str:
@@ -603,16 +430,7 @@ class SqliteState(BrokerState):
             if not tables:
                 self._refuse_orphaned_files(path)
                 self._fresh = True
-                for stmt in _SCHEMA.split(";"):
-                    if stmt.strip():
-                        conn.execute(stmt)
-                for v in sorted(_MIGRATIONS):
-                    for stmt in _MIGRATIONS[v].split(";"):
-                        if stmt.strip():
-                            conn.execute(stmt)
-                    if v in _CONVERSIONS:
-                        _CONVERSIONS[v](conn)
-                conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                create(conn)
             elif "meta" not in tables:
                 raise self._fail(path, f"is a SQLite database but not a graft-fed broker state (tables: "
                                        f"{', '.join(sorted(tables))}); point the broker at another path")
@@ -624,13 +442,7 @@ class SqliteState(BrokerState):
                 row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
                 version = row[0] if row else None
                 if str(version).isdigit() and 1 <= int(version) < SCHEMA_VERSION:
-                    for v in range(int(version) + 1, SCHEMA_VERSION + 1):
-                        for stmt in _MIGRATIONS[v].split(";"):
-                            if stmt.strip():
-                                conn.execute(stmt)
-                        if v in _CONVERSIONS:
-                            _CONVERSIONS[v](conn)
-                    conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+                    migrate(conn, int(version))  # broker/sqlite_schema.py
                     version = SCHEMA_VERSION
                 if str(version) != str(SCHEMA_VERSION):
                     newer = str(version).isdigit() and int(version) > SCHEMA_VERSION
@@ -817,13 +629,13 @@ class SqliteState(BrokerState):
     @staticmethod
     def _node(r: tuple) -> NodeRow:
         return NodeRow(node_id=r[0], model_id=r[1], tokenizer_id=r[2], privacy=r[3], state=r[4],
-                       session_id=r[5], round=r[6], last_seen=_db2f(r[7]), published=r[8])
+                       session_id=r[5], round=r[6], last_seen=db2f(r[7]), published=r[8])
 
     @staticmethod
     def _write_node(conn: sqlite3.Connection, n: NodeRow) -> None:
         conn.execute(f"INSERT OR REPLACE INTO nodes ({_NODE_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
                      (n.node_id, n.model_id, n.tokenizer_id, n.privacy, n.state, n.session_id, n.round,
-                      _f2db(n.last_seen), n.published))
+                      f2db(n.last_seen), n.published))
 
     def upsert_node(self, node: NodeRow) -> None:
         n = norm_node(node)
@@ -848,7 +660,7 @@ class SqliteState(BrokerState):
                          (node_id, secret_hash))
 
     def record_liveness(self, seen: Sequence[tuple[str, float]]) -> None:
-        batch = [(_f2db(as_float(t, "last_seen")), as_str(node_id, "node_id")) for node_id, t in seen]
+        batch = [(f2db(as_float(t, "last_seen")), as_str(node_id, "node_id")) for node_id, t in seen]
         with self._tx() as conn:
             conn.executemany("UPDATE nodes SET last_seen = ? WHERE node_id = ? AND last_seen < ?",
                              [(t, node_id, t) for t, node_id in batch])
@@ -856,8 +668,8 @@ class SqliteState(BrokerState):
     # ----- rounds
     @staticmethod
     def _round(r: tuple) -> RoundRow:
-        return RoundRow(round=r[0], state=r[1], opened_at=_db2f(r[2]),
-                        matched_at=None if r[3] is None else _db2f(r[3]), participants=json.loads(r[4]))
+        return RoundRow(round=r[0], state=r[1], opened_at=db2f(r[2]),
+                        matched_at=None if r[3] is None else db2f(r[3]), participants=json.loads(r[4]))
 
     def put_round(self, row: RoundRow) -> None:
         r = norm_round(row)
@@ -868,7 +680,7 @@ class SqliteState(BrokerState):
     def _write_round(conn: sqlite3.Connection, r: RoundRow) -> None:
         conn.execute("INSERT OR REPLACE INTO rounds (round, state, opened_at, matched_at, participants) "
                      "VALUES (?,?,?,?,?)",
-                     (r.round, r.state, _f2db(r.opened_at), None if r.matched_at is None else _f2db(r.matched_at),
+                     (r.round, r.state, f2db(r.opened_at), None if r.matched_at is None else f2db(r.matched_at),
                       json.dumps(r.participants)))
 
     def get_round(self, round: int) -> RoundRow | None:
@@ -1009,7 +821,7 @@ class SqliteState(BrokerState):
             if j.node is not None:
                 n = j.node
                 nodes.append((n.node_id, n.model_id, n.tokenizer_id, n.privacy, n.state, n.session_id, n.round,
-                              _f2db(n.last_seen), n.published + accepted))
+                              f2db(n.last_seen), n.published + accepted))
             j.result = accepted
         if blocks:
             # the bytes into their rounds' files, durable before the rows naming them commit
@@ -1446,8 +1258,8 @@ class SqliteState(BrokerState):
     # ----- compatibility
     @staticmethod
     def _compat(r: tuple) -> CompatRow:
-        return CompatRow(source=r[0], receiver=r[1], groups=r[2], mean_s=_db2f(r[3]),
-                         admitted_fraction=_db2f(r[4]), rejected=r[5], undelivered=r[6])
+        return CompatRow(source=r[0], receiver=r[1], groups=r[2], mean_s=db2f(r[3]),
+                         admitted_fraction=db2f(r[4]), rejected=r[5], undelivered=r[6])
 
     @classmethod
     def _compat_of(cls, conn: sqlite3.Connection, pair: tuple[str, str]) -> CompatRow | None:
@@ -1457,7 +1269,7 @@ class SqliteState(BrokerState):
     @staticmethod
     def _put_compat(conn: sqlite3.Connection, row: CompatRow) -> None:
         conn.execute(f"INSERT OR REPLACE INTO compat ({_COMPAT_COLS}) VALUES (?,?,?,?,?,?,?)",
-                     (row.source, row.receiver, row.groups, _f2db(row.mean_s), _f2db(row.admitted_fraction),
+                     (row.source, row.receiver, row.groups, f2db(row.mean_s), f2db(row.admitted_fraction),
                       row.rejected, row.undelivered))
 
     def update_compat(self, source: str, receiver: str, mean_s: float, admitted_fraction: float,
