@@ -38,7 +38,7 @@ from graft_fed.broker.uploads import BundleUpload
 from graft_fed.broker.wakeups import Wakeups
 from graft_fed.data.config import load_prompts
 from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_hash, verifier_version
-from graft_fed.federation.messages import MatchResult, ReportEntry, SummaryRow
+from graft_fed.federation.messages import MatchResult, ReportEntry, ReportReader, SummaryRow
 from graft_fed.federation.summaryblock import SummaryBlock
 
 
@@ -215,7 +215,8 @@ class Federation:
 
     # ----- compatibility (reports.py) -------------------------------------------------------------
 
-    def report(self, node_id: str, session_id: str, round: int, entries: Iterable[ReportEntry]) -> tuple[int, int]:
+    def report(self, node_id: str, session_id: str, round: int,
+               entries: Iterable[ReportEntry] | ReportReader) -> tuple[int, int]:
         return self.reports.report(node_id, session_id, round, entries)
 
     # ----- status and retention -------------------------------------------------------------------

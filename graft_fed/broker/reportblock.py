@@ -22,6 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
+from graft_fed.federation.messages import ReportColumns
+
 #: a reported group as a block holds it: (source, prompt_id, mean_s, admitted_fraction,
 #: rejected, undelivered)
 BlockEntry = tuple[str, str, float, float, bool, bool]
@@ -30,22 +32,28 @@ _MAGIC = b"GFR1"
 _HEAD = struct.Struct("<4sII")
 
 
-def encode_report_block(entries: Sequence[BlockEntry]) -> bytes:
-    n = len(entries)
-    sources, prompts, mean_s, admitted, rejected, undelivered = (list(c) for c in zip(*entries)) if n else \
-        ([], [], [], [], [], [])
-    names = sorted(set(sources))
+def encode_report_columns(cols: ReportColumns) -> bytes:
+    """The block of a receiver's reports given as columns (what the SQLite state holds)."""
+    n = len(cols.sources)
+    names = sorted(set(cols.sources))
     at = {name: i for i, name in enumerate(names)}
-    header = json.dumps({"sources": names, "prompt_ids": prompts}, separators=(",", ":")).encode()
+    header = json.dumps({"sources": names, "prompt_ids": list(cols.prompt_ids)}, separators=(",", ":")).encode()
     return b"".join([_HEAD.pack(_MAGIC, n, len(header)), header,
-                     np.fromiter((at[s] for s in sources), dtype="<u4", count=n).tobytes(),
-                     np.asarray(mean_s, dtype="<f8").tobytes(), np.asarray(admitted, dtype="<f8").tobytes(),
-                     bytes(map(bool, rejected)), bytes(map(bool, undelivered))])
+                     np.fromiter(map(at.__getitem__, cols.sources), dtype="<u4", count=n).tobytes(),
+                     np.asarray(cols.mean_s, dtype="<f8").tobytes(),
+                     np.asarray(cols.admitted_fraction, dtype="<f8").tobytes(),
+                     bytes(map(bool, cols.rejected)), bytes(map(bool, cols.undelivered))])
 
 
-def decode_report_block(data: bytes) -> list[BlockEntry]:
-    """The block's entries, in the order stored; ValueError when it is not one this code
-    wrote (whatever it is: text, a header nested too deep, ...)."""
+def encode_report_block(entries: Sequence[BlockEntry]) -> bytes:
+    """The block of entries given one by one."""
+    return encode_report_columns(ReportColumns(*(list(c) for c in zip(*entries))) if entries else
+                                 ReportColumns([], [], [], [], [], []))
+
+
+def decode_report_columns(data: bytes) -> ReportColumns:
+    """The block's entries as columns, in the order stored; ValueError when it is not one
+    this code wrote (whatever it is: text, a header nested too deep, ...)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"a report block stored as {type(data).__name__}, not bytes")
     data = bytes(data)
@@ -74,7 +82,12 @@ def decode_report_block(data: bytes) -> list[BlockEntry]:
     admitted = np.frombuffer(data, dtype="<f8", count=n, offset=at).tolist()
     at += 8 * n
     flags = data[at:]
-    if any(b > 1 for b in flags):
+    if max(flags, default=0) > 1:
         raise ValueError("a report block whose flags are not 0 or 1")
-    return [(names[s], p, m, a, bool(r), bool(u)) for s, p, m, a, r, u in
-            zip(source.tolist(), prompts, mean_s, admitted, flags[:n], flags[n:])]
+    return ReportColumns(list(map(names.__getitem__, source.tolist())), prompts, mean_s, admitted,
+                         list(map(bool, flags[:n])), list(map(bool, flags[n:])))
+
+
+def decode_report_block(data: bytes) -> list[BlockEntry]:
+    """The block's entries, in the order stored (ValueError as `decode_report_columns`)."""
+    return list(zip(*decode_report_columns(data)))

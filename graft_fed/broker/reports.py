@@ -16,7 +16,7 @@ from graft_fed.broker.state import MatchRow, ReportRow, ReportRows
 from graft_fed.federation.bundles import decode_bundle
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument
 from graft_fed.federation.limits import MAX_PER_ROUND_FACTOR, MAX_REPORT_MEAN_S, clip
-from graft_fed.federation.messages import ReportEntry, undelivered_but_scored
+from graft_fed.federation.messages import ReportColumns, ReportEntry, ReportReader, undelivered_but_scored
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -44,7 +44,8 @@ class Reports(Part):
         self._queue: list[_Queued] = []  # reports waiting for the next commit
         self._queue_lock = threading.Lock()
 
-    def report(self, node_id: str, session_id: str, round: int, entries: Iterable[ReportEntry]) -> tuple[int, int]:
+    def report(self, node_id: str, session_id: str, round: int,
+               entries: Iterable[ReportEntry] | ReportReader) -> tuple[int, int]:
         """Fold a receiver's verdicts into the compatibility matrix; returns (accepted,
         duplicates). A report about one group, (round, receiver, source, prompt), counts
         once however often it is sent: a retried or replayed report changes nothing, and a
@@ -61,17 +62,19 @@ class Reports(Part):
         # docs/performance.md, thirty-seventh and thirty-eighth passes)
         with self.work:
             limit = self.manifest.prompts_per_round * MAX_PER_ROUND_FACTOR
-            entries = list(itertools.islice(entries, limit + 1))  # no more read than refused
-            if len(entries) > limit:
+            # no more read than refused; as columns, no object per entry (the codec's reader,
+            # `columns`, or any iterable of ReportEntry)
+            cols = entries.columns(limit) if isinstance(entries, ReportReader) else \
+                ReportColumns.of(itertools.islice(entries, limit + 1))
+            if len(cols.sources) > limit:
                 # a receiver gets at most one group per prompt of its round
                 raise InvalidArgument(f"more than {limit} entries in one report; at most {limit} (one per group "
                                       "received)")
-            # the report as columns, its entries let go before the commit (state.ReportRows)
-            rows = ReportRows(round, node_id, [e.source for e in entries], [e.prompt_id for e in entries],
-                              [e.mean_s if not e.rejected else 0.0 for e in entries],
-                              [e.admitted_fraction for e in entries], [e.rejected for e in entries],
-                              [e.undelivered for e in entries])
-            del entries
+            # the report as columns (state.ReportRows), a rejected group's mean_s 0
+            rows = ReportRows(round, node_id, cols.sources, cols.prompt_ids,
+                              [0.0 if r else m for m, r in zip(cols.mean_s, cols.rejected)], cols.admitted_fraction,
+                              cols.rejected, cols.undelivered)
+            del cols
             for source, prompt, m, a, r, u in zip(rows.sources, rows.prompt_ids, rows.mean_s, rows.admitted_fraction,
                                                   rows.rejected, rows.undelivered):
                 if undelivered_but_scored(m, a, r, u):
@@ -173,7 +176,7 @@ class Reports(Part):
         self.counters["report_commits"] += commits
         self.counters["report_calls"] += len(stored)
         if any(q.result[0] for q in stored):
-            self._read_back({(r.source, r.receiver) for q in stored for r in q.rows})
+            self._read_back(set().union(*(_pairs(q.rows) for q in stored)))
         total = self.ctx.compat.loaded_rejected_total()
         if total is not None:
             # counted once per group, like the matrix (a repeated rejection is a duplicate)
@@ -232,3 +235,10 @@ class Reports(Part):
                                 "reported, unchecked", self.cfg.verifier.name, exc)
                     self._verifier_failed = True
             return self._verifier
+
+
+def _pairs(rows: Sequence[ReportRow]) -> set[tuple[str, str]]:
+    """The (source, receiver) pairs a report is about (of a ReportRows, from its columns)."""
+    if isinstance(rows, ReportRows):
+        return {(source, rows.receiver) for source in set(rows.sources)}
+    return {(r.source, r.receiver) for r in rows}

@@ -16,7 +16,7 @@ import numpy as np
 
 from graft_fed.broker.state import CompatRow, MatchRow, NodeRow, ReportRow, ReportRows, RoundRow, SummaryRow
 from graft_fed.core.exchange import CompatEstimate
-from graft_fed.federation.messages import undelivered_but_scored
+from graft_fed.federation.messages import ReportColumns, undelivered_but_scored
 from graft_fed.federation.summaryblock import SummaryBlock, facts_of, holds_as_int64
 
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1  # what SQLite's INTEGER holds
@@ -185,16 +185,26 @@ def report_fields(row: ReportRow) -> ReportFields:
             as_float(row.admitted_fraction, "admitted_fraction"), row.rejected, row.undelivered)
 
 
-def report_fields_of(rows: Sequence[ReportRow]) -> list[ReportFields]:
-    """`report_fields` of each row. A `ReportRows` whose columns hold plain values (as the
-    broker's reports do) is checked a column at a time, no `ReportRow` made: 64 reports of
-    1,229 groups a round made 78,000 of them (issue 13). Anything else, or a column that
-    is not plain, goes row by row, which says what is wrong."""
+#: a run of a report's rows of one (round, receiver), as columns, checked
+ReportSegment = tuple[int, str, ReportColumns]
+
+
+def report_segments(rows: Sequence[ReportRow]) -> list[ReportSegment]:
+    """The rows checked (`report_fields` of each) as runs of one (round, receiver) each, in
+    order, their fields as columns. A `ReportRows` whose columns hold plain values (as the
+    broker's reports do) is one run, checked a column at a time, no `ReportRow` or tuple
+    made: 64 reports of 1,229 groups a round made 78,000 of each (issue 13). Anything else,
+    or a column that is not plain, goes row by row, which says what is wrong."""
     if isinstance(rows, ReportRows) and _plain_columns(rows):
-        rnd, receiver = rows.round, rows.receiver
-        return [(rnd, receiver, s, p, m, a, r, u) for s, p, m, a, r, u in zip(
-            rows.sources, rows.prompt_ids, rows.mean_s, rows.admitted_fraction, rows.rejected, rows.undelivered)]
-    return [report_fields(r) for r in rows]
+        return [(rows.round, rows.receiver, ReportColumns(rows.sources, rows.prompt_ids, rows.mean_s,
+                                                          rows.admitted_fraction, rows.rejected, rows.undelivered))]
+    out: list[ReportSegment] = []
+    for fields in map(report_fields, rows):
+        if not out or out[-1][:2] != fields[:2]:
+            out.append((fields[0], fields[1], ReportColumns([], [], [], [], [], [])))
+        for col, value in zip(out[-1][2], fields[2:]):
+            col.append(value)
+    return out
 
 
 def _plain_columns(rows: ReportRows) -> bool:

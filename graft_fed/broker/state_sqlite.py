@@ -67,16 +67,17 @@ from graft_fed.broker import blockfiles, bundlefiles
 from graft_fed.broker.blockfiles import BlockFiles
 from graft_fed.broker.bundlefiles import BundleFiles, PartFile, storage_error
 from graft_fed.broker.checkpointer import WAL_SIZE_LIMIT, Checkpointer, safety_pages
-from graft_fed.broker.reportblock import BlockEntry, decode_report_block, encode_report_block
+from graft_fed.broker.reportblock import decode_report_columns, encode_report_columns
 from graft_fed.broker.sqlite_schema import SCHEMA_VERSION, create, db2f, f2db, migrate
 from graft_fed.broker.state import (BrokerState, BundleWriter, CompatRow, MatchRow, NodeRow, ReportRow, RoundRow,
                                     SummaryHead, SummaryRow)
 from graft_fed.broker.state_rows import (
     as_float, as_int, as_str, bundles_to_drop, check_prune_args, fold_compat, lower_counts, norm_blob, norm_block,
     norm_bytes, norm_compat_args, norm_digests, norm_match, norm_node, norm_pairs, norm_prompt_ids, norm_round,
-    norm_summary, opt_int, opt_str, prune_cutoff, report_fields_of, summary_key, ReportFields,
+    norm_summary, opt_int, opt_str, prune_cutoff, report_segments, summary_key, ReportSegment,
 )
 from graft_fed.errors import DataError
+from graft_fed.federation.messages import ReportColumns
 from graft_fed.federation.summaryblock import SummaryBlock, SummaryBlockError, facts_of, group_rows
 from graft_fed.federation.errors import NotFound, StorageFull, Unavailable
 
@@ -203,6 +204,11 @@ class _Job:
         self.attached = 0  # a bundle's job with `attach`: whether the digest was attached
         self.error: BaseException | None = None
         self.added: list[tuple[str, int]] = []  # (node, summaries) of each block it wrote
+
+
+def _no_reports() -> ReportColumns:
+    """The columns of a receiver's round not reported yet (lists of its own to add to)."""
+    return ReportColumns([], [], [], [], [], [])
 
 
 def _filter(round: int | None, receiver: str | None, source: str | None) -> tuple[str, list[Any]]:
@@ -1286,58 +1292,71 @@ class SqliteState(BrokerState):
                 for r in self._read(f"SELECT {_COMPAT_COLS} FROM compat WHERE source = ? AND receiver = ?", pair)]
 
     def put_report_batches(self, batches: Sequence[Sequence[ReportRow]]) -> list[tuple[int, int]]:
-        normed = [report_fields_of(rows) for rows in batches]  # plain tuples (state_rows.report_fields)
+        normed = [report_segments(rows) for rows in batches]  # checked, as columns (state_rows)
         out = []
         with self._tx() as conn:
-            for batch in normed:
-                out.append(self._put_reports(conn, batch))
+            for segments in normed:
+                out.append(self._put_reports(conn, segments))
         return out
 
-    def _put_reports(self, conn: sqlite3.Connection, batch: list[ReportFields]) -> tuple[int, int]:
-        """One batch inside the caller's transaction. Which reports are new is read once per
-        (round, receiver) from its block; the new ones are added to it (broker/reportblock.py),
-        and each pair's row is read and written once, folded over its new reports in the
-        batch's order (the same numbers as folding one report at a time). A report of 4,096
-        groups used to cost three statements a group, then two B-tree inserts a group (issue 13)."""
-        held: dict[tuple[int, str], list[BlockEntry] | None] = {}  # None: no block yet
-        stored: set[tuple[int, str, str, str]] = set()
-        for rnd, receiver in {r[:2] for r in batch}:
-            row = conn.execute("SELECT data FROM report_blocks WHERE round = ? AND receiver = ?",
-                               (rnd, receiver)).fetchone()
-            entries = None if row is None else self._report_block(rnd, receiver, row[0])
-            held[(rnd, receiver)] = entries
-            stored.update((rnd, receiver, e[0], e[1]) for e in entries or ())
-        fresh: dict[tuple[int, str], list[BlockEntry]] = {}
+    def _put_reports(self, conn: sqlite3.Connection, segments: list[ReportSegment]) -> tuple[int, int]:
+        """One batch inside the caller's transaction, as runs of one (round, receiver). Which
+        reports are new is read once per (round, receiver) from its block; the new ones are
+        added to it (broker/reportblock.py), and each pair's row is read and written once,
+        folded over its new reports in the batch's order (the same numbers as folding one
+        report at a time). A report of 4,096 groups used to cost three statements a group,
+        then two B-tree inserts a group; its columns go from the wire to the block without
+        an object per group (issue 13)."""
+        held: dict[tuple[int, str], ReportColumns] = {}  # each block's columns, the new reports added
+        seen: dict[tuple[int, str], set[tuple[str, str]]] = {}  # (source, prompt id)s in each block
+        changed: list[tuple[int, str]] = []
         per_pair: dict[tuple[str, str], list[tuple[float, float, bool, bool]]] = {}
-        accepted = 0
-        for r in batch:
-            key = r[:4]  # (round, receiver, source, prompt_id)
-            if key not in stored:  # the first of the batch wins too
-                stored.add(key)
-                rnd, receiver, source, pid, m, a, rej, und = r
-                fresh.setdefault((rnd, receiver), []).append((source, pid, m, a, rej, und))
+        accepted = total = 0
+        for rnd, receiver, cols in segments:
+            key = (rnd, receiver)
+            if key not in held:
+                row = conn.execute("SELECT data FROM report_blocks WHERE round = ? AND receiver = ?",
+                                   key).fetchone()
+                held[key] = _no_reports() if row is None else self._report_block(rnd, receiver, row[0])
+                seen[key] = set(zip(held[key].sources, held[key].prompt_ids))
+            mine, keys = seen[key], list(zip(cols.sources, cols.prompt_ids))
+            total += len(keys)
+            distinct = set(keys)
+            if len(distinct) == len(keys) and mine.isdisjoint(distinct):  # every group new (a report's usual case)
+                mine |= distinct
+                new = cols
+            else:  # the first of the batch wins too
+                pick = [i for i, k in enumerate(keys) if k not in mine and not mine.add(k)]
+                new = ReportColumns(*([col[i] for i in pick] for col in cols))
+            if not new.sources:
+                continue
+            if key not in changed:
+                changed.append(key)
+            for col, more in zip(held[key], new):
+                col.extend(more)
+            accepted += len(new.sources)
+            for source, m, a, rej, und in zip(new.sources, new.mean_s, new.admitted_fraction, new.rejected,
+                                              new.undelivered):
                 per_pair.setdefault((source, receiver), []).append((m, a, rej, und))
-                accepted += 1
         # one block per (round, receiver): a report after the first rewrites it whole, so a
         # report reads one block however many came before (a receiver sending a report per
         # group made each one decode every block before it: quadratic, under the lock)
         conn.executemany("INSERT OR REPLACE INTO report_blocks (round, receiver, count, data) VALUES (?,?,?,?)",
-                         [(*key, len(merged), encode_report_block(merged)) for key, merged in (
-                             (key, (held[key] or []) + entries) for key, entries in fresh.items())])
+                         [(*key, len(held[key].sources), encode_report_columns(held[key])) for key in changed])
         for pair, folded in per_pair.items():
             self._put_compat(conn, fold_compat(self._compat_of(conn, pair), *pair, folded))
-        return accepted, len(batch) - accepted
+        return accepted, total - accepted
 
-    def _report_block(self, rnd: int, receiver: str, data: bytes) -> list[BlockEntry]:
-        """A stored block's entries; a damaged one is logged and reads as empty (its reports
-        are lost: a receiver's report of those groups again would count, and the block is
-        written again without them)."""
+    def _report_block(self, rnd: int, receiver: str, data: bytes) -> ReportColumns:
+        """A stored block's entries, as columns; a damaged one is logged and reads as empty
+        (its reports are lost: a receiver's report of those groups again would count, and the
+        block is written again without them)."""
         try:
-            return decode_report_block(data)
+            return decode_report_columns(data)
         except ValueError as exc:
             log.error("broker state %s: the reports of %s for round %d are damaged (%s) and are skipped",
                       self.path, receiver, rnd, exc)
-            return []
+            return _no_reports()
 
     def reports(self, round: int | None = None, receiver: str | None = None,
                 source: str | None = None) -> list[ReportRow]:
@@ -1346,7 +1365,7 @@ class SqliteState(BrokerState):
         out = [ReportRow(round=rnd, receiver=recv, source=e[0], prompt_id=e[1], mean_s=e[2], admitted_fraction=e[3],
                          rejected=e[4], undelivered=e[5])
                for rnd, recv, data in self._read(f"SELECT round, receiver, data FROM report_blocks{where}", params)
-               for e in self._report_block(rnd, recv, data) if source is None or e[0] == source]
+               for e in zip(*self._report_block(rnd, recv, data)) if source is None or e[0] == source]
         out.sort(key=lambda r: (r.round, r.receiver, r.source, r.prompt_id))
         return out
 

@@ -5,6 +5,7 @@ Only this module, the broker's servicer and the node's client touch graft_fed.pr
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
 from graft_fed.core.advantages import PAPER_ADVANTAGE
 from graft_fed.federation.manifest import Manifest
-from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportEntry, SummaryRow
+from graft_fed.federation.messages import MatchResult, Offer, Privacy, ReportColumns, ReportEntry, SummaryRow
 from graft_fed.federation.errors import InvalidArgument
 from graft_fed.federation.limits import INT64_MAX, MAX_REPEATED, MAX_STRING_LEN, check_string
 from graft_fed.federation.protowire import read_shortest_varint, read_varint, varint as _varint
@@ -566,13 +567,43 @@ def report_entries_to_pb(entries: Sequence[ReportEntry]) -> list[pb.Compatibilit
             for e in entries]
 
 
-def report_entries_from_pb(request: pb.CompatibilityReport) -> Iterator[ReportEntry]:
-    """The entries, made as they are iterated: the broker reads them inside a work slot (not
-    64 threads building objects at once) and no further than its limit. Each is checked
-    against the uniform bounds as it is read (InvalidArgument, in check_message's words):
-    the servicer only counted them."""
-    for e in request.entries:
-        source, prompt = e.source_node_id, e.prompt_id
-        check_string("entries.source_node_id", source)
-        check_string("entries.prompt_id", prompt)
-        yield ReportEntry(source, prompt, e.mean_s, e.admitted_fraction, e.rejected, e.undelivered)
+class PbReportEntries:
+    """A CompatibilityReport's entries, read only when asked: the broker reads them inside a
+    work slot (not 64 threads at once) and no further than its limit, as columns
+    (`columns`), no object per entry. Each string is checked against the uniform bound as it
+    is read (InvalidArgument, in check_message's words): the servicer only counted them.
+    Iterating gives `ReportEntry`s, checked the same way."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, request: pb.CompatibilityReport) -> None:
+        self._entries = request.entries
+
+    def columns(self, limit: int) -> ReportColumns:
+        """The first `limit + 1` entries at most (more than `limit`: the caller refuses the report)."""
+        cols = ReportColumns([], [], [], [], [], [])
+        sources, prompts, mean_s, admitted, rejected, undelivered = (col.append for col in cols)
+        for e in itertools.islice(self._entries, limit + 1):
+            sources(e.source_node_id)
+            prompts(e.prompt_id)
+            mean_s(e.mean_s)
+            admitted(e.admitted_fraction)
+            rejected(e.rejected)
+            undelivered(e.undelivered)
+        if cols.sources and max(max(map(len, cols.sources)), max(map(len, cols.prompt_ids))) > MAX_STRING_LEN:
+            for source, prompt in zip(cols.sources, cols.prompt_ids):  # the first one too long, as read
+                check_string("entries.source_node_id", source)
+                check_string("entries.prompt_id", prompt)
+        return cols
+
+    def __iter__(self) -> Iterator[ReportEntry]:
+        for e in self._entries:
+            source, prompt = e.source_node_id, e.prompt_id
+            check_string("entries.source_node_id", source)
+            check_string("entries.prompt_id", prompt)
+            yield ReportEntry(source, prompt, e.mean_s, e.admitted_fraction, e.rejected, e.undelivered)
+
+
+def report_entries_from_pb(request: pb.CompatibilityReport) -> PbReportEntries:
+    """The entries of a report, read lazily (`PbReportEntries`)."""
+    return PbReportEntries(request)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 
 class Privacy(str, enum.Enum):
@@ -96,6 +96,36 @@ class ReportEntry:
     rejected: bool
     #: the group never arrived: mean_s and admitted_fraction 0, not rejected
     undelivered: bool = False
+
+
+class ReportColumns(NamedTuple):
+    """A report's entries as columns, the i-th of each column the i-th entry: what the broker
+    reads a report into (a thousand `ReportEntry` objects a report, 64 reports a round, were
+    a third of the broker's report path: issue 13, docs/performance.md, fifty-fifth pass)."""
+
+    sources: list[str]
+    prompt_ids: list[str]
+    mean_s: list[float]
+    admitted_fraction: list[float]
+    rejected: list[bool]
+    undelivered: list[bool]
+
+    @classmethod
+    def of(cls, entries: Iterable[ReportEntry]) -> "ReportColumns":
+        cols = cls([], [], [], [], [], [])
+        for e in entries:
+            for col, value in zip(cols, (e.source, e.prompt_id, e.mean_s, e.admitted_fraction, e.rejected,
+                                         e.undelivered)):
+                col.append(value)
+        return cols
+
+
+@runtime_checkable
+class ReportReader(Protocol):
+    """A report's entries read only when asked (the codec's, from the wire): `columns(limit)`
+    gives the first `limit + 1` at most, as columns."""
+
+    def columns(self, limit: int) -> ReportColumns: ...
 
 
 def undelivered_but_scored(mean_s: float, admitted_fraction: float, rejected: bool, undelivered: bool) -> bool:

@@ -2752,8 +2752,8 @@ def test_a_report_block_round_trips_its_entries_exactly():
     assert decode_report_block(encode_report_block([])) == []
 
 
-def test_report_fields_of_a_report_as_columns_are_those_of_its_rows_or_the_same_error():
-    from graft_fed.broker.state_rows import report_fields, report_fields_of
+def test_report_segments_of_a_report_as_columns_are_those_of_its_rows_or_the_same_error():
+    from graft_fed.broker.state_rows import report_fields, report_segments
 
     def cols(**over):
         base = dict(round=3, receiver="r", sources=["a", "b"], prompt_ids=["p0", "p1"], mean_s=[0.5, 0.0],
@@ -2769,7 +2769,7 @@ def test_report_fields_of_a_report_as_columns_are_those_of_its_rows_or_the_same_
 
     def fast(rows):
         try:
-            return report_fields_of(rows)
+            return [(rnd, receiver, *e) for rnd, receiver, c in report_segments(rows) for e in zip(*c)]
         except (TypeError, ValueError) as exc:
             return type(exc)
 
@@ -2782,3 +2782,51 @@ def test_report_fields_of_a_report_as_columns_are_those_of_its_rows_or_the_same_
     for rows in cases:
         assert repr(fast(rows)) == repr(rowwise(rows)), rows
     assert fast(cases[0]) == [(3, "r", "a", "p0", 0.5, 1.0, False, False), (3, "r", "b", "p1", 0.0, 0.0, False, True)]
+    # a plain report is one run whose columns are the report's own (nothing copied)
+    (seg,) = report_segments(cases[0])
+    assert seg[:2] == (3, "r") and seg[2].sources is cases[0].sources and seg[2].mean_s is cases[0].mean_s
+    # rows of several (round, receiver)s: one run per stretch of the same, in the rows' order
+    mixed = [ReportRow(0, "a", "s", "p0", 0.5, 1.0, False), ReportRow(0, "a", "s", "p1", 0.5, 1.0, False),
+             ReportRow(1, "a", "s", "p0", 0.25, 1.0, False), ReportRow(0, "a", "t", "p2", 0.0, 0.0, True)]
+    assert [(rnd, receiver, c.prompt_ids) for rnd, receiver, c in report_segments(mixed)] == [
+        (0, "a", ["p0", "p1"]), (1, "a", ["p0"]), (0, "a", ["p2"])]
+    assert fast(mixed) == rowwise(mixed)
+
+
+def test_reports_as_columns_count_once_in_sqlite_as_in_memory_whatever_repeats(tmp_path):
+    # the SQLite state takes a ReportRows (the broker's reports) a column at a time, adding a
+    # report whose groups are all new to its block whole; every other case picks the new
+    # groups one by one. Random batches of reports that repeat groups within a report, across
+    # the reports of one commit and across commits, and mix in plain rows (some of two rounds
+    # in one call), end with the same reports and the same compatibility rows, bit for bit,
+    # in both states
+    rng = random.Random(11)
+    mem, sql = InMemoryState(), SqliteState(tmp_path / "b.db")
+    receivers, sources, prompts = ["r0", "r1", "r2"], ["s0", "s1", "s2", "s3"], [f"p{i}" for i in range(12)]
+
+    def report(rnd, receiver):
+        keys = [(rng.choice(sources), rng.choice(prompts)) for _ in range(rng.randrange(0, 9))]
+        if rng.random() < 0.5:  # a report of distinct groups, as the broker's intake passes them
+            keys = list(dict.fromkeys(keys))
+        rejected = [rng.random() < 0.2 for _ in keys]
+        undelivered = [not r and rng.random() < 0.2 for r in rejected]
+        mean_s = [0.0 if r or u else rng.random() * 3 for r, u in zip(rejected, undelivered)]
+        admitted = [0.0 if u else rng.random() for u in undelivered]
+        rows = ReportRows(rnd, receiver, [k[0] for k in keys], [k[1] for k in keys], mean_s, admitted, rejected,
+                          undelivered)
+        return rows if rng.random() < 0.8 else list(rows)
+
+    def mixed(receiver):  # one call's rows of two rounds, the first round's again after the second's
+        first, second = list(report(0, receiver)), list(report(1, receiver))
+        return first + second + first[::-1]
+
+    for _ in range(40):
+        batch = [report(rng.randrange(3), rng.choice(receivers)) if rng.random() < 0.8 else mixed(rng.choice(receivers))
+                 for _ in range(rng.randrange(1, 5))]
+        assert sql.put_report_batches(batch) == mem.put_report_batches(batch)
+    assert repr(sql.reports()) == repr(mem.reports()) and len(mem.reports()) > 50
+    assert repr(sql.compat()) == repr(mem.compat())
+    sql.close()
+    again = SqliteState(tmp_path / "b.db")  # and as stored
+    assert repr(again.reports()) == repr(mem.reports()) and repr(again.compat()) == repr(mem.compat())
+    again.close()

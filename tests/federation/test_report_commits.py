@@ -307,3 +307,27 @@ def test_a_failed_read_back_keeps_the_commit_and_rereads_the_counts(matched, pro
     assert all(a.accepted == 4 for a in answers.values()), answers  # stored: the nodes are told so
     state.compat = real
     assert broker.fed.compat() == state.compat() and len(state.compat()) == 2  # read whole again
+
+
+def test_the_codec_reads_a_report_as_columns_the_same_entries_and_errors_as_one_by_one():
+    from graft_fed.federation.codec import report_entries_from_pb
+    from graft_fed.federation.errors import InvalidArgument
+    from graft_fed.federation.messages import ReportColumns
+
+    def wire(entries):
+        return pb.CompatibilityReport.FromString(pb.CompatibilityReport(entries=entries).SerializeToString())
+
+    entries = [pb.CompatibilityReport.Entry(source_node_id=f"s{i % 3}", prompt_id=f"p{i}", mean_s=i / 7,
+                                            admitted_fraction=1 / (i + 1), rejected=i % 4 == 1, undelivered=i % 5 == 2)
+               for i in range(9)]
+    reader = report_entries_from_pb(wire(entries))
+    assert reader.columns(100) == ReportColumns.of(reader) == ReportColumns.of(report_entries_from_pb(wire(entries)))
+    assert len(reader.columns(4).sources) == 5  # no further than the limit and one: the caller refuses it
+    # the first string too long, in the order read, whichever column it is in
+    long_source, long_prompt = "s" * (MAX_STRING_LEN + 1), "p" * (MAX_STRING_LEN + 2)
+    bad = [pb.CompatibilityReport.Entry(source_node_id=e.source_node_id, prompt_id=e.prompt_id) for e in entries]
+    bad[5].source_node_id, bad[3].prompt_id = long_source, long_prompt
+    for read in (lambda r: r.columns(100), list):
+        with pytest.raises(InvalidArgument, match=f"entries.prompt_id is {MAX_STRING_LEN + 2} characters long"):
+            read(report_entries_from_pb(wire(bad)))
+    assert len(report_entries_from_pb(wire(bad)).columns(2).sources) == 3  # beyond the limit: not read
