@@ -63,13 +63,14 @@ class Reports(Part):
         with self.work:
             limit = self.manifest.prompts_per_round * MAX_PER_ROUND_FACTOR
             # no more read than refused; as columns, no object per entry (the codec's reader,
-            # `columns`, or any iterable of ReportEntry)
-            cols = entries.columns(limit) if isinstance(entries, ReportReader) else \
-                ReportColumns.of(itertools.islice(entries, limit + 1))
-            if len(cols.sources) > limit:
+            # `columns`), or any iterable of ReportEntry, counted before any is read
+            read = entries.columns(limit) if isinstance(entries, ReportReader) else \
+                list(itertools.islice(entries, limit + 1))
+            if len(read if isinstance(read, list) else read.sources) > limit:
                 # a receiver gets at most one group per prompt of its round
                 raise InvalidArgument(f"more than {limit} entries in one report; at most {limit} (one per group "
                                       "received)")
+            cols = ReportColumns.of(read) if isinstance(read, list) else read
             # the report as columns (state.ReportRows), a rejected group's mean_s 0
             rows = ReportRows(round, node_id, cols.sources, cols.prompt_ids,
                               [0.0 if r else m for m, r in zip(cols.mean_s, cols.rejected)], cols.admitted_fraction,

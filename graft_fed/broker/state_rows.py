@@ -213,6 +213,10 @@ def _plain_columns(rows: ReportRows) -> bool:
     if not (type(rows.round) is int and _INT_MIN <= rows.round <= _INT_MAX
             and type(rows.receiver) is str and rows.receiver.isascii()):
         return False
+    n = len(rows.sources)  # the lists stay the caller's: one may have grown since the report was made
+    if not all(len(col) == n for col in (rows.prompt_ids, rows.mean_s, rows.admitted_fraction, rows.rejected,
+                                         rows.undelivered)):
+        return False
     for col, kind in ((rows.sources, str), (rows.prompt_ids, str), (rows.mean_s, float),
                       (rows.admitted_fraction, float), (rows.rejected, bool), (rows.undelivered, bool)):
         if not set(map(type, col)) <= {kind}:

@@ -1309,10 +1309,12 @@ class SqliteState(BrokerState):
         an object per group (issue 13)."""
         held: dict[tuple[int, str], ReportColumns] = {}  # each block's columns, the new reports added
         seen: dict[tuple[int, str], set[tuple[str, str]]] = {}  # (source, prompt id)s in each block
-        changed: list[tuple[int, str]] = []
+        changed: dict[tuple[int, str], None] = {}  # the blocks to write, in order
         per_pair: dict[tuple[str, str], list[tuple[float, float, bool, bool]]] = {}
         accepted = total = 0
         for rnd, receiver, cols in segments:
+            if not cols.sources:  # nothing to add: no block read
+                continue
             key = (rnd, receiver)
             if key not in held:
                 row = conn.execute("SELECT data FROM report_blocks WHERE round = ? AND receiver = ?",
@@ -1330,8 +1332,7 @@ class SqliteState(BrokerState):
                 new = ReportColumns(*([col[i] for i in pick] for col in cols))
             if not new.sources:
                 continue
-            if key not in changed:
-                changed.append(key)
+            changed[key] = None
             for col, more in zip(held[key], new):
                 col.extend(more)
             accepted += len(new.sources)

@@ -10,6 +10,7 @@ import gc
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -2830,3 +2831,30 @@ def test_reports_as_columns_count_once_in_sqlite_as_in_memory_whatever_repeats(t
     again = SqliteState(tmp_path / "b.db")  # and as stored
     assert repr(again.reports()) == repr(mem.reports()) and repr(again.compat()) == repr(mem.compat())
     again.close()
+
+
+def _one_report(prompt_id, receiver="r"):
+    return ReportRows(0, receiver, ["s"], [prompt_id], [0.5], [1.0], [False], [False])
+
+
+def test_a_report_whose_columns_grew_unevenly_after_it_was_made_is_read_as_its_rows(state):
+    # a ReportRows checks its columns' lengths when it is made; the lists stay the caller's.
+    # One grown since is read as its rows are (the shortest column), never stored as a block
+    # of columns of different lengths (which would read back as damaged)
+    assert state.put_reports(_one_report("earlier")) == (1, 0)
+    rows = _one_report("p1")
+    rows.sources.append("t")
+    assert state.put_reports(rows) == (1, 0)
+    assert [r.prompt_id for r in state.reports()] == ["earlier", "p1"]
+
+
+def test_sqlite_an_empty_report_reads_no_block(tmp_path, caplog):
+    s = SqliteState(tmp_path / "b.db")
+    s.put_reports(_one_report("p0"))
+    with s._lock:
+        s._conn.execute("UPDATE report_blocks SET data = x'00'")
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="graft_fed.broker"):
+        assert s.put_reports(ReportRows(0, "r", [], [], [], [], [], [])) == (0, 0)
+    assert "damaged" not in caplog.text  # nothing to add: the block was not even read
+    s.close()

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from graft_fed.federation.errors import Unavailable
+from graft_fed.federation.errors import InvalidArgument, Unavailable
 from graft_fed.federation.limits import MAX_STRING_LEN
 from graft_fed.node.client import new_tag
 from graft_fed.proto import broker_pb2 as pb
@@ -331,3 +331,13 @@ def test_the_codec_reads_a_report_as_columns_the_same_entries_and_errors_as_one_
         with pytest.raises(InvalidArgument, match=f"entries.prompt_id is {MAX_STRING_LEN + 2} characters long"):
             read(report_entries_from_pb(wire(bad)))
     assert len(report_entries_from_pb(wire(bad)).columns(2).sources) == 3  # beyond the limit: not read
+
+
+def test_an_in_process_report_is_counted_before_its_entries_are_read(prompt_file):
+    # a caller of Federation.report with more entries than a round allows is told so, whatever
+    # the entries are (the codec's reader counts them too, before checking their strings)
+    fed = _fed(prompt_file)
+    session, _ = fed.join("r", "m", "tok", fed.manifest, "share_all", 0)
+    limit = fed.manifest.prompts_per_round * 4
+    with pytest.raises(InvalidArgument, match=f"more than {limit} entries in one report"):
+        fed.report("r", session, 0, [("not", "an", "entry")] * (limit + 1))
