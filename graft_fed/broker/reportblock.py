@@ -48,7 +48,7 @@ def encode_report_columns(cols: ReportColumns) -> bytes:
 def encode_report_block(entries: Sequence[BlockEntry]) -> bytes:
     """The block of entries given one by one."""
     return encode_report_columns(ReportColumns(*(list(c) for c in zip(*entries))) if entries else
-                                 ReportColumns([], [], [], [], [], []))
+                                 ReportColumns.empty())
 
 
 def decode_report_columns(data: bytes) -> ReportColumns:

@@ -78,7 +78,7 @@ class Reports(Part):
             del cols
             for source, prompt, m, a, r, u in zip(rows.sources, rows.prompt_ids, rows.mean_s, rows.admitted_fraction,
                                                   rows.rejected, rows.undelivered):
-                if undelivered_but_scored(m, a, r, u):
+                if u and undelivered_but_scored(m, a, r, u):  # only an undelivered group can be both
                     raise InvalidArgument(f"the group of {clip(source)} for prompt {clip(prompt)} is reported "
                                           "undelivered and scored: an undelivered group has mean_s and "
                                           "admitted_fraction 0 and is not rejected")

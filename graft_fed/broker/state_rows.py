@@ -201,7 +201,7 @@ def report_segments(rows: Sequence[ReportRow]) -> list[ReportSegment]:
     out: list[ReportSegment] = []
     for fields in map(report_fields, rows):
         if not out or out[-1][:2] != fields[:2]:
-            out.append((fields[0], fields[1], ReportColumns([], [], [], [], [], [])))
+            out.append((fields[0], fields[1], ReportColumns.empty()))
         for col, value in zip(out[-1][2], fields[2:]):
             col.append(value)
     return out

@@ -206,11 +206,6 @@ class _Job:
         self.added: list[tuple[str, int]] = []  # (node, summaries) of each block it wrote
 
 
-def _no_reports() -> ReportColumns:
-    """The columns of a receiver's round not reported yet (lists of its own to add to)."""
-    return ReportColumns([], [], [], [], [], [])
-
-
 def _filter(round: int | None, receiver: str | None, source: str | None) -> tuple[str, list[Any]]:
     """` WHERE ...` (or '') and its parameters for the optional round / receiver / source."""
     where, params = [], []
@@ -1319,7 +1314,7 @@ class SqliteState(BrokerState):
             if key not in held:
                 row = conn.execute("SELECT data FROM report_blocks WHERE round = ? AND receiver = ?",
                                    key).fetchone()
-                held[key] = _no_reports() if row is None else self._report_block(rnd, receiver, row[0])
+                held[key] = ReportColumns.empty() if row is None else self._report_block(rnd, receiver, row[0])
                 seen[key] = set(zip(held[key].sources, held[key].prompt_ids))
             mine, keys = seen[key], list(zip(cols.sources, cols.prompt_ids))
             total += len(keys)
@@ -1357,7 +1352,7 @@ class SqliteState(BrokerState):
         except ValueError as exc:
             log.error("broker state %s: the reports of %s for round %d are damaged (%s) and are skipped",
                       self.path, receiver, rnd, exc)
-            return _no_reports()
+            return ReportColumns.empty()
 
     def reports(self, round: int | None = None, receiver: str | None = None,
                 source: str | None = None) -> list[ReportRow]:

@@ -581,7 +581,7 @@ class PbReportEntries:
 
     def columns(self, limit: int) -> ReportColumns:
         """The first `limit + 1` entries at most (more than `limit`: the caller refuses the report)."""
-        cols = ReportColumns([], [], [], [], [], [])
+        cols = ReportColumns.empty()
         sources, prompts, mean_s, admitted, rejected, undelivered = (col.append for col in cols)
         for e in itertools.islice(self._entries, limit + 1):
             sources(e.source_node_id)

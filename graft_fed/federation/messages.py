@@ -111,8 +111,13 @@ class ReportColumns(NamedTuple):
     undelivered: list[bool]
 
     @classmethod
+    def empty(cls) -> "ReportColumns":
+        """No entries: six lists of its own, to append to."""
+        return cls([], [], [], [], [], [])
+
+    @classmethod
     def of(cls, entries: Iterable[ReportEntry]) -> "ReportColumns":
-        cols = cls([], [], [], [], [], [])
+        cols = cls.empty()
         for e in entries:
             for col, value in zip(cols, (e.source, e.prompt_id, e.mean_s, e.admitted_fraction, e.rejected,
                                          e.undelivered)):
