@@ -60,6 +60,14 @@ def test_broker_values_that_failed_at_run_time_are_refused_at_load(key, value, m
         load_broker_config(None, {key: value})
 
 
+def test_a_bound_on_how_far_back_retention_waits_needs_retention_and_a_round_count():
+    with pytest.raises(ConfigError, match=r"retention_max_lag_rounds bounds .* retention is off \(keep_rounds is null\)"):
+        load_broker_config(None, {"retention_max_lag_rounds": 10})
+    with pytest.raises(ConfigError, match=r"retention_max_lag_rounds must be >= 0 .* got -1"):
+        load_broker_config(None, {"keep_rounds": 4, "retention_max_lag_rounds": -1})
+    assert load_broker_config(None, {"keep_rounds": 4, "retention_max_lag_rounds": 0}).retention_max_lag_rounds == 0
+
+
 def test_async_retention_must_keep_the_rounds_receivers_are_offered():
     """In async mode a receiver is offered groups up to staleness_rounds old: retention of
     fewer rounds dropped them (and their bundles) before the receiver fetched them."""

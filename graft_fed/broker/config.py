@@ -223,6 +223,14 @@ class BrokerConfig:
     #: Retention: keep this many most recent rounds of summaries and matches, and the bundles
     #: their summaries name (null = all).
     keep_rounds: int | None = None
+    #: Retention, with keep_rounds: how far behind the median online node an online node may
+    #: hold retention back, in rounds (null = however far). Retention counts keep_rounds back
+    #: from the lowest round an online node has come to (so that ids publishing far ahead do
+    #: not make it drop the groups of the nodes at work), so one node stuck far behind (a slow
+    #: site, or one claiming to be) keeps every round since its own. A node further behind than
+    #: this no longer does: the broker logs it, and the rounds it comes to later may have lost
+    #: its peers' groups. The median holds while fewer than half the online nodes run ahead.
+    retention_max_lag_rounds: int | None = None
     #: Retention: total bundle bytes kept, GiB; the oldest go first (null = unbounded).
     max_bundle_gib: float | None = None
 
@@ -288,6 +296,12 @@ class BrokerConfig:
         require(self.max_pairs_shown >= 0, "broker.max_pairs_shown must be >= 0")
         require(self.keep_rounds is None or 1 <= self.keep_rounds < 2**62,
                 f"broker.keep_rounds must be >= 1 (and < 2^62) or null, got {self.keep_rounds}")
+        require(self.retention_max_lag_rounds is None or 0 <= self.retention_max_lag_rounds < 2**62,
+                f"broker.retention_max_lag_rounds must be >= 0 (and < 2^62) or null, got "
+                f"{self.retention_max_lag_rounds}")
+        require(self.retention_max_lag_rounds is None or self.keep_rounds is not None,
+                "broker.retention_max_lag_rounds bounds how far back retention keeps rounds for a node behind the "
+                "others, and retention is off (keep_rounds is null): set keep_rounds too, or remove it")
         require(self.max_bundle_gib is None or (math.isfinite(self.max_bundle_gib) and self.max_bundle_gib >= 0),
                 f"broker.max_bundle_gib must be a finite number of GiB >= 0 or null (unbounded), "
                 f"got {self.max_bundle_gib}")

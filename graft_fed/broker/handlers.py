@@ -12,6 +12,7 @@ validates its whole input first, so a rejected request leaves the state as it wa
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -41,6 +42,7 @@ from graft_fed.federation.manifest import PROTOCOL_VERSION, Manifest, dataset_ha
 from graft_fed.federation.messages import MatchResult, ReportEntry, ReportReader, SummaryRow
 from graft_fed.federation.summaryblock import SummaryBlock
 
+log = logging.getLogger("graft_fed.broker")
 
 class Federation:
     def __init__(self, cfg: BrokerConfig, state: BrokerState, clock: Callable[[], float] = time.time,
@@ -94,6 +96,7 @@ class Federation:
         self.answers = Answers(ctx, self.matcher)
         self.bundles = Bundles(ctx)
         self.reports = Reports(ctx, self.matcher)
+        self._left_behind: set[str] = set()  # online nodes retention no longer waits for (prune)
 
     # ----- sessions (sessions.py, rounds.py) -------------------------------------------------------
 
@@ -270,13 +273,17 @@ class Federation:
         lowest round an online node has come to, whichever is lower; not from the highest round
         anyone published: nodes publishing far ahead (two ids can move the agreed round) must
         not make the broker drop the groups of the nodes at work (and a late joiner replaying
-        early rounds keeps the groups it is matched against)."""
+        early rounds keeps the groups it is matched against). With `retention_max_lag_rounds`,
+        an online node further than that behind the median online node is left out of "the
+        lowest round" (and logged once, when it falls behind)."""
         with self.cond:
             max_bytes = int(self.cfg.max_bundle_gib * 2**30) if self.cfg.max_bundle_gib else None
             keep = self.cfg.keep_rounds
             if keep is not None:
                 latest = self.state.latest_round()
-                anchor, lowest = self.rounds.agreed(), self.rounds.lowest_online()
+                anchor = self.rounds.agreed()
+                lowest, behind = self.rounds.lowest_online(self.cfg.retention_max_lag_rounds)
+                self._note_left_behind(behind)
                 if lowest is not None:
                     anchor = min(anchor, lowest)
                 keep += max(0, latest - anchor)
@@ -288,3 +295,17 @@ class Federation:
                 self.answers.forget_answers()
                 self.matcher.forget_exchange()
             return removed
+
+    def left_behind(self) -> list[str]:
+        """The online nodes the last retention pass no longer waited for (`retention_max_lag_rounds`)."""
+        return sorted(self._left_behind)
+
+    def _note_left_behind(self, behind: list[tuple[str, int]]) -> None:
+        """Log each online node retention stops waiting for, once until it catches up."""
+        for node, round_ in behind:
+            if node not in self._left_behind:
+                log.warning("node %s is at round %d, more than retention_max_lag_rounds (%d) behind the median "
+                            "online node: retention no longer keeps the rounds since its own for it, so the "
+                            "rounds it comes to may have lost its peers' groups", node, round_,
+                            self.cfg.retention_max_lag_rounds)
+        self._left_behind = {node for node, _ in behind}

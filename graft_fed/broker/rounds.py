@@ -148,12 +148,21 @@ class Rounds:
         must not make it look like it is working near every round)."""
         return round if self.may_claim(node_id, round) else self.claim_limit(node_id)
 
-    def lowest_online(self) -> int | None:
-        """The lowest round an online node has come to (None when none is online): retention
-        keeps `keep_rounds` back from it too, so that no one can make it drop the rounds the
-        nodes at work still use."""
-        rounds = [self.node_round(n) for n in self.registry.online()]
-        return min(rounds) if rounds else None
+    def lowest_online(self, max_lag: int | None = None) -> tuple[int | None, list[tuple[str, int]]]:
+        """(the lowest round an online node has come to, None when none is online; the online
+        nodes left out, as (node id, round)): retention keeps `keep_rounds` back from it too,
+        so that no one can make it drop the rounds the nodes at work still use. With `max_lag`,
+        a node more than `max_lag` rounds behind the median online node (the lower median,
+        which nodes running ahead move only when they are half the online nodes or more) is
+        left out: one node stuck far behind would keep every round since its own."""
+        rounds = sorted((self.node_round(n), n.node_id) for n in self.registry.online())
+        if not rounds:
+            return None, []
+        if max_lag is None:
+            return rounds[0][0], []
+        floor = rounds[(len(rounds) - 1) // 2][0] - max_lag
+        behind = [(node, r) for r, node in rounds if r < floor]
+        return rounds[len(behind)][0], behind
 
     def ready(self, round: int) -> bool:
         rnd = self.get(round)

@@ -73,6 +73,9 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
     metric("current_round", "gauge", "Highest round seen.", [("", st["current_round"])])
     metric("bundles", "gauge", "Trajectory bundles held.", [("", st["bundles"])])
     metric("bundle_bytes", "gauge", "Bytes of trajectory bundles held.", [("", st["bundle_bytes"])])
+    metric("retention_nodes_left_behind", "gauge", "Online nodes further than broker.retention_max_lag_rounds "
+           "behind the median online node at the last retention pass: retention no longer keeps the rounds since "
+           "theirs (the log names them).", [("", len(fed.left_behind()))])
     c = fed.counters
     for key, help_ in [("summaries", "Group summaries accepted."), ("duplicate_summaries", "Retried summaries ignored."),
                        ("rounds_matched", "Rounds matched."), ("matches", "Groups matched to a receiver."),

@@ -1107,12 +1107,16 @@ def test_one_node_running_ahead_does_not_move_the_bound_of_the_others(prompt_fil
         broker.stop()
 
 
-def test_two_ids_cannot_make_retention_drop_the_groups_of_the_nodes_at_work(prompt_file, prompts):
+@pytest.mark.parametrize("max_lag", [None, 0])
+def test_two_ids_cannot_make_retention_drop_the_groups_of_the_nodes_at_work(prompt_file, prompts, max_lag):
     # claims do not count towards the agreed round (two ids heartbeating agreed + 1000 moved
     # it 1000 a time without publishing anything); two ids publishing far ahead still move it,
     # but retention also counts back from the lowest round an online node has come to: before,
-    # m1 and m2 at 6002 had retention delete every one of a's and b's groups
-    broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0))
+    # m1 and m2 at 6002 had retention delete every one of a's and b's groups. With a bound on
+    # how far behind a node may hold retention back (measured from the lower median online
+    # node: 2 here), two ids of four do not move it either
+    broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0,
+                                        retention_max_lag_rounds=max_lag))
     try:
         a, b = _two_honest_rounds(broker, prompts)
         m1, m2 = client(broker, prompts, "m1"), client(broker, prompts, "m2")
@@ -1128,6 +1132,53 @@ def test_two_ids_cannot_make_retention_drop_the_groups_of_the_nodes_at_work(prom
         kept = {(s.node_id, s.round) for s in broker.state.summaries()}
         assert {(n, r) for n in "ab" for r in range(3)} <= kept
         for x in (a, b, m1, m2):
+            x.close()
+    finally:
+        broker.stop()
+
+
+@pytest.mark.parametrize("max_lag", [None, 4])
+def test_a_node_far_behind_holds_retention_back_unless_further_than_retention_max_lag_rounds(
+        prompt_file, prompts, caplog, max_lag):
+    # a and b work on round 9; "slow" (online, heartbeating) is still at round 0. Retention
+    # counts back from the lowest round an online node has come to, so without a bound slow
+    # keeps every round since 0 (a slow site or a node claiming to be one: the state grows
+    # with every round). With retention_max_lag_rounds 4 it is 9 behind the median online
+    # node and no longer holds retention back (logged once); caught up, it holds it again
+    from graft_fed.broker.server import render_metrics
+    broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0,
+                                        retention_max_lag_rounds=max_lag))
+    try:
+        slow = client(broker, prompts, "slow")
+        slow.publish(0, [summary(prompts[1], 0, round=0)])
+        a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+        for r in range(10):
+            a.publish(r, [summary(prompts[0], 1, round=r)])
+            b.publish(r, [summary(prompts[0], 0, round=r)])
+        _heartbeat(slow, "slow", 0)
+        warned = lambda: [r for r in caplog.records if "retention_max_lag_rounds" in r.getMessage()]
+        with caplog.at_level("WARNING", logger="graft_fed.broker"):
+            broker.fed.prune()
+            broker.fed.prune()
+        kept = {(s.node_id, s.round) for s in broker.state.summaries()}
+        if max_lag is None:
+            assert {("a", r) for r in range(10)} <= kept and ("slow", 0) in kept
+            assert not warned()
+            return
+        assert {r for n, r in kept if n == "a"} == {7, 8, 9} and ("slow", 0) not in kept
+        assert len(warned()) == 1 and "node slow is at round 0" in warned()[0].getMessage()
+        assert "graft_fed_retention_nodes_left_behind 1\n" in render_metrics(broker.fed, broker.servicer)
+        slow.publish(6, [summary(prompts[1], 0, round=6)])  # within 4 of the median (9): it holds retention again
+        broker.fed.prune()
+        assert ("slow", 6) in {(s.node_id, s.round) for s in broker.state.summaries()}
+        assert "graft_fed_retention_nodes_left_behind 0\n" in render_metrics(broker.fed, broker.servicer)
+        for r in (10, 11):
+            a.publish(r, [summary(prompts[0], 1, round=r)])
+            b.publish(r, [summary(prompts[0], 0, round=r)])
+        broker.fed.prune()  # 11 - 6 > 4: left behind again, and said so again
+        assert len(warned()) == 2 and "node slow is at round 6" in warned()[1].getMessage()
+        assert {r for n, r in ((s.node_id, s.round) for s in broker.state.summaries()) if n == "a"} == {9, 10, 11}
+        for x in (a, b, slow):
             x.close()
     finally:
         broker.stop()
