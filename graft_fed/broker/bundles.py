@@ -4,6 +4,7 @@ fetches of the bundles a receiver was granted (broker/grants.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections import Counter
@@ -15,12 +16,16 @@ from graft_fed.broker.state_rows import lower_counts
 from graft_fed.broker.uploads import BundleUpload
 from graft_fed.broker.wakeups import bundles_key
 from graft_fed.core.records import GroupRecord
-from graft_fed.federation.bundles import is_digest
+from graft_fed.federation.bundles import digest_of, is_digest
 from graft_fed.federation.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from graft_fed.federation.limits import MAX_DIGESTS_PER_CALL, clip
 from graft_fed.federation.signing import ProvenanceError, common_name, load_certificate_der, verify_signature
 
 log = logging.getLogger("graft_fed.broker")
+
+#: digests whose stored bytes were checked against their name in this broker's life, at most
+#: (then forgotten together and checked again as they are fetched: a check costs a read)
+MAX_CHECKED = 100_000
 
 
 class Bundles(Part):
@@ -32,6 +37,11 @@ class Bundles(Part):
         self._in_flight: Counter[str] = Counter()
         self._in_flight_lock = threading.Lock()
         self._near_quota = QuotaWarnings("max_node_bundle_mib", "uploads", mib=True)
+        # bundles whose stored bytes hash to their digest, and those that did not, in this life
+        # (a bundle's bytes never change once stored, so each is read whole once, at its first fetch)
+        self._intact: set[str] = set()
+        self._damaged: set[str] = set()
+        self._checked_lock = threading.Lock()
 
     def has_bundles(self, node_id: str, session_id: str, digests: Sequence[str]) -> list[str]:
         if len(digests) > MAX_DIGESTS_PER_CALL:
@@ -178,6 +188,8 @@ class Bundles(Part):
         provenance = self.state.bundle_provenance(digest)
         if data is None or provenance is None:
             raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
+        if digest not in self._intact:
+            self._settle(digest, digest_of(data))
         self.counters["bundle_bytes_out"] += len(data)
         return data, provenance[0], provenance[1]
 
@@ -190,7 +202,54 @@ class Bundles(Part):
         provenance = self.state.bundle_provenance(digest)
         if size is None or provenance is None:
             raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
+        self._check_intact(digest)
         return size, provenance[0], provenance[1]
+
+    def _check_intact(self, digest: str) -> None:
+        """Refuse to serve a bundle whose stored bytes no longer hash to its digest (a damaged
+        volume, a restore gone wrong, a hand edit): NOT_FOUND, which a node takes as that
+        offer's failure, and the operator is told (log, graft_fed_bundles_damaged_total).
+        Uploads are hashed on the way in, but nothing re-read what was stored: receivers
+        found the damage as a digest mismatch, reported the groups undelivered, and the
+        source looked like it withheld them. Each bundle is read whole once a life, at its
+        first fetch (a chunk, broker.chunk_kib, in memory at a time; the reads and the
+        hashing release the interpreter); a fetch racing it reads it too."""
+        if digest in self._intact:
+            return
+        if digest in self._damaged:
+            raise self._damaged_copy(digest)
+        chunks = self.state.iter_bundle(digest, self.cfg.chunk_kib * 1024)  # memory: a chunk, as a fetch
+        if chunks is None:
+            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
+        h = hashlib.sha256()
+        for piece in chunks:
+            h.update(piece)
+        self._settle(digest, h.hexdigest())
+
+    def _settle(self, digest: str, found: str) -> None:
+        """Remember what checking a bundle's stored bytes found (their sha256: `found`); raise
+        for a damaged copy."""
+        with self._checked_lock:
+            if found == digest:
+                if len(self._intact) >= MAX_CHECKED:
+                    self._intact.clear()
+                self._intact.add(digest)
+                return
+            first = digest not in self._damaged
+            self._damaged.add(digest)
+        if first:
+            with self.cond:
+                self.counters["bundles_damaged"] += 1
+            log.error("bundle %s: the broker's stored copy no longer hashes to its digest (sha256 %s): a damaged "
+                      "volume or a restore gone wrong? It is not served in this broker's life; receivers skip it. "
+                      "Check the disk (and restore the bundles directory from a backup if others are damaged)",
+                      digest, found)
+        raise self._damaged_copy(digest)
+
+    @staticmethod
+    def _damaged_copy(digest: str) -> NotFound:
+        return NotFound(f"bundle {digest[:12]}... cannot be served: the broker's copy is damaged (its operator is "
+                        "told in the broker's log)")
 
     def stream_bundle(self, digest: str, chunk: int) -> Iterator[bytes]:
         """The chunks of a bundle `open_bundle` granted; NotFound when it was pruned meanwhile."""

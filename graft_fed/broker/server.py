@@ -83,6 +83,8 @@ def render_metrics(fed: Federation, servicer: BrokerServicer, refusals: RefusalL
                        ("bundles_signed", "Bundles stored with their producer's signature."),
                        ("bundles_unsigned", "Bundles stored unsigned (no mutual TLS or no signature)."),
                        ("bundle_bytes_in", "Bundle bytes uploaded."), ("bundle_bytes_out", "Bundle bytes served."),
+                       ("bundles_damaged", "Stored bundles found not to hash to their digest when first fetched "
+                        "(not served; the log names each): a damaged volume."),
                        ("reports", "Compatibility reports (one per group)."),
                        ("duplicate_reports", "Repeated reports ignored (a group counts once)."),
                        ("rejected_groups", "Groups rejected by receivers."),

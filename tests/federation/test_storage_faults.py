@@ -22,6 +22,7 @@ from graft_fed.core.records import GroupRecord
 from graft_fed.data.config import DataConfig, load_prompts
 from graft_fed.errors import CheckpointError, DataError, StorageError
 from graft_fed.federation.errors import FederationError
+from graft_fed.proto import broker_pb2 as pb
 from graft_fed.store.sqlite import TrajectoryStore
 from graft_fed.trainer import checkpoint as ckpt
 from tests.federation.helpers import broker_config, start_broker
@@ -303,6 +304,57 @@ def test_a_damaged_stored_block_is_answered_unavailable_and_logged(prompt_file, 
         assert "do not match the checksum" in caplog.text
         assert b.publish(0, [summary(p, 0) for p in prompts[:8]]) == (8, 0)
         assert len(broker.state.summaries(node_id="b")) == 8
+    finally:
+        for c in (a, b):
+            c.close()
+        broker.stop()
+
+
+def test_a_bundle_whose_stored_bytes_were_damaged_is_not_served_and_the_operator_is_told(
+        prompt_file, prompts, tmp_path, caplog, monkeypatch):
+    """A bundle's file changed on disk after its upload (one bit, same size): before, the
+    broker served it as it was, every receiver found a digest mismatch and reported the group
+    undelivered, and the source looked like it withheld its groups. Now the broker reads a
+    bundle whole at its first fetch in its life: a damaged copy is NOT_FOUND (the receiver
+    skips that offer), logged once, counted on /metrics, and not read again; an intact one
+    is read whole once, not at every fetch."""
+    from graft_fed.broker.server import render_metrics
+    from graft_fed.federation.bundles import digest_of, encode_bundle
+
+    db = tmp_path / "broker.sqlite"
+    broker = start_broker(broker_config(prompt_file, db=str(db), max_publishes_per_s=0, balance="none"))
+    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    try:
+        for p in prompts[:2]:
+            a.publish(0, [summary(p, 1)])
+            b.publish(0, [summary(p, 0)])
+        digests = [a.upload(record(p, 1, "a"), 0)[0] for p in prompts[:2]]
+        assert {o.digest for o in b.get_matches(0, 10.0).offers} == set(digests)
+        good, bad = digests
+        reads = []
+        real = broker.state.iter_bundle
+        monkeypatch.setattr(broker.state, "iter_bundle", lambda d, chunk: reads.append(d) or real(d, chunk))
+        for _ in range(3):
+            assert digest_of(encode_bundle(b.fetch_bundle(good, "a").record)) == good
+        assert reads.count(good) == 4  # read whole once, then one stream per fetch
+        with open(broker.state.bundle_file(bad)[0], "r+b") as fh:
+            fh.seek(40)
+            byte = fh.read(1)
+            fh.seek(40)
+            fh.write(bytes([byte[0] ^ 0x04]))
+
+        def fetch():
+            return list(b.stub.FetchBundle(pb.FetchBundleRequest(node_id="b", session_id=b.session, digest=bad),
+                                           timeout=10))
+        with caplog.at_level(logging.ERROR, logger="graft_fed"):
+            for _ in range(2):
+                code, details = code_of(fetch)
+                assert code == grpc.StatusCode.NOT_FOUND and "copy is damaged" in details, details
+        assert reads.count(bad) == 1
+        errors = [r.getMessage() for r in caplog.records if "no longer hashes" in r.getMessage()]
+        assert len(errors) == 1 and bad in errors[0]
+        assert "graft_fed_bundles_damaged_total 1\n" in render_metrics(broker.fed, broker.servicer)
+        assert digest_of(encode_bundle(b.fetch_bundle(good, "a").record)) == good  # the others are served
     finally:
         for c in (a, b):
             c.close()
