@@ -167,6 +167,9 @@ class Bundles(Part):
         if not stored and not attached:
             raise NotFound(f"node {clip(node_id)}'s summary for prompt {clip(prompt_id)} in round {round} was pruned "
                            "by retention while its bundle arrived; nothing was stored")
+        if stored:  # new bytes where a damaged copy retention dropped may have been: check them anew
+            with self._checked_lock:
+                self._damaged.discard(up.digest)
         with self.cond:
             if stored:
                 self.counters["bundles_signed" if up.signature else "bundles_unsigned"] += 1

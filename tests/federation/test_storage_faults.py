@@ -355,6 +355,17 @@ def test_a_bundle_whose_stored_bytes_were_damaged_is_not_served_and_the_operator
         assert len(errors) == 1 and bad in errors[0]
         assert "graft_fed_bundles_damaged_total 1\n" in render_metrics(broker.fed, broker.servicer)
         assert digest_of(encode_bundle(b.fetch_bundle(good, "a").record)) == good  # the others are served
+        # retention drops the damaged copy; the source uploads the group again: checked anew, served
+        broker.state.prune(max_bundle_bytes=0)
+        again = summary(prompts[1], 1, round=1)
+        again.policy_version = 0  # the same group, so the same bytes and digest
+        a.publish(1, [again])
+        b.publish(1, [summary(prompts[1], 0, round=1)])
+        assert a.upload(record(prompts[1], 1, "a"), 1) == (bad, True)
+        assert [o.digest for o in b.get_matches(1, 10.0).offers] == [bad]
+        assert digest_of(encode_bundle(b.fetch_bundle(bad, "a").record)) == bad
+        assert reads.count(bad) == 3 and "graft_fed_bundles_damaged_total 1\n" in render_metrics(broker.fed,
+                                                                                                  broker.servicer)
     finally:
         for c in (a, b):
             c.close()
