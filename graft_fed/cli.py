@@ -172,23 +172,30 @@ def _reexec_without_tcache() -> None:
 
 
 def cmd_broker_forget_secret(args: argparse.Namespace) -> int:
-    """Drop the hash of the secret that holds a node id (broker/sessions.py, Join). The state
-    is opened as the broker opens it, so with the broker running this stops at its lock."""
+    """Drop the hash of the secret that holds a node id (broker/sessions.py, Join). With the
+    broker stopped, in its state; with it running (it holds the state's lock), as a request
+    the broker applies within a second (broker/spool.py)."""
     from pathlib import Path
 
+    from graft_fed.broker import spool
+    from graft_fed.broker.sessions import forget_secret
     from graft_fed.broker.state_sqlite import SqliteState
 
     if not Path(args.db).is_file():
         raise GraftFedError(f"--db {args.db}: no broker state there (the broker config's `db`)")
+    if spool.broker_running(args.db):
+        answer = spool.await_answer(spool.submit(args.db, "forget_secret", args.node_id), args.wait_s)
+        if answer is None:
+            raise GraftFedError(f"the broker of {args.db} runs (it holds the state) but did not answer within "
+                                f"{args.wait_s:g} s (it takes requests each second): the request waits in "
+                                f"{spool.requests_dir(args.db)} and is applied when it does; its log says so")
+        print(answer.get("message", ""))
+        return 0 if answer.get("ok") else 1
     state = SqliteState(args.db)
     try:
-        held = bool(state.node_secret(args.node_id))
-        if held:
-            state.set_node_secret(args.node_id, "")
+        print(forget_secret(state, args.node_id))
     finally:
         state.close()
-    print(f"node id {args.node_id!r} " + ("is no longer held: the next Join under it that carries a node secret "
-                                         "holds it" if held else "was not held by any node secret; nothing changed"))
     return 0
 
 
@@ -590,8 +597,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     fs = bn.add_parser("forget-secret", help="let the next Join under a node id hold it with its own node secret "
                                              "(a node that lost its node_secret file, or an id taken first by "
-                                             "another); with the broker stopped")
+                                             "another); with the broker running or stopped")
     fs.add_argument("--db", required=True, help="the broker's state file (broker config key `db`)")
+    fs.add_argument("--wait-s", type=float, default=30.0,
+                    help="with the broker running: how long to wait for its answer (default 30)")
     fs.add_argument("node_id")
     fs.set_defaults(forget_secret=True)
 

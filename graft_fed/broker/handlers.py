@@ -128,6 +128,9 @@ class Federation:
              resume_round: int, node_secret: str = "") -> tuple[str, int]:
         return self.sessions.join(node_id, model_id, tokenizer_id, manifest, privacy, resume_round, node_secret)
 
+    def forget_secret(self, node_id: str) -> str:
+        return self.sessions.forget_secret(node_id)
+
     def leave(self, node_id: str, session_id: str) -> None:
         self.sessions.leave(node_id, session_id)
 

@@ -26,6 +26,7 @@ from graft_fed.broker.heap import (decline_protobuf_trims, keep_chunk_buffers, l
 from graft_fed.broker.live import RefusalLog, ScalarLog, node_metrics, status_view
 from graft_fed.broker.servicer import (METHODS, SERVICE, BrokerServicer, TimingInterceptor, add_to_server,
                                        method_handlers)
+from graft_fed.broker.spool import Spool, requests_dir
 from graft_fed.broker.state import BrokerState
 from graft_fed.broker.web import serve_http
 from graft_fed.broker.workers import Workers
@@ -219,6 +220,15 @@ class BrokerServer:
             if state is None:  # opened here: closed here (its lock would outlive the refusal)
                 self.state.close()
             raise
+        # operators' requests to this running broker (`graft-fed broker forget-secret`), for a state on disk
+        self.spool: Spool | None = None
+        db_path = getattr(self.state, "path", None)
+        if isinstance(db_path, str):
+            try:
+                self.spool = Spool(db_path, self._operator_request)
+            except OSError as exc:
+                log.warning("cannot make the folder of operators' requests %s (%s): `graft-fed broker forget-secret` "
+                            "then needs this broker stopped", requests_dir(db_path), exc)
         self.servicer = BrokerServicer(self.fed)
         self.refusals = RefusalLog()
         self.servicer.scalars = ScalarLog()
@@ -322,6 +332,17 @@ class BrokerServer:
                     self.fed.prune()
                 except Exception:  # noqa: BLE001 - retention must never take the broker down
                     log.exception("retention failed")
+            if self.spool is not None:
+                try:
+                    self.spool.serve()
+                except Exception:  # noqa: BLE001 - as retention: never take the broker down
+                    log.exception("operators' requests failed")
+
+    def _operator_request(self, action: str, node_id: str) -> str:
+        """One request of broker/spool.py (its ACTIONS)."""
+        if action != "forget_secret":
+            raise ValueError(f"unknown action {action!r}")
+        return self.fed.forget_secret(node_id)
 
     def _front_lost(self, why: str) -> None:
         log.error("%s", why)

@@ -11,7 +11,7 @@ import unicodedata
 from dataclasses import replace
 
 from graft_fed.broker.context import Part
-from graft_fed.broker.state import NodeRow
+from graft_fed.broker.state import BrokerState, NodeRow
 from graft_fed.federation.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from graft_fed.federation.limits import MAX_ID_LEN, MAX_STRING_LEN, MAX_TOKENIZER_ID_LEN, clip
 from graft_fed.federation.manifest import Manifest, differences
@@ -32,7 +32,23 @@ def check_id(value: str, what: str, limit: int = MAX_ID_LEN, empty: bool = False
         raise InvalidArgument(f"{what} must be {0 if empty else 1}-{limit} printable characters, got {clip(value)}")
 
 
+def forget_secret(state: BrokerState, node_id: str) -> str:
+    """Drop the hash of the node secret that holds `node_id` (see Sessions.join): the next
+    Join under it that carries a node secret holds it. What was done, in words."""
+    held = bool(state.node_secret(node_id))
+    if held:
+        state.set_node_secret(node_id, "")
+    return (f"node id {node_id!r} " + ("is no longer held: the next Join under it that carries a node secret holds it"
+                                      if held else "was not held by any node secret; nothing changed"))
+
+
 class Sessions(Part):
+    def forget_secret(self, node_id: str) -> str:
+        """`forget_secret` on a running broker (an operator's request, broker/spool.py), in
+        turn with joins."""
+        with self.cond, self.registry.node_lock(node_id):
+            return forget_secret(self.state, node_id)
+
     def node_state(self, node: NodeRow) -> str:
         if node.state in ("left", "registered"):
             return node.state

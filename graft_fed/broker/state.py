@@ -362,6 +362,12 @@ class BrokerState(abc.ABC):
         `bundle_file` names files; this default names none."""
         raise NotImplementedError("this state holds no bundle as a file of its own")
 
+    def bundle_held_at_open(self, digest: str) -> bool:
+        """Whether a held bundle was stored before this state was opened (by an earlier
+        broker, or in a restored backup): this process did not hash its bytes on their way
+        in. False for a bundle not held, and for a state that starts empty (this default)."""
+        return False
+
     def bundle_size(self, digest: str) -> int | None:
         """A held bundle's size in bytes, None when not held."""
         data = self.get_bundle(digest)

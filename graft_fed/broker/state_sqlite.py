@@ -251,6 +251,9 @@ class SqliteState(BrokerState):
                 self._bundle_bytes_by_node: Counter[str] = Counter(
                     {node: int(n) for node, n in self._read("SELECT node_id, SUM(size) FROM bundles WHERE "
                                                             "node_id != '' GROUP BY node_id")})
+                # bundles stored from now on have a later `created` (a clock set back meanwhile
+                # only makes bundle_held_at_open say True of a new bundle: a needless check)
+                self._opened_at = time.time()
             except BaseException:
                 self.blocks.close()
                 self.files.close()
@@ -1233,6 +1236,10 @@ class SqliteState(BrokerState):
             finally:
                 conn.close()
         return chunks()
+
+    def bundle_held_at_open(self, digest: str) -> bool:
+        rows = self._read("SELECT created FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
+        return bool(rows) and float(rows[0][0]) < self._opened_at
 
     def bundle_size(self, digest: str) -> int | None:
         rows = self._read("SELECT size FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))

@@ -525,6 +525,27 @@ def test_prune_bundles_drops_oldest_and_unlinks(state):
     assert state.has_bundles(["d0", "d2", "d3"]) == ["d0"] and state.bundle_stats() == (1, 40)
 
 
+def test_a_bundle_is_held_at_open_only_once_the_state_is_opened_again(tmp_path):
+    """broker/bundles.py reads a bundle whole at its first fetch only when an earlier process
+    stored it (its bytes were not hashed on their way in by this one)."""
+    assert InMemoryState().bundle_held_at_open("d0") is False
+    path = tmp_path / "s.db"
+    st = SqliteState(path)
+    try:
+        st.put_bundle("d0", b"x" * 10)
+        assert st.bundle_held_at_open("d0") is False and st.bundle_held_at_open("d1") is False
+    finally:
+        st.close()
+    st = SqliteState(path)
+    try:
+        assert st.bundle_held_at_open("d0") is True
+        assert st.prune(max_bundle_bytes=0) == 1
+        st.put_bundle("d0", b"x" * 10)  # stored again in this life
+        assert st.bundle_held_at_open("d0") is False
+    finally:
+        st.close()
+
+
 def test_prune_bundles_budget_zero(state):
     state.put_bundle("d0", b"x")
     state.put_bundle("d1", b"")

@@ -137,21 +137,33 @@ def test_a_fetch_whose_file_is_gone_or_short_says_so(fronted_files, prompts, mon
     b.close()
 
 
-def test_a_bundle_whose_file_was_damaged_is_not_sent_by_the_front_either(fronted_files, prompts, caplog):
+def test_a_bundle_whose_file_was_damaged_is_not_sent_by_the_front_either(prompt_file, prompts, tmp_path, caplog):
     """The front sends a bundle's file itself, after the broker granted the fetch: the broker's
-    check of the stored bytes (broker/bundles.py, at a bundle's first fetch) stands before it."""
-    a, b, digest, rec = _matched_bundle(fronted_files, prompts, ("z" * 100_000, "w" * 1_000))
-    path = fronted_files.state.bundle_file(digest)[0]
-    with open(path, "r+b") as fh:
-        first = fh.read(1)
-        fh.seek(0)
-        fh.write(bytes([first[0] ^ 0x01]))
-    code, details = code_of(lambda: list(_fetch(b, digest)))
-    assert code == grpc.StatusCode.NOT_FOUND and "copy is damaged" in details
-    assert "no longer hashes to its digest" in caplog.text
-    assert _wait(lambda: fronted_files.front._calls == {})
-    a.close()
-    b.close()
+    check of a bundle from before its start (broker/bundles.py, at its first fetch) stands
+    before it."""
+    cfg = broker_config(prompt_file, db=str(tmp_path / "b.db"), front_process=True, chunk_kib=16, balance="none")
+    broker = start_broker(cfg)
+    try:
+        a, b, digest, rec = _matched_bundle(broker, prompts, ("z" * 100_000, "w" * 1_000))
+        a.close()
+        b.close()
+    finally:
+        broker.stop()
+    broker = start_broker(cfg)
+    try:
+        with open(broker.state.bundle_file(digest)[0], "r+b") as fh:
+            first = fh.read(1)
+            fh.seek(0)
+            fh.write(bytes([first[0] ^ 0x01]))
+        b = client(broker, prompts, "b")
+        assert [o.digest for o in b.get_matches(0, 10.0).offers] == [digest]
+        code, details = code_of(lambda: list(_fetch(b, digest)))
+        assert code == grpc.StatusCode.NOT_FOUND and "copy is damaged" in details
+        assert "no longer hashes to its digest" in caplog.text
+        assert _wait(lambda: broker.front._calls == {})
+        b.close()
+    finally:
+        broker.stop()
 
 
 def _fetch(c, digest):

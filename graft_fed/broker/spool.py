@@ -1,0 +1,167 @@
+"""Operator requests to a running broker, as files: what `graft-fed broker forget-secret`
+does while the broker holds its state (the command cannot open the state then; before,
+the operator had to stop the broker, and a federation of a thousand nodes with it, to give
+one node its id back).
+
+The requests directory is `<db>-requests/`, beside the state's bundles and blocks
+directories, created 0700 by the broker: whoever can write there could edit the state
+itself. A request is `<id>.request`, JSON `{"action": "forget_secret", "node_id": ...}`,
+written to a temporary name and renamed, so the broker never reads half of one. The
+broker's housekeeping takes the requests each second, applies each, writes its answer as
+`<id>.answer` (`{"ok": ..., "message": ...}`, also renamed into place) and deletes the
+request; the command waits for the answer, prints it and deletes it. A request that is not
+one (not JSON, an unknown action, a node id that is not a string) is answered with what was
+wrong, never applied; answers nobody collected are deleted after an hour.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Callable
+
+from graft_fed.broker.blockfiles import LOCK_NAME
+from graft_fed.errors import GraftFedError
+from graft_fed.federation.limits import MAX_STRING_LEN
+from graft_fed.fslock import LockHeld, hold_exclusive
+
+log = logging.getLogger("graft_fed.broker")
+
+MAX_REQUEST_BYTES = 64 * 1024
+ANSWERS_KEPT_S = 3600.0
+ACTIONS = ("forget_secret",)
+
+
+def requests_dir(db: str | Path) -> Path:
+    return Path(f"{db}-requests")
+
+
+def broker_running(db: str | Path) -> bool:
+    """Whether a broker holds the state `db` now (the lock its SqliteState takes, in the
+    blocks directory: broker/blockfiles.py)."""
+    try:
+        fd = hold_exclusive(os.path.join(f"{db}-blocks", LOCK_NAME), lock_file=True)
+    except LockHeld:
+        return True
+    except OSError:  # no blocks directory (a state never opened by this version): no broker holds it
+        return False
+    os.close(fd)
+    return False
+
+
+def _write_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def submit(db: str | Path, action: str, node_id: str) -> Path:
+    """Leave a request for the broker running on state `db`; the path its answer will have."""
+    folder = requests_dir(db)
+    if not folder.is_dir():
+        raise GraftFedError(f"{folder} does not exist: the broker of {db} makes it at start (this broker's version "
+                            "predates live requests; stop it to run the command, or upgrade it)")
+    rid = secrets.token_hex(8)
+    try:
+        _write_atomic(folder / f"{rid}.request", {"action": action, "node_id": node_id})
+    except OSError as exc:
+        raise GraftFedError(f"cannot leave a request in {folder} ({exc}): run the command as the broker's user") \
+            from None
+    return folder / f"{rid}.answer"
+
+
+def await_answer(answer: Path, wait_s: float, poll_s: float = 0.1) -> dict | None:
+    """The broker's answer (then deleted), or None when none came within `wait_s`."""
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(answer, encoding="utf-8") as fh:
+                got = json.load(fh)
+        except FileNotFoundError:
+            got = None
+        except (OSError, ValueError) as exc:
+            raise GraftFedError(f"the broker's answer {answer} cannot be read: {exc}") from None
+        if got is not None:
+            answer.unlink(missing_ok=True)
+            return got if isinstance(got, dict) else {"ok": False, "message": f"a malformed answer: {got!r}"}
+        if time.monotonic() >= end:
+            return None
+        time.sleep(poll_s)
+
+
+class Spool:
+    """The broker's side: make the directory, then `serve` it (housekeeping, each second)."""
+
+    def __init__(self, db: str | Path, apply: Callable[[str, str], str]) -> None:
+        """`apply(action, node_id)` does one request and returns what it did, in words; it
+        raises GraftFedError (or ValueError) for one it refuses."""
+        self.path = requests_dir(db)
+        self.apply = apply
+        self.path.mkdir(mode=0o700, exist_ok=True)
+
+    def serve(self, now: float | None = None) -> int:
+        """Apply every waiting request and answer it; returns how many were answered."""
+        now = time.time() if now is None else now
+        answered = 0
+        try:
+            names = sorted(os.listdir(self.path))
+        except OSError as exc:
+            log.warning("operator requests %s cannot be listed: %s", self.path, exc)
+            return 0
+        for name in names:
+            path = self.path / name
+            if name.endswith(".answer"):
+                try:
+                    if now - path.stat().st_mtime > ANSWERS_KEPT_S:
+                        path.unlink()
+                except OSError:
+                    pass
+                continue
+            if not name.endswith(".request") or name.startswith("."):
+                continue
+            answer = path.with_name(name[:-len(".request")] + ".answer")
+            reply = self._one(path)
+            try:
+                _write_atomic(answer, reply)
+                path.unlink()
+            except OSError as exc:
+                log.error("operator request %s: cannot answer it (%s); it is tried again", path, exc)
+                continue
+            answered += 1
+        return answered
+
+    def _one(self, path: Path) -> dict:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read(MAX_REQUEST_BYTES + 1)
+            if len(data) > MAX_REQUEST_BYTES:
+                raise ValueError(f"more than {MAX_REQUEST_BYTES} bytes")
+            req = json.loads(data.decode("utf-8"))
+            if not isinstance(req, dict):
+                raise ValueError("not a JSON object")
+            action, node_id = req.get("action"), req.get("node_id")
+            if action not in ACTIONS:
+                raise ValueError(f"unknown action {str(action)[:80]!r} (one of {', '.join(ACTIONS)})")
+            if not isinstance(node_id, str) or not node_id or len(node_id) > MAX_STRING_LEN:
+                raise ValueError(f"node_id must be a non-empty string of at most {MAX_STRING_LEN} characters")
+        except (OSError, ValueError) as exc:
+            log.warning("operator request %s refused: %s", path.name, exc)
+            return {"ok": False, "message": f"request refused: {exc}"}
+        try:
+            message = self.apply(action, node_id)
+        except (GraftFedError, ValueError) as exc:
+            log.warning("operator request %s (%s %r) refused: %s", path.name, action, node_id, exc)
+            return {"ok": False, "message": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - a failing request must not stop the housekeeping
+            log.exception("operator request %s (%s %r) failed", path.name, action, node_id)
+            return {"ok": False, "message": f"the broker failed to apply it: {exc} (its log says more)"}
+        log.warning("operator request %s: %s", path.name, message)
+        return {"ok": True, "message": message}
