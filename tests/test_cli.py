@@ -2,6 +2,7 @@
 file, score, plot, store, and clear errors for bad input."""
 
 import json
+import time
 from pathlib import Path
 
 import yaml
@@ -464,33 +465,67 @@ def test_sigterm_handling_is_put_back_when_main_returns():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_broker_forget_secret_releases_a_held_node_id_and_refuses_while_the_broker_runs(tmp_path, capsys, prompt_file):
+def test_broker_forget_secret_releases_a_held_node_id_with_the_broker_running_or_stopped(tmp_path, capsys, prompt_file):
     """A node that lost its node_secret (or whose id another took first) is locked out of its
-    id; the operator releases it with the broker stopped. The broker's lock on its state keeps
-    the command from writing under a running broker."""
+    id; the operator releases it. With the broker running (it holds the state's lock, so the
+    command cannot open the state) the command leaves a request the broker applies within a
+    second (broker/spool.py): before, the operator had to stop the broker, and the
+    federation with it. With the broker stopped, the command writes the state itself."""
     from graft_fed.broker.state_sqlite import SqliteState
     from tests.federation.helpers import broker_config, start_broker
 
     db = tmp_path / "broker.sqlite"
     state = SqliteState(db)
     state.set_node_secret("alice", "a" * 64)
+    state.set_node_secret("bob", "b" * 64)
     state.close()
     argv = ["broker", "forget-secret", "--db", str(db), "alice"]
     broker = start_broker(broker_config(prompt_file, db=str(db)))
     try:
-        assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert "Traceback" not in err and "error" in err, err
-        assert broker.state.node_secret("alice") == "a" * 64
+        assert main(argv) == 0, capsys.readouterr().err
+        assert "node id 'alice' is no longer held" in capsys.readouterr().out
+        assert broker.state.node_secret("alice") == "" and broker.state.node_secret("bob") == "b" * 64
+        assert main(argv) == 0 and "was not held" in capsys.readouterr().out
+        assert sorted(p.name for p in (tmp_path / "broker.sqlite-requests").iterdir()) == []  # nothing left
     finally:
         broker.stop()
+    argv = ["broker", "forget-secret", "--db", str(db), "bob"]
     assert main(argv) == 0
     assert "no longer held" in capsys.readouterr().out
     state = SqliteState(db)
     try:
-        assert state.node_secret("alice") == ""
+        assert state.node_secret("bob") == ""
     finally:
         state.close()
     assert main(argv) == 0 and "was not held" in capsys.readouterr().out
     assert main(["broker", "forget-secret", "--db", str(tmp_path / "none.sqlite"), "alice"]) == 2
     assert "no broker state there" in capsys.readouterr().err
+
+
+def test_broker_forget_secret_says_so_when_the_running_broker_does_not_answer(tmp_path, capsys, prompt_file,
+                                                                             monkeypatch):
+    """A broker that holds its state but does not take requests (stuck, or too old to have a
+    requests folder): the command says what happened and where the request waits."""
+    from graft_fed.broker import spool
+    from tests.federation.helpers import broker_config, start_broker
+
+    db = tmp_path / "broker.sqlite"
+    broker = start_broker(broker_config(prompt_file, db=str(db)))
+    try:
+        monkeypatch.setattr(broker.spool, "serve", lambda now=None: 0)  # it takes none
+        assert main(["broker", "forget-secret", "--db", str(db), "--wait-s", "1.5", "alice"]) == 2
+        err = capsys.readouterr().err
+        assert "did not answer within 1.5 s" in err and "broker.sqlite-requests" in err, err
+        assert len(list(spool.requests_dir(db).glob("*.request"))) == 1
+        monkeypatch.undo()  # taken at the next second: the request that waited is applied
+        deadline = time.monotonic() + 10
+        while list(spool.requests_dir(db).glob("*.request")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not list(spool.requests_dir(db).glob("*.request"))
+        for p in spool.requests_dir(db).iterdir():
+            p.unlink()
+        spool.requests_dir(db).rmdir()  # a broker of a version without the folder
+        assert main(["broker", "forget-secret", "--db", str(db), "alice"]) == 2
+        assert "predates live requests" in capsys.readouterr().err
+    finally:
+        broker.stop()

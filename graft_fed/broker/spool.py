@@ -68,7 +68,8 @@ def submit(db: str | Path, action: str, node_id: str) -> Path:
     folder = requests_dir(db)
     if not folder.is_dir():
         raise GraftFedError(f"{folder} does not exist: the broker of {db} makes it at start (this broker's version "
-                            "predates live requests; stop it to run the command, or upgrade it)")
+                            "predates live requests, or it could not make the folder: its log says so); stop the "
+                            "broker to run the command")
     rid = secrets.token_hex(8)
     try:
         _write_atomic(folder / f"{rid}.request", {"action": action, "node_id": node_id})
