@@ -27,6 +27,21 @@ log = logging.getLogger("graft_fed.broker")
 #: digest, intact or damaged, remembered at most (then forgotten together, and checked again
 #: at their next fetch)
 MAX_CHECKED = 4096
+CHECK_WAIT_S = 120.0  # how long a fetch waits for another fetch's read of the same bundle
+
+
+class _Check:
+    """A read of a bundle's stored bytes in progress (Bundles._check_intact)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.replaced = False  # an upload of the bundle completed meanwhile
+
+
+def _remember(seen: set[str], digest: str) -> None:
+    if len(seen) >= MAX_CHECKED:
+        seen.clear()
+    seen.add(digest)
 
 class Bundles(Part):
     def __init__(self, ctx: Context) -> None:
@@ -41,6 +56,7 @@ class Bundles(Part):
         # those that did not (each is read whole at its first fetch: _check_intact)
         self._intact: set[str] = set()
         self._damaged: set[str] = set()
+        self._checks: dict[str, _Check] = {}  # the reads in progress, by digest
         self._checked_lock = threading.Lock()
 
     def has_bundles(self, node_id: str, session_id: str, digests: Sequence[str]) -> list[str]:
@@ -51,7 +67,9 @@ class Bundles(Part):
                 raise InvalidArgument(f"malformed digest {clip(d, 70)}: expected 64 lowercase hex digits")
         # neither waits for the broker's lock: a session check, then a read of the state
         self.registry.touch(node_id, session_id)
-        return self.state.has_bundles(digests)
+        held = self.state.has_bundles(digests)
+        with self._checked_lock:  # a copy found damaged is not held: its source sends it again
+            return [d for d in held if d not in self._damaged] if self._damaged else held
 
     def upload_allowed(self, node_id: str, session_id: str) -> None:
         """Checks that need no payload, run before receiving the chunks (without the broker's
@@ -167,9 +185,7 @@ class Bundles(Part):
         if not stored and not attached:
             raise NotFound(f"node {clip(node_id)}'s summary for prompt {clip(prompt_id)} in round {round} was pruned "
                            "by retention while its bundle arrived; nothing was stored")
-        if stored:  # new bytes, hashed on their way in, where a damaged copy retention dropped may have been
-            with self._checked_lock:
-                self._damaged.discard(up.digest)
+        self._stored_again(up.digest)
         with self.cond:
             if stored:
                 self.counters["bundles_signed" if up.signature else "bundles_unsigned"] += 1
@@ -204,60 +220,92 @@ class Bundles(Part):
         provenance = self.state.bundle_provenance(digest)
         if size is None or provenance is None:
             raise NotFound(f"no bundle {digest[:12]}... (pruned by retention?)")
-        self._check_intact(digest)
         return size, provenance[0], provenance[1]
+
+    def check_stored(self, digest: str) -> None:
+        """Before a granted fetch streams a bundle (within the node's bound on fetches in
+        flight): NotFound for a damaged copy (`_check_intact`)."""
+        self._check_intact(digest)
 
     def _check_intact(self, digest: str, data: bytes | None = None) -> None:
         """Refuse to serve a bundle from before this broker's start whose stored bytes no
         longer hash to its digest (a restore gone wrong, a volume damaged while the broker was
         down, a hand edit): NOT_FOUND, which a node takes as that offer's failure, and the
-        operator is told (log, graft_fed_bundles_damaged_total). Before, nothing re-read what
-        was stored: receivers found the damage as a digest mismatch, reported the groups
-        undelivered, and the source looked like it withheld them. Such a bundle is read whole
-        at its first fetch (a chunk, broker.chunk_kib, in memory at a time; the reads and the
-        hashing release the interpreter), and remembered. The bundles this broker stored
-        itself were hashed on their way in and are not read again: reading each at its first
-        fetch cost a 16 MiB fetch 0.58x of raw gRPC against 0.76-0.97x (docs/performance.md).
-        A receiver still checks every bundle's digest itself. `data`: the bytes, when the
-        caller read them whole."""
-        if digest in self._intact:
-            return
-        if digest in self._damaged:
-            raise self._damaged_copy(digest)
+        operator is told (log, graft_fed_bundles_damaged_total); `has_bundles` no longer
+        counts it held, so its source uploads it again, which replaces the copy. Before,
+        nothing re-read what was stored: receivers found the damage as a digest mismatch,
+        reported the groups undelivered, and the source looked like it withheld them. Such a
+        bundle is read whole at its first fetch (a chunk, broker.chunk_kib, in memory at a
+        time; the reads and the hashing release the interpreter; fetches that come meanwhile
+        wait for that one read), and what it found is remembered (up to MAX_CHECKED bundles
+        each way). The bundles this broker stored itself were hashed on their way in and are
+        not read again: reading each at its first fetch cost a 16 MiB fetch 0.53x and 0.58x of
+        raw gRPC against 0.76x and 0.97x in the same pairs (docs/performance.md). A receiver
+        still checks every bundle's digest itself. `data`: the bytes, when the caller read
+        them whole."""
+        with self._checked_lock:
+            if digest in self._intact:
+                return
+            if digest in self._damaged:
+                raise self._damaged_copy(digest)
         if not self.state.bundle_held_at_open(digest):
             return
-        if data is not None:
-            self._settle(digest, digest_of(data))
-            return
-        chunks = self.state.iter_bundle(digest, self.cfg.chunk_kib * 1024)  # memory: a chunk, as a fetch
-        if chunks is None:
-            raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
-        h = hashlib.sha256()
-        for piece in chunks:
-            h.update(piece)
-        self._settle(digest, h.hexdigest())
-
-    def _settle(self, digest: str, found: str) -> None:
-        """Remember what checking a bundle's stored bytes found (their sha256: `found`); raise
-        for a damaged copy."""
         with self._checked_lock:
-            if found == digest:
-                if len(self._intact) >= MAX_CHECKED:
-                    self._intact.clear()
-                self._intact.add(digest)
-                return
-            first = digest not in self._damaged
-            if first and len(self._damaged) >= MAX_CHECKED:
-                self._damaged.clear()
-            self._damaged.add(digest)
+            check = self._checks.get(digest)
+            mine = check is None
+            if mine:
+                check = self._checks[digest] = _Check()
+        if not mine:  # another fetch is reading it: its verdict stands for this one too
+            check.done.wait(CHECK_WAIT_S)
+            with self._checked_lock:
+                if digest in self._damaged:
+                    raise self._damaged_copy(digest)
+            return
+        try:
+            if data is not None:
+                found = digest_of(data)
+            else:
+                chunks = self.state.iter_bundle(digest, self.cfg.chunk_kib * 1024)  # memory: a chunk, as a fetch
+                if chunks is None:
+                    raise NotFound(f"no bundle {digest[:12]}... (pruned by retention while it was being fetched)")
+                h = hashlib.sha256()
+                for piece in chunks:
+                    h.update(piece)
+                found = h.hexdigest()
+        except BaseException:
+            with self._checked_lock:
+                self._checks.pop(digest, None)
+            check.done.set()
+            raise
+        with self._checked_lock:
+            self._checks.pop(digest, None)
+            # a copy uploaded again while this one was read (`_stored_again`) replaced what was read
+            damaged = found != digest and not check.replaced
+            if not damaged:
+                _remember(self._intact, digest)
+            else:
+                first = digest not in self._damaged
+                _remember(self._damaged, digest)
+        check.done.set()
+        if not damaged:
+            return
         if first:
             with self.cond:
                 self.counters["bundles_damaged"] += 1
             log.error("bundle %s: the broker's stored copy no longer hashes to its digest (sha256 %s): a damaged "
-                      "volume or a restore gone wrong? It is not served in this broker's life; receivers skip it. "
-                      "Check the disk (and restore the bundles directory from a backup if others are damaged)",
-                      digest, found)
+                      "volume or a restore gone wrong? It is not served, nor counted held, so its source uploads it "
+                      "again. Check the disk (and restore the bundles directory from a backup if others are "
+                      "damaged)", digest, found)
         raise self._damaged_copy(digest)
+
+    def _stored_again(self, digest: str) -> None:
+        """An upload of `digest` completed: its bytes were hashed on their way in and now are
+        the stored copy (a new one, or one that replaced the file of a copy held already)."""
+        with self._checked_lock:
+            self._damaged.discard(digest)
+            check = self._checks.get(digest)
+            if check is not None:
+                check.replaced = True
 
     @staticmethod
     def _damaged_copy(digest: str) -> NotFound:

@@ -229,7 +229,9 @@ class BrokerConfig:
     #: not make it drop the groups of the nodes at work), so one node stuck far behind (a slow
     #: site, or one claiming to be) keeps every round since its own. A node further behind than
     #: this no longer does: the broker logs it, and the rounds it comes to later may have lost
-    #: its peers' groups. The median holds while fewer than half the online nodes run ahead.
+    #: its peers' groups. The median is of the rounds the online nodes published (claims do
+    #: not count); ids publishing ahead move it only when they are half the online nodes or
+    #: more: without an allowlist ids are free, so use this with one.
     retention_max_lag_rounds: int | None = None
     #: Retention: total bundle bytes kept, GiB; the oldest go first (null = unbounded).
     max_bundle_gib: float | None = None

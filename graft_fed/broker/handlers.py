@@ -207,6 +207,9 @@ class Federation:
     def open_bundle(self, node_id: str, session_id: str, digest: str) -> tuple[int, bytes, bytes]:
         return self.bundles.open_bundle(node_id, session_id, digest)
 
+    def check_stored_bundle(self, digest: str) -> None:
+        self.bundles.check_stored(digest)
+
     def bundle_file(self, digest: str) -> tuple[str, int] | None:
         return self.bundles.bundle_file(digest)
 
@@ -276,9 +279,9 @@ class Federation:
         lowest round an online node has come to, whichever is lower; not from the highest round
         anyone published: nodes publishing far ahead (two ids can move the agreed round) must
         not make the broker drop the groups of the nodes at work (and a late joiner replaying
-        early rounds keeps the groups it is matched against). With `retention_max_lag_rounds`,
-        an online node further than that behind the median online node is left out of "the
-        lowest round" (and logged once, when it falls behind)."""
+        early rounds keeps the groups it is matched against, unless `retention_max_lag_rounds`
+        is set: an online node further than that behind the median online node is left out of
+        "the lowest round", and logged once when it falls behind)."""
         with self.cond:
             max_bytes = int(self.cfg.max_bundle_gib * 2**30) if self.cfg.max_bundle_gib else None
             keep = self.cfg.keep_rounds

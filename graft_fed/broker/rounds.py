@@ -152,15 +152,20 @@ class Rounds:
         """(the lowest round an online node has come to, None when none is online; the online
         nodes left out, as (node id, round)): retention keeps `keep_rounds` back from it too,
         so that no one can make it drop the rounds the nodes at work still use. With `max_lag`,
-        a node more than `max_lag` rounds behind the median online node (the lower median,
-        which nodes running ahead move only when they are half the online nodes or more) is
-        left out: one node stuck far behind would keep every round since its own."""
-        rounds = sorted((self.node_round(n), n.node_id) for n in self.registry.online())
+        a node more than `max_lag` rounds behind the median online node is left out: one node
+        stuck far behind would keep every round since its own. The median is the lower median
+        of the rounds the online nodes have published (claims do not count: ids that only
+        heartbeat far rounds do not move it), which ids running ahead move only when they are
+        half the online nodes or more and publish there."""
+        online = self.registry.online()
+        rounds = sorted((self.node_round(n), n.node_id) for n in online)
         if not rounds:
             return None, []
         if max_lag is None:
             return rounds[0][0], []
-        floor = rounds[(len(rounds) - 1) // 2][0] - max_lag
+        published = sorted(self.published_round(n) for n in online)
+        floor = published[(len(published) - 1) // 2] - max_lag
+        # a node's round is at least what it published, so half the nodes or more are at the floor or above
         behind = [(node, r) for r, node in rounds if r < floor]
         return rounds[len(behind)][0], behind
 

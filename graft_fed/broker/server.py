@@ -226,9 +226,9 @@ class BrokerServer:
         if isinstance(db_path, str):
             try:
                 self.spool = Spool(db_path, self._operator_request)
-            except OSError as exc:
-                log.warning("cannot make the folder of operators' requests %s (%s): `graft-fed broker forget-secret` "
-                            "then needs this broker stopped", requests_dir(db_path), exc)
+            except (OSError, GraftFedError) as exc:
+                log.warning("cannot take operators' requests in %s (%s): `graft-fed broker forget-secret` then "
+                            "needs this broker stopped", requests_dir(db_path), exc)
         self.servicer = BrokerServicer(self.fed)
         self.refusals = RefusalLog()
         self.servicer.scalars = ScalarLog()

@@ -458,6 +458,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         hold = self.fetches.hold(request.node_id)
         _mapped(self.stats, "FetchBundle", context, t0, hold.__enter__)
         try:
+            # a bundle from before the broker's start is read whole at its first fetch: within
+            # the node's bound on fetches in flight (broker/bundles.py, _check_intact)
+            _mapped(self.stats, "FetchBundle", context, t0, lambda: self.fed.check_stored_bundle(request.digest))
             where = _mapped(self.stats, "FetchBundle", context, t0,
                             lambda: self.fed.bundle_file(request.digest)) if from_file else None
             self.stats.observe("FetchBundle", grpc.StatusCode.OK, time.perf_counter() - t0)

@@ -4,14 +4,18 @@ the operator had to stop the broker, and a federation of a thousand nodes with i
 one node its id back).
 
 The requests directory is `<db>-requests/`, beside the state's bundles and blocks
-directories, created 0700 by the broker: whoever can write there could edit the state
-itself. A request is `<id>.request`, JSON `{"action": "forget_secret", "node_id": ...}`,
-written to a temporary name and renamed, so the broker never reads half of one. The
-broker's housekeeping takes the requests each second, applies each, writes its answer as
-`<id>.answer` (`{"ok": ..., "message": ...}`, also renamed into place) and deletes the
-request; the command waits for the answer, prints it and deletes it. A request that is not
-one (not JSON, an unknown action, a node id that is not a string) is answered with what was
-wrong, never applied; answers nobody collected are deleted after an hour.
+directories, made 0700 by the broker (an existing one is tightened to 0700, and one owned by
+another user is not served): whoever can write there could edit the state itself. A request
+is `<id>.request`, JSON `{"action": "forget_secret", "node_id": ...}`, written to a temporary
+name and renamed, so the broker never reads half of one. The broker's housekeeping takes the
+requests each second: it claims each (renames it to a hidden name, so it is applied once
+even when its answer cannot be written), reads it only as a regular file of this user or
+root (never through a link, never waiting on a pipe), applies it, writes its answer as
+`<id>.answer` (`{"ok": ..., "message": ...}`, written to a new temporary file, never through
+a link, then renamed) and deletes it; the command waits for the answer, prints it and
+deletes it. A request that is not one (not JSON, an unknown action, a node id that is not a
+string) is answered with what was wrong, never applied; answers nobody collected and
+leftovers of failed writes are deleted after an hour.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Callable
@@ -54,8 +59,16 @@ def broker_running(db: str | Path) -> bool:
 
 
 def _write_atomic(path: Path, payload: dict) -> None:
+    """Write `payload` as JSON to a new temporary file beside `path` (never opened through a
+    link someone left under its name), then rename it to `path` (which replaces a link there
+    rather than following it)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        os.unlink(tmp)  # a leftover, or a link planted under the name: the link goes, not its target
+    except FileNotFoundError:
+        pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         json.dump(payload, fh)
         fh.flush()
@@ -103,10 +116,21 @@ class Spool:
 
     def __init__(self, db: str | Path, apply: Callable[[str, str], str]) -> None:
         """`apply(action, node_id)` does one request and returns what it did, in words; it
-        raises GraftFedError (or ValueError) for one it refuses."""
+        raises GraftFedError (or ValueError) for one it refuses. Raises OSError where the
+        folder cannot be made, and GraftFedError where it is not this user's to serve."""
         self.path = requests_dir(db)
         self.apply = apply
         self.path.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(self.path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise GraftFedError(f"{self.path} is not a folder (a link?): operators' requests are not taken")
+        if st.st_uid != os.geteuid():
+            raise GraftFedError(f"{self.path} belongs to user {st.st_uid}, not to the broker's ({os.geteuid()}): "
+                                "operators' requests are not taken (remove the folder; the broker makes its own)")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            log.warning("%s could be read or written by others (mode %o): made 0700", self.path,
+                        stat.S_IMODE(st.st_mode))
+            os.chmod(self.path, 0o700)
 
     def serve(self, now: float | None = None) -> int:
         """Apply every waiting request and answer it; returns how many were answered."""
@@ -119,33 +143,74 @@ class Spool:
             return 0
         for name in names:
             path = self.path / name
-            if name.endswith(".answer"):
-                try:
-                    if now - path.stat().st_mtime > ANSWERS_KEPT_S:
-                        path.unlink()
-                except OSError:
-                    pass
+            if name.endswith(".answer") or name.startswith("."):  # uncollected answers, claims, leftovers
+                self._drop_if_old(path, now)
                 continue
-            if not name.endswith(".request") or name.startswith("."):
+            if not name.endswith(".request"):
                 continue
-            answer = path.with_name(name[:-len(".request")] + ".answer")
-            reply = self._one(path)
-            try:
-                _write_atomic(answer, reply)
-                path.unlink()
+            rid = name[:-len(".request")]
+            claimed = self.path / f".{rid}.claimed"
+            try:  # claimed before it is applied: applied once, even when its answer cannot be written
+                os.rename(path, claimed)
             except OSError as exc:
-                log.error("operator request %s: cannot answer it (%s); it is tried again", path, exc)
+                log.error("operator request %s cannot be claimed (%s): not applied", name, exc)
                 continue
+            reply = self._one(claimed, name)
+            try:
+                _write_atomic(self.path / f"{rid}.answer", reply)
+            except OSError as exc:
+                log.error("operator request %s: its answer cannot be written (%s); it was %s", name, exc,
+                          "applied" if reply.get("ok") else "not applied")
+            self._remove(claimed)
             answered += 1
         return answered
 
-    def _one(self, path: Path) -> dict:
+    @staticmethod
+    def _remove(path: Path) -> None:
         try:
-            with open(path, "rb") as fh:
-                data = fh.read(MAX_REQUEST_BYTES + 1)
-            if len(data) > MAX_REQUEST_BYTES:
-                raise ValueError(f"more than {MAX_REQUEST_BYTES} bytes")
-            req = json.loads(data.decode("utf-8"))
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+        except OSError:  # a folder with something in it: left, as any file that is not ours to delete
+            pass
+
+    def _drop_if_old(self, path: Path, now: float) -> None:
+        try:
+            if now - os.lstat(path).st_mtime > ANSWERS_KEPT_S:
+                self._remove(path)
+        except OSError:
+            pass
+
+    def _read(self, path: Path) -> bytes:
+        """A request's bytes: a regular file of this user or root, opened without following a
+        link and without waiting (a pipe would hold the housekeeping)."""
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            raise ValueError(f"not a file that can be read ({exc.strerror or exc})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
+            if st.st_uid not in (os.geteuid(), 0):
+                raise ValueError(f"written by user {st.st_uid}, neither the broker's nor root")
+            data = b""
+            while len(data) <= MAX_REQUEST_BYTES:
+                piece = os.read(fd, MAX_REQUEST_BYTES + 1 - len(data))
+                if not piece:
+                    break
+                data += piece
+        finally:
+            os.close(fd)
+        if len(data) > MAX_REQUEST_BYTES:
+            raise ValueError(f"more than {MAX_REQUEST_BYTES} bytes")
+        return data
+
+    def _one(self, path: Path, name: str) -> dict:
+        try:
+            req = json.loads(self._read(path).decode("utf-8"))
             if not isinstance(req, dict):
                 raise ValueError("not a JSON object")
             action, node_id = req.get("action"), req.get("node_id")
@@ -154,15 +219,15 @@ class Spool:
             if not isinstance(node_id, str) or not node_id or len(node_id) > MAX_STRING_LEN:
                 raise ValueError(f"node_id must be a non-empty string of at most {MAX_STRING_LEN} characters")
         except (OSError, ValueError) as exc:
-            log.warning("operator request %s refused: %s", path.name, exc)
+            log.warning("operator request %s refused: %s", name, exc)
             return {"ok": False, "message": f"request refused: {exc}"}
         try:
             message = self.apply(action, node_id)
         except (GraftFedError, ValueError) as exc:
-            log.warning("operator request %s (%s %r) refused: %s", path.name, action, node_id, exc)
+            log.warning("operator request %s (%s %r) refused: %s", name, action, node_id, exc)
             return {"ok": False, "message": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a failing request must not stop the housekeeping
-            log.exception("operator request %s (%s %r) failed", path.name, action, node_id)
+            log.exception("operator request %s (%s %r) failed", name, action, node_id)
             return {"ok": False, "message": f"the broker failed to apply it: {exc} (its log says more)"}
-        log.warning("operator request %s: %s", path.name, message)
+        log.warning("operator request %s: %s", name, message)
         return {"ok": True, "message": message}

@@ -251,9 +251,11 @@ class SqliteState(BrokerState):
                 self._bundle_bytes_by_node: Counter[str] = Counter(
                     {node: int(n) for node, n in self._read("SELECT node_id, SUM(size) FROM bundles WHERE "
                                                             "node_id != '' GROUP BY node_id")})
-                # bundles stored from now on have a later `created` (a clock set back meanwhile
-                # only makes bundle_held_at_open say True of a new bundle: a needless check)
-                self._opened_at = time.time()
+                # bundles stored from now on have higher rowids (not the wall clock, which an NTP
+                # step or a restored backup of a host whose clock ran ahead would mislead); a rowid
+                # SQLite hands out again once the highest rows were deleted only makes
+                # bundle_held_at_open say True of a new bundle: a needless check
+                self._bundle_rowid_at_open = int(self._read("SELECT COALESCE(MAX(rowid), 0) FROM bundles")[0][0])
             except BaseException:
                 self.blocks.close()
                 self.files.close()
@@ -1238,8 +1240,8 @@ class SqliteState(BrokerState):
         return chunks()
 
     def bundle_held_at_open(self, digest: str) -> bool:
-        rows = self._read("SELECT created FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
-        return bool(rows) and float(rows[0][0]) < self._opened_at
+        rows = self._read("SELECT rowid FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))
+        return bool(rows) and int(rows[0][0]) <= self._bundle_rowid_at_open
 
     def bundle_size(self, digest: str) -> int | None:
         rows = self._read("SELECT size FROM bundles WHERE digest = ?", (as_str(digest, "digest"),))

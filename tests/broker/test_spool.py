@@ -1,9 +1,11 @@
 """Operators' requests to a running broker as files (broker/spool.py): each applied once and
 answered; what is not a request is answered with what was wrong and never applied."""
 
+import errno
 import json
 import os
 import stat
+import threading
 
 import pytest
 
@@ -86,3 +88,115 @@ def test_broker_running_is_whether_the_states_lock_is_held(tmp_path):
     finally:
         st.close()
     assert spool.broker_running(db) is False
+
+
+# ----- found in review: a pipe, an answer that cannot be written, links, the folder's owner
+
+def test_a_fifo_named_as_a_request_does_not_block_the_housekeeping(tmp_path):
+    # Spool.serve runs on the broker's housekeeping thread (heartbeat rescaling, readiness of
+    # rounds closed by nodes going offline, liveness, retention): open() of a FIFO blocks
+    # until a writer comes, so one FIFO (or a symlink to one) stops all of it for good
+    sp = _spool(tmp_path, [])
+    fifo = sp.path / "r1.request"
+    os.mkfifo(fifo)
+    t = threading.Thread(target=sp.serve, daemon=True)
+    t.start()
+    t.join(3.0)
+    blocked = t.is_alive()
+    if blocked:  # release the thread: a writer opens and closes the FIFO
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(3.0)
+    assert not blocked, "Spool.serve blocked on a FIFO named *.request: the broker's housekeeping stops"
+
+
+@pytest.mark.parametrize("how", ["disk_full", "answer_is_a_directory"])
+def test_a_request_whose_answer_cannot_be_written_is_not_applied_again_every_second(tmp_path, monkeypatch, how):
+    # serve applies the request, then writes the answer, then deletes the request; when the
+    # answer cannot be written the request stays and is applied AGAIN at every pass (each
+    # second): a forget_secret then drops, a second later, the secret the node brought when
+    # it joined again, and again, so any Join can take the id
+    done = []
+    sp = _spool(tmp_path, done)
+    answer = spool.submit(tmp_path / "b.sqlite", "forget_secret", "alice")
+    if how == "disk_full":
+        def full(path, payload):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(spool, "_write_atomic", full)
+    else:
+        answer.mkdir()
+    for _ in range(3):
+        sp.serve()
+    assert done == [("forget_secret", "alice")], done
+
+
+def test_writing_an_answer_does_not_follow_a_symlink_planted_as_its_temporary_file(tmp_path):
+    # _write_atomic opens `.<id>.answer.tmp` with O_CREAT|O_TRUNC and no O_NOFOLLOW/O_EXCL,
+    # and the id is the request's own name: whoever can put a request in the folder can make
+    # the broker truncate and overwrite any file its user may write (its state, say)
+    sp = _spool(tmp_path, [])
+    victim = tmp_path / "victim.sqlite"
+    victim.write_bytes(b"precious state")
+    (sp.path / "r1.request").write_text(json.dumps({"action": "forget_secret", "node_id": "alice"}))
+    os.symlink(victim, sp.path / ".r1.answer.tmp")
+    sp.serve()
+    assert victim.read_bytes() == b"precious state"
+
+
+def test_an_existing_requests_folder_that_others_may_write_is_not_trusted(tmp_path):
+    # the docs say the folder is 0700 ("whoever can write there could edit the state"), but
+    # mkdir(exist_ok=True) keeps an existing folder's mode and owner unchecked, and serve
+    # applies whatever it finds there: the state file itself is tightened to 0600 at start
+    folder = spool.requests_dir(tmp_path / "b.sqlite")
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+    done = []
+    try:
+        sp = _spool(tmp_path, done)
+    except (GraftFedError, OSError):
+        return  # refusing to use it is a fix too
+    (folder / "r1.request").write_text(json.dumps({"action": "forget_secret", "node_id": "alice"}))
+    sp.serve()
+    assert stat.S_IMODE(os.stat(folder).st_mode) & 0o077 == 0 or done == [], \
+        f"mode {oct(stat.S_IMODE(os.stat(folder).st_mode))}, applied {done}"
+
+
+def test_a_directory_named_as_a_request_is_not_answered_and_logged_again_every_second(tmp_path, caplog):
+    sp = _spool(tmp_path, [])
+    (sp.path / "r1.request").mkdir()
+    with caplog.at_level("WARNING", logger="graft_fed.broker"):
+        for _ in range(3):
+            sp.serve()
+    logged = [r.getMessage() for r in caplog.records if "r1.request" in r.getMessage()]
+    assert len(logged) <= 2, logged  # one pass's worth, not one (or two) per second forever
+
+
+def test_a_request_through_a_link_or_of_another_user_is_not_applied(tmp_path):
+    done = []
+    sp = _spool(tmp_path, done)
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps({"action": "forget_secret", "node_id": "alice"}))
+    os.symlink(target, sp.path / "r1.request")
+    assert sp.serve() == 1 and done == []
+    assert "not a file that can be read" in json.loads((sp.path / "r1.answer").read_text())["message"]
+    assert target.exists()  # the link went, not what it named
+    if os.geteuid() == 0:  # root can give a file away: one of another user is refused
+        req = sp.path / "r2.request"
+        req.write_text(json.dumps({"action": "forget_secret", "node_id": "bob"}))
+        os.chown(req, 12345, 12345)
+        assert sp.serve() == 1 and done == []
+        assert "written by user 12345" in json.loads((sp.path / "r2.answer").read_text())["message"]
+
+
+def test_a_requests_folder_of_another_user_or_a_link_is_not_served(tmp_path):
+    db = tmp_path / "b.sqlite"
+    real = tmp_path / "real"
+    real.mkdir()
+    os.symlink(real, spool.requests_dir(db))
+    with pytest.raises(GraftFedError, match="is not a folder"):
+        spool.Spool(db, lambda a, n: "")
+    os.unlink(spool.requests_dir(db))
+    if os.geteuid() == 0:
+        spool.requests_dir(db).mkdir()
+        os.chown(spool.requests_dir(db), 12345, 12345)
+        with pytest.raises(GraftFedError, match="belongs to user 12345"):
+            spool.Spool(db, lambda a, n: "")

@@ -1137,6 +1137,28 @@ def test_two_ids_cannot_make_retention_drop_the_groups_of_the_nodes_at_work(prom
         broker.stop()
 
 
+def test_ids_that_only_claim_far_rounds_do_not_move_the_median_retention_counts_from(prompt_file, prompts):
+    # with retention_max_lag_rounds the median online node decides who is too far behind; a
+    # heartbeat's claimed round counts for where a node is, but not for the median: three ids
+    # of five heartbeating agreed + 1000 (published nothing) would otherwise have put a and b
+    # "1000 behind" and had retention drop their groups
+    broker = start_broker(broker_config(prompt_file, keep_rounds=3, max_publishes_per_s=0,
+                                        retention_max_lag_rounds=0))
+    try:
+        a, b = _two_honest_rounds(broker, prompts)
+        claimers = [client(broker, prompts, f"m{i}") for i in range(3)]
+        for i, m in enumerate(claimers):
+            _heartbeat(m, f"m{i}", broker.fed.rounds.agreed() + 1000)
+        assert broker.state.get_node("m0").round == 1002
+        broker.fed.prune()
+        kept = {(s.node_id, s.round) for s in broker.state.summaries()}
+        assert {(n, r) for n in "ab" for r in range(3)} <= kept and broker.fed.left_behind() == []
+        for x in (a, b, *claimers):
+            x.close()
+    finally:
+        broker.stop()
+
+
 @pytest.mark.parametrize("max_lag", [None, 4])
 def test_a_node_far_behind_holds_retention_back_unless_further_than_retention_max_lag_rounds(
         prompt_file, prompts, caplog, max_lag):

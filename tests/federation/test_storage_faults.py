@@ -316,9 +316,9 @@ def test_a_bundle_whose_stored_bytes_were_damaged_is_not_served_and_the_operator
     the restarted broker served it as it was, every receiver found a digest mismatch and
     reported the group undelivered, and the source looked like it withheld its groups. Now a
     bundle from before the broker's start is read whole at its first fetch: a damaged copy is
-    NOT_FOUND (the receiver skips that offer), logged once, counted on /metrics, and not read
-    again; an intact one is read whole once, not at every fetch; one stored in this life
-    (hashed on its way in) is not read again at all."""
+    NOT_FOUND (the receiver skips that offer), logged once, counted on /metrics, not read
+    again and no longer counted held, so that its source uploads it again; an intact one is
+    read whole once, not at every fetch."""
     from graft_fed.broker.server import render_metrics
     from graft_fed.federation.bundles import digest_of, encode_bundle
 
@@ -364,19 +364,14 @@ def test_a_bundle_whose_stored_bytes_were_damaged_is_not_served_and_the_operator
         errors = [r.getMessage() for r in caplog.records if "no longer hashes" in r.getMessage()]
         assert len(errors) == 1 and bad in errors[0]
         assert "graft_fed_bundles_damaged_total 1\n" in render_metrics(broker.fed, broker.servicer)
-        # retention drops the damaged copy; the source uploads the group again: hashed on its
-        # way in, so served without a second read
-        broker.state.prune(max_bundle_bytes=0)
-        again = summary(prompts[1], 1, round=1)
-        again.policy_version = 0  # the same group, so the same bytes and digest
-        a.publish(1, [again])
-        b.publish(1, [summary(prompts[1], 0, round=1)])
-        assert a.upload(record(prompts[1], 1, "a"), 1) == (bad, True)
-        assert [o.digest for o in b.get_matches(1, 10.0).offers] == [bad]
+        # not counted held any more, so the source uploads it again (its node sends what the
+        # broker does not hold), which replaces the copy: served, read once more to make sure
+        assert a.has_bundles([good, bad]) == {good}
+        assert a.upload(record(prompts[1], 1, "a"), 0) == (bad, False)  # its row was there; its file is new
         for _ in range(2):
             assert digest_of(encode_bundle(b.fetch_bundle(bad, "a").record)) == bad
-        assert reads.count(bad) == 3 and "graft_fed_bundles_damaged_total 1\n" in render_metrics(broker.fed,
-                                                                                                  broker.servicer)
+        assert reads.count(bad) == 1 + 1 + 2 and a.has_bundles([bad]) == {bad}
+        assert "graft_fed_bundles_damaged_total 1\n" in render_metrics(broker.fed, broker.servicer)
     finally:
         for c in (a, b):
             c.close()
