@@ -78,50 +78,6 @@ def test_the_whole_read_of_a_first_fetch_is_within_the_per_node_fetch_bound(prom
         broker.stop()
 
 
-def test_a_damaged_copy_replaced_by_the_same_bundle_uploaded_again_is_served(prompt_file, prompts, tmp_path):
-    # a second upload of a digest the broker holds seals its (hashed) bytes over the held file
-    # (bundlefiles.PartFile.seal: os.replace) but stores no row (stored=False), so
-    # _store_upload does not discard the digest from Bundles._damaged: the file on disk is
-    # intact again, yet every fetch is NOT_FOUND "copy is damaged" for the rest of the life
-    # (74000b5 fixed this only for a copy retention dropped first)
-    broker, a, b, (_, bad) = _restarted_with_two_old_bundles(prompt_file, prompts, tmp_path)
-    try:
-        path = broker.state.bundle_file(bad)[0]
-        _flip_a_bit(path)
-        code, details = code_of(lambda: b.fetch_bundle(bad, "a"))
-        assert code == grpc.StatusCode.NOT_FOUND and "damaged" in details
-        again = summary(prompts[1], 1, round=1)
-        again.policy_version = 0  # the same group, so the same bytes and digest
-        a.publish(1, [again])
-        b.publish(1, [summary(prompts[1], 0, round=1)])
-        assert a.upload(record(prompts[1], 1, "a"), 1) == (bad, False)  # held: not stored again...
-        with open(path, "rb") as fh:
-            assert digest_of(fh.read()) == bad  # ...but its bytes replaced the damaged file
-        assert [o.digest for o in b.get_matches(1, 10.0).offers] == [bad]
-        assert digest_of(encode_bundle(b.fetch_bundle(bad, "a").record)) == bad
-    finally:
-        for c in (a, b):
-            c.close()
-        broker.stop()
-
-
-def test_a_copy_found_damaged_is_not_reported_held_so_its_source_uploads_it_again(prompt_file, prompts, tmp_path):
-    # once the broker knows its copy is damaged it still answers HasBundles with the digest:
-    # a node's upload_missing (client.py) skips what the broker says it holds, so the same
-    # group offered again in a later round is never sent again and stays undeliverable
-    # until retention happens to drop the damaged row
-    broker, a, b, (_, bad) = _restarted_with_two_old_bundles(prompt_file, prompts, tmp_path)
-    try:
-        _flip_a_bit(broker.state.bundle_file(bad)[0])
-        code, details = code_of(lambda: b.fetch_bundle(bad, "a"))
-        assert code == grpc.StatusCode.NOT_FOUND and "damaged" in details
-        assert bad not in a.has_bundles([bad])
-    finally:
-        for c in (a, b):
-            c.close()
-        broker.stop()
-
-
 def test_a_check_that_outlives_its_copy_does_not_condemn_the_copy_stored_after_it(prompt_file, prompts, tmp_path,
                                                                                   monkeypatch):
     # _check_intact hashes from a descriptor opened before retention dropped the damaged

@@ -321,31 +321,11 @@ def test_a_bundle_whose_stored_bytes_were_damaged_is_not_served_and_the_operator
     read whole once, not at every fetch."""
     from graft_fed.broker.server import render_metrics
     from graft_fed.federation.bundles import digest_of, encode_bundle
+    from tests.federation.test_bundle_check import _flip_a_bit, _restarted_with_two_old_bundles
 
-    db = tmp_path / "broker.sqlite"
-    cfg = broker_config(prompt_file, db=str(db), max_publishes_per_s=0, balance="none", round_deadline_s=0.5)
-    broker = start_broker(cfg)
-    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
+    broker, a, b, (good, bad) = _restarted_with_two_old_bundles(prompt_file, prompts, tmp_path)
     try:
-        for p in prompts[:2]:
-            a.publish(0, [summary(p, 1)])
-            b.publish(0, [summary(p, 0)])
-        digests = [a.upload(record(p, 1, "a"), 0)[0] for p in prompts[:2]]
-        assert {o.digest for o in b.get_matches(0, 10.0).offers} == set(digests)
-    finally:
-        for c in (a, b):
-            c.close()
-        broker.stop()
-    good, bad = digests
-    broker = start_broker(cfg)
-    a, b = client(broker, prompts, "a"), client(broker, prompts, "b")
-    try:
-        with open(broker.state.bundle_file(bad)[0], "r+b") as fh:
-            fh.seek(40)
-            byte = fh.read(1)
-            fh.seek(40)
-            fh.write(bytes([byte[0] ^ 0x04]))
-        assert {o.digest for o in b.get_matches(0, 10.0).offers} == set(digests)  # b asks again: granted anew
+        _flip_a_bit(broker.state.bundle_file(bad)[0])
         reads = []
         real = broker.state.iter_bundle
         monkeypatch.setattr(broker.state, "iter_bundle", lambda d, chunk: reads.append(d) or real(d, chunk))
@@ -368,6 +348,8 @@ def test_a_bundle_whose_stored_bytes_were_damaged_is_not_served_and_the_operator
         # broker does not hold), which replaces the copy: served, read once more to make sure
         assert a.has_bundles([good, bad]) == {good}
         assert a.upload(record(prompts[1], 1, "a"), 0) == (bad, False)  # its row was there; its file is new
+        with open(broker.state.bundle_file(bad)[0], "rb") as fh:
+            assert digest_of(fh.read()) == bad
         for _ in range(2):
             assert digest_of(encode_bundle(b.fetch_bundle(bad, "a").record)) == bad
         assert reads.count(bad) == 1 + 1 + 2 and a.has_bundles([bad]) == {bad}
