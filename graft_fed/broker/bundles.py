@@ -43,6 +43,7 @@ def _remember(seen: set[str], digest: str) -> None:
         seen.clear()
     seen.add(digest)
 
+
 class Bundles(Part):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)

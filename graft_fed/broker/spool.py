@@ -58,10 +58,10 @@ def broker_running(db: str | Path) -> bool:
     return False
 
 
-def _write_atomic(path: Path, payload: dict) -> None:
+def _write_atomic(path: Path, payload: dict, owner: tuple[int, int] | None = None) -> None:
     """Write `payload` as JSON to a new temporary file beside `path` (never opened through a
-    link someone left under its name), then rename it to `path` (which replaces a link there
-    rather than following it)."""
+    link someone left under its name; given to `owner`, (uid, gid), when set), then rename it
+    to `path` (which replaces a link there rather than following it)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         os.unlink(tmp)  # a leftover, or a link planted under the name: the link goes, not its target
@@ -70,6 +70,8 @@ def _write_atomic(path: Path, payload: dict) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, flags, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        if owner is not None:
+            os.fchown(fh.fileno(), *owner)
         json.dump(payload, fh)
         fh.flush()
         os.fsync(fh.fileno())
@@ -84,8 +86,12 @@ def submit(db: str | Path, action: str, node_id: str) -> Path:
                             "predates live requests, or it could not make the folder: its log says so); stop the "
                             "broker to run the command")
     rid = secrets.token_hex(8)
+    st = folder.stat()
+    # run as root for a broker of its own user (`docker exec` as root, sudo): the request
+    # (0600) is given to the broker's user, who could not read it otherwise
+    owner = (st.st_uid, st.st_gid) if os.geteuid() == 0 and st.st_uid != 0 else None
     try:
-        _write_atomic(folder / f"{rid}.request", {"action": action, "node_id": node_id})
+        _write_atomic(folder / f"{rid}.request", {"action": action, "node_id": node_id}, owner)
     except OSError as exc:
         raise GraftFedError(f"cannot leave a request in {folder} ({exc}): run the command as the broker's user") \
             from None

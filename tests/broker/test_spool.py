@@ -200,3 +200,13 @@ def test_a_requests_folder_of_another_user_or_a_link_is_not_served(tmp_path):
         os.chown(spool.requests_dir(db), 12345, 12345)
         with pytest.raises(GraftFedError, match="belongs to user 12345"):
             spool.Spool(db, lambda a, n: "")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_a_request_left_by_root_for_a_broker_of_another_user_is_that_users(tmp_path):
+    sp = _spool(tmp_path, [])
+    os.chown(sp.path, 12345, 12346)
+    spool.submit(tmp_path / "b.sqlite", "forget_secret", "alice")
+    (req,) = sp.path.glob("*.request")
+    st = os.stat(req)
+    assert (st.st_uid, st.st_gid) == (12345, 12346) and stat.S_IMODE(st.st_mode) == 0o600
