@@ -44,6 +44,7 @@ from graft_fed.federation.summaryblock import SummaryBlock
 
 log = logging.getLogger("graft_fed.broker")
 
+
 class Federation:
     def __init__(self, cfg: BrokerConfig, state: BrokerState, clock: Callable[[], float] = time.time,
                  allowlist: Allowlist | None = None) -> None:

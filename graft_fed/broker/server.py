@@ -225,7 +225,7 @@ class BrokerServer:
         db_path = getattr(self.state, "path", None)
         if isinstance(db_path, str):
             try:
-                self.spool = Spool(db_path, self._operator_request)
+                self.spool = Spool(db_path, {"forget_secret": self.fed.forget_secret})
             except (OSError, GraftFedError) as exc:
                 log.warning("cannot take operators' requests in %s (%s): `graft-fed broker forget-secret` then "
                             "needs this broker stopped", requests_dir(db_path), exc)
@@ -337,12 +337,6 @@ class BrokerServer:
                     self.spool.serve()
                 except Exception:  # noqa: BLE001 - as retention: never take the broker down
                     log.exception("operators' requests failed")
-
-    def _operator_request(self, action: str, node_id: str) -> str:
-        """One request of broker/spool.py (its ACTIONS)."""
-        if action != "forget_secret":
-            raise ValueError(f"unknown action {action!r}")
-        return self.fed.forget_secret(node_id)
 
     def _front_lost(self, why: str) -> None:
         log.error("%s", why)

@@ -27,7 +27,7 @@ import secrets
 import stat
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from graft_fed.broker.blockfiles import LOCK_NAME
 from graft_fed.errors import GraftFedError
@@ -38,7 +38,6 @@ log = logging.getLogger("graft_fed.broker")
 
 MAX_REQUEST_BYTES = 64 * 1024
 ANSWERS_KEPT_S = 3600.0
-ACTIONS = ("forget_secret",)
 
 
 def requests_dir(db: str | Path) -> Path:
@@ -120,12 +119,12 @@ def await_answer(answer: Path, wait_s: float, poll_s: float = 0.1) -> dict | Non
 class Spool:
     """The broker's side: make the directory, then `serve` it (housekeeping, each second)."""
 
-    def __init__(self, db: str | Path, apply: Callable[[str, str], str]) -> None:
-        """`apply(action, node_id)` does one request and returns what it did, in words; it
+    def __init__(self, db: str | Path, actions: Mapping[str, Callable[[str], str]]) -> None:
+        """`actions[action](node_id)` does one request and returns what it did, in words; it
         raises GraftFedError (or ValueError) for one it refuses. Raises OSError where the
         folder cannot be made, and GraftFedError where it is not this user's to serve."""
         self.path = requests_dir(db)
-        self.apply = apply
+        self.actions = dict(actions)
         self.path.mkdir(mode=0o700, exist_ok=True)
         st = os.lstat(self.path)
         if not stat.S_ISDIR(st.st_mode):
@@ -220,15 +219,15 @@ class Spool:
             if not isinstance(req, dict):
                 raise ValueError("not a JSON object")
             action, node_id = req.get("action"), req.get("node_id")
-            if action not in ACTIONS:
-                raise ValueError(f"unknown action {str(action)[:80]!r} (one of {', '.join(ACTIONS)})")
+            if not isinstance(action, str) or action not in self.actions:
+                raise ValueError(f"unknown action {str(action)[:80]!r} (one of {', '.join(self.actions)})")
             if not isinstance(node_id, str) or not node_id or len(node_id) > MAX_STRING_LEN:
                 raise ValueError(f"node_id must be a non-empty string of at most {MAX_STRING_LEN} characters")
         except (OSError, ValueError) as exc:
             log.warning("operator request %s refused: %s", name, exc)
             return {"ok": False, "message": f"request refused: {exc}"}
         try:
-            message = self.apply(action, node_id)
+            message = self.actions[action](node_id)
         except (GraftFedError, ValueError) as exc:
             log.warning("operator request %s (%s %r) refused: %s", name, action, node_id, exc)
             return {"ok": False, "message": str(exc)}

@@ -14,14 +14,14 @@ from graft_fed.errors import GraftFedError
 
 
 def _spool(tmp_path, done):
-    def apply(action, node_id):
+    def forget(node_id):
         if node_id == "refused":
             raise GraftFedError("not this one")
         if node_id == "broken":
             raise RuntimeError("boom")
-        done.append((action, node_id))
-        return f"did {action} {node_id}"
-    return spool.Spool(tmp_path / "b.sqlite", apply)
+        done.append(("forget_secret", node_id))
+        return f"did forget_secret {node_id}"
+    return spool.Spool(tmp_path / "b.sqlite", {"forget_secret": forget})
 
 
 def test_a_request_is_applied_once_and_answered(tmp_path):
@@ -193,13 +193,13 @@ def test_a_requests_folder_of_another_user_or_a_link_is_not_served(tmp_path):
     real.mkdir()
     os.symlink(real, spool.requests_dir(db))
     with pytest.raises(GraftFedError, match="is not a folder"):
-        spool.Spool(db, lambda a, n: "")
+        spool.Spool(db, {})
     os.unlink(spool.requests_dir(db))
     if os.geteuid() == 0:
         spool.requests_dir(db).mkdir()
         os.chown(spool.requests_dir(db), 12345, 12345)
         with pytest.raises(GraftFedError, match="belongs to user 12345"):
-            spool.Spool(db, lambda a, n: "")
+            spool.Spool(db, {})
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
