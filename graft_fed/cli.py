@@ -172,7 +172,8 @@ def _reexec_without_tcache() -> None:
 
 
 def cmd_broker_forget_secret(args: argparse.Namespace) -> int:
-    """Drop the hash of the secret that holds a node id (broker/sessions.py, Join). With the
+    """Drop the hash of the secret that holds a node id (broker/sessions.py, Join), or hold
+    the id for another node's secret (`--hold-for`), and end the id's session. With the
     broker stopped, in its state; with it running (it holds the state's lock), as a request
     the broker applies within a second (broker/spool.py)."""
     from pathlib import Path
@@ -180,11 +181,17 @@ def cmd_broker_forget_secret(args: argparse.Namespace) -> int:
     from graft_fed.broker import spool
     from graft_fed.broker.sessions import forget_secret
     from graft_fed.broker.state_sqlite import SqliteState
+    from graft_fed.federation.nodesecret import parse_secret_hash
 
+    try:
+        hold_for = parse_secret_hash(args.hold_for) if args.hold_for is not None else ""
+    except ValueError as exc:
+        raise GraftFedError(f"--hold-for: {exc}") from None
     if not Path(args.db).is_file():
         raise GraftFedError(f"--db {args.db}: no broker state there (the broker config's `db`)")
     if spool.broker_running(args.db):
-        answer = spool.await_answer(spool.submit(args.db, "forget_secret", args.node_id), args.wait_s)
+        options = {"hold_for": hold_for} if hold_for else {}
+        answer = spool.await_answer(spool.submit(args.db, "forget_secret", args.node_id, options), args.wait_s)
         if answer is None:
             raise GraftFedError(f"the broker of {args.db} runs (it holds the state) but did not answer within "
                                 f"{args.wait_s:g} s (it takes requests each second): the request waits in "
@@ -193,7 +200,7 @@ def cmd_broker_forget_secret(args: argparse.Namespace) -> int:
         return 0 if answer.get("ok") else 1
     state = SqliteState(args.db)
     try:
-        print(forget_secret(state, args.node_id))
+        print(forget_secret(state, args.node_id, hold_for)[0])
     finally:
         state.close()
     return 0
@@ -248,6 +255,12 @@ def cmd_node(args: argparse.Namespace) -> int:
     from graft_fed.trainer.distributed import shutdown
 
     cfg = load_node_config(args.config, parse_overrides(args.set))
+    if args.print_secret_hash:
+        from graft_fed.federation.nodesecret import secret_hash
+        from graft_fed.node.secret import load_or_create
+
+        print(secret_hash(load_or_create(cfg.run.output_dir)))
+        return 0
     if args.join_timeout < 0:
         raise GraftFedError(f"--join-timeout {args.join_timeout}: give seconds >= 0 (0: do not wait)")
     try:
@@ -595,10 +608,15 @@ def build_parser() -> argparse.ArgumentParser:
         if action != "list":
             a.add_argument("name")
 
-    fs = bn.add_parser("forget-secret", help="let the next Join under a node id hold it with its own node secret "
-                                             "(a node that lost its node_secret file, or an id taken first by "
-                                             "another); with the broker running or stopped")
+    fs = bn.add_parser("forget-secret", help="give a node id back: let the next Join under it hold it with its own "
+                                             "node secret, or hold it for one node's secret (--hold-for), and end "
+                                             "the session under it (a node that lost its node_secret file, or an "
+                                             "id taken first by another); with the broker running or stopped")
     fs.add_argument("--db", required=True, help="the broker's state file (broker config key `db`)")
+    fs.add_argument("--hold-for", metavar="SHA256", default=None,
+                    help="hold the id for the node whose secret has this hash (its operator prints it with "
+                         "`graft-fed node --config <its config> --print-secret-hash`): a taker online cannot join "
+                         "again first")
     fs.add_argument("--wait-s", type=float, default=30.0,
                     help="with the broker running: how long to wait for its answer (default 30)")
     fs.add_argument("node_id")
@@ -623,6 +641,10 @@ def build_parser() -> argparse.ArgumentParser:
     nd = sub.add_parser("node", help="run a federation node (a trainer that exchanges through the broker)")
     nd.add_argument("--config", required=True, help="node config YAML: a train config plus `federation`")
     _run_arguments(nd, "federation.broker=HOST:PORT")
+    nd.add_argument("--print-secret-hash", action="store_true",
+                    help="print the hash of this node's secret (made in run.output_dir when there is none) and exit: "
+                         "what the broker's operator needs to hold the node id for it "
+                         "(`graft-fed broker forget-secret --hold-for`); the hash does not let anyone join as the node")
     nd.add_argument("--join-timeout", type=float, default=120.0, metavar="SECONDS",
                     help="exit with the cause when the first Join has not succeeded within SECONDS "
                          "(default 120; 0: start training alone and keep trying, the degraded mode)")

@@ -502,6 +502,46 @@ def test_broker_forget_secret_releases_a_held_node_id_with_the_broker_running_or
     assert "no broker state there" in capsys.readouterr().err
 
 
+def test_a_node_id_is_held_for_the_secret_hash_its_node_prints(tmp_path, capsys, prompt_file, tiny_llama):
+    """The operator of a node locked out of its id (its secret file lost, or the id taken
+    first) prints its secret's hash; the broker's operator holds the id for that hash, with
+    the broker running or stopped, so that a taker online cannot join under it again first."""
+    from graft_fed.broker.state_sqlite import SqliteState
+    from graft_fed.configbase import to_dict
+    from graft_fed.federation.nodesecret import secret_hash
+    from tests.federation.helpers import broker_config, node_config, start_broker
+
+    cfg = node_config("a", tiny_llama, prompt_file, tmp_path, "127.0.0.1:1")
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg)))
+    assert main(["node", "--config", str(path), "--print-secret-hash"]) == 0
+    printed = capsys.readouterr().out.strip()
+    secret = (Path(cfg.run.output_dir) / "node_secret").read_text().strip()  # made for it: the node's next run's
+    assert printed == secret_hash(secret) and len(printed) == 64 and secret not in printed
+    assert main(["node", "--config", str(path), "--print-secret-hash"]) == 0
+    assert capsys.readouterr().out.strip() == printed  # made once
+
+    db = tmp_path / "broker.sqlite"
+    broker = start_broker(broker_config(prompt_file, db=str(db)))
+    try:
+        assert main(["broker", "forget-secret", "--db", str(db), "--hold-for", printed, "alice"]) == 0
+        assert "held for the node whose secret hashes to" in capsys.readouterr().out
+        assert broker.state.node_secret("alice") == printed
+        assert main(["broker", "forget-secret", "--db", str(db), "--hold-for", "abc", "alice"]) == 2
+        err = capsys.readouterr().err
+        assert "--hold-for" in err and "64 hexadecimal digits" in err and "--print-secret-hash" in err, err
+        assert broker.state.node_secret("alice") == printed
+    finally:
+        broker.stop()
+    assert main(["broker", "forget-secret", "--db", str(db), "--hold-for", printed.upper(), "bob"]) == 0
+    assert "held for" in capsys.readouterr().out
+    state = SqliteState(db)
+    try:
+        assert state.node_secret("bob") == printed and state.node_secret("alice") == printed
+    finally:
+        state.close()
+
+
 def test_broker_forget_secret_says_so_when_the_running_broker_does_not_answer(tmp_path, capsys, prompt_file,
                                                                              monkeypatch):
     """A broker that holds its state but does not take requests (stuck, or too old to have a

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from graft_fed.broker.answers import Answers, Encoders
 from graft_fed.broker.auth import Allowlist
@@ -129,8 +129,12 @@ class Federation:
              resume_round: int, node_secret: str = "") -> tuple[str, int]:
         return self.sessions.join(node_id, model_id, tokenizer_id, manifest, privacy, resume_round, node_secret)
 
-    def forget_secret(self, node_id: str) -> str:
-        return self.sessions.forget_secret(node_id)
+    def forget_secret(self, node_id: str, options: Mapping[str, str] | None = None) -> str:
+        """An operator's request (broker/spool.py): its options are `hold_for` alone."""
+        unknown = sorted(set(options or ()) - {"hold_for"})
+        if unknown:
+            raise ValueError(f"forget_secret takes the option hold_for, not {', '.join(map(repr, unknown))}")
+        return self.sessions.forget_secret(node_id, (options or {}).get("hold_for", ""))
 
     def leave(self, node_id: str, session_id: str) -> None:
         self.sessions.leave(node_id, session_id)

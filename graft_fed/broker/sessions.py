@@ -3,10 +3,10 @@ the session check every request makes (the node rows themselves live in broker/r
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import secrets
+import time
 import unicodedata
 from dataclasses import replace
 
@@ -16,6 +16,7 @@ from graft_fed.federation.errors import FailedPrecondition, InvalidArgument, Per
 from graft_fed.federation.limits import MAX_ID_LEN, MAX_STRING_LEN, MAX_TOKENIZER_ID_LEN, clip
 from graft_fed.federation.manifest import Manifest, differences
 from graft_fed.federation.messages import Privacy
+from graft_fed.federation.nodesecret import parse_secret_hash, secret_hash
 
 log = logging.getLogger("graft_fed.broker")
 
@@ -32,22 +33,47 @@ def check_id(value: str, what: str, limit: int = MAX_ID_LEN, empty: bool = False
         raise InvalidArgument(f"{what} must be {0 if empty else 1}-{limit} printable characters, got {clip(value)}")
 
 
-def forget_secret(state: BrokerState, node_id: str) -> str:
-    """Drop the hash of the node secret that holds `node_id` (see Sessions.join): the next
-    Join under it that carries a node secret holds it. What was done, in words."""
-    held = bool(state.node_secret(node_id))
-    if held:
-        state.set_node_secret(node_id, "")
-    return (f"node id {node_id!r} " + ("is no longer held: the next Join under it that carries a node secret holds it"
-                                      if held else "was not held by any node secret; nothing changed"))
+def forget_secret(state: BrokerState, node_id: str, hold_for: str = "", now: float | None = None
+                  ) -> tuple[str, NodeRow | None]:
+    """Give `node_id` back (see Sessions.join): the hash of the node secret that holds it is
+    dropped, so that the next Join under it carrying a node secret holds it; or, with
+    `hold_for` (the hash of a node's secret, `parse_secret_hash`), replaced by it, so that
+    only that node can join under the id (one that has not joined yet included). A live
+    session under the id is ended (the node is marked left, at `now`): a taker that is
+    online is refused at its next call and must Join again, which, held for another node,
+    it cannot. (What was done, in words; the node's row as written, None when none was.)"""
+    hold_for = parse_secret_hash(hold_for) if hold_for else ""
+    held = state.node_secret(node_id)
+    if hold_for != held:
+        state.set_node_secret(node_id, hold_for)
+    node = state.get_node(node_id)
+    ended = None
+    if node is not None and node.state not in ("left", "registered"):
+        ended = replace(node, state="left", last_seen=time.time() if now is None else now)
+        state.upsert_node(ended)
+    if hold_for:
+        said = (f"node id {node_id!r} is held for the node whose secret hashes to {hold_for[:12]}...: only a Join "
+                "carrying that secret is taken under it" + (" (it was already)" if hold_for == held else ""))
+    elif held:
+        said = f"node id {node_id!r} is no longer held: the next Join under it that carries a node secret holds it"
+    else:
+        said = f"node id {node_id!r} was not held by any node secret"
+    if ended is not None:
+        said += "; its session is ended: whoever holds it is refused at its next call and must Join again"
+    return said, ended
 
 
 class Sessions(Part):
-    def forget_secret(self, node_id: str) -> str:
+    def forget_secret(self, node_id: str, hold_for: str = "") -> str:
         """`forget_secret` on a running broker (an operator's request, broker/spool.py), in
-        turn with joins."""
+        turn with joins; a session it ends is ended as a Leave ends one."""
         with self.cond, self.registry.node_lock(node_id):
-            return forget_secret(self.state, node_id)
+            said, ended = forget_secret(self.state, node_id, hold_for, self.clock())
+            if ended is not None:
+                self.registry.remember(ended)
+        if ended is not None:
+            self._gone(node_id)
+        return said
 
     def node_state(self, node: NodeRow) -> str:
         if node.state in ("left", "registered"):
@@ -77,7 +103,7 @@ class Sessions(Part):
                                      "when that is unset), n, prompts per round, verifier and advantage "
                                      "(the node's algorithm.scale_rewards/algorithm.std).")
         session = secrets.token_hex(16)
-        brought = hashlib.sha256(node_secret.encode("utf-8", "surrogatepass")).hexdigest() if node_secret else ""
+        brought = secret_hash(node_secret)
         with self.cond, self.registry.node_lock(node_id):
             held = self.state.node_secret(node_id)
             if held and not hmac.compare_digest(held, brought) and self.cfg.client_ca is None:
@@ -85,7 +111,9 @@ class Sessions(Part):
                 raise PermissionDenied(
                     f"node id {clip(node_id)} is held by another node: this Join does not carry its node secret. A "
                     "new run needs a federation.node_id of its own; the same node on another machine or in another "
-                    "folder takes its run folder's node_secret file with it")
+                    "folder takes its run folder's node_secret file with it, or asks the broker's operator to hold "
+                    "the id for its new secret (`graft-fed broker forget-secret --hold-for <the hash that "
+                    "`graft-fed node --print-secret-hash` prints>`)")
             if brought and brought != held:
                 self.state.set_node_secret(node_id, brought)
             prev = self.registry.get(node_id)
@@ -105,9 +133,13 @@ class Sessions(Part):
             row = replace(node, state="left", last_seen=self.clock())
             self.state.upsert_node(row)
             self.registry.remember(row)
+        self._gone(node_id)
+        log.info("node %s left", node_id)
+
+    def _gone(self, node_id: str) -> None:
+        """After a node's session ended (the caller holds no lock)."""
         self.rounds.forget_readiness()  # a remembered "not yet" may have waited for this node
         self.rounds.wake_ready()  # the rounds that waited for it may be ready now
-        log.info("node %s left", node_id)
 
     def heartbeat(self, node_id: str, session_id: str, round: int) -> tuple[int, int]:
         """Never waits for the broker's lock: a session check and a liveness mark in memory

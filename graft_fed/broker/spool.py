@@ -6,15 +6,16 @@ one node its id back).
 The requests directory is `<db>-requests/`, beside the state's bundles and blocks
 directories, made 0700 by the broker (an existing one is tightened to 0700, and one owned by
 another user is not served): whoever can write there could edit the state itself. A request
-is `<id>.request`, JSON `{"action": "forget_secret", "node_id": ...}`, written to a temporary
+is `<id>.request`, JSON `{"action": "forget_secret", "node_id": ..., "options": {...}}` (the
+options, strings, are the action's: `hold_for` for forget_secret), written to a temporary
 name and renamed, so the broker never reads half of one. The broker's housekeeping takes the
 requests each second: it claims each (renames it to a hidden name, so it is applied once
 even when its answer cannot be written), reads it only as a regular file of this user or
 root (never through a link, never waiting on a pipe), applies it, writes its answer as
 `<id>.answer` (`{"ok": ..., "message": ...}`, written to a new temporary file, never through
 a link, then renamed) and deletes it; the command waits for the answer, prints it and
-deletes it. A request that is not one (not JSON, an unknown action, a node id that is not a
-string) is answered with what was wrong, never applied; answers nobody collected and
+deletes it. A request that is not one (not JSON, an unknown action or option, a node id that
+is not a string) is answered with what was wrong, never applied; answers nobody collected and
 leftovers of failed writes are deleted after an hour.
 """
 
@@ -37,6 +38,7 @@ from graft_fed.fslock import LockHeld, hold_exclusive
 log = logging.getLogger("graft_fed.broker")
 
 MAX_REQUEST_BYTES = 64 * 1024
+MAX_OPTIONS = 8
 ANSWERS_KEPT_S = 3600.0
 
 
@@ -77,7 +79,7 @@ def _write_atomic(path: Path, payload: dict, owner: tuple[int, int] | None = Non
     os.replace(tmp, path)
 
 
-def submit(db: str | Path, action: str, node_id: str) -> Path:
+def submit(db: str | Path, action: str, node_id: str, options: Mapping[str, str] | None = None) -> Path:
     """Leave a request for the broker running on state `db`; the path its answer will have."""
     folder = requests_dir(db)
     if not folder.is_dir():
@@ -90,7 +92,8 @@ def submit(db: str | Path, action: str, node_id: str) -> Path:
     # (0600) is given to the broker's user, who could not read it otherwise
     owner = (st.st_uid, st.st_gid) if os.geteuid() == 0 and st.st_uid != 0 else None
     try:
-        _write_atomic(folder / f"{rid}.request", {"action": action, "node_id": node_id}, owner)
+        _write_atomic(folder / f"{rid}.request", {"action": action, "node_id": node_id, "options": dict(options or {})},
+                      owner)
     except OSError as exc:
         raise GraftFedError(f"cannot leave a request in {folder} ({exc}): run the command as the broker's user") \
             from None
@@ -119,9 +122,10 @@ def await_answer(answer: Path, wait_s: float, poll_s: float = 0.1) -> dict | Non
 class Spool:
     """The broker's side: make the directory, then `serve` it (housekeeping, each second)."""
 
-    def __init__(self, db: str | Path, actions: Mapping[str, Callable[[str], str]]) -> None:
-        """`actions[action](node_id)` does one request and returns what it did, in words; it
-        raises GraftFedError (or ValueError) for one it refuses. Raises OSError where the
+    def __init__(self, db: str | Path, actions: Mapping[str, Callable[[str, Mapping[str, str]], str]]) -> None:
+        """`actions[action](node_id, options)` does one request and returns what it did, in
+        words; it raises GraftFedError (or ValueError) for one it refuses (an option it does
+        not take included). Raises OSError where the
         folder cannot be made, and GraftFedError where it is not this user's to serve."""
         self.path = requests_dir(db)
         self.actions = dict(actions)
@@ -223,11 +227,16 @@ class Spool:
                 raise ValueError(f"unknown action {str(action)[:80]!r} (one of {', '.join(self.actions)})")
             if not isinstance(node_id, str) or not node_id or len(node_id) > MAX_STRING_LEN:
                 raise ValueError(f"node_id must be a non-empty string of at most {MAX_STRING_LEN} characters")
+            options = req.get("options", {})
+            if not isinstance(options, dict) or len(options) > MAX_OPTIONS or not all(
+                    isinstance(v, str) and len(v) <= MAX_STRING_LEN for v in options.values()):
+                raise ValueError(f"options must be an object of at most {MAX_OPTIONS} strings of at most "
+                                 f"{MAX_STRING_LEN} characters")
         except (OSError, ValueError) as exc:
             log.warning("operator request %s refused: %s", name, exc)
             return {"ok": False, "message": f"request refused: {exc}"}
         try:
-            message = self.actions[action](node_id)
+            message = self.actions[action](node_id, options)
         except (GraftFedError, ValueError) as exc:
             log.warning("operator request %s (%s %r) refused: %s", name, action, node_id, exc)
             return {"ok": False, "message": str(exc)}

@@ -6,7 +6,9 @@ proves who calls, and the secret only follows it.
 
 A resumed node finds the secret in its folder and joins as itself. A new run in another
 folder under the same `federation.node_id` brings another secret and is refused: it needs a
-node id of its own, or the old folder's `node_secret` file (the same node moved)."""
+node id of its own, the old folder's `node_secret` file (the same node moved), or the broker's
+operator holding the id for its new secret (`graft-fed node --print-secret-hash` prints the
+hash to give them; `graft-fed broker forget-secret --hold-for`)."""
 
 from __future__ import annotations
 

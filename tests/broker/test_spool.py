@@ -14,12 +14,14 @@ from graft_fed.errors import GraftFedError
 
 
 def _spool(tmp_path, done):
-    def forget(node_id):
+    def forget(node_id, options):
         if node_id == "refused":
             raise GraftFedError("not this one")
         if node_id == "broken":
             raise RuntimeError("boom")
-        done.append(("forget_secret", node_id))
+        if set(options) - {"hold_for"}:
+            raise ValueError(f"not the option {sorted(options)}")
+        done.append(("forget_secret", node_id, *options.values()))
         return f"did forget_secret {node_id}"
     return spool.Spool(tmp_path / "b.sqlite", {"forget_secret": forget})
 
@@ -34,6 +36,10 @@ def test_a_request_is_applied_once_and_answered(tmp_path):
     assert sp.serve() == 0 and done == [("forget_secret", "alice")]  # once
     assert spool.await_answer(answer, 1.0) == {"ok": True, "message": "did forget_secret alice"}
     assert list(sp.path.iterdir()) == []  # the command deleted the answer, the broker the request
+    # an action's options travel with the request
+    answer = spool.submit(tmp_path / "b.sqlite", "forget_secret", "bob", {"hold_for": "ab" * 32})
+    assert sp.serve() == 1 and done[-1] == ("forget_secret", "bob", "ab" * 32)
+    assert spool.await_answer(answer, 1.0)["ok"] is True
 
 
 @pytest.mark.parametrize("body, why", [
@@ -47,6 +53,13 @@ def test_a_request_is_applied_once_and_answered(tmp_path):
     (b"\xff\xfe", "request refused"),
     (json.dumps({"action": "forget_secret", "node_id": "refused"}).encode(), "not this one"),
     (json.dumps({"action": "forget_secret", "node_id": "broken"}).encode(), "failed to apply it: boom"),
+    (json.dumps({"action": "forget_secret", "node_id": "a", "options": ["hold_for"]}).encode(), "options must be"),
+    (json.dumps({"action": "forget_secret", "node_id": "a", "options": {"hold_for": 7}}).encode(), "options must be"),
+    (json.dumps({"action": "forget_secret", "node_id": "a", "options": {"hold_for": "x" * 5000}}).encode(),
+     "options must be"),
+    (json.dumps({"action": "forget_secret", "node_id": "a", "options": {str(i): "" for i in range(9)}}).encode(),
+     "options must be"),
+    (json.dumps({"action": "forget_secret", "node_id": "a", "options": {"drop": "all"}}).encode(), "not the option"),
 ])
 def test_what_is_not_a_request_is_answered_with_what_was_wrong_and_never_applied(tmp_path, body, why):
     done = []

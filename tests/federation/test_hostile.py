@@ -435,6 +435,56 @@ def test_a_node_id_held_by_its_secret_cannot_be_taken_over(prompt_file, prompts,
         c.close()
 
 
+def test_the_operator_gives_a_taken_node_id_back_and_the_taker_cannot_join_again_first(prompts, broker):
+    """A node id never joined with a secret (a node of an older client) is held by whichever
+    Join brings one first: a taker locks the honest node out. `graft-fed broker forget-secret`
+    ends the session under the id, but a taker that is online joins again first (shown
+    below); `--hold-for` the honest node's secret hash hands the id to that node alone.
+    Making forget keep the taker's session, or hold_for leave the hash unset, fails it."""
+    from graft_fed.federation.nodesecret import secret_hash
+
+    old = BrokerClient(broker.address, "alice")
+    old.join("alice", "tok", manifest(prompts), "share_all", 0)  # an older client: no secret
+    taker = BrokerClient(broker.address, "alice")
+    taker.join("alice", "tok", manifest(prompts), "share_all", 0, node_secret="m" * 64)
+    honest = BrokerClient(broker.address, "alice")
+    code, _ = code_of(lambda: honest.join("alice", "tok", manifest(prompts), "share_all", 0, node_secret="s" * 64))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    publish = lambda c, i: c.publish(0, [summary(prompts[i], 1)])  # noqa: E731
+
+    said = broker.fed.forget_secret("alice")
+    assert "no longer held" in said and "session is ended" in said, said
+    assert code_of(lambda: publish(taker, 0))[0] == grpc.StatusCode.UNAUTHENTICATED
+    taker.join("alice", "tok", manifest(prompts), "share_all", 0, node_secret="m" * 64)  # first again
+
+    said = broker.fed.forget_secret("alice", {"hold_for": secret_hash("s" * 64).upper()})
+    assert "held for the node whose secret hashes to" in said and "session is ended" in said, said
+    assert code_of(lambda: publish(taker, 1))[0] == grpc.StatusCode.UNAUTHENTICATED
+    for secret in ("m" * 64, ""):
+        code, _ = code_of(lambda: taker.join("alice", "tok", manifest(prompts), "share_all", 0, node_secret=secret))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+    honest.join("alice", "tok", manifest(prompts), "share_all", 0, node_secret="s" * 64)
+    publish(honest, 2)
+    assert broker.state.get_node("alice").session_id == honest.session
+    assert broker.fed.registry.get("alice").state == "online"
+
+    # an id held for a node before its first Join; a bad hash or option changes nothing
+    broker.fed.forget_secret("carol", {"hold_for": secret_hash("c" * 64)})
+    carol = BrokerClient(broker.address, "carol")
+    for secret in ("d" * 64, ""):
+        code, _ = code_of(lambda: carol.join("carol", "tok", manifest(prompts), "share_all", 0, node_secret=secret))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+    carol.join("carol", "tok", manifest(prompts), "share_all", 0, node_secret="c" * 64)
+    with pytest.raises(ValueError, match="64 hexadecimal digits.*--print-secret-hash"):
+        broker.fed.forget_secret("alice", {"hold_for": "not a hash"})
+    with pytest.raises(ValueError, match="takes the option hold_for, not 'keep'"):
+        broker.fed.forget_secret("alice", {"keep": "x"})
+    assert broker.state.node_secret("alice") == secret_hash("s" * 64)
+    assert broker.state.get_node("alice").session_id == honest.session
+    for c in (old, taker, honest, carol):
+        c.close()
+
+
 def _verified_record(p, model):
     # tests.plugins:odd_char_sum scores "y" 1 and "x" 0: the claimed rewards (1, 0) verify
     return GroupRecord(prompt_id=p.id, step=0, model_id=model, tokenizer_id="tok", problem=p.problem,
