@@ -179,7 +179,7 @@ def cmd_broker_forget_secret(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from graft_fed.broker import spool
-    from graft_fed.broker.sessions import forget_secret
+    from graft_fed.broker.sessions import forget_secret, hold_for_of
     from graft_fed.broker.state_sqlite import SqliteState
     from graft_fed.federation.nodesecret import parse_secret_hash
 
@@ -195,11 +195,28 @@ def cmd_broker_forget_secret(args: argparse.Namespace) -> int:
         if answer is None:
             raise GraftFedError(f"the broker of {args.db} runs (it holds the state) but did not answer within "
                                 f"{args.wait_s:g} s (it takes requests each second): the request waits in "
-                                f"{spool.requests_dir(args.db)} and is applied when it does; its log says so")
+                                f"{spool.requests_dir(args.db)} and is applied when it does, after those left "
+                                "before it; its log says so")
         print(answer.get("message", ""))
+        if answer.get("ok") and not set(options) <= set(answer.get("options") or ()):
+            raise GraftFedError("the running broker is of an older version, which does not take --hold-for: it "
+                                "released the id instead (the next Join under it that carries a node secret holds "
+                                "it). Restart the broker on this version, then run the command again")
         return 0 if answer.get("ok") else 1
     state = SqliteState(args.db)
     try:
+        waiting = sorted(spool.requests_dir(args.db).glob("*.request"))
+        if waiting:  # left for a broker that did not take them: applied first, as it would have
+            try:
+                served = spool.Spool(args.db, {"forget_secret": lambda node_id, options: forget_secret(
+                    state, node_id, hold_for_of(options))[0]}).serve()
+            except (OSError, GraftFedError) as exc:
+                raise GraftFedError(f"{len(waiting)} request(s) left for the broker wait in "
+                                    f"{spool.requests_dir(args.db)}, and this user cannot apply them ({exc}); the "
+                                    "broker would apply them after this command at its next start. Run the command "
+                                    "as the broker's user, or delete them") from None
+            print(f"applied first the {served} request(s) that waited for the broker in {spool.requests_dir(args.db)}, "
+                  "in the order they were left")
         print(forget_secret(state, args.node_id, hold_for)[0])
     finally:
         state.close()

@@ -542,6 +542,41 @@ def test_a_node_id_is_held_for_the_secret_hash_its_node_prints(tmp_path, capsys,
         state.close()
 
 
+def test_forget_secret_with_the_broker_stopped_applies_first_the_requests_that_waited(tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A request the running broker did not answer waits in its folder; the operator stops
+    the broker and holds the id itself. Left there, that older request would be applied
+    after the hold at the broker's next start and undo it; the command applies it first."""
+    from graft_fed.broker import spool
+    from graft_fed.broker.state_sqlite import SqliteState
+    from graft_fed.federation.nodesecret import secret_hash
+
+    db = tmp_path / "broker.sqlite"
+    state = SqliteState(db)
+    state.set_node_secret("alice", secret_hash("m" * 64))
+    state.close()
+    spool.Spool(db, {})  # the folder, as a broker makes it
+    spool.submit(db, "forget_secret", "alice")  # not answered: the broker was stuck, then stopped
+    h = secret_hash("s" * 64)
+    assert main(["broker", "forget-secret", "--db", str(db), "--hold-for", h, "alice"]) == 0
+    out = capsys.readouterr().out
+    assert "applied first the 1 request(s) that waited" in out and "held for" in out, out
+    assert not list(spool.requests_dir(db).glob("*.request"))
+    answers = [json.loads(p.read_text()) for p in spool.requests_dir(db).glob("*.answer")]
+    assert len(answers) == 1 and "no longer held" in answers[0]["message"], answers
+    state = SqliteState(db)
+    try:
+        assert state.node_secret("alice") == h
+    finally:
+        state.close()
+    # a broker of an older version answers without the options it took: --hold-for was not
+    monkeypatch.setattr(spool, "broker_running", lambda db: True)
+    monkeypatch.setattr(spool, "await_answer", lambda answer, wait_s: {"ok": True, "message": "no longer held"})
+    assert main(["broker", "forget-secret", "--db", str(db), "--hold-for", h, "alice"]) == 2
+    assert "older version, which does not take --hold-for: it released the id" in capsys.readouterr().err
+    assert main(["broker", "forget-secret", "--db", str(db), "alice"]) == 0  # without it, the answer is the same
+
+
 def test_broker_forget_secret_says_so_when_the_running_broker_does_not_answer(tmp_path, capsys, prompt_file,
                                                                              monkeypatch):
     """A broker that holds its state but does not take requests (stuck, or too old to have a

@@ -33,7 +33,7 @@ from graft_fed.broker.replay import ReplayGuard
 from graft_fed.broker.reports import Reports
 from graft_fed.broker.roundindex import RoundIndex
 from graft_fed.broker.rounds import Rounds
-from graft_fed.broker.sessions import Sessions
+from graft_fed.broker.sessions import Sessions, hold_for_of
 from graft_fed.broker.state import BrokerState, CompatRow, NodeRow
 from graft_fed.broker.uploads import BundleUpload
 from graft_fed.broker.wakeups import Wakeups
@@ -130,11 +130,8 @@ class Federation:
         return self.sessions.join(node_id, model_id, tokenizer_id, manifest, privacy, resume_round, node_secret)
 
     def forget_secret(self, node_id: str, options: Mapping[str, str] | None = None) -> str:
-        """An operator's request (broker/spool.py): its options are `hold_for` alone."""
-        unknown = sorted(set(options or ()) - {"hold_for"})
-        if unknown:
-            raise ValueError(f"forget_secret takes the option hold_for, not {', '.join(map(repr, unknown))}")
-        return self.sessions.forget_secret(node_id, (options or {}).get("hold_for", ""))
+        """An operator's request (broker/spool.py)."""
+        return self.sessions.forget_secret(node_id, hold_for_of(options))
 
     def leave(self, node_id: str, session_id: str) -> None:
         self.sessions.leave(node_id, session_id)

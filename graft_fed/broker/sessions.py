@@ -9,6 +9,7 @@ import secrets
 import time
 import unicodedata
 from dataclasses import replace
+from typing import Mapping
 
 from graft_fed.broker.context import Part
 from graft_fed.broker.state import BrokerState, NodeRow
@@ -33,33 +34,56 @@ def check_id(value: str, what: str, limit: int = MAX_ID_LEN, empty: bool = False
         raise InvalidArgument(f"{what} must be {0 if empty else 1}-{limit} printable characters, got {clip(value)}")
 
 
-def forget_secret(state: BrokerState, node_id: str, hold_for: str = "", now: float | None = None
-                  ) -> tuple[str, NodeRow | None]:
+FORGET_OPTIONS = ("hold_for",)
+
+
+def hold_for_of(options: Mapping[str, str] | None) -> str:
+    """The `hold_for` of an operator's forget_secret request (broker/spool.py); ValueError
+    for an option it does not take."""
+    unknown = sorted(set(options or ()) - set(FORGET_OPTIONS))
+    if unknown:
+        raise ValueError(f"forget_secret takes the option hold_for, not {', '.join(map(repr, unknown))}")
+    return (options or {}).get("hold_for", "")
+
+
+def forget_secret(state: BrokerState, node_id: str, hold_for: str = "", now: float | None = None,
+                  mtls: bool = False) -> tuple[str, NodeRow | None]:
     """Give `node_id` back (see Sessions.join): the hash of the node secret that holds it is
     dropped, so that the next Join under it carrying a node secret holds it; or, with
     `hold_for` (the hash of a node's secret, `parse_secret_hash`), replaced by it, so that
-    only that node can join under the id (one that has not joined yet included). A live
-    session under the id is ended (the node is marked left, at `now`): a taker that is
-    online is refused at its next call and must Join again, which, held for another node,
-    it cannot. (What was done, in words; the node's row as written, None when none was.)"""
+    only that node can join under the id (one that has not joined yet included). When that
+    changes what holds the id, a session under it is ended (the node marked left, at
+    `now`): a taker that is online is refused at its next call and must Join again, which,
+    held for another node, it cannot; applied again, it changes nothing and ends nothing.
+    `mtls`: the broker checks certificates, which hold the ids instead (the answer says so).
+    (What was done, in words; the node's row as written, None when none was.)"""
     hold_for = parse_secret_hash(hold_for) if hold_for else ""
     held = state.node_secret(node_id)
-    if hold_for != held:
-        state.set_node_secret(node_id, hold_for)
     node = state.get_node(node_id)
     ended = None
-    if node is not None and node.state not in ("left", "registered"):
-        ended = replace(node, state="left", last_seen=time.time() if now is None else now)
-        state.upsert_node(ended)
-    if hold_for:
+    if hold_for != held:
+        state.set_node_secret(node_id, hold_for)
+        if node is not None and node.state not in ("left", "registered"):
+            ended = replace(node, state="left", last_seen=time.time() if now is None else now)
+            state.upsert_node(ended)
+    if hold_for == held:
+        said = (f"node id {node_id!r} is already held for the node whose secret hashes to {hold_for[:12]}...; "
+                "nothing changed" if hold_for else f"node id {node_id!r} was not held by any node secret; nothing "
+                "changed")
+    elif hold_for:
         said = (f"node id {node_id!r} is held for the node whose secret hashes to {hold_for[:12]}...: only a Join "
-                "carrying that secret is taken under it" + (" (it was already)" if hold_for == held else ""))
-    elif held:
-        said = f"node id {node_id!r} is no longer held: the next Join under it that carries a node secret holds it"
+                "carrying that secret is taken under it")
     else:
-        said = f"node id {node_id!r} was not held by any node secret"
+        said = f"node id {node_id!r} is no longer held: the next Join under it that carries a node secret holds it"
     if ended is not None:
         said += "; its session is ended: whoever holds it is refused at its next call and must Join again"
+    if node is None:
+        said += "; no node has joined under this id (check it, if you meant one that has)"
+    if mtls and hold_for:  # Join takes the secret a certificate for the id brings
+        rest = said[said.index(";"):] if ";" in said else ""
+        said = (f"node id {node_id!r}: the hash {hold_for[:12]}... is kept, but this broker checks certificates: a "
+                "Join with a certificate for the id replaces it, so the certificate, not the hash, holds the id"
+                + rest)
     return said, ended
 
 
@@ -68,7 +92,7 @@ class Sessions(Part):
         """`forget_secret` on a running broker (an operator's request, broker/spool.py), in
         turn with joins; a session it ends is ended as a Leave ends one."""
         with self.cond, self.registry.node_lock(node_id):
-            said, ended = forget_secret(self.state, node_id, hold_for, self.clock())
+            said, ended = forget_secret(self.state, node_id, hold_for, self.clock(), self.cfg.client_ca is not None)
             if ended is not None:
                 self.registry.remember(ended)
         if ended is not None:

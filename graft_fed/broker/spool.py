@@ -8,15 +8,20 @@ directories, made 0700 by the broker (an existing one is tightened to 0700, and 
 another user is not served): whoever can write there could edit the state itself. A request
 is `<id>.request`, JSON `{"action": "forget_secret", "node_id": ..., "options": {...}}` (the
 options, strings, are the action's: `hold_for` for forget_secret), written to a temporary
-name and renamed, so the broker never reads half of one. The broker's housekeeping takes the
-requests each second: it claims each (renames it to a hidden name, so it is applied once
-even when its answer cannot be written), reads it only as a regular file of this user or
-root (never through a link, never waiting on a pipe), applies it, writes its answer as
-`<id>.answer` (`{"ok": ..., "message": ...}`, written to a new temporary file, never through
-a link, then renamed) and deletes it; the command waits for the answer, prints it and
-deletes it. A request that is not one (not JSON, an unknown action or option, a node id that
-is not a string) is answered with what was wrong, never applied; answers nobody collected and
-leftovers of failed writes are deleted after an hour.
+name and renamed, so the broker never reads half of one. The id is when the request was
+left (nanoseconds), then random: requests are applied in the order of their names, so in
+the order they were left. The broker's housekeeping takes the requests each second: it
+claims each (renames it to a hidden name, so it is applied once even when its answer cannot
+be written), reads it only as a regular file of this user or root (never through a link,
+never waiting on a pipe), applies it, writes its answer as `<id>.answer` (`{"ok": ...,
+"message": ..., "options": [the options applied]}`, written to a new temporary file, never
+through a link, then renamed) and deletes it; the command waits for the answer, prints it
+and deletes it. A request that is not one (not JSON, an unknown action or option, a node id
+that is not a string) is answered with what was wrong, never applied; answers nobody
+collected and leftovers of failed writes are deleted after an hour. With the broker
+stopped, the command applies the requests still waiting, in order, before its own
+(`Spool.serve` on the state it opens): left there, the broker would apply them after it at
+its next start.
 """
 
 from __future__ import annotations
@@ -86,7 +91,10 @@ def submit(db: str | Path, action: str, node_id: str, options: Mapping[str, str]
         raise GraftFedError(f"{folder} does not exist: the broker of {db} makes it at start (this broker's version "
                             "predates live requests, or it could not make the folder: its log says so); stop the "
                             "broker to run the command")
-    rid = secrets.token_hex(8)
+    # named by when it was left, then at random: the broker applies requests in name order,
+    # so a later request is applied after an earlier one that waited (a hold is not undone
+    # by a plain forget left before it)
+    rid = f"{time.time_ns():020d}-{secrets.token_hex(8)}"
     st = folder.stat()
     # run as root for a broker of its own user (`docker exec` as root, sudo): the request
     # (0600) is given to the broker's user, who could not read it otherwise
@@ -244,4 +252,6 @@ class Spool:
             log.exception("operator request %s (%s %r) failed", name, action, node_id)
             return {"ok": False, "message": f"the broker failed to apply it: {exc} (its log says more)"}
         log.warning("operator request %s: %s", name, message)
-        return {"ok": True, "message": message}
+        # the options applied: a command that gave one can tell a broker that took it from
+        # one of an older version, which would ignore it
+        return {"ok": True, "message": message, "options": sorted(options)}

@@ -34,12 +34,24 @@ def test_a_request_is_applied_once_and_answered(tmp_path):
     assert spool.await_answer(answer, 0.05) is None  # nothing answers until the broker takes it
     assert sp.serve() == 1 and done == [("forget_secret", "alice")]
     assert sp.serve() == 0 and done == [("forget_secret", "alice")]  # once
-    assert spool.await_answer(answer, 1.0) == {"ok": True, "message": "did forget_secret alice"}
+    assert spool.await_answer(answer, 1.0) == {"ok": True, "message": "did forget_secret alice", "options": []}
     assert list(sp.path.iterdir()) == []  # the command deleted the answer, the broker the request
     # an action's options travel with the request
     answer = spool.submit(tmp_path / "b.sqlite", "forget_secret", "bob", {"hold_for": "ab" * 32})
     assert sp.serve() == 1 and done[-1] == ("forget_secret", "bob", "ab" * 32)
-    assert spool.await_answer(answer, 1.0)["ok"] is True
+    assert spool.await_answer(answer, 1.0)["options"] == ["hold_for"]  # the command checks it was taken
+
+
+def test_requests_are_applied_in_the_order_they_were_left(tmp_path, monkeypatch):
+    """A plain forget left while the broker was busy, then a hold: applied in another order,
+    the earlier forget would undo the hold. Random names alone sorted them at random."""
+    done = []
+    sp = _spool(tmp_path, done)
+    names = iter(["ff" * 8, "00" * 8])  # the random part of the first sorts last
+    monkeypatch.setattr(spool.secrets, "token_hex", lambda n: next(names))
+    spool.submit(tmp_path / "b.sqlite", "forget_secret", "alice")
+    spool.submit(tmp_path / "b.sqlite", "forget_secret", "alice", {"hold_for": "ab" * 32})
+    assert sp.serve() == 2 and done == [("forget_secret", "alice"), ("forget_secret", "alice", "ab" * 32)]
 
 
 @pytest.mark.parametrize("body, why", [

@@ -467,9 +467,14 @@ def test_the_operator_gives_a_taken_node_id_back_and_the_taker_cannot_join_again
     publish(honest, 2)
     assert broker.state.get_node("alice").session_id == honest.session
     assert broker.fed.registry.get("alice").state == "online"
+    # applied again (a retried command, a request that waited): nothing changes, nothing ends
+    said = broker.fed.forget_secret("alice", {"hold_for": secret_hash("s" * 64)})
+    assert "already held" in said and "session" not in said, said
+    publish(honest, 3)
 
     # an id held for a node before its first Join; a bad hash or option changes nothing
-    broker.fed.forget_secret("carol", {"hold_for": secret_hash("c" * 64)})
+    said = broker.fed.forget_secret("carol", {"hold_for": secret_hash("c" * 64)})
+    assert "no node has joined under this id" in said, said  # a mistyped id reads otherwise than a taken one
     carol = BrokerClient(broker.address, "carol")
     for secret in ("d" * 64, ""):
         code, _ = code_of(lambda: carol.join("carol", "tok", manifest(prompts), "share_all", 0, node_secret=secret))
