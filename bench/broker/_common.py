@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import threading
 import multiprocessing as mp
 import os
@@ -95,7 +96,84 @@ def machine() -> dict[str, Any]:
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "nproc": os.cpu_count(),
             "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "cpu": cpu, "python": platform.python_version(), "grpc": grpc.__version__, "git": rev,
-            "load_avg_at_start": os.getloadavg()}
+            "load_avg_at_start": os.getloadavg(), "speed": machine_speed()}
+
+
+def machine_speed(reps: int = 5) -> dict[str, float]:
+    """How fast this machine runs the kinds of work a broker does, timed as the bench starts
+    (medians of `reps`; about a second in all): an interpreter loop of 1,000,000 additions
+    (ms); a point read by primary key from an SQLite file in WAL mode, as the broker's state
+    reads (us; each takes the file's locks); SHA-256 over 16 MiB (ms); and a wake-up round trip
+    between two threads (us; the GIL's and every queue's hand-offs). The ratios a bench
+    reports compare with a baseline of the same run; the broker's own latencies (match p99,
+    say) do not, and the same "AMD EPYC" ran the same code at half the speed on another day
+    (issue 13, fifty-seventh pass): these tell such days apart."""
+    import hashlib
+    import sqlite3
+    import tempfile
+
+    def loop() -> None:
+        total = 0
+        for i in range(1_000_000):
+            total += i
+
+    folder = tempfile.mkdtemp(prefix="graft-bench-speed-")
+    conn = sqlite3.connect(os.path.join(folder, "s.db"))
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v TEXT)")
+    conn.executemany("INSERT INTO t VALUES (?, ?)", ((i, "x" * 32) for i in range(10_000)))
+    conn.commit()
+
+    def reads() -> None:
+        for i in range(2_000):
+            conn.execute("SELECT v FROM t WHERE k = ?", (i * 2,)).fetchone()
+
+    blob = bytes(16 * 2**20)
+
+    def handoffs(count: int = 2_000) -> None:
+        ping, pong = threading.Event(), threading.Event()
+
+        def other() -> None:
+            for _ in range(count):
+                ping.wait()
+                ping.clear()
+                pong.set()
+
+        t = threading.Thread(target=other, daemon=True)
+        t.start()
+        for _ in range(count):
+            ping.set()
+            pong.wait()
+            pong.clear()
+        t.join()
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    try:
+        return {"python_loop_ms": round(timed(loop) * 1e3, 2), "sqlite_read_us": round(timed(reads) / 2_000 * 1e6, 2),
+                "sha256_16mib_ms": round(timed(lambda: hashlib.sha256(blob).digest()) * 1e3, 2),
+                "thread_handoff_us": round(timed(handoffs) / 2_000 * 1e6, 2)}
+    finally:
+        conn.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    """The results' line on the machine: what it is, what ran, and how fast it ran today."""
+    speed = info.get("speed") or {}
+    line = (f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
+            f"git {info['git']}")
+    if speed:
+        line += (f"; its speed at the start: a 1M-step Python loop {speed['python_loop_ms']:.1f} ms, an SQLite point "
+                 f"read {speed['sqlite_read_us']:.2f} us, SHA-256 of 16 MiB {speed['sha256_16mib_ms']:.1f} ms, a "
+                 f"wake-up round trip between two threads {speed.get('thread_handoff_us', float('nan')):.1f} us")
+    return line + "."
 
 
 # ----- child-process servers -----------------------------------------------------------------

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from _common import RAW_SERVICE, ChildServer, add_broker_set, broker_sets, machine, median, write_prompts, write_results  # noqa: E402
+from _common import RAW_SERVICE, ChildServer, add_broker_set, broker_sets, machine, machine_line, median, write_prompts, write_results  # noqa: E402
 from graft_fed.federation.transport import grpc_options  # noqa: E402
 from graft_fed.core.records import GroupRecord  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
@@ -199,8 +199,7 @@ def main() -> int:
     payload = {"machine": info, "command": " ".join(["bench/broker/bundle_throughput.py", *sys.argv[1:]]),
                "chunk_kib": CHUNK_KIB, "rows": rows, "servicer": stats, "total_s": time.monotonic() - t_start}
     md = [f"### Bundle transfer throughput ({info['date']})", "",
-          f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
-          f"git {info['git']}. Command: `{payload['command']}`. Chunks of {CHUNK_KIB} KiB; medians over reps.", "",
+          machine_line(info) + f" Command: `{payload['command']}`. Chunks of {CHUNK_KIB} KiB; medians over reps.", "",
           "| bundle | reps | upload bytes (MiB/s) | ratio | upload incl. encode (MiB/s) | upload raw (MiB/s) | ratio | "
           "fetch bytes (MiB/s) | ratio | fetch incl. decode (MiB/s) | fetch raw (MiB/s) | ratio | client encode (ms) | "
           "sha256 (ms) | client decode (ms) |",

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ChildServer, add_broker_set, broker_sets, machine, median, write_prompts, write_results  # noqa: E402
+from _common import ChildServer, add_broker_set, broker_sets, machine, machine_line, median, write_prompts, write_results  # noqa: E402
 from bundle_throughput import CHUNK_KIB, N, VERIFIER, make_record, summary_of  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.bundles import digest_of  # noqa: E402
@@ -117,7 +117,7 @@ def main() -> int:
                "times_s": times, "medians": rows,
                "first_fetch_ratio": med["before_first"] / med["after_first"]}
     md = [f"### The first fetch of a bundle from before the broker's start ({time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())})",
-          "", f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, git {info['git']}. "
+          "", machine_line(info) + " "
           f"Command: `{payload['command']}`. {args.reps} bundles of {args.size_kib} KiB from before a restart and "
           f"{args.reps} stored after it, each fetched twice, interleaved; medians.", "",
           "| bundle | first fetch (ms) | MiB/s | second fetch (ms) | MiB/s |", "|---|---:|---:|---:|---:|"]

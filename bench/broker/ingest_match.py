@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from _common import K_MIX, RAW_SERVICE, ChildServer, add_broker_set, broker_sets, machine, make_summaries, percentile, run_threads, stack_summary, write_prompts, write_results  # noqa: E402
+from _common import K_MIX, RAW_SERVICE, ChildServer, add_broker_set, broker_sets, machine, machine_line, make_summaries, percentile, run_threads, stack_summary, write_prompts, write_results  # noqa: E402
 from graft_fed.federation.codec import columns_to_pb  # noqa: E402
 from graft_fed.federation.transport import TIMING_KEY, grpc_options, parse_timing  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
@@ -551,8 +551,7 @@ def main() -> int:
                "n": GROUP_N, "backends": backends, "overrides": overrides, "cells": cells, "skipped": skipped,
                "total_s": time.monotonic() - t_start}
     md = [f"### Broker ingest and match latency ({info['date']})", "",
-          f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
-          f"git {info['git']}. Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}, k mix {args.k_mix}, publishes as {args.wire}.", "",
+          machine_line(info) + f" Command: `{payload['command']}`. up to {args.rounds} rounds per cell (column `rounds`), n = {GROUP_N}, k mix {args.k_mix}, publishes as {args.wire}.", "",
           "| nodes | prompts/round | rounds | state | broker ingest (summaries/s) | raw gRPC (summaries/s) | ratio | "
           "match p50 (ms) | match p99 (ms) | publish p99 (ms) | heartbeat p99 (ms) | online min |",
           "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

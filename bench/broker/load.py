@@ -70,7 +70,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, ROOT, machine, make_summaries, percentile, write_prompts  # noqa: E402
+from _common import RESULTS, ROOT, machine, machine_line, make_summaries, percentile, write_prompts  # noqa: E402
 
 GROUP_N = 8
 VERIFIER = "math_verify"
@@ -580,8 +580,7 @@ def markdown(payload: dict) -> str:
     a, info, v = payload["args"], payload["machine"], payload["verify"]
     lines = [f"### Broker load: {a['nodes']} nodes x {a['prompts']} summaries per round, {a['duration']:.0f} s, "
              "restart at " + ", ".join(f"{t:.0f}" for t in a["restart_at"]) + f" s ({info['date']})", "",
-             f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
-             f"git {info['git']}. Command: `{payload['command']}`.", "",
+             machine_line(info) + f" Command: `{payload['command']}`.", "",
              f"- {'plaintext (no TLS: a diagnosis)' if a.get('plaintext') else 'mutual TLS'} on 127.0.0.1, "
              f"{a['procs']} node processes, broker defaults (sync, pairwise, SQLite "
              "WAL + synchronous=FULL)",

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from _common import RAW_SERVICE, ChildServer, add_broker_set, broker_sets, machine, percentile, run_threads, write_prompts, write_results  # noqa: E402
+from _common import RAW_SERVICE, ChildServer, add_broker_set, broker_sets, machine, machine_line, percentile, run_threads, write_prompts, write_results  # noqa: E402
 from bundle_throughput import N, VERIFIER, make_record, summary_of  # noqa: E402
 from graft_fed.data.config import DataConfig, load_prompts  # noqa: E402
 from graft_fed.federation.bundles import digest_of, encode_bundle  # noqa: E402
@@ -168,8 +168,7 @@ def main() -> int:
           f"p99 {1e3 * res['heartbeat_p99_s']:.0f} ms", flush=True)
     payload = {"machine": info, "command": " ".join(["bench/broker/upload_rate.py", *sys.argv[1:]]), **res}
     md = [f"### Small bundle uploads at once ({info['date']})", "",
-          f"Machine: {info['nproc']} CPUs ({info['cpu']}), Python {info['python']}, grpcio {info['grpc']}, "
-          f"git {info['git']}. Command: `{payload['command']}`.", "",
+          machine_line(info) + f" Command: `{payload['command']}`.", "",
           "| nodes | bundles each | bytes each | broker bundles/s | raw gRPC bundles/s | ratio | heartbeat p50 / p99 (ms) |",
           "|---:|---:|---:|---:|---:|---:|---:|",
           f"| {args.nodes} | {args.prompts} | {res['bundle_bytes']:,} | {res['broker_bundles_per_s']:,.0f} | "

@@ -335,3 +335,20 @@ def test_pool_probes_pools_runs_and_tests_the_share_over_the_limit(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "broker" / "pool_probes.py"), "--group", "a",
                            str(bad)], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "no probe_beats" in proc.stderr
+
+
+def test_every_result_says_how_fast_the_machine_ran():
+    """The same "AMD EPYC" ran the same broker at half the speed on another day (issue 13,
+    fifty-seventh pass); the broker's own latencies are not ratios to a baseline of their run,
+    so each result records the machine's speed at its start, and its report says it."""
+    _load_module()  # puts bench/broker on the path
+    import _common
+
+    speed = _common.machine_speed(reps=1)
+    assert set(speed) == {"python_loop_ms", "sqlite_read_us", "sha256_16mib_ms", "thread_handoff_us"}
+    assert all(isinstance(v, float) and 0 < v < 60_000 for v in speed.values()), speed
+    info = {"nproc": 2, "cpu": "c", "python": "3.11", "grpc": "1.85", "git": "abc", "speed": speed}
+    line = _common.machine_line(info)
+    assert line.startswith("Machine: 2 CPUs (c), Python 3.11, grpcio 1.85, git abc; its speed at the start")
+    assert f"{speed['sqlite_read_us']:.2f} us" in line and line.endswith(f"{speed['thread_handoff_us']:.1f} us.")
+    assert _common.machine_line({**info, "speed": None}) == "Machine: 2 CPUs (c), Python 3.11, grpcio 1.85, git abc."
