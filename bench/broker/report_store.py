@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine, median, write_results  # noqa: E402
+from _common import machine, machine_line, median, write_results  # noqa: E402
 
 _CHILD = r"""
 import json, os, random, sys, time
@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--name", default="report_store")
     args = ap.parse_args()
+    m = machine()  # its speed before the runs
     runs: dict[str, list[dict]] = {t: [] for t in args.trees}
     for _ in range(args.reps):
         for tree in args.trees:
@@ -110,10 +111,9 @@ def main() -> None:
         s = summary[tree]
         rows.append(f"| `{rev[tree]}` ({tree}) | {s['wall_round_s'] * 1000:,.1f} | {s['cpu_round_s'] * 1000:,.1f} | "
                     f"{s['bytes_per_round'] / 2**20:,.2f} | {s['resend_s'] * 1000:,.1f} |")
-    m = machine()
     md = "\n".join([
         f"### Storing compatibility reports ({m['date']})", "",
-        f"Machine: {m['nproc']} CPUs ({m['cpu']}), Python {m['python']}. Command: `bench/broker/report_store.py "
+        machine_line(m) + " Command: `bench/broker/report_store.py "
         f"{' '.join(sys.argv[1:])}`. {args.nodes} receivers x {args.groups} groups a round, {args.batch} reports "
         f"a commit, {args.rounds} rounds, {args.reps} repetitions per tree, the trees alternating; medians.", "",
         "| tree | store a round, wall ms | CPU ms | state bytes per round, MiB | one report sent again, ms |",

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import yaml  # noqa: E402
 
-from _common import ROOT, machine, write_results  # noqa: E402
+from _common import ROOT, machine, machine_line, write_results  # noqa: E402
 
 ZOO = ROOT / "graft_fed" / "zoo" / "models"
 FAMILIES = ["add", "sub", "mul"]
@@ -137,7 +137,7 @@ def main() -> int:
                "built_tiny_models": built, "sim_wall_s": wall, "nodes": nodes, "sim_result": result_table,
                "total_s": time.monotonic() - t_start}
     md = [f"### Federation share of step time, 3-node sim ({info['date']})", "",
-          f"Machine: {info['nproc']} CPUs ({info['cpu']}), git {info['git']}. Command: `{payload['command']}` "
+          machine_line(info) + f" Command: `{payload['command']}` "
           f"(runs `graft-fed sim --nodes 3` on a generated config: {args.steps} steps, {args.prompts} prompts x "
           f"n = {args.n}, max_new_tokens {args.max_new_tokens}, sync, pairwise, share_all, verifier "
           f"{verifier['name']}; sim wall {wall:.0f} s). Means over steps 2..{args.steps} (step 1 apart).", "",

@@ -42,7 +42,8 @@ def hold_for_of(options: Mapping[str, str] | None) -> str:
     for an option it does not take."""
     unknown = sorted(set(options or ()) - set(FORGET_OPTIONS))
     if unknown:
-        raise ValueError(f"forget_secret takes the option hold_for, not {', '.join(map(repr, unknown))}")
+        raise ValueError(f"forget_secret takes the option {', '.join(FORGET_OPTIONS)}, not "
+                         f"{', '.join(map(repr, unknown))}")
     return (options or {}).get("hold_for", "")
 
 

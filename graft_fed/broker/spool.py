@@ -133,8 +133,8 @@ class Spool:
     def __init__(self, db: str | Path, actions: Mapping[str, Callable[[str, Mapping[str, str]], str]]) -> None:
         """`actions[action](node_id, options)` does one request and returns what it did, in
         words; it raises GraftFedError (or ValueError) for one it refuses (an option it does
-        not take included). Raises OSError where the
-        folder cannot be made, and GraftFedError where it is not this user's to serve."""
+        not take included). Raises OSError where the folder cannot be made, and GraftFedError
+        where it is not this user's to serve."""
         self.path = requests_dir(db)
         self.actions = dict(actions)
         self.path.mkdir(mode=0o700, exist_ok=True)
